@@ -1,0 +1,110 @@
+"""Golden vectors: language-neutral test vectors (JSON) of every element format and overflow policy.
+
+Inputs are IEEE bit patterns in hex (float32, and float64 for the single-rounding cases), outputs are
+codes in hex, so a C++, Rust or CUDA implementation can test against kvqref without Python. The
+inputs are chosen from the definitions: every code's value, every midpoint between neighbouring
+values (ties), the points just beside each midpoint, zeros, subnormals, the overflow boundary,
++-Inf, NaN, and a fixed-seed random sample.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvqref import formats
+
+VERSION = 1
+_SEED = 20261122
+
+
+def _interesting_inputs(codec: formats.MinifloatCodec) -> tuple[np.ndarray, np.ndarray]:
+    """float32 and float64 inputs that exercise every rounding and edge of ``codec``."""
+    vals = codec.decode(np.arange(codec.num_codes, dtype=np.uint8)).astype(np.float64)
+    pos = np.unique(vals[np.isfinite(vals) & (vals >= 0)])
+    mids = (pos[:-1] + pos[1:]) / 2
+    top = pos[-1]
+    gap = top - pos[-2]
+    edges = [0.0, pos[1] / 4, pos[1] / 2, pos[1], top + gap / 2, top + gap, top * 2, 1e30, np.inf, np.nan]
+    f32 = np.concatenate([pos, mids, np.nextafter(mids.astype(np.float32), np.float32(np.inf)),
+                          np.nextafter(mids.astype(np.float32), np.float32(0)), np.array(edges)])
+    rng = np.random.default_rng(_SEED)
+    f32 = np.concatenate([f32, rng.standard_normal(48) * top / 4, rng.standard_normal(16) * pos[1]])
+    with np.errstate(over="ignore"):
+        f32 = f32.astype(np.float32)
+    f32 = np.concatenate([f32, -f32])
+    # float64 inputs one float64 ulp beside each midpoint: a double rounding via float32 gets them wrong.
+    m = mids[mids > 0]
+    f64 = np.concatenate([np.nextafter(m, np.inf), np.nextafter(m, 0)])
+    f64 = np.concatenate([f64, -f64])
+    if codec.spec.name == "float8_e8m0fnu":
+        f32 = f32[~(f32 < 0)]
+        f64 = f64[f64 > 0]
+    if not codec.spec.has_nan:
+        f32 = f32[~np.isnan(f32)]
+    return f32, f64
+
+
+def _hex(arr: np.ndarray, width: int) -> list[str]:
+    return [f"0x{int(v):0{width}x}" for v in arr]
+
+
+def generate() -> dict[str, Any]:
+    """Build the golden-vector document (deterministic)."""
+    doc: dict[str, Any] = {
+        "kvqref_golden_vectors": VERSION,
+        "rule": "round to nearest, ties to even, one rounding from the exact input; see docs/formats.md",
+        "layout": "inputs are IEEE bit patterns (hex); codes are space-separated hex bytes, one per input",
+        "formats": {},
+    }
+    for name in formats.names():
+        codec = formats.get(name)
+        f32, f64 = _interesting_inputs(codec)
+        entry: dict[str, Any] = {"bits": codec.bits, "bias": codec.bias, "max_finite": codec.max_finite,
+                                 "behaviour": codec.describe(), "cases": []}
+        policies: list[dict[str, Any]]
+        if isinstance(codec, formats.E8M0Codec):
+            policies = [{"saturate": s, "rounding": r} for s in (True, False) for r in formats.ROUNDINGS]
+        else:
+            policies = [{"saturate": True}, {"saturate": False}]
+        for kwargs in policies:
+            for dtype, arr, width in (("float32", f32, 8), ("float64", f64, 16)):
+                bits = arr.view(np.uint32 if dtype == "float32" else np.uint64)
+                entry["cases"].append({
+                    **kwargs, "input_dtype": dtype,
+                    "inputs": _hex(bits, width),
+                    "codes": " ".join(f"{int(c):02x}" for c in codec.encode(arr, **kwargs)),
+                })
+        doc["formats"][name] = entry
+    return doc
+
+
+def dumps(doc: dict[str, Any]) -> str:
+    """JSON with one line per case, so diffs stay readable."""
+    head = {k: v for k, v in doc.items() if k != "formats"}
+    lines = ["{"] + [f" {json.dumps(k)}: {json.dumps(v)}," for k, v in head.items()] + [' "formats": {']
+    names = list(doc["formats"])
+    for i, name in enumerate(names):
+        entry = doc["formats"][name]
+        lines.append(f"  {json.dumps(name)}: {{")
+        lines += [f"   {json.dumps(k)}: {json.dumps(v)}," for k, v in entry.items() if k != "cases"]
+        lines.append('   "cases": [')
+        cases = entry["cases"]
+        lines += [f"    {json.dumps(c, separators=(',', ':'))}" + ("," if j < len(cases) - 1 else "")
+                  for j, c in enumerate(cases)]
+        lines.append("   ]")
+        lines.append("  }" + ("," if i < len(names) - 1 else ""))
+    lines += [" }", "}"]
+    return "\n".join(lines) + "\n"
+
+
+def write(out_dir: str | Path) -> Path:
+    """Write ``golden_vectors.json`` into ``out_dir`` and return its path."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "golden_vectors.json"
+    path.write_text(dumps(generate()))
+    return path
