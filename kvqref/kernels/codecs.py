@@ -1,0 +1,167 @@
+"""Element encode/decode as Triton inline functions built from integer bit operations.
+
+Integer operations are exact on every device and in the interpreter (whose float8 casts are not),
+and they let one source serve NVIDIA and AMD, FN and FNUZ. Each function is the Triton twin of
+``kvqref.formats.MinifloatCodec`` for the spec selected by constexprs, and the tests compare their
+bytes with that oracle.
+
+Format ids (``FMT`` constexpr) and their specs:
+    0 float8_e4m3fn   (E4 M3 bias 7,  NaN S.1111.111)
+    1 float8_e5m2     (E5 M2 bias 15, IEEE Inf/NaN)
+    2 float8_e4m3fnuz (E4 M3 bias 8,  NaN 0x80)
+    3 float8_e5m2fnuz (E5 M2 bias 16, NaN 0x80)
+    4 float4_e2m1fn   (E2 M1 bias 1,  no NaN/Inf)
+"""
+
+from __future__ import annotations
+
+import os
+
+import triton
+import triton.language as tl
+
+INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
+
+FMT_IDS: dict[str, int] = {
+    "float8_e4m3fn": 0,
+    "float8_e5m2": 1,
+    "float8_e4m3fnuz": 2,
+    "float8_e5m2fnuz": 3,
+    "float4_e2m1fn": 4,
+}
+
+
+@triton.jit
+def encode_f32(x, FMT: tl.constexpr, SATURATE: tl.constexpr):
+    """float32 -> code (int32), round to nearest, ties to even, from the bits of ``x``.
+
+    ``SATURATE``: finite overflow and +-Inf give +-max finite; otherwise Inf (E5M2) or the NaN code.
+    NaN gives the format's canonical NaN (E4M3FN 0x7F|sign, E5M2 0x7E|sign, FNUZ 0x80); E2M1 always
+    saturates (NaN input is rejected on the host).
+    """
+    EBITS: tl.constexpr = 4 if FMT == 0 or FMT == 2 else (5 if FMT == 1 or FMT == 3 else 2)
+    MBITS: tl.constexpr = 3 if FMT == 0 or FMT == 2 else (2 if FMT == 1 or FMT == 3 else 1)
+    BIAS: tl.constexpr = 7 if FMT == 0 else (15 if FMT == 1 else (8 if FMT == 2 else (16 if FMT == 3 else 1)))
+    SIGN: tl.constexpr = 1 << (EBITS + MBITS)
+    ALL: tl.constexpr = SIGN - 1
+    # largest finite magnitude code: E5M2 reserves the top exponent, E4M3FN the all-ones code
+    MAXC: tl.constexpr = ALL - (1 << MBITS) if FMT == 1 else (ALL - 1 if FMT == 0 else ALL)
+    EMIN: tl.constexpr = 1 - BIAS
+
+    u = x.to(tl.uint32, bitcast=True)
+    neg = (u >> 31) != 0
+    a = (u & 0x7FFFFFFF).to(tl.int32)
+    exp32 = a >> 23
+    isnan = a > 0x7F800000
+    isinf = a == 0x7F800000
+    sig = (a & 0x7FFFFF) | tl.where(exp32 != 0, 0x800000, 0)
+    e = tl.maximum(exp32, 1) - 127  # unbiased exponent; float32 subnormals share 2**-126
+    ec = tl.maximum(e, EMIN)
+    shift = tl.minimum(23 - MBITS + (ec - e), 31)
+    q = sig >> shift
+    rem = sig - (q << shift)
+    half = 1 << (shift - 1)
+    up = (rem > half) | ((rem == half) & ((q & 1) != 0))
+    q = q + up.to(tl.int32)
+    mag = ((ec - EMIN) << MBITS) + q
+    over = (mag > MAXC) | isinf
+    if SATURATE or FMT == 4:
+        mag = tl.where(over, MAXC, mag)
+    elif FMT == 1:
+        mag = tl.where(over, ALL - ((1 << MBITS) - 1), mag)  # Inf: top exponent, mantissa 0
+    elif FMT == 0:
+        mag = tl.where(over, ALL, mag)
+    else:
+        mag = tl.where(over, SIGN, mag)  # FNUZ NaN 0x80
+    if FMT == 2 or FMT == 3:
+        code = tl.where(neg & (mag != 0), mag | SIGN, mag)  # no negative zero; 0x80|0x80 stays NaN
+        code = tl.where(isnan, SIGN, code)
+    elif FMT == 4:
+        code = tl.where(neg, mag | SIGN, mag)
+    else:
+        code = tl.where(neg, mag | SIGN, mag)
+        if FMT == 1:
+            nan_code = ALL - ((1 << MBITS) - 1) + (1 << (MBITS - 1))
+        else:
+            nan_code = ALL
+        code = tl.where(isnan, nan_code | tl.where(neg, SIGN, 0), code)
+    return code
+
+
+@triton.jit
+def decode_f32(code, FMT: tl.constexpr):
+    """code (any int type) -> exact float32 value, via the float16 bit layout.
+
+    The code's exponent and mantissa bits are placed in a float16 so that its value is the code's
+    value times 2**(bias - 15) (subnormals included), then widened and rescaled exactly. NaN codes
+    give NaN, E5M2 Inf codes +-Inf.
+    """
+    MBITS: tl.constexpr = 3 if FMT == 0 or FMT == 2 else (2 if FMT == 1 or FMT == 3 else 1)
+    EBITS: tl.constexpr = 4 if FMT == 0 or FMT == 2 else (5 if FMT == 1 or FMT == 3 else 2)
+    BIAS: tl.constexpr = 7 if FMT == 0 else (15 if FMT == 1 else (8 if FMT == 2 else (16 if FMT == 3 else 1)))
+    SIGN: tl.constexpr = 1 << (EBITS + MBITS)
+    c = code.to(tl.int32) & (2 * SIGN - 1)
+    mag = c & (SIGN - 1)
+    if FMT == 3:
+        # bias 16: the top exponent does not fit float16's finite range, so build float32 bits directly
+        ef = mag >> MBITS
+        bits = ((ef + (127 - BIAS)) << 23) | ((mag & ((1 << MBITS) - 1)) << (23 - MBITS))
+        v = tl.where(ef == 0, (mag & ((1 << MBITS) - 1)).to(tl.float32) * (2.0 ** (1 - BIAS - MBITS)),
+                     bits.to(tl.float32, bitcast=True))
+        v = tl.where((c & SIGN) != 0, -v, v)
+    else:
+        h = (mag << (10 - MBITS)) | tl.where((c & SIGN) != 0, 0x8000, 0)
+        v = h.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    if FMT == 1:
+        return v  # E5M2 is the top byte of a float16: Inf and NaN come out as they are
+    else:
+        if FMT != 3:
+            v = v * (2.0 ** (15 - BIAS))  # exact: a power-of-two rescale into float32's normal range
+        if FMT == 0:
+            v = tl.where(mag == SIGN - 1, float("nan"), v)
+        elif FMT == 2 or FMT == 3:
+            v = tl.where(c == SIGN, float("nan"), v)
+        return v
+
+
+@triton.jit
+def e8m0_to_f32(code):
+    """E8M0 code -> 2**(code - 127) as float32 (code 0 gives 2**-127, a float32 subnormal; 0xFF NaN)."""
+    c = code.to(tl.int32)
+    v = (c << 23).to(tl.float32, bitcast=True)
+    v = tl.where(c == 0, 5.877471754111438e-39, v)
+    return tl.where(c == 255, float("nan"), v)
+
+
+@triton.jit
+def floor_log2_f32(x):
+    """floor(log2(|x|)) of a finite nonzero float32 from its exponent bits (subnormals give -127..-149
+    clamped to -127, which is all an E8M0 scale can hold)."""
+    a = (x.to(tl.uint32, bitcast=True) & 0x7FFFFFFF).to(tl.int32)
+    return tl.maximum(a >> 23, 0) - 127
+
+
+@triton.jit
+def pow2_f32(k):
+    """2**k as float32 for integer k in [-126, 127] (exact)."""
+    return ((k + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def f32_to_bf16_bits(x):
+    """float32 -> bfloat16 bits (int32), round to nearest even; NaN stays a quiet NaN."""
+    u = x.to(tl.uint32, bitcast=True)
+    r = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+    r = tl.where((u & 0x7FFFFFFF) > 0x7F800000, (u >> 16) | 0x40, r)
+    return r.to(tl.int32)
+
+
+@triton.jit
+def bf16_bits_to_f32(b):
+    return (b.to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def f32_to_f16_rne(x):
+    """float32 -> nearest float16 value, ties to even, returned as float32."""
+    return x.to(tl.float16).to(tl.float32)
