@@ -149,10 +149,10 @@ def pow2_f32(k):
 
 @triton.jit
 def f32_to_bf16_bits(x):
-    """float32 -> bfloat16 bits (int32), round to nearest even; NaN stays a quiet NaN."""
+    """float32 -> bfloat16 bits (int32), round to nearest even; overflow -> +-Inf; NaN -> 0x7FC0 | sign."""
     u = x.to(tl.uint32, bitcast=True)
     r = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
-    r = tl.where((u & 0x7FFFFFFF) > 0x7F800000, (u >> 16) | 0x40, r)
+    r = tl.where((u & 0x7FFFFFFF) > 0x7F800000, ((u >> 16) & 0x8000) | 0x7FC0, r)
     return r.to(tl.int32)
 
 
@@ -165,3 +165,20 @@ def bf16_bits_to_f32(b):
 def f32_to_f16_rne(x):
     """float32 -> nearest float16 value, ties to even, returned as float32."""
     return x.to(tl.float16).to(tl.float32)
+
+
+@triton.jit
+def ceil_log2_f32(x):
+    """ceil(log2(x)) of a positive normal float32, exactly from its bits."""
+    a = x.to(tl.int32, bitcast=True)
+    return (a >> 23) - 127 + ((a & 0x7FFFFF) != 0).to(tl.int32)
+
+
+@triton.jit
+def rint_small(y):
+    """Round a float32 in [0, 2**22) to the nearest integer, ties to even (portable; no libdevice)."""
+    r = tl.floor(y + 0.5)
+    tie = (r - y) == 0.5
+    half = r * 0.5
+    odd = half != tl.floor(half)
+    return tl.where(tie & odd, r - 1.0, r)
