@@ -110,6 +110,21 @@ def _load_tile(F0, F1, F2, slot, tmask, kvh, f0_s, f0_h, f1_s, f1_h, f2_s, f2_h,
 
 
 @triton.jit
+def _load_mixed(F0, F1, F2, R, slot, t, tmask, plen, b, kvh, f0_s, f0_h, f1_s, f1_h, f2_s, f2_h, r_b, r_t, r_h,
+                KIND: tl.constexpr, FMT: tl.constexpr, TOKEN_SCALE: tl.constexpr, QB: tl.constexpr,
+                G: tl.constexpr, BITS: tl.constexpr, N: tl.constexpr, D: tl.constexpr):
+    """Tokens ``t`` < ``plen`` from the pages, the rest from the float32 residual at ``t - plen``."""
+    paged = tmask & (t < plen)
+    x, row = _load_tile(F0, F1, F2, slot, paged, kvh, f0_s, f0_h, f1_s, f1_h, f2_s, f2_h,
+                        KIND, FMT, TOKEN_SCALE, QB, G, BITS, N, D)
+    rmask = tmask & (t >= plen)
+    d = tl.arange(0, D)
+    off = b * r_b + (t - plen)[:, None].to(tl.int64) * r_t + kvh * r_h + d[None, :]
+    r = tl.load(R + off, mask=rmask[:, None], other=0.0)
+    return tl.where(paged[:, None], x, r), tl.where(paged, row, 1.0)
+
+
+@triton.jit
 def _online_step(q, k, v, row_k, row_v, tmask, m_i, l_i, acc, qk_scale,
                  Q_SPLIT: tl.constexpr, K_SPLIT: tl.constexpr, V_SPLIT: tl.constexpr):
     """One tile of the online softmax (base 2)."""
@@ -126,7 +141,7 @@ def _online_step(q, k, v, row_k, row_v, tmask, m_i, l_i, acc, qk_scale,
 
 @triton.jit
 def decode_split_kernel(
-    Q, BT, SL, K0, K1, K2, V0, V1, V2, RK, RV, RL, KS, VS, OP, LP,
+    Q, BT, SL, KL, VL, K0, K1, K2, V0, V1, V2, RK, RV, KS, VS, OP, LP,
     sm_scale, num_splits, tokens_per_split,
     stride_qb, stride_qh, stride_btb,
     k0_s, k0_h, k1_s, k1_h, k2_s, k2_h,
@@ -156,9 +171,12 @@ def decode_split_kernel(
     K_EXACT: tl.constexpr = KIND_K <= 3
     V_EXACT: tl.constexpr = KIND_V <= 3
     if split < num_splits:
-        seq_len = tl.load(SL + b)
+        if HAS_RES:
+            paged_len = tl.minimum(tl.load(KL + b), tl.load(VL + b))
+        else:
+            paged_len = tl.load(SL + b)
         start = split * tokens_per_split
-        end = tl.minimum(start + tokens_per_split, seq_len)
+        end = tl.minimum(start + tokens_per_split, paged_len)
         for t0 in range(start, end, BLOCK_N):
             t = t0 + tl.arange(0, BLOCK_N)
             tmask = t < end
@@ -171,19 +189,22 @@ def decode_split_kernel(
             m_i, l_i, acc = _online_step(q, k, v, row_k, row_v, tmask, m_i, l_i, acc, qk_scale,
                                          Q_SPLIT, not K_EXACT, not V_EXACT)
     if HAS_RES and split >= num_splits:
-        # KIVI's full-precision residual window: float32 [batch, R, kv_heads, D], no tensor scales
-        res_len = tl.load(RL + b)
-        one = tl.full((BLOCK_N,), 1.0, tl.float32)
-        for t0 in range(0, res_len, BLOCK_N):
+        # the tail [min(k_len, v_len), seq_len): KIVI keeps the newest keys and values in full precision
+        # (float32 residuals [batch, W, kv_heads, D]); K and V switch to their residual at their own length
+        kl = tl.load(KL + b)
+        vl = tl.load(VL + b)
+        seq_len = tl.load(SL + b)
+        for t0 in range(tl.minimum(kl, vl), seq_len, BLOCK_N):
             t = t0 + tl.arange(0, BLOCK_N)
-            tmask = t < res_len
-            off = b * r_b + t[:, None].to(tl.int64) * r_t + kvh * r_h + d[None, :]
-            k = tl.load(RK + off, mask=tmask[:, None], other=0.0)
-            v = tl.load(RV + off, mask=tmask[:, None], other=0.0)
-            m_i, l_i, acc = _online_step(q, k, v, one, one, tmask, m_i, l_i, acc,
-                                         sm_scale * 1.4426950408889634, Q_SPLIT, True, True)
-        # the merge multiplies every split by the V tensor scale: undo it for the residual
-        acc = acc / tl.load(VS + kvh)
+            tmask = t < seq_len
+            page = tl.load(BT + b * stride_btb + t // PAGE, mask=tmask & (t < tl.maximum(kl, vl)), other=0)
+            slot = page.to(tl.int64) * PAGE + (t % PAGE)
+            k, row_k = _load_mixed(K0, K1, K2, RK, slot, t, tmask, kl, b, kvh, k0_s, k0_h, k1_s, k1_h, k2_s, k2_h,
+                                   r_b, r_t, r_h, KIND_K, FMT_K, TSC_K, QB_K, G_K, BITS_K, BLOCK_N, D)
+            v, row_v = _load_mixed(V0, V1, V2, RV, slot, t, tmask, vl, b, kvh, v0_s, v0_h, v1_s, v1_h, v2_s, v2_h,
+                                   r_b, r_t, r_h, KIND_V, FMT_V, TSC_V, QB_V, G_V, BITS_V, BLOCK_N, D)
+            m_i, l_i, acc = _online_step(q, k, v, row_k, row_v, tmask, m_i, l_i, acc, qk_scale,
+                                         Q_SPLIT, True, True)
     safe_l = tl.where(l_i > 0, l_i, 1.0)
     out = acc / safe_l[:, None] * tl.load(VS + kvh)
     lse2 = tl.where(l_i > 0, m_i + tl.log2(safe_l), float("-inf"))
@@ -240,8 +261,6 @@ class CacheTiles:
             out += [t.stride(0), t.stride(1)]
         return out
 
-    def constexprs(self) -> list:
-        return [KIND_IDS[self.kind], self.fmt, self.token_scale, self.block, self.group, self.bits]
 
 
 def choose_splits(batch: int, kv_heads: int, max_len: int, block_n: int, num_sms: int) -> tuple[int, int]:
@@ -259,7 +278,12 @@ def paged_decode(q, k: CacheTiles, v: CacheTiles, block_table, seq_lens, page_si
                  sm_scale: float | None = None, residual=None, block_n: int = 64, num_splits: int | None = None,
                  max_seq_len: int | None = None, num_warps: int = 4, num_stages: int = 2):
     """Decode attention for q [batch, q_heads, D] over a paged cache; returns (out [B, Hq, D] float32,
-    lse [B, Hq] float32, natural log). ``residual``: optional (k [B, R, Hkv, D] f32, v, lengths [B])."""
+    lse [B, Hq] float32, natural log).
+
+    ``residual``: KIVI's full-precision tail, ``(k_res [B, W, Hkv, D] f32, v_res, k_lens [B], v_lens [B])``:
+    token t of K is read from the pages while t < k_lens[b], else from ``k_res[b, t - k_lens[b]]`` (same
+    for V); tensor scales must then be 1.
+    """
     import torch
 
     batch, q_heads, head_dim = q.shape
@@ -268,34 +292,38 @@ def paged_decode(q, k: CacheTiles, v: CacheTiles, block_table, seq_lens, page_si
     block_h = max(16, triton.next_power_of_2(qpk))
     if sm_scale is None:
         sm_scale = head_dim ** -0.5
-    if max_seq_len is None:
-        max_seq_len = int(seq_lens.max().item()) if seq_lens.numel() else 0
-    if num_splits is None:
-        sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4
-        num_splits, per = choose_splits(batch, kv_heads, max_seq_len, block_n, sms)
-    else:
-        per = -(-max(max_seq_len, 1) // num_splits)
-        per = -(-per // block_n) * block_n
     has_res = residual is not None
     if has_res:
-        rk, rv, rl = residual
+        rk, rv, kl, vl = residual
+        paged_max = int(torch.minimum(kl, vl).max().item()) if kl.numel() else 0
     else:
         rk = rv = torch.zeros(1, 1, 1, 1, dtype=torch.float32, device=q.device)
-        rl = torch.zeros(1, dtype=torch.int32, device=q.device)
+        kl = vl = seq_lens
+        paged_max = None
+    if max_seq_len is None:
+        max_seq_len = int(seq_lens.max().item()) if seq_lens.numel() else 0
+    if paged_max is None:
+        paged_max = max_seq_len
+    if num_splits is None:
+        sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4
+        num_splits, per = choose_splits(batch, kv_heads, paged_max, block_n, sms)
+    else:
+        per = -(-max(paged_max, 1) // num_splits)
+        per = -(-per // block_n) * block_n
     total = num_splits + int(has_res)
     op = torch.empty(batch, q_heads, total, head_dim, dtype=torch.float32, device=q.device)
     lp = torch.empty(batch, q_heads, total, dtype=torch.float32, device=q.device)
     grid = (batch, kv_heads, total)
     decode_split_kernel[grid](
-        q, block_table, seq_lens, *k.field_args(), *v.field_args(), rk, rv, rl, k.tensor_scale, v.tensor_scale,
+        q, block_table, seq_lens, kl, vl, *k.field_args(), *v.field_args(), rk, rv, k.tensor_scale, v.tensor_scale,
         op, lp, float(sm_scale), num_splits, per,
         q.stride(0), q.stride(1), block_table.stride(0),
         *k.stride_args(), *v.stride_args(),
         rk.stride(0), rk.stride(1), rk.stride(2),
         op.stride(0), op.stride(1), op.stride(2), lp.stride(0), lp.stride(1),
         QPK=qpk, BLOCK_H=block_h, D=head_dim, PAGE=page_size, BLOCK_N=block_n,
-        KIND_K=k.constexprs()[0], FMT_K=k.fmt, TSC_K=k.token_scale, QB_K=k.block, G_K=k.group, BITS_K=k.bits,
-        KIND_V=v.constexprs()[0], FMT_V=v.fmt, TSC_V=v.token_scale, QB_V=v.block, G_V=v.group, BITS_V=v.bits,
+        KIND_K=KIND_IDS[k.kind], FMT_K=k.fmt, TSC_K=k.token_scale, QB_K=k.block, G_K=k.group, BITS_K=k.bits,
+        KIND_V=KIND_IDS[v.kind], FMT_V=v.fmt, TSC_V=v.token_scale, QB_V=v.block, G_V=v.group, BITS_V=v.bits,
         HAS_RES=has_res, Q_SPLIT=q.dtype != torch.bfloat16,
         num_warps=num_warps, num_stages=num_stages,
     )

@@ -159,8 +159,8 @@ def quantize_write_kernel(
             q, scale = _kivi_quant(xg, mn[:, :, None], mx[:, :, None], MAXINT)
             codes = tl.reshape(q, (BLOCK_T, D))
             ng = tl.arange(0, NG)
-            tl.store(F1 + slot[:, None] * f1_s + h * f1_h + ng[None, :], tl.reshape(scale, (BLOCK_T, NG)).to(tl.float16),
-                     mask=m2)
+            sc16 = tl.reshape(scale, (BLOCK_T, NG)).to(tl.float16)
+            tl.store(F1 + slot[:, None] * f1_s + h * f1_h + ng[None, :], sc16, mask=m2)
             tl.store(F2 + slot[:, None] * f2_s + h * f2_h + ng[None, :], mn.to(tl.float16), mask=m2)
         else:
             # one program = one whole group of G = BLOCK_T tokens in consecutive, G-aligned slots

@@ -1,0 +1,203 @@
+"""The ``triton`` backend: fused quantize-on-write and decode attention over the quantized paged cache.
+
+Same kernel source on NVIDIA (CUDA) and AMD (ROCm); on a CPU it runs under ``TRITON_INTERPRET=1``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kvqref.schemes import BF16Scheme, E8M0BlockScheme, FP8Scheme, KiviScheme, NVFP4Scheme, Scheme
+
+TILE_KINDS = {BF16Scheme: "bf16", FP8Scheme: "fp8", E8M0BlockScheme: "mxfp4", NVFP4Scheme: "nvfp4"}
+
+
+def _torch():
+    import torch
+
+    return torch
+
+
+def kernel_config(scheme: Scheme) -> dict[str, Any]:
+    """The decode/write kernel constexprs of ``scheme`` (raises ValueError if the backend lacks it)."""
+    from kvqref.kernels.codecs import FMT_IDS
+
+    if isinstance(scheme, KiviScheme):
+        return {"kind": "int_k" if scheme.role == "key" else "int_v", "group": scheme.group_size,
+                "bits": scheme.bits}
+    for cls, kind in TILE_KINDS.items():
+        if isinstance(scheme, cls):
+            cfg: dict[str, Any] = {"kind": kind}
+            if isinstance(scheme, FP8Scheme):
+                cfg.update(fmt=FMT_IDS[scheme.format], token_scale=scheme.granularity == "token_head",
+                           sglang=scheme.profile == "sglang")
+            if isinstance(scheme, E8M0BlockScheme):
+                if scheme.scale_rule == "ceil" and scheme.rounding != "away" or (
+                        scheme.scale_rule == "floor" and scheme.rounding != "even"):
+                    raise ValueError(f"triton backend: {scheme!r} mixes the ocp and sglang rules; only the two "
+                                     "profiles' combinations are implemented")
+                cfg.update(block=scheme.block, sglang=scheme.profile == "sglang")
+            return cfg
+    raise ValueError(f"triton backend: no kernel for scheme {scheme!r}")
+
+
+def _flat(t):
+    """[pages, rows, H, ...] -> [pages * rows, H, ...] (a view)."""
+    return t.reshape(t.shape[0] * t.shape[1], *t.shape[2:])
+
+
+@dataclass
+class Side:
+    """K or V of a device cache: the scheme, its field tensors (flattened to slots) and tensor scale."""
+
+    scheme: Scheme
+    fields: dict[str, Any]
+    tensor_scale: Any  # float32 [kv_heads]
+    params: dict[str, Any]
+
+    def tiles(self):
+        from kvqref.kernels.decode import CacheTiles
+
+        cfg = kernel_config(self.scheme)
+        order = {"bf16": ["data"], "fp8": ["codes", "scale"], "mxfp4": ["codes", "scales"],
+                 "nvfp4": ["codes", "scales"], "int_v": ["codes", "scale", "zero"],
+                 "int_k": ["codes", "scale", "zero"]}[cfg["kind"]]
+        fields = [self.fields[f] for f in order if f in self.fields]
+        return CacheTiles(cfg["kind"], fields, self.tensor_scale, fmt=cfg.get("fmt", 0),
+                          token_scale=cfg.get("token_scale", False), block=cfg.get("block", 16),
+                          group=cfg.get("group", 1), bits=cfg.get("bits", 8))
+
+
+def _tensor_scale(scheme: Scheme, params: dict[str, Any], kv_heads: int) -> np.ndarray:
+    if isinstance(scheme, FP8Scheme) and scheme.granularity != "token_head":
+        s = np.asarray(params["scale"], np.float32)
+        return np.broadcast_to(s, (kv_heads,)).astype(np.float32)
+    if isinstance(scheme, NVFP4Scheme):
+        return np.full(kv_heads, np.float32(params["global_scale"]), np.float32)
+    return np.ones(kv_heads, np.float32)
+
+
+@dataclass
+class DeviceCache:
+    """A :class:`kvqref.paged.PagedKVCache` copied to torch tensors on one device."""
+
+    k: Side
+    v: Side
+    page_size: int
+    block_table: Any
+    seq_lens: Any
+    k_lens: Any
+    v_lens: Any
+    k_residual: Any
+    v_residual: Any
+    has_residual: bool
+
+    @classmethod
+    def from_cache(cls, cache, device: str = "cpu") -> DeviceCache:
+        torch = _torch()
+        ex = cache.export()
+        sides = []
+        for tag, side in (("k", cache.k), ("v", cache.v)):
+            fields = {}
+            for f in side.specs:
+                arr = ex[f"{tag}_{f}"]
+                t = torch.from_numpy(arr.view(np.int16) if arr.dtype == np.uint16 else arr).to(device)
+                if isinstance(side.scheme, BF16Scheme):
+                    t = t.view(torch.bfloat16)
+                fields[f] = _flat(t)
+            params = {p[len(tag) + 7:]: ex[p] for p in ex if p.startswith(f"{tag}_param_")}
+            ts = torch.from_numpy(_tensor_scale(side.scheme, params, cache.kv_heads)).to(device)
+            sides.append(Side(side.scheme, fields, ts, params))
+        has_res = any(isinstance(s.scheme, KiviScheme) for s in sides)
+
+        def t32(name: str):
+            return torch.from_numpy(ex[name].astype(np.int32)).to(device)
+
+        return cls(sides[0], sides[1], cache.page_size, t32("block_table"), t32("seq_lens"), t32("k_lens"),
+                   t32("v_lens"), torch.from_numpy(ex["k_residual"]).to(device),
+                   torch.from_numpy(ex["v_residual"]).to(device), has_res)
+
+
+def decode(q, dc: DeviceCache, sm_scale: float | None = None, **kw: Any):
+    """Fused decode attention: (out [B, Hq, D] float32, lse [B, Hq] float32, natural log)."""
+    from kvqref.kernels.decode import paged_decode
+
+    validate_decode(q, dc)
+    residual = (dc.k_residual, dc.v_residual, dc.k_lens, dc.v_lens) if dc.has_residual else None
+    return paged_decode(q, dc.k.tiles(), dc.v.tiles(), dc.block_table, dc.seq_lens, dc.page_size,
+                        sm_scale=sm_scale, residual=residual, **kw)
+
+
+def validate_decode(q, dc: DeviceCache) -> None:
+    """Host-side checks before launch: shapes, dtypes, devices, page indices in range."""
+    torch = _torch()
+    if q.dim() != 3:
+        raise ValueError(f"q must be [batch, q_heads, head_dim], got shape {tuple(q.shape)}")
+    if q.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"q must be bfloat16, float16 or float32, got {q.dtype}")
+    batch, q_heads, head_dim = q.shape
+    first = next(iter(dc.k.fields.values()))
+    kv_heads = first.shape[1]
+    if q_heads % kv_heads:
+        raise ValueError(f"q_heads ({q_heads}) must be a multiple of kv_heads ({kv_heads})")
+    if head_dim not in (64, 128, 256) and head_dim & (head_dim - 1):
+        raise ValueError(f"head_dim must be a power of two (64, 128, 256), got {head_dim}")
+    if dc.block_table.shape[0] != batch or dc.seq_lens.shape[0] != batch:
+        raise ValueError(f"batch of q ({batch}) != block table rows ({dc.block_table.shape[0]}) / seq_lens "
+                         f"({dc.seq_lens.shape[0]})")
+    for t in [*dc.k.fields.values(), *dc.v.fields.values(), dc.block_table, dc.seq_lens]:
+        if t.device != q.device:
+            raise ValueError(f"all tensors must be on {q.device}; found one on {t.device}")
+    num_slots = first.shape[0]
+    paged = torch.maximum(dc.k_lens, dc.v_lens) if dc.has_residual else dc.seq_lens
+    pages_needed = (paged.to(torch.int64) + dc.page_size - 1) // dc.page_size
+    if int(pages_needed.max().item() if batch else 0) > dc.block_table.shape[1]:
+        raise ValueError("a sequence is longer than its block table row covers")
+    cols = torch.arange(dc.block_table.shape[1], device=q.device)[None, :]
+    used = dc.block_table.masked_select(cols < pages_needed[:, None])
+    if used.numel() and (int(used.min()) < 0 or int(used.max()) >= num_slots // dc.page_size):
+        raise ValueError(f"block table holds page indices outside [0, {num_slots // dc.page_size})")
+
+
+def quantize_write(side: Side, x, slot_mapping, *, block_t: int = 16) -> None:
+    """Quantize ``x`` [tokens, kv_heads, D] into ``side``'s fields at ``slot_mapping`` [tokens] (int64;
+    -1 skips a token), in place. KIVI keys: tokens come in whole, slot-consecutive groups of G."""
+    import triton
+
+    from kvqref.kernels.write import quantize_write_kernel
+
+    torch = _torch()
+    if x.dim() != 3:
+        raise ValueError(f"x must be [tokens, kv_heads, head_dim], got shape {tuple(x.shape)}")
+    if slot_mapping.shape != (x.shape[0],):
+        raise ValueError(f"slot_mapping must have one entry per token ({x.shape[0]}), got {tuple(slot_mapping.shape)}")
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"x must be bfloat16, float16 or float32, got {x.dtype}")
+    if not torch.isfinite(x).all() and not isinstance(side.scheme, (BF16Scheme, FP8Scheme)):
+        raise ValueError(f"{side.scheme.name}: input holds NaN or Inf")
+    cfg = kernel_config(side.scheme)
+    n, kv_heads, head_dim = x.shape
+    x = x.contiguous()
+    slot_mapping = slot_mapping.to(torch.int64).contiguous()
+    order = {"bf16": ["data"], "fp8": ["codes", "scale"], "mxfp4": ["codes", "scales"],
+             "nvfp4": ["codes", "scales"], "int_v": ["codes", "scale", "zero"],
+             "int_k": ["codes", "scale", "zero"]}[cfg["kind"]]
+    fields = [side.fields[f] for f in order if f in side.fields]
+    fields += [fields[0]] * (3 - len(fields))
+    strides: list[int] = []
+    for t in fields:
+        strides += [t.stride(0), t.stride(1)]
+    if cfg["kind"] == "int_k":
+        block_t = cfg["group"]
+        if n % block_t:
+            raise ValueError(f"{side.scheme.name} keys are written in whole groups of {block_t} tokens, got {n}")
+    sc = side.tensor_scale
+    kind_id = {"bf16": 0, "fp8": 1, "mxfp4": 2, "nvfp4": 3, "int_v": 4, "int_k": 5}[cfg["kind"]]
+    quantize_write_kernel[(triton.cdiv(n, block_t), kv_heads)](
+        x, slot_mapping, *fields, sc, n, x.stride(0), x.stride(1), *strides,
+        KIND=kind_id, FMT=cfg.get("fmt", 0), SGLANG=cfg.get("sglang", False),
+        TOKEN_SCALE=cfg.get("token_scale", False), QB=cfg.get("block", 16), G=cfg.get("group", 1),
+        BITS=cfg.get("bits", 8), D=head_dim, BLOCK_T=block_t)

@@ -1,0 +1,229 @@
+"""The Triton kernels against the NumPy oracles: bytes written, and attention within the derived tolerance.
+
+Without a GPU these run under ``TRITON_INTERPRET=1`` on CPU tensors (marker ``interpret``, small shapes);
+on a GPU the same tests run on the device with larger shapes (marker ``gpu``).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvqref import reference, schemes
+from kvqref.paged import PagedKVCache
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("triton")
+
+from kvqref.backends import triton_backend as tb  # noqa: E402
+
+GPU = torch.cuda.is_available()
+DEVICE = "cuda" if GPU else "cpu"
+pytestmark = pytest.mark.gpu if GPU else pytest.mark.interpret
+
+# (K scheme, K options, V scheme, V options)
+PAIRS = [
+    ("bf16", {}, "bf16", {}),
+    ("fp8_e4m3", {}, "fp8_e4m3", {}),
+    ("fp8_e4m3", {"granularity": "head"}, "fp8_e5m2", {"granularity": "token_head"}),
+    ("fp8_e4m3", {"profile": "rocm"}, "fp8_e5m2", {"profile": "rocm"}),
+    ("fp8_e4m3", {"profile": "sglang", "scale": 1.0}, "fp8_e4m3", {"profile": "sglang", "scale": 0.02}),
+    ("fp4_e2m1", {}, "fp4_e2m1", {"profile": "sglang"}),
+    ("mxfp4", {}, "nvfp4", {}),
+    ("int4_kivi", {"role": "key", "group_size": 16, "residual": 32},
+     "int4_kivi", {"role": "value", "group_size": 16, "residual": 32}),
+    ("int2_kivi", {"role": "key", "group_size": 16, "residual": 16},
+     "int2_kivi", {"role": "value", "group_size": 32, "residual": 16}),
+]
+IDS = [f"{k}{'-' + '-'.join(f'{a}' for a in ko.values()) if ko else ''}/{v}" for k, ko, v, _ in PAIRS]
+
+SMALL = dict(batch=3, kv_heads=2, q_heads=4, head_dim=64, page_size=16, lens=(1, 37, 70))
+BIG = dict(batch=4, kv_heads=8, q_heads=32, head_dim=128, page_size=16, lens=(1, 300, 1000, 2500))
+
+
+def kv_tensor(rng: np.random.Generator, n: int, kv_heads: int, head_dim: int, outliers: bool) -> np.ndarray:
+    """float32 K/V tokens: Gaussian, optionally with a few 10-100x outlier channels (KIVI's key structure)."""
+    x = rng.standard_normal((n, kv_heads, head_dim))
+    if outliers:
+        x[:, :, rng.choice(head_dim, 3, replace=False)] *= rng.uniform(10, 100, 3)
+    return x.astype(np.float32)
+
+
+def build_cache(pair, shape, rng: np.random.Generator, chunks: int = 3) -> tuple[PagedKVCache, list]:
+    """A paged cache filled by ragged appends in several chunks (crossing page and group boundaries),
+    pages drawn from a shuffled free list. Returns the cache and every (seq, k, v) appended."""
+    kname, kopt, vname, vopt = pair
+    batch, kvh, d, page = shape["batch"], shape["kv_heads"], shape["head_dim"], shape["page_size"]
+    lens = list(shape["lens"])[:batch]
+    per_seq_pages = -(-max(lens) // page) + 1
+    npages = batch * per_seq_pages + 2
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cache = PagedKVCache(schemes.get(kname, **kopt), schemes.get(vname, **vopt), npages, page, kvh, d,
+                             batch=batch, max_pages=per_seq_pages,
+                             free_pages=[int(p) for p in rng.permutation(npages)])
+        log = []
+        for b, T in enumerate(lens):
+            cuts = np.sort(rng.choice(np.arange(1, T), min(chunks - 1, T - 1), replace=False)) if T > 1 else []
+            for lo, hi in zip([0, *cuts], [*cuts, T], strict=True):
+                k = kv_tensor(rng, hi - lo, kvh, d, outliers=True)
+                v = kv_tensor(rng, hi - lo, kvh, d, outliers=False)
+                cache.append(b, k, v)
+                log.append((b, k, v))
+    return cache, log
+
+
+def _run_decode(cache, q, **kw):
+    dc = tb.DeviceCache.from_cache(cache, DEVICE)
+    out, lse = tb.decode(q.to(DEVICE), dc, **kw)
+    return out.cpu().numpy().astype(np.float64), lse.cpu().numpy().astype(np.float64), dc
+
+
+def _oracle(cache, q64):
+    Ks, Vs = zip(*(cache.dequantized(b) for b in range(cache.batch)), strict=True)
+    out, lse = reference.attention(q64, Ks, Vs)
+    tol_o, tol_l = reference.kernel_tolerance(q64, Ks, Vs)
+    return out, lse, tol_o, tol_l
+
+
+@pytest.mark.parametrize("pair", PAIRS, ids=IDS)
+@pytest.mark.parametrize("qdtype", ["bfloat16", "float32"])
+def test_decode_matches_oracle(pair, qdtype):
+    rng = np.random.default_rng(abs(hash((IDS[PAIRS.index(pair)], qdtype))) % 2**32)
+    shape = BIG if GPU else SMALL
+    cache, _ = build_cache(pair, shape, rng)
+    q = torch.from_numpy(rng.standard_normal((shape["batch"], shape["q_heads"], shape["head_dim"]))
+                         .astype(np.float32)).to(getattr(torch, qdtype))
+    q64 = q.float().numpy().astype(np.float64)
+    out, lse, dc = _run_decode(cache, q)
+    ref_out, ref_lse, tol_o, tol_l = _oracle(cache, q64)
+    assert np.isfinite(out).all() and np.isfinite(lse).all()
+    bad = np.abs(out - ref_out) > tol_o
+    assert not bad.any(), f"{bad.sum()} outputs beyond tolerance; worst {np.abs(out - ref_out).max():.3g}"
+    assert (np.abs(lse - ref_lse) <= tol_l).all(), f"lse error {np.abs(lse - ref_lse).max():.3g}"
+
+
+def test_tolerance_catches_a_planted_scale_exponent_off_by_one():
+    """An E8M0 block scale one power of two too large, in one block of one token: must fail the check."""
+    rng = np.random.default_rng(7)
+    pair = PAIRS[5]
+    cache, _ = build_cache(pair, SMALL, rng)
+    q = torch.from_numpy(rng.standard_normal((3, 4, 64)).astype(np.float32))
+    q64 = q.numpy().astype(np.float64)
+    ref_out, ref_lse, tol_o, tol_l = _oracle(cache, q64)
+    b = 2
+    K, _ = cache.dequantized(b)
+    top = int(np.argmax(K[:, 0, :] @ q64[b, 0]))  # the token query head 0 attends to most
+    page, off = divmod(int(cache.slot_mapping(b, top, 1)[0]), cache.page_size)
+    cache.v.storage["scales"][page, off, 0, 1] += 1  # planted: one V block scale of that token, exponent + 1
+    out, lse, _ = _run_decode(cache, q)
+    assert (np.abs(out - ref_out) > tol_o).any()
+    cache.v.storage["scales"][page, off, 0, 1] -= 1
+    out, lse, _ = _run_decode(cache, q)
+    assert (np.abs(out - ref_out) <= tol_o).all()  # restored: passes again
+    cache.k.storage["scales"][page, off, 0, 2] += 1  # planted: one K block scale: changes the logits
+    out, lse, _ = _run_decode(cache, q)
+    assert (np.abs(lse - ref_lse) > tol_l).any()
+
+
+def test_splits_and_page_size_one_agree():
+    rng = np.random.default_rng(11)
+    shape = dict(SMALL, page_size=1)
+    cache, _ = build_cache(PAIRS[1], shape, rng)
+    q = torch.from_numpy(rng.standard_normal((3, 4, 64)).astype(np.float32)).to(torch.bfloat16)
+    q64 = q.float().numpy().astype(np.float64)
+    ref_out, ref_lse, tol_o, tol_l = _oracle(cache, q64)
+    for splits in (1, 2, 5):
+        out, lse, _ = _run_decode(cache, q, num_splits=splits, block_n=16)
+        assert (np.abs(out - ref_out) <= tol_o).all(), splits
+        assert (np.abs(lse - ref_lse) <= tol_l).all(), splits
+
+
+WRITE_CASES = [
+    ("bf16", {}), ("fp8_e4m3", {}), ("fp8_e5m2", {"granularity": "head"}),
+    ("fp8_e4m3", {"granularity": "token_head"}), ("fp8_e4m3", {"profile": "rocm", "scale": 0.03}),
+    ("fp8_e5m2", {"profile": "rocm"}), ("fp8_e4m3", {"profile": "sglang", "scale": 0.004}),
+    ("fp4_e2m1", {}), ("fp4_e2m1", {"profile": "sglang"}), ("mxfp4", {}), ("nvfp4", {}),
+    ("int4_kivi", {"role": "value", "group_size": 32}), ("int2_kivi", {"role": "value", "group_size": 16}),
+    ("int4_kivi", {"role": "key", "group_size": 16}), ("int2_kivi", {"role": "key", "group_size": 32}),
+]
+
+
+def _write_and_compare(name: str, opts: dict, x: np.ndarray, page_size: int, rng: np.random.Generator):
+    """Quantize ``x`` [T, H, D] into a shuffled paged cache with the oracle and with the kernel; compare
+    every stored byte."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        scheme = schemes.get(name, **opts)
+    T, H, D = x.shape
+    npages = -(-T // page_size) + 1
+    is_key = getattr(scheme, "role", None) == "key"
+    dummy = schemes.get("bf16")
+    if getattr(scheme, "residual_window", 0):
+        scheme.residual_window = 0
+    cache = PagedKVCache(scheme if is_key else dummy, dummy if is_key else scheme, npages, page_size, H, D,
+                         free_pages=[int(p) for p in rng.permutation(npages)])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cache.append(0, x, x)
+    side_np = cache.k if is_key else cache.v
+    n = int(side_np.paged[0])
+    dc = tb.DeviceCache.from_cache(cache, DEVICE)
+    side = dc.k if is_key else dc.v
+    for t in side.fields.values():
+        t.zero_()
+    slots = torch.from_numpy(cache.slot_mapping(0, 0, n)).to(DEVICE)
+    tb.quantize_write(side, torch.from_numpy(x[:n]).to(DEVICE), slots)
+    for f, store in side_np.storage.items():
+        got = side.fields[f].cpu()
+        got = got.view(torch.int16) if got.dtype == torch.bfloat16 else got
+        want = torch.from_numpy(store.reshape(-1, *store.shape[2:]).view(np.int16) if store.dtype == np.uint16
+                                else store.reshape(-1, *store.shape[2:]))
+        diff = (got.view(torch.uint8) != want.view(torch.uint8)).nonzero()
+        assert diff.shape[0] == 0, f"{name} {opts} field {f}: {diff.shape[0]} bytes differ, first at {diff[0].tolist()}"
+
+
+@pytest.mark.parametrize("name,opts", WRITE_CASES, ids=[f"{n}-{'-'.join(map(str, o.values()))}" for n, o in WRITE_CASES])
+def test_write_bytes_equal_oracle(name, opts):
+    rng = np.random.default_rng(5)
+    T = 256 if GPU else 64
+    x = kv_tensor(rng, T, 2, 64, outliers=True)
+    x[3, 0] = 0.0  # an all-zero token: zero blocks, constant groups
+    x[7, 1, :16] = np.array([2.5, -5.0, 0.25, 0.75, 1.25, 1.75, 3.5, 5.0] * 2) * 2.0**3  # E2M1 ties
+    x[9, 0, 4] = 1e-30  # deep underflow
+    _write_and_compare(name, opts, x, page_size=max(16, opts.get("group_size", 1)), rng=rng)
+
+
+@settings(max_examples=6 if not GPU else 40, deadline=None, suppress_health_check=list(HealthCheck))
+@given(seed=st.integers(0, 2**31), case=st.sampled_from(WRITE_CASES[:11]),
+       scale_exp=st.integers(-20, 20), page=st.sampled_from([1, 16, 32]))  # no KIVI keys: pages % G
+def test_write_fuzz(seed, case, scale_exp, page):
+    """Differential fuzzing of the write path: random magnitudes (incl. subnormal-range and huge), pages."""
+    rng = np.random.default_rng(seed)
+    x = (kv_tensor(rng, 48, 2, 64, outliers=bool(seed & 1)) * 2.0**scale_exp).astype(np.float32)
+    _write_and_compare(*case, x, page_size=page, rng=rng)
+
+
+def test_bad_input_is_rejected_before_launch():
+    rng = np.random.default_rng(3)
+    cache, _ = build_cache(PAIRS[1], SMALL, rng)
+    dc = tb.DeviceCache.from_cache(cache, DEVICE)
+    with pytest.raises(ValueError, match="q must be"):
+        tb.decode(torch.zeros(3, 4, device=DEVICE), dc)
+    with pytest.raises(ValueError, match="multiple of kv_heads"):
+        tb.decode(torch.zeros(3, 3, 64, device=DEVICE), dc)
+    with pytest.raises(ValueError, match="batch"):
+        tb.decode(torch.zeros(2, 4, 64, device=DEVICE), dc)
+    dc.block_table[1, 0] = 10_000
+    with pytest.raises(ValueError, match="page indices"):
+        tb.decode(torch.zeros(3, 4, 64, device=DEVICE), dc)
+    with pytest.raises(ValueError, match="slot_mapping"):
+        tb.quantize_write(dc.k, torch.zeros(4, 2, 64, device=DEVICE), torch.zeros(3, dtype=torch.int64))
+    with pytest.raises(ValueError, match="NaN"):
+        side = tb.DeviceCache.from_cache(build_cache(PAIRS[5], SMALL, rng)[0], DEVICE).k
+        tb.quantize_write(side, torch.full((2, 2, 64), float("nan"), device=DEVICE),
+                          torch.zeros(2, dtype=torch.int64, device=DEVICE))
