@@ -187,7 +187,10 @@ def _write_and_compare(name: str, opts: dict, x: np.ndarray, page_size: int, rng
         assert diff.shape[0] == 0, f"{name} {opts} field {f}: {diff.shape[0]} bytes differ, first at {diff[0].tolist()}"
 
 
-@pytest.mark.parametrize("name,opts", WRITE_CASES, ids=[f"{n}-{'-'.join(map(str, o.values()))}" for n, o in WRITE_CASES])
+WRITE_IDS = [f"{n}-{'-'.join(map(str, o.values()))}" for n, o in WRITE_CASES]
+
+
+@pytest.mark.parametrize("name,opts", WRITE_CASES, ids=WRITE_IDS)
 def test_write_bytes_equal_oracle(name, opts):
     rng = np.random.default_rng(5)
     T = 256 if GPU else 64

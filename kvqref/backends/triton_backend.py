@@ -121,6 +121,30 @@ class DeviceCache:
                    torch.from_numpy(ex["v_residual"]).to(device), has_res)
 
 
+def empty_device_cache(k_scheme: Scheme, v_scheme: Scheme, num_pages: int, page_size: int, kv_heads: int,
+                       head_dim: int, block_table, seq_lens, *, k_params: dict[str, Any] | None = None,
+                       v_params: dict[str, Any] | None = None, device: str = "cuda") -> DeviceCache:
+    """A zeroed device cache laid out as :class:`kvqref.paged.PagedKVCache` stores it, to be filled by
+    :func:`quantize_write` (used by the benchmarks, whose caches are too large for the NumPy oracle).
+    KIVI residuals are empty (every token in pages)."""
+    torch = _torch()
+    sides = []
+    for scheme, params in ((k_scheme, k_params or {}), (v_scheme, v_params or {})):
+        fields = {}
+        for f, spec in scheme.fields(kv_heads, head_dim).items():
+            rows = page_size if spec.per == "token" else page_size // scheme.token_group
+            tdt = {np.dtype(np.uint8): torch.uint8, np.dtype(np.float16): torch.float16,
+                   np.dtype(np.float32): torch.float32, np.dtype(np.uint16): torch.bfloat16}[spec.dtype]
+            fields[f] = torch.zeros(num_pages * rows, kv_heads, *spec.shape, dtype=tdt, device=device)
+        ts = torch.from_numpy(_tensor_scale(scheme, params, kv_heads)).to(device)
+        sides.append(Side(scheme, fields, ts, params))
+    has_res = any(isinstance(s.scheme, KiviScheme) for s in sides)
+    bt = block_table.to(device=device, dtype=torch.int32)
+    sl = seq_lens.to(device=device, dtype=torch.int32)
+    empty = torch.zeros(bt.shape[0], 1, kv_heads, head_dim, dtype=torch.float32, device=device)
+    return DeviceCache(sides[0], sides[1], page_size, bt, sl, sl, sl, empty, empty, has_res)
+
+
 def decode(q, dc: DeviceCache, sm_scale: float | None = None, **kw: Any):
     """Fused decode attention: (out [B, Hq, D] float32, lse [B, Hq] float32, natural log)."""
     from kvqref.kernels.decode import paged_decode

@@ -1,0 +1,236 @@
+"""Decode-attention and quantize-on-write benchmarks (GPU timing with CUDA events after warm-up).
+
+Used by ``bench/test_bench.py`` (pytest-benchmark) and runnable on its own on the GPU machine, which has
+no package index:
+
+    python3 bench/decode_bench.py --out bench/results/h100.json
+
+Each result records the device, driver, torch and triton versions, the shape, scheme, bytes moved,
+achieved GB/s and the fraction of a bandwidth ceiling measured in the same run (a large device
+reduction: bytes read / time). Times are medians of ``triton.testing.do_bench`` (which flushes L2
+between rounds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+# (batch, q_heads, kv_heads, head_dim, tokens)
+SHAPES = [(32, 32, 8, 128, 8192), (8, 32, 8, 128, 32768), (1, 32, 8, 128, 131072), (128, 32, 8, 128, 4096),
+          (64, 64, 8, 128, 16384)]
+SCHEMES: list[tuple[str, str, dict[str, Any], dict[str, Any]]] = [
+    # label, scheme name, K options, V options
+    ("bf16", "bf16", {}, {}),
+    ("fp8_e4m3", "fp8_e4m3", {}, {}),
+    ("fp8_e5m2", "fp8_e5m2", {}, {}),
+    ("fp4_e2m1", "fp4_e2m1", {}, {}),
+    ("mxfp4", "mxfp4", {}, {}),
+    ("nvfp4", "nvfp4", {}, {}),
+    ("int4_kivi", "int4_kivi", {"role": "key", "residual": 0}, {"role": "value", "residual": 0}),
+    ("int2_kivi", "int2_kivi", {"role": "key", "residual": 0}, {"role": "value", "residual": 0}),
+]
+
+
+def environment() -> dict[str, Any]:
+    import torch
+    import triton
+
+    env = {"python": platform.python_version(), "torch": torch.__version__, "triton": triton.__version__,
+           "numpy": np.__version__}
+    if torch.cuda.is_available():
+        env["device"] = torch.cuda.get_device_name(0)
+        env["sms"] = torch.cuda.get_device_properties(0).multi_processor_count
+        try:
+            env["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                           capture_output=True, text=True, timeout=20).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            env["driver"] = "unknown"
+    else:
+        env["device"] = platform.processor() or "cpu"
+    return env
+
+
+def bench_ms(fn) -> float:
+    """Median milliseconds of ``fn`` on the GPU (CUDA events, L2 flushed between rounds)."""
+    from triton.testing import do_bench
+
+    return float(do_bench(fn, warmup=25, rep=100, return_mode="median"))
+
+
+def bandwidth_ceiling_gbs(gib: float = 4.0) -> float:
+    """Read bandwidth of a large device reduction (bytes read / time), GB/s."""
+    import torch
+
+    x = torch.empty(int(gib * 2**30) // 2, dtype=torch.bfloat16, device="cuda").normal_()
+    ms = bench_ms(lambda: x.sum(dtype=torch.float32))
+    return x.numel() * 2 / (ms * 1e-3) / 1e9
+
+
+def side_bytes_per_token(scheme, kv_heads: int, head_dim: int) -> float:
+    """Stored bytes per token of one of K or V (group fields amortised), all KV heads."""
+    total = 0.0
+    for spec in scheme.fields(kv_heads, head_dim).values():
+        n = np.dtype(spec.dtype).itemsize * int(np.prod(spec.shape, dtype=np.int64)) * kv_heads
+        total += n / (scheme.token_group if spec.per == "group" else 1)
+    return total
+
+
+def make_cache(label: str, shape, page_size: int, seed: int = 0):
+    """A device cache of random K/V (keys with outlier channels) written by the Triton write kernel."""
+    import torch
+
+    from kvqref import schemes
+    from kvqref.backends import triton_backend as tb
+
+    batch, q_heads, kv_heads, head_dim, tokens = shape
+    _, name, kopt, vopt = next(s for s in SCHEMES if s[0] == label)
+    if name.endswith("kivi"):
+        page_size = max(page_size, 32)  # KIVI key groups (G=32 tokens) live inside one page
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ks, vs = schemes.get(name, **kopt), schemes.get(name, **vopt)
+    pages_per_seq = -(-tokens // page_size)
+    num_pages = batch * pages_per_seq
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    perm = torch.randperm(num_pages, device="cuda", generator=g).to(torch.int32)
+    block_table = perm.view(batch, pages_per_seq)
+    seq_lens = torch.full((batch,), tokens, dtype=torch.int32)
+    params = {}
+    if name.startswith("fp8"):
+        params = {"scale": np.float32(6.0 / 448.0)}
+    elif name == "nvfp4":
+        params = {"global_scale": np.float32(6.0 / 2688.0)}
+    dc = tb.empty_device_cache(ks, vs, num_pages, page_size, kv_heads, head_dim, block_table, seq_lens,
+                               k_params=params, v_params=params)
+    t = torch.arange(tokens, device="cuda")
+    chunk = max(1, 2**24 // (kv_heads * head_dim))  # write in chunks of ~16M elements
+    for b in range(batch):
+        slots = block_table[b, t // page_size].long() * page_size + t % page_size
+        for lo in range(0, tokens, chunk):
+            hi = min(tokens, lo + chunk)
+            for side, outl in ((dc.k, True), (dc.v, False)):
+                x = torch.randn(hi - lo, kv_heads, head_dim, device="cuda", generator=g)
+                if outl:
+                    x[:, :, ::37] *= 20.0
+                x = x.clamp(-6.0, 6.0) if outl is False else x.clamp(-100, 100)
+                tb.quantize_write(side, x.to(torch.bfloat16), slots[lo:hi])
+    return dc, ks, vs
+
+
+def decode_case(label: str, shape, page_size: int, backend: str = "triton") -> dict[str, Any]:
+    import torch
+
+    from kvqref.backends import torch_backend, triton_backend
+
+    batch, q_heads, kv_heads, head_dim, tokens = shape
+    dc, ks, vs = make_cache(label, shape, page_size)
+    q = torch.randn(batch, q_heads, head_dim, device="cuda").to(torch.bfloat16)
+    if backend == "triton":
+        def fn():
+            return triton_backend.decode(q, dc)
+    else:
+        def fn():
+            return torch_backend.decode(q, dc)
+    ms = bench_ms(fn)
+    per_tok = side_bytes_per_token(ks, kv_heads, head_dim) + side_bytes_per_token(vs, kv_heads, head_dim)
+    nbytes = batch * tokens * per_tok + 2 * q.numel() * 2
+    return {"op": "decode", "backend": backend, "scheme": label, "batch": batch, "q_heads": q_heads,
+            "kv_heads": kv_heads, "head_dim": head_dim, "tokens": tokens, "page_size": page_size,
+            "time_us": ms * 1e3, "bytes": nbytes, "gbs": nbytes / (ms * 1e-3) / 1e9}
+    # note: page_size in the record is the one asked for; KIVI runs with pages of 32
+
+
+def sdpa_case(shape) -> dict[str, Any]:
+    """torch SDPA over a contiguous BF16 cache: the baseline the targets are relative to."""
+    import torch
+
+    batch, q_heads, kv_heads, head_dim, tokens = shape
+    k = torch.randn(batch, kv_heads, tokens, head_dim, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    q = torch.randn(batch, q_heads, 1, head_dim, device="cuda", dtype=torch.bfloat16)
+    ms = bench_ms(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True))
+    nbytes = 2 * k.numel() * 2 + 2 * q.numel() * 2
+    return {"op": "decode", "backend": "torch-sdpa-dense", "scheme": "bf16", "batch": batch, "q_heads": q_heads,
+            "kv_heads": kv_heads, "head_dim": head_dim, "tokens": tokens, "page_size": 0,
+            "time_us": ms * 1e3, "bytes": nbytes, "gbs": nbytes / (ms * 1e-3) / 1e9}
+
+
+def write_case(label: str, tokens: int = 65536, kv_heads: int = 8, head_dim: int = 128) -> dict[str, Any]:
+    import torch
+
+    from kvqref.backends import triton_backend as tb
+
+    shape = (1, kv_heads, kv_heads, head_dim, tokens)
+    dc, ks, _ = make_cache(label, shape, 32)
+    x = torch.randn(tokens, kv_heads, head_dim, device="cuda").to(torch.bfloat16)
+    slots = torch.randperm(tokens // 32, device="cuda").repeat_interleave(32) * 32 + torch.arange(
+        tokens, device="cuda") % 32
+    if label.endswith("kivi"):
+        slots = torch.arange(tokens, device="cuda")
+    ms = bench_ms(lambda: tb.quantize_write(dc.k, x, slots))
+    nbytes = x.numel() * 2 + slots.numel() * 8 + tokens * side_bytes_per_token(ks, kv_heads, head_dim)
+    return {"op": "write", "backend": "triton", "scheme": label, "tokens": tokens, "kv_heads": kv_heads,
+            "head_dim": head_dim, "time_us": ms * 1e3, "bytes": nbytes, "gbs": nbytes / (ms * 1e-3) / 1e9}
+
+
+def run(quick: bool = False) -> dict[str, Any]:
+    env = environment()
+    ceiling = bandwidth_ceiling_gbs()
+    results: list[dict[str, Any]] = []
+    shapes = SHAPES[:1] if quick else SHAPES
+    labels = [s[0] for s in SCHEMES]
+    for shape in shapes:
+        base = sdpa_case(shape)
+        results.append(base)
+        print(json.dumps(base), flush=True)
+        for label in labels:
+            r = decode_case(label, shape, 16)
+            results.append(r)
+            print(json.dumps(r), flush=True)
+    if not quick:
+        for label in ("bf16", "fp8_e4m3", "fp4_e2m1"):
+            r = decode_case(label, SHAPES[0], 1)
+            results.append(r)
+            print(json.dumps(r), flush=True)
+        for label in ("bf16", "fp8_e4m3"):
+            r = decode_case(label, SHAPES[0], 16, backend="torch")
+            results.append(r)
+            print(json.dumps(r), flush=True)
+        for label in labels:
+            r = write_case(label)
+            results.append(r)
+            print(json.dumps(r), flush=True)
+    for r in results:  # (each case's tensors are freed when it returns)
+        r["ceiling_gbs"] = ceiling
+        r["fraction_of_ceiling"] = r["gbs"] / ceiling
+    return {"environment": env, "ceiling_gbs": ceiling, "results": results}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args()
+    doc = run(args.quick)
+    doc["command"] = " ".join(["python3", *sys.argv])
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(doc, indent=1) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
