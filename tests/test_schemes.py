@@ -385,6 +385,38 @@ def test_nvfp4_round_trip_bound(x):
     assert np.all(np.abs(deq.reshape(xb.shape) - xb) <= bound)
 
 
+def ref_nvfp4(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.float32]:
+    """Scalar reference of the nvfp4 rule with numpy float32 scalars (IEEE float32 arithmetic)."""
+    f32 = np.float32
+    g = f32(f32(np.abs(x).max()) / f32(2688))
+    e4m3 = formats.get("float8_e4m3fn")
+    T, H, D = x.shape
+    codes = np.zeros((T, H, D), np.uint8)
+    scales = np.zeros((T, H, D // 16), np.uint8)
+    for t in range(T):
+        for h in range(H):
+            for j in range(D // 16):
+                blk = x[t, h, 16 * j:16 * j + 16]
+                sb = min(max(f32(f32(f32(np.abs(blk).max()) / f32(6)) / g), f32(2.0**-6)), f32(448))
+                scales[t, h, j] = e4m3.encode(np.float32(sb), saturate=True)
+                d = f32(e4m3.decode(scales[t, h, j]) * g)
+                for i, v in enumerate(blk):
+                    y = float(min(max(f32(f32(v) / d), f32(-6)), f32(6)))
+                    best = min(range(8), key=lambda c: (abs(E2M1_VALUES[c] - abs(y)), c % 2))
+                    codes[t, h, 16 * j + i] = best + 8 * (math.copysign(1, y) < 0)
+    return codes, scales, g
+
+
+@settings(max_examples=10, deadline=None)
+@given(kv_tensors(tokens=(2,), dims=(32,)))
+def test_nvfp4_bytes_equal_scalar_reference(x):
+    q = schemes.get("nvfp4").quantize(x)
+    codes, scales, g = ref_nvfp4(x)
+    assert q.params["global_scale"] == g
+    assert np.array_equal(q.fields["scales"], scales)
+    assert np.array_equal(independent_unpack(q.fields["codes"]), codes)
+
+
 def test_nvfp4_hand_case():
     x = np.zeros((1, 1, 32), np.float32)
     x[0, 0, 0] = 2688.0     # tensor amax 2688 -> global scale 1.0; block scale 448 (0x7E); 2688 / 448 = 6

@@ -92,7 +92,3 @@ def error_table_markdown(**kw: Any) -> str:
 __all__ = ["ALIASES", "BF16Scheme", "E8M0BlockScheme", "FP8Scheme", "FieldSpec", "KiviScheme", "NVFP4Scheme",
            "Quantized", "Scheme", "error_table", "error_table_markdown", "from_sglang_layout", "get",
            "load_sglang_scales", "names", "outlier_tensor", "relative_rms", "to_kivi_layout", "to_sglang_layout"]
-
-
-if __name__ == "__main__":
-    print(error_table_markdown())
