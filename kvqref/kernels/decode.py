@@ -31,112 +31,90 @@ LN2 = 0.6931471805599453
 
 
 @triton.jit
-def _dot(a, b, A_SPLIT: tl.constexpr, B_SPLIT: tl.constexpr):
-    """a [M, K] float32 @ b [K, N] float32 with float32 accumulation.
-
-    Hardware: bfloat16 tensor cores on hi (+ lo) parts; a part that is exact in bfloat16 is not split.
-    Interpreter: an exact float32 product (its bfloat16 arithmetic is not supported).
-    """
+def _split(x):
+    """float32 -> (hi, lo) bfloat16 with hi + lo = x to about 16 bits (interpreter: (x, x), exact float32)."""
     if INTERPRET:
-        return tl.dot(a, b, input_precision="ieee")
+        return x, x
     else:
-        a_hi = a.to(tl.bfloat16)
-        b_hi = b.to(tl.bfloat16)
+        hi = x.to(tl.bfloat16)
+        return hi, (x - hi.to(tl.float32)).to(tl.bfloat16)
+
+
+@triton.jit
+def _mm(a_hi, a_lo, b, A_SPLIT: tl.constexpr, B_SPLIT: tl.constexpr):
+    """(a_hi + a_lo) [M, K] @ b [K, N] with float32 accumulation on bfloat16 tensor cores; ``b`` is split
+    into hi + lo only when it is not exact in bfloat16 (``B_SPLIT``). Interpreter: one exact float32 dot."""
+    if INTERPRET:
+        return tl.dot(a_hi, b.to(tl.float32), input_precision="ieee")
+    else:
+        if B_SPLIT:
+            b_hi, b_lo = _split(b.to(tl.float32))
+        else:
+            b_hi = b.to(tl.bfloat16)
         acc = tl.dot(a_hi, b_hi)
         if A_SPLIT:
-            acc += tl.dot((a - a_hi.to(tl.float32)).to(tl.bfloat16), b_hi)
+            acc += tl.dot(a_lo, b_hi)
         if B_SPLIT:
-            acc += tl.dot(a_hi, (b - b_hi.to(tl.float32)).to(tl.bfloat16))
+            acc += tl.dot(a_hi, b_lo)
         return acc
 
 
 @triton.jit
-def _unpack_interleave(byte, BITS: tl.constexpr, N: tl.constexpr, D: tl.constexpr):
-    """[N, D*BITS/8] bytes -> [N, D] int32 fields, element d at bits (d*BITS) % 8 of byte d*BITS//8."""
-    if BITS == 4:
-        lo = byte & 0xF
-        hi = (byte >> 4) & 0xF
-        return tl.reshape(tl.join(lo, hi), (N, D))
-    else:
-        p0 = byte & 0x3
-        p1 = (byte >> 2) & 0x3
-        p2 = (byte >> 4) & 0x3
-        p3 = (byte >> 6) & 0x3
-        return tl.reshape(tl.join(tl.join(p0, p2), tl.join(p1, p3)), (N, D))
-
-
-@triton.jit
-def _load_tile(F0, F1, F2, slot, tmask, kvh, f0_s, f0_h, f1_s, f1_h, f2_s, f2_h,
-               KIND: tl.constexpr, FMT: tl.constexpr, TOKEN_SCALE: tl.constexpr, QB: tl.constexpr,
-               G: tl.constexpr, BITS: tl.constexpr, N: tl.constexpr, D: tl.constexpr):
-    """Dequantize the tile of slots ``slot`` [N] (int64) for KV head ``kvh``: ([N, D] f32, row scale [N])."""
-    m2 = tmask[:, None]
-    d = tl.arange(0, D)
-    row = tl.full((N,), 1.0, tl.float32)
+def _phase(byte, slot, e, m, kvh, F1, F2, f1_s, f1_h, f2_s, f2_h, P: tl.constexpr, KIND: tl.constexpr,
+           FMT: tl.constexpr, QB: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr):
+    """Dequantize the elements of phase ``P`` (element ``e = i * PACK + P``) from the loaded field-0 values
+    ``byte``; ``slot``, ``e`` and ``m`` broadcast to ``byte``'s shape. Exact kinds stay exact in bfloat16."""
     if KIND == 0:
-        x = tl.load(F0 + slot[:, None] * f0_s + kvh * f0_h + d[None, :], mask=m2, other=0.0).to(tl.float32)
+        return byte
     elif KIND == 1:
-        c = tl.load(F0 + slot[:, None] * f0_s + kvh * f0_h + d[None, :], mask=m2, other=0)
-        x = decode_f32(c, FMT)
-        if TOKEN_SCALE:
-            row = tl.load(F1 + slot * f1_s + kvh * f1_h, mask=tmask, other=0.0)
+        return decode_f32(byte, FMT)
     elif KIND == 2 or KIND == 3:
-        HALF: tl.constexpr = D // 2
-        i = tl.arange(0, HALF)
-        c = tl.load(F0 + slot[:, None] * f0_s + kvh * f0_h + i[None, :], mask=m2, other=0).to(tl.int32)
-        sc = tl.load(F1 + slot[:, None] * f1_s + kvh * f1_h + (i // (QB // 2))[None, :], mask=m2, other=0)
+        nib = (byte.to(tl.int32) >> (4 * P)) & 0xF
+        sc = tl.load(F1 + slot * f1_s + kvh * f1_h + e // QB, mask=m, other=0)
         if KIND == 2:
             s = e8m0_to_f32(sc)
         else:
             s = decode_f32(sc, 0)
-        lo = decode_f32(c & 0xF, 4) * s
-        hi = decode_f32(c >> 4, 4) * s
-        x = tl.reshape(tl.join(lo, hi), (N, D))
+        return decode_f32(nib, 4) * s
     else:
-        PACK: tl.constexpr = 8 // BITS
-        i = tl.arange(0, D // PACK)
-        c = tl.load(F0 + slot[:, None] * f0_s + kvh * f0_h + i[None, :], mask=m2, other=0).to(tl.int32)
-        q = _unpack_interleave(c, BITS, N, D).to(tl.float32)
+        f = ((byte.to(tl.int32) >> (P * BITS)) & ((1 << BITS) - 1)).to(tl.float32)
         if KIND == 4:
-            so = slot[:, None] * f1_s + kvh * f1_h + (d // G)[None, :]
-            zo = slot[:, None] * f2_s + kvh * f2_h + (d // G)[None, :]
+            so = slot * f1_s + kvh * f1_h + e // G
+            zo = slot * f2_s + kvh * f2_h + e // G
         else:
-            so = (slot // G)[:, None] * f1_s + kvh * f1_h + d[None, :]
-            zo = (slot // G)[:, None] * f2_s + kvh * f2_h + d[None, :]
-        scale = tl.load(F1 + so, mask=m2, other=0.0).to(tl.float32)
-        zero = tl.load(F2 + zo, mask=m2, other=0.0).to(tl.float32)
-        x = q * scale + zero
-    return x, row
+            so = (slot // G) * f1_s + kvh * f1_h + e
+            zo = (slot // G) * f2_s + kvh * f2_h + e
+        sc = tl.load(F1 + so, mask=m, other=0.0).to(tl.float32)
+        z = tl.load(F2 + zo, mask=m, other=0.0).to(tl.float32)
+        return f * sc + z
 
 
 @triton.jit
-def _load_mixed(F0, F1, F2, R, slot, t, tmask, plen, b, kvh, f0_s, f0_h, f1_s, f1_h, f2_s, f2_h, r_b, r_t, r_h,
-                KIND: tl.constexpr, FMT: tl.constexpr, TOKEN_SCALE: tl.constexpr, QB: tl.constexpr,
-                G: tl.constexpr, BITS: tl.constexpr, N: tl.constexpr, D: tl.constexpr):
-    """Tokens ``t`` < ``plen`` from the pages, the rest from the float32 residual at ``t - plen``."""
-    paged = tmask & (t < plen)
-    x, row = _load_tile(F0, F1, F2, slot, paged, kvh, f0_s, f0_h, f1_s, f1_h, f2_s, f2_h,
-                        KIND, FMT, TOKEN_SCALE, QB, G, BITS, N, D)
-    rmask = tmask & (t >= plen)
-    d = tl.arange(0, D)
-    off = b * r_b + (t - plen)[:, None].to(tl.int64) * r_t + kvh * r_h + d[None, :]
-    r = tl.load(R + off, mask=rmask[:, None], other=0.0)
-    return tl.where(paged[:, None], x, r), tl.where(paged, row, 1.0)
+def _phase_mixed(byte, slot, e, m, paged, kvh, F1, F2, f1_s, f1_h, f2_s, f2_h, R, roff,
+                 P: tl.constexpr, KIND: tl.constexpr, FMT: tl.constexpr, QB: tl.constexpr, G: tl.constexpr,
+                 BITS: tl.constexpr):
+    """As :func:`_phase` where ``paged``, else the float32 residual at ``R + roff + e``."""
+    x = _phase(byte, slot, e, paged, kvh, F1, F2, f1_s, f1_h, f2_s, f2_h, P, KIND, FMT, QB, G, BITS)
+    r = tl.load(R + roff + e, mask=m & (paged == 0), other=0.0)
+    return tl.where(paged, x.to(tl.float32), r)
 
 
 @triton.jit
-def _online_step(q, k, v, row_k, row_v, tmask, m_i, l_i, acc, qk_scale,
-                 Q_SPLIT: tl.constexpr, K_SPLIT: tl.constexpr, V_SPLIT: tl.constexpr):
-    """One tile of the online softmax (base 2)."""
-    s = _dot(q, tl.trans(k), Q_SPLIT, K_SPLIT) * (qk_scale * row_k)[None, :]
+def _load_q(Q, base, hmask, P: tl.constexpr, PACK: tl.constexpr, DP: tl.constexpr):
+    i = tl.arange(0, DP)
+    qp = tl.load(Q + base + (i * PACK + P)[None, :], mask=hmask[:, None], other=0.0).to(tl.float32)
+    return _split(qp)
+
+
+@triton.jit
+def _softmax_step(s, tmask, m_i, l_i):
     s = tl.where(tmask[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m_i - m_use)
     p = tl.exp2(s - m_use[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + _dot(p * row_v[None, :], v, True, V_SPLIT)
-    return m_new, l_i, acc
+    return p, alpha, m_new, l_i
 
 
 @triton.jit
@@ -155,21 +133,34 @@ def decode_split_kernel(
     BITS_V: tl.constexpr,
     HAS_RES: tl.constexpr, Q_SPLIT: tl.constexpr,
 ):
+    """One (sequence, KV head, split): K tiles are read transposed [D/PACK, N] per phase (the elements
+    sharing a byte position), V tiles [N, D/PACK]; no register transposes or interleaves."""
+    PK: tl.constexpr = 1 if KIND_K <= 1 else (2 if KIND_K <= 3 else 8 // BITS_K)
+    PV: tl.constexpr = 1 if KIND_V <= 1 else (2 if KIND_V <= 3 else 8 // BITS_V)
+    DK: tl.constexpr = D // PK
+    DV: tl.constexpr = D // PV
+    K_SPLIT: tl.constexpr = KIND_K >= 4
+    V_SPLIT: tl.constexpr = KIND_V >= 4
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     hh = tl.arange(0, BLOCK_H)
     hmask = hh < QPK
     qh = kvh * QPK + hh
-    d = tl.arange(0, D)
-    q = tl.load(Q + b * stride_qb + qh[:, None].to(tl.int64) * stride_qh + d[None, :], mask=hmask[:, None],
-                other=0.0).to(tl.float32)
+    qbase = b * stride_qb + qh[:, None].to(tl.int64) * stride_qh
+    q0h, q0l = _load_q(Q, qbase, hmask, 0, PK, DK)
+    q1h, q1l = _load_q(Q, qbase, hmask, 1 % PK, PK, DK)
+    q2h, q2l = _load_q(Q, qbase, hmask, 2 % PK, PK, DK)
+    q3h, q3l = _load_q(Q, qbase, hmask, 3 % PK, PK, DK)
     qk_scale = sm_scale * tl.load(KS + kvh) * 1.4426950408889634
     m_i = tl.full((BLOCK_H,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_H,), tl.float32)
-    acc = tl.zeros((BLOCK_H, D), tl.float32)
-    K_EXACT: tl.constexpr = KIND_K <= 3
-    V_EXACT: tl.constexpr = KIND_V <= 3
+    acc0 = tl.zeros((BLOCK_H, DV), tl.float32)
+    acc1 = tl.zeros((BLOCK_H, DV), tl.float32)
+    acc2 = tl.zeros((BLOCK_H, DV), tl.float32)
+    acc3 = tl.zeros((BLOCK_H, DV), tl.float32)
+    ik = tl.arange(0, DK)
+    iv = tl.arange(0, DV)
     if split < num_splits:
         if HAS_RES:
             paged_len = tl.minimum(tl.load(KL + b), tl.load(VL + b))
@@ -182,12 +173,46 @@ def decode_split_kernel(
             tmask = t < end
             page = tl.load(BT + b * stride_btb + t // PAGE, mask=tmask, other=0).to(tl.int64)
             slot = page * PAGE + (t % PAGE)
-            k, row_k = _load_tile(K0, K1, K2, slot, tmask, kvh, k0_s, k0_h, k1_s, k1_h, k2_s, k2_h,
-                                  KIND_K, FMT_K, TSC_K, QB_K, G_K, BITS_K, BLOCK_N, D)
-            v, row_v = _load_tile(V0, V1, V2, slot, tmask, kvh, v0_s, v0_h, v1_s, v1_h, v2_s, v2_h,
-                                  KIND_V, FMT_V, TSC_V, QB_V, G_V, BITS_V, BLOCK_N, D)
-            m_i, l_i, acc = _online_step(q, k, v, row_k, row_v, tmask, m_i, l_i, acc, qk_scale,
-                                         Q_SPLIT, not K_EXACT, not V_EXACT)
+            # K: [DK, N] per phase
+            sk = slot[None, :]
+            mk = tmask[None, :]
+            kb = tl.load(K0 + sk * k0_s + kvh * k0_h + ik[:, None], mask=mk, other=0)
+            s = _mm(q0h, q0l, _phase(kb, sk, ik[:, None] * PK, mk, kvh, K1, K2, k1_s, k1_h, k2_s, k2_h, 0,
+                                     KIND_K, FMT_K, QB_K, G_K, BITS_K), Q_SPLIT, K_SPLIT)
+            if PK >= 2:
+                s += _mm(q1h, q1l, _phase(kb, sk, ik[:, None] * PK + 1, mk, kvh, K1, K2, k1_s, k1_h, k2_s, k2_h, 1,
+                                          KIND_K, FMT_K, QB_K, G_K, BITS_K), Q_SPLIT, K_SPLIT)
+            if PK == 4:
+                s += _mm(q2h, q2l, _phase(kb, sk, ik[:, None] * PK + 2, mk, kvh, K1, K2, k1_s, k1_h, k2_s, k2_h, 2,
+                                          KIND_K, FMT_K, QB_K, G_K, BITS_K), Q_SPLIT, K_SPLIT)
+                s += _mm(q3h, q3l, _phase(kb, sk, ik[:, None] * PK + 3, mk, kvh, K1, K2, k1_s, k1_h, k2_s, k2_h, 3,
+                                          KIND_K, FMT_K, QB_K, G_K, BITS_K), Q_SPLIT, K_SPLIT)
+            if KIND_K == 1 and TSC_K:
+                s = s * (tl.load(K1 + slot * k1_s + kvh * k1_h, mask=tmask, other=0.0) * qk_scale)[None, :]
+            else:
+                s = s * qk_scale
+            p, alpha, m_i, l_i = _softmax_step(s, tmask, m_i, l_i)
+            if KIND_V == 1 and TSC_V:
+                p = p * tl.load(V1 + slot * v1_s + kvh * v1_h, mask=tmask, other=0.0)[None, :]
+            ph, pl = _split(p)
+            # V: [N, DV] per phase
+            sv = slot[:, None]
+            mv = tmask[:, None]
+            vb = tl.load(V0 + sv * v0_s + kvh * v0_h + iv[None, :], mask=mv, other=0)
+            acc0 = acc0 * alpha[:, None] + _mm(ph, pl, _phase(vb, sv, iv[None, :] * PV, mv, kvh, V1, V2, v1_s, v1_h,
+                                                              v2_s, v2_h, 0, KIND_V, FMT_V, QB_V, G_V, BITS_V),
+                                               True, V_SPLIT)
+            if PV >= 2:
+                acc1 = acc1 * alpha[:, None] + _mm(ph, pl, _phase(vb, sv, iv[None, :] * PV + 1, mv, kvh, V1, V2,
+                                                                  v1_s, v1_h, v2_s, v2_h, 1, KIND_V, FMT_V, QB_V,
+                                                                  G_V, BITS_V), True, V_SPLIT)
+            if PV == 4:
+                acc2 = acc2 * alpha[:, None] + _mm(ph, pl, _phase(vb, sv, iv[None, :] * PV + 2, mv, kvh, V1, V2,
+                                                                  v1_s, v1_h, v2_s, v2_h, 2, KIND_V, FMT_V, QB_V,
+                                                                  G_V, BITS_V), True, V_SPLIT)
+                acc3 = acc3 * alpha[:, None] + _mm(ph, pl, _phase(vb, sv, iv[None, :] * PV + 3, mv, kvh, V1, V2,
+                                                                  v1_s, v1_h, v2_s, v2_h, 3, KIND_V, FMT_V, QB_V,
+                                                                  G_V, BITS_V), True, V_SPLIT)
     if HAS_RES and split >= num_splits:
         # the tail [min(k_len, v_len), seq_len): KIVI keeps the newest keys and values in full precision
         # (float32 residuals [batch, W, kv_heads, D]); K and V switch to their residual at their own length
@@ -199,17 +224,52 @@ def decode_split_kernel(
             tmask = t < seq_len
             page = tl.load(BT + b * stride_btb + t // PAGE, mask=tmask & (t < tl.maximum(kl, vl)), other=0)
             slot = page.to(tl.int64) * PAGE + (t % PAGE)
-            k, row_k = _load_mixed(K0, K1, K2, RK, slot, t, tmask, kl, b, kvh, k0_s, k0_h, k1_s, k1_h, k2_s, k2_h,
-                                   r_b, r_t, r_h, KIND_K, FMT_K, TSC_K, QB_K, G_K, BITS_K, BLOCK_N, D)
-            v, row_v = _load_mixed(V0, V1, V2, RV, slot, t, tmask, vl, b, kvh, v0_s, v0_h, v1_s, v1_h, v2_s, v2_h,
-                                   r_b, r_t, r_h, KIND_V, FMT_V, TSC_V, QB_V, G_V, BITS_V, BLOCK_N, D)
-            m_i, l_i, acc = _online_step(q, k, v, row_k, row_v, tmask, m_i, l_i, acc, qk_scale,
-                                         Q_SPLIT, True, True)
+            sk = slot[None, :]
+            mk = tmask[None, :]
+            pk = mk & (t < kl)[None, :]
+            rko = b * r_b + (t - kl)[None, :].to(tl.int64) * r_t + kvh * r_h
+            kb = tl.load(K0 + sk * k0_s + kvh * k0_h + ik[:, None], mask=pk, other=0)
+            s = _mm(q0h, q0l, _phase_mixed(kb, sk, ik[:, None] * PK, mk, pk, kvh, K1, K2, k1_s, k1_h, k2_s, k2_h,
+                                           RK, rko, 0, KIND_K, FMT_K, QB_K, G_K, BITS_K), Q_SPLIT, True)
+            if PK >= 2:
+                s += _mm(q1h, q1l, _phase_mixed(kb, sk, ik[:, None] * PK + 1, mk, pk, kvh, K1, K2, k1_s, k1_h, k2_s,
+                                                k2_h, RK, rko, 1, KIND_K, FMT_K, QB_K, G_K, BITS_K), Q_SPLIT, True)
+            if PK == 4:
+                s += _mm(q2h, q2l, _phase_mixed(kb, sk, ik[:, None] * PK + 2, mk, pk, kvh, K1, K2, k1_s, k1_h, k2_s,
+                                                k2_h, RK, rko, 2, KIND_K, FMT_K, QB_K, G_K, BITS_K), Q_SPLIT, True)
+                s += _mm(q3h, q3l, _phase_mixed(kb, sk, ik[:, None] * PK + 3, mk, pk, kvh, K1, K2, k1_s, k1_h, k2_s,
+                                                k2_h, RK, rko, 3, KIND_K, FMT_K, QB_K, G_K, BITS_K), Q_SPLIT, True)
+            p, alpha, m_i, l_i = _softmax_step(s * qk_scale, tmask, m_i, l_i)
+            ph, pl = _split(p)
+            sv = slot[:, None]
+            mv = tmask[:, None]
+            pv = mv & (t < vl)[:, None]
+            rvo = b * r_b + (t - vl)[:, None].to(tl.int64) * r_t + kvh * r_h
+            vb = tl.load(V0 + sv * v0_s + kvh * v0_h + iv[None, :], mask=pv, other=0)
+            acc0 = acc0 * alpha[:, None] + _mm(ph, pl, _phase_mixed(vb, sv, iv[None, :] * PV, mv, pv, kvh, V1, V2,
+                                                                    v1_s, v1_h, v2_s, v2_h, RV, rvo, 0, KIND_V,
+                                                                    FMT_V, QB_V, G_V, BITS_V), True, True)
+            if PV >= 2:
+                acc1 = acc1 * alpha[:, None] + _mm(ph, pl, _phase_mixed(vb, sv, iv[None, :] * PV + 1, mv, pv, kvh,
+                                                                        V1, V2, v1_s, v1_h, v2_s, v2_h, RV, rvo, 1,
+                                                                        KIND_V, FMT_V, QB_V, G_V, BITS_V), True, True)
+            if PV == 4:
+                acc2 = acc2 * alpha[:, None] + _mm(ph, pl, _phase_mixed(vb, sv, iv[None, :] * PV + 2, mv, pv, kvh,
+                                                                        V1, V2, v1_s, v1_h, v2_s, v2_h, RV, rvo, 2,
+                                                                        KIND_V, FMT_V, QB_V, G_V, BITS_V), True, True)
+                acc3 = acc3 * alpha[:, None] + _mm(ph, pl, _phase_mixed(vb, sv, iv[None, :] * PV + 3, mv, pv, kvh,
+                                                                        V1, V2, v1_s, v1_h, v2_s, v2_h, RV, rvo, 3,
+                                                                        KIND_V, FMT_V, QB_V, G_V, BITS_V), True, True)
     safe_l = tl.where(l_i > 0, l_i, 1.0)
-    out = acc / safe_l[:, None] * tl.load(VS + kvh)
+    vs = tl.load(VS + kvh)
     lse2 = tl.where(l_i > 0, m_i + tl.log2(safe_l), float("-inf"))
     base = b * op_b + qh[:, None].to(tl.int64) * op_h + split * op_s
-    tl.store(OP + base + d[None, :], out, mask=hmask[:, None])
+    tl.store(OP + base + (iv * PV)[None, :], acc0 / safe_l[:, None] * vs, mask=hmask[:, None])
+    if PV >= 2:
+        tl.store(OP + base + (iv * PV + 1)[None, :], acc1 / safe_l[:, None] * vs, mask=hmask[:, None])
+    if PV == 4:
+        tl.store(OP + base + (iv * PV + 2)[None, :], acc2 / safe_l[:, None] * vs, mask=hmask[:, None])
+        tl.store(OP + base + (iv * PV + 3)[None, :], acc3 / safe_l[:, None] * vs, mask=hmask[:, None])
     tl.store(LP + b * lp_b + qh.to(tl.int64) * lp_h + split, lse2, mask=hmask)
 
 

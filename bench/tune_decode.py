@@ -1,0 +1,50 @@
+"""Sweep decode-kernel launch parameters (BLOCK_N, warps, stages, splits) for a few schemes on the GPU.
+
+    python3 bench/tune_decode.py [--shape B,Hq,Hkv,D,T]
+Prints one line per configuration: scheme, block_n, num_warps, num_stages, splits, microseconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from decode_bench import bench_ms, make_cache  # noqa: E402
+
+
+def main() -> int:
+    import torch
+
+    from kvqref.backends import triton_backend as tb
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="32,32,8,128,8192")
+    ap.add_argument("--schemes", default="bf16,fp8_e4m3,fp4_e2m1,int4_kivi")
+    args = ap.parse_args()
+    shape = tuple(int(v) for v in args.shape.split(","))
+    for label in args.schemes.split(","):
+        dc, _, _ = make_cache(label, shape, 16)
+        q = torch.randn(shape[0], shape[1], shape[3], device="cuda").to(torch.bfloat16)
+        base = None
+        for bn, nw, ns, sp in itertools.product((32, 64, 128), (4, 8), (2, 3, 4), (None, 4, 8, 16)):
+            if label.endswith("kivi") and bn > 32:
+                continue
+            try:
+                ms = bench_ms(lambda q=q, dc=dc, bn=bn, nw=nw, ns=ns, sp=sp: tb.decode(q, dc, block_n=bn, num_warps=nw,
+                                                                                      num_stages=ns, num_splits=sp))
+            except Exception as exc:  # noqa: BLE001 - report and go on (e.g. out of shared memory)
+                print(label, bn, nw, ns, sp, "failed", type(exc).__name__, str(exc)[:80], flush=True)
+                continue
+            base = ms if base is None else min(base, ms)
+            print(label, bn, nw, ns, sp, f"{ms * 1e3:.1f}", flush=True)
+        print(label, "best", f"{base * 1e3:.1f}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
