@@ -139,8 +139,10 @@ def decode_case(label: str, shape, page_size: int, backend: str = "triton") -> d
     dc, ks, vs = make_cache(label, shape, page_size)
     q = torch.randn(batch, q_heads, head_dim, device="cuda").to(torch.bfloat16)
     if backend == "triton":
+        triton_backend.validate_decode(q, dc)  # once, outside the timed region (it synchronizes)
+
         def fn():
-            return triton_backend.decode(q, dc)
+            return triton_backend.decode(q, dc, validate=False, max_seq_len=tokens)
     else:
         def fn():
             return torch_backend.decode(q, dc)

@@ -35,8 +35,18 @@ def main() -> int:
             if label.endswith("kivi") and bn > 32:
                 continue
             try:
-                ms = bench_ms(lambda q=q, dc=dc, bn=bn, nw=nw, ns=ns, sp=sp: tb.decode(q, dc, block_n=bn, num_warps=nw,
-                                                                                      num_stages=ns, num_splits=sp))
+                ms = bench_ms(
+                    lambda q=q, dc=dc, bn=bn, nw=nw, ns=ns, sp=sp: tb.decode(
+                        q,
+                        dc,
+                        validate=False,
+                        max_seq_len=shape[4],
+                        block_n=bn,
+                        num_warps=nw,
+                        num_stages=ns,
+                        num_splits=sp,
+                    )
+                )
             except Exception as exc:  # noqa: BLE001 - report and go on (e.g. out of shared memory)
                 print(label, bn, nw, ns, sp, "failed", type(exc).__name__, str(exc)[:80], flush=True)
                 continue

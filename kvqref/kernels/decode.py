@@ -31,37 +31,67 @@ LN2 = 0.6931471805599453
 
 
 @triton.jit
-def _split(x):
-    """float32 -> (hi, lo) bfloat16 with hi + lo = x to about 16 bits (interpreter: (x, x), exact float32)."""
+def _split(x, THREE: tl.constexpr):
+    """float32 -> bfloat16 parts whose sum is ``x``: (hi, lo, 0) to about 16 bits, or with ``THREE``
+    (hi, mid, lo), exact for float32. Interpreter: (x, x, x) and exact float32 dots."""
     if INTERPRET:
-        return x, x
+        return x, x, x
     else:
         hi = x.to(tl.bfloat16)
-        return hi, (x - hi.to(tl.float32)).to(tl.bfloat16)
+        r = x - hi.to(tl.float32)
+        mid = r.to(tl.bfloat16)
+        if THREE:
+            lo = (r - mid.to(tl.float32)).to(tl.bfloat16)
+        else:
+            lo = mid
+        return hi, mid, lo
 
 
 @triton.jit
-def _mm(a_hi, a_lo, b, A_SPLIT: tl.constexpr, B_SPLIT: tl.constexpr):
-    """(a_hi + a_lo) [M, K] @ b [K, N] with float32 accumulation on bfloat16 tensor cores; ``b`` is split
-    into hi + lo only when it is not exact in bfloat16 (``B_SPLIT``). Interpreter: one exact float32 dot."""
+def _mm(a_hi, a_mid, a_lo, b, A_PARTS: tl.constexpr, B_SPLIT: tl.constexpr):
+    """(a_hi + a_mid + a_lo) [M, K] @ b [K, N], float32 accumulation on bfloat16 tensor cores; ``A_PARTS``
+    of ``a`` are used (1: ``a`` is exact in bfloat16; 3: float32); ``b`` is split in three when it is not
+    exact in bfloat16 (``B_SPLIT``). Interpreter: one exact float32 dot."""
     if INTERPRET:
         return tl.dot(a_hi, b.to(tl.float32), input_precision="ieee")
     else:
         if B_SPLIT:
-            b_hi, b_lo = _split(b.to(tl.float32))
+            b_hi, b_mid, b_lo = _split(b.to(tl.float32), True)
         else:
             b_hi = b.to(tl.bfloat16)
         acc = tl.dot(a_hi, b_hi)
-        if A_SPLIT:
+        if A_PARTS >= 2:
+            acc += tl.dot(a_mid, b_hi)
+        if A_PARTS >= 3:
             acc += tl.dot(a_lo, b_hi)
         if B_SPLIT:
+            acc += tl.dot(a_hi, b_mid)
             acc += tl.dot(a_hi, b_lo)
+            if A_PARTS >= 2:
+                acc += tl.dot(a_mid, b_mid)
         return acc
 
 
 @triton.jit
-def _phase(byte, slot, e, m, kvh, F1, F2, f1_s, f1_h, f2_s, f2_h, P: tl.constexpr, KIND: tl.constexpr,
-           FMT: tl.constexpr, QB: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr):
+def _phase(
+    byte,
+    slot,
+    e,
+    m,
+    kvh,
+    F1,
+    F2,
+    f1_s,
+    f1_h,
+    f2_s,
+    f2_h,
+    P: tl.constexpr,
+    KIND: tl.constexpr,
+    FMT: tl.constexpr,
+    QB: tl.constexpr,
+    G: tl.constexpr,
+    BITS: tl.constexpr,
+):
     """Dequantize the elements of phase ``P`` (element ``e = i * PACK + P``) from the loaded field-0 values
     ``byte``; ``slot``, ``e`` and ``m`` broadcast to ``byte``'s shape. Exact kinds stay exact in bfloat16."""
     if KIND == 0:
@@ -90,9 +120,28 @@ def _phase(byte, slot, e, m, kvh, F1, F2, f1_s, f1_h, f2_s, f2_h, P: tl.constexp
 
 
 @triton.jit
-def _phase_mixed(byte, slot, e, m, paged, kvh, F1, F2, f1_s, f1_h, f2_s, f2_h, R, roff,
-                 P: tl.constexpr, KIND: tl.constexpr, FMT: tl.constexpr, QB: tl.constexpr, G: tl.constexpr,
-                 BITS: tl.constexpr):
+def _phase_mixed(
+    byte,
+    slot,
+    e,
+    m,
+    paged,
+    kvh,
+    F1,
+    F2,
+    f1_s,
+    f1_h,
+    f2_s,
+    f2_h,
+    R,
+    roff,
+    P: tl.constexpr,
+    KIND: tl.constexpr,
+    FMT: tl.constexpr,
+    QB: tl.constexpr,
+    G: tl.constexpr,
+    BITS: tl.constexpr,
+):
     """As :func:`_phase` where ``paged``, else the float32 residual at ``R + roff + e``."""
     x = _phase(byte, slot, e, paged, kvh, F1, F2, f1_s, f1_h, f2_s, f2_h, P, KIND, FMT, QB, G, BITS)
     r = tl.load(R + roff + e, mask=m & (paged == 0), other=0.0)
@@ -103,7 +152,7 @@ def _phase_mixed(byte, slot, e, m, paged, kvh, F1, F2, f1_s, f1_h, f2_s, f2_h, R
 def _load_q(Q, base, hmask, P: tl.constexpr, PACK: tl.constexpr, DP: tl.constexpr):
     i = tl.arange(0, DP)
     qp = tl.load(Q + base + (i * PACK + P)[None, :], mask=hmask[:, None], other=0.0).to(tl.float32)
-    return _split(qp)
+    return _split(qp, True)
 
 
 @triton.jit
@@ -119,19 +168,68 @@ def _softmax_step(s, tmask, m_i, l_i):
 
 @triton.jit
 def decode_split_kernel(
-    Q, BT, SL, KL, VL, K0, K1, K2, V0, V1, V2, RK, RV, KS, VS, OP, LP,
-    sm_scale, num_splits, tokens_per_split,
-    stride_qb, stride_qh, stride_btb,
-    k0_s, k0_h, k1_s, k1_h, k2_s, k2_h,
-    v0_s, v0_h, v1_s, v1_h, v2_s, v2_h,
-    r_b, r_t, r_h,
-    op_b, op_h, op_s, lp_b, lp_h,
-    QPK: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-    KIND_K: tl.constexpr, FMT_K: tl.constexpr, TSC_K: tl.constexpr, QB_K: tl.constexpr, G_K: tl.constexpr,
+    Q,
+    BT,
+    SL,
+    KL,
+    VL,
+    K0,
+    K1,
+    K2,
+    V0,
+    V1,
+    V2,
+    RK,
+    RV,
+    KS,
+    VS,
+    OP,
+    LP,
+    sm_scale,
+    num_splits,
+    tokens_per_split,
+    stride_qb,
+    stride_qh,
+    stride_btb,
+    k0_s,
+    k0_h,
+    k1_s,
+    k1_h,
+    k2_s,
+    k2_h,
+    v0_s,
+    v0_h,
+    v1_s,
+    v1_h,
+    v2_s,
+    v2_h,
+    r_b,
+    r_t,
+    r_h,
+    op_b,
+    op_h,
+    op_s,
+    lp_b,
+    lp_h,
+    QPK: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    D: tl.constexpr,
+    PAGE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    KIND_K: tl.constexpr,
+    FMT_K: tl.constexpr,
+    TSC_K: tl.constexpr,
+    QB_K: tl.constexpr,
+    G_K: tl.constexpr,
     BITS_K: tl.constexpr,
-    KIND_V: tl.constexpr, FMT_V: tl.constexpr, TSC_V: tl.constexpr, QB_V: tl.constexpr, G_V: tl.constexpr,
+    KIND_V: tl.constexpr,
+    FMT_V: tl.constexpr,
+    TSC_V: tl.constexpr,
+    QB_V: tl.constexpr,
+    G_V: tl.constexpr,
     BITS_V: tl.constexpr,
-    HAS_RES: tl.constexpr, Q_SPLIT: tl.constexpr,
+    HAS_RES: tl.constexpr,
+    Q_SPLIT: tl.constexpr,
 ):
     """One (sequence, KV head, split): K tiles are read transposed [D/PACK, N] per phase (the elements
     sharing a byte position), V tiles [N, D/PACK]; no register transposes or interleaves."""
@@ -139,6 +237,7 @@ def decode_split_kernel(
     PV: tl.constexpr = 1 if KIND_V <= 1 else (2 if KIND_V <= 3 else 8 // BITS_V)
     DK: tl.constexpr = D // PK
     DV: tl.constexpr = D // PV
+    QP: tl.constexpr = 3 if Q_SPLIT else 1  # a bfloat16 q is exact in one part
     K_SPLIT: tl.constexpr = KIND_K >= 4
     V_SPLIT: tl.constexpr = KIND_V >= 4
     b = tl.program_id(0).to(tl.int64)
@@ -148,10 +247,10 @@ def decode_split_kernel(
     hmask = hh < QPK
     qh = kvh * QPK + hh
     qbase = b * stride_qb + qh[:, None].to(tl.int64) * stride_qh
-    q0h, q0l = _load_q(Q, qbase, hmask, 0, PK, DK)
-    q1h, q1l = _load_q(Q, qbase, hmask, 1 % PK, PK, DK)
-    q2h, q2l = _load_q(Q, qbase, hmask, 2 % PK, PK, DK)
-    q3h, q3l = _load_q(Q, qbase, hmask, 3 % PK, PK, DK)
+    q0h, q0m, q0l = _load_q(Q, qbase, hmask, 0, PK, DK)
+    q1h, q1m, q1l = _load_q(Q, qbase, hmask, 1 % PK, PK, DK)
+    q2h, q2m, q2l = _load_q(Q, qbase, hmask, 2 % PK, PK, DK)
+    q3h, q3m, q3l = _load_q(Q, qbase, hmask, 3 % PK, PK, DK)
     qk_scale = sm_scale * tl.load(KS + kvh) * 1.4426950408889634
     m_i = tl.full((BLOCK_H,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_H,), tl.float32)
@@ -177,16 +276,112 @@ def decode_split_kernel(
             sk = slot[None, :]
             mk = tmask[None, :]
             kb = tl.load(K0 + sk * k0_s + kvh * k0_h + ik[:, None], mask=mk, other=0)
-            s = _mm(q0h, q0l, _phase(kb, sk, ik[:, None] * PK, mk, kvh, K1, K2, k1_s, k1_h, k2_s, k2_h, 0,
-                                     KIND_K, FMT_K, QB_K, G_K, BITS_K), Q_SPLIT, K_SPLIT)
+            s = _mm(
+                q0h,
+                q0m,
+                q0l,
+                _phase(
+                    kb,
+                    sk,
+                    ik[:, None] * PK,
+                    mk,
+                    kvh,
+                    K1,
+                    K2,
+                    k1_s,
+                    k1_h,
+                    k2_s,
+                    k2_h,
+                    0,
+                    KIND_K,
+                    FMT_K,
+                    QB_K,
+                    G_K,
+                    BITS_K,
+                ),
+                QP,
+                K_SPLIT,
+            )
             if PK >= 2:
-                s += _mm(q1h, q1l, _phase(kb, sk, ik[:, None] * PK + 1, mk, kvh, K1, K2, k1_s, k1_h, k2_s, k2_h, 1,
-                                          KIND_K, FMT_K, QB_K, G_K, BITS_K), Q_SPLIT, K_SPLIT)
+                s += _mm(
+                    q1h,
+                    q1m,
+                    q1l,
+                    _phase(
+                        kb,
+                        sk,
+                        ik[:, None] * PK + 1,
+                        mk,
+                        kvh,
+                        K1,
+                        K2,
+                        k1_s,
+                        k1_h,
+                        k2_s,
+                        k2_h,
+                        1,
+                        KIND_K,
+                        FMT_K,
+                        QB_K,
+                        G_K,
+                        BITS_K,
+                    ),
+                    QP,
+                    K_SPLIT,
+                )
             if PK == 4:
-                s += _mm(q2h, q2l, _phase(kb, sk, ik[:, None] * PK + 2, mk, kvh, K1, K2, k1_s, k1_h, k2_s, k2_h, 2,
-                                          KIND_K, FMT_K, QB_K, G_K, BITS_K), Q_SPLIT, K_SPLIT)
-                s += _mm(q3h, q3l, _phase(kb, sk, ik[:, None] * PK + 3, mk, kvh, K1, K2, k1_s, k1_h, k2_s, k2_h, 3,
-                                          KIND_K, FMT_K, QB_K, G_K, BITS_K), Q_SPLIT, K_SPLIT)
+                s += _mm(
+                    q2h,
+                    q2m,
+                    q2l,
+                    _phase(
+                        kb,
+                        sk,
+                        ik[:, None] * PK + 2,
+                        mk,
+                        kvh,
+                        K1,
+                        K2,
+                        k1_s,
+                        k1_h,
+                        k2_s,
+                        k2_h,
+                        2,
+                        KIND_K,
+                        FMT_K,
+                        QB_K,
+                        G_K,
+                        BITS_K,
+                    ),
+                    QP,
+                    K_SPLIT,
+                )
+                s += _mm(
+                    q3h,
+                    q3m,
+                    q3l,
+                    _phase(
+                        kb,
+                        sk,
+                        ik[:, None] * PK + 3,
+                        mk,
+                        kvh,
+                        K1,
+                        K2,
+                        k1_s,
+                        k1_h,
+                        k2_s,
+                        k2_h,
+                        3,
+                        KIND_K,
+                        FMT_K,
+                        QB_K,
+                        G_K,
+                        BITS_K,
+                    ),
+                    QP,
+                    K_SPLIT,
+                )
             if KIND_K == 1 and TSC_K:
                 s = s * (tl.load(K1 + slot * k1_s + kvh * k1_h, mask=tmask, other=0.0) * qk_scale)[None, :]
             else:
@@ -194,25 +389,117 @@ def decode_split_kernel(
             p, alpha, m_i, l_i = _softmax_step(s, tmask, m_i, l_i)
             if KIND_V == 1 and TSC_V:
                 p = p * tl.load(V1 + slot * v1_s + kvh * v1_h, mask=tmask, other=0.0)[None, :]
-            ph, pl = _split(p)
+            ph, pm, pl = _split(p, True)
             # V: [N, DV] per phase
             sv = slot[:, None]
             mv = tmask[:, None]
             vb = tl.load(V0 + sv * v0_s + kvh * v0_h + iv[None, :], mask=mv, other=0)
-            acc0 = acc0 * alpha[:, None] + _mm(ph, pl, _phase(vb, sv, iv[None, :] * PV, mv, kvh, V1, V2, v1_s, v1_h,
-                                                              v2_s, v2_h, 0, KIND_V, FMT_V, QB_V, G_V, BITS_V),
-                                               True, V_SPLIT)
+            acc0 = acc0 * alpha[:, None] + _mm(
+                ph,
+                pm,
+                pl,
+                _phase(
+                    vb,
+                    sv,
+                    iv[None, :] * PV,
+                    mv,
+                    kvh,
+                    V1,
+                    V2,
+                    v1_s,
+                    v1_h,
+                    v2_s,
+                    v2_h,
+                    0,
+                    KIND_V,
+                    FMT_V,
+                    QB_V,
+                    G_V,
+                    BITS_V,
+                ),
+                3,
+                V_SPLIT,
+            )
             if PV >= 2:
-                acc1 = acc1 * alpha[:, None] + _mm(ph, pl, _phase(vb, sv, iv[None, :] * PV + 1, mv, kvh, V1, V2,
-                                                                  v1_s, v1_h, v2_s, v2_h, 1, KIND_V, FMT_V, QB_V,
-                                                                  G_V, BITS_V), True, V_SPLIT)
+                acc1 = acc1 * alpha[:, None] + _mm(
+                    ph,
+                    pm,
+                    pl,
+                    _phase(
+                        vb,
+                        sv,
+                        iv[None, :] * PV + 1,
+                        mv,
+                        kvh,
+                        V1,
+                        V2,
+                        v1_s,
+                        v1_h,
+                        v2_s,
+                        v2_h,
+                        1,
+                        KIND_V,
+                        FMT_V,
+                        QB_V,
+                        G_V,
+                        BITS_V,
+                    ),
+                    3,
+                    V_SPLIT,
+                )
             if PV == 4:
-                acc2 = acc2 * alpha[:, None] + _mm(ph, pl, _phase(vb, sv, iv[None, :] * PV + 2, mv, kvh, V1, V2,
-                                                                  v1_s, v1_h, v2_s, v2_h, 2, KIND_V, FMT_V, QB_V,
-                                                                  G_V, BITS_V), True, V_SPLIT)
-                acc3 = acc3 * alpha[:, None] + _mm(ph, pl, _phase(vb, sv, iv[None, :] * PV + 3, mv, kvh, V1, V2,
-                                                                  v1_s, v1_h, v2_s, v2_h, 3, KIND_V, FMT_V, QB_V,
-                                                                  G_V, BITS_V), True, V_SPLIT)
+                acc2 = acc2 * alpha[:, None] + _mm(
+                    ph,
+                    pm,
+                    pl,
+                    _phase(
+                        vb,
+                        sv,
+                        iv[None, :] * PV + 2,
+                        mv,
+                        kvh,
+                        V1,
+                        V2,
+                        v1_s,
+                        v1_h,
+                        v2_s,
+                        v2_h,
+                        2,
+                        KIND_V,
+                        FMT_V,
+                        QB_V,
+                        G_V,
+                        BITS_V,
+                    ),
+                    3,
+                    V_SPLIT,
+                )
+                acc3 = acc3 * alpha[:, None] + _mm(
+                    ph,
+                    pm,
+                    pl,
+                    _phase(
+                        vb,
+                        sv,
+                        iv[None, :] * PV + 3,
+                        mv,
+                        kvh,
+                        V1,
+                        V2,
+                        v1_s,
+                        v1_h,
+                        v2_s,
+                        v2_h,
+                        3,
+                        KIND_V,
+                        FMT_V,
+                        QB_V,
+                        G_V,
+                        BITS_V,
+                    ),
+                    3,
+                    V_SPLIT,
+                )
     if HAS_RES and split >= num_splits:
         # the tail [min(k_len, v_len), seq_len): KIVI keeps the newest keys and values in full precision
         # (float32 residuals [batch, W, kv_heads, D]); K and V switch to their residual at their own length
@@ -229,37 +516,249 @@ def decode_split_kernel(
             pk = mk & (t < kl)[None, :]
             rko = b * r_b + (t - kl)[None, :].to(tl.int64) * r_t + kvh * r_h
             kb = tl.load(K0 + sk * k0_s + kvh * k0_h + ik[:, None], mask=pk, other=0)
-            s = _mm(q0h, q0l, _phase_mixed(kb, sk, ik[:, None] * PK, mk, pk, kvh, K1, K2, k1_s, k1_h, k2_s, k2_h,
-                                           RK, rko, 0, KIND_K, FMT_K, QB_K, G_K, BITS_K), Q_SPLIT, True)
+            s = _mm(
+                q0h,
+                q0m,
+                q0l,
+                _phase_mixed(
+                    kb,
+                    sk,
+                    ik[:, None] * PK,
+                    mk,
+                    pk,
+                    kvh,
+                    K1,
+                    K2,
+                    k1_s,
+                    k1_h,
+                    k2_s,
+                    k2_h,
+                    RK,
+                    rko,
+                    0,
+                    KIND_K,
+                    FMT_K,
+                    QB_K,
+                    G_K,
+                    BITS_K,
+                ),
+                QP,
+                True,
+            )
             if PK >= 2:
-                s += _mm(q1h, q1l, _phase_mixed(kb, sk, ik[:, None] * PK + 1, mk, pk, kvh, K1, K2, k1_s, k1_h, k2_s,
-                                                k2_h, RK, rko, 1, KIND_K, FMT_K, QB_K, G_K, BITS_K), Q_SPLIT, True)
+                s += _mm(
+                    q1h,
+                    q1m,
+                    q1l,
+                    _phase_mixed(
+                        kb,
+                        sk,
+                        ik[:, None] * PK + 1,
+                        mk,
+                        pk,
+                        kvh,
+                        K1,
+                        K2,
+                        k1_s,
+                        k1_h,
+                        k2_s,
+                        k2_h,
+                        RK,
+                        rko,
+                        1,
+                        KIND_K,
+                        FMT_K,
+                        QB_K,
+                        G_K,
+                        BITS_K,
+                    ),
+                    QP,
+                    True,
+                )
             if PK == 4:
-                s += _mm(q2h, q2l, _phase_mixed(kb, sk, ik[:, None] * PK + 2, mk, pk, kvh, K1, K2, k1_s, k1_h, k2_s,
-                                                k2_h, RK, rko, 2, KIND_K, FMT_K, QB_K, G_K, BITS_K), Q_SPLIT, True)
-                s += _mm(q3h, q3l, _phase_mixed(kb, sk, ik[:, None] * PK + 3, mk, pk, kvh, K1, K2, k1_s, k1_h, k2_s,
-                                                k2_h, RK, rko, 3, KIND_K, FMT_K, QB_K, G_K, BITS_K), Q_SPLIT, True)
+                s += _mm(
+                    q2h,
+                    q2m,
+                    q2l,
+                    _phase_mixed(
+                        kb,
+                        sk,
+                        ik[:, None] * PK + 2,
+                        mk,
+                        pk,
+                        kvh,
+                        K1,
+                        K2,
+                        k1_s,
+                        k1_h,
+                        k2_s,
+                        k2_h,
+                        RK,
+                        rko,
+                        2,
+                        KIND_K,
+                        FMT_K,
+                        QB_K,
+                        G_K,
+                        BITS_K,
+                    ),
+                    QP,
+                    True,
+                )
+                s += _mm(
+                    q3h,
+                    q3m,
+                    q3l,
+                    _phase_mixed(
+                        kb,
+                        sk,
+                        ik[:, None] * PK + 3,
+                        mk,
+                        pk,
+                        kvh,
+                        K1,
+                        K2,
+                        k1_s,
+                        k1_h,
+                        k2_s,
+                        k2_h,
+                        RK,
+                        rko,
+                        3,
+                        KIND_K,
+                        FMT_K,
+                        QB_K,
+                        G_K,
+                        BITS_K,
+                    ),
+                    QP,
+                    True,
+                )
             p, alpha, m_i, l_i = _softmax_step(s * qk_scale, tmask, m_i, l_i)
-            ph, pl = _split(p)
+            ph, pm, pl = _split(p, True)
             sv = slot[:, None]
             mv = tmask[:, None]
             pv = mv & (t < vl)[:, None]
             rvo = b * r_b + (t - vl)[:, None].to(tl.int64) * r_t + kvh * r_h
             vb = tl.load(V0 + sv * v0_s + kvh * v0_h + iv[None, :], mask=pv, other=0)
-            acc0 = acc0 * alpha[:, None] + _mm(ph, pl, _phase_mixed(vb, sv, iv[None, :] * PV, mv, pv, kvh, V1, V2,
-                                                                    v1_s, v1_h, v2_s, v2_h, RV, rvo, 0, KIND_V,
-                                                                    FMT_V, QB_V, G_V, BITS_V), True, True)
+            acc0 = acc0 * alpha[:, None] + _mm(
+                ph,
+                pm,
+                pl,
+                _phase_mixed(
+                    vb,
+                    sv,
+                    iv[None, :] * PV,
+                    mv,
+                    pv,
+                    kvh,
+                    V1,
+                    V2,
+                    v1_s,
+                    v1_h,
+                    v2_s,
+                    v2_h,
+                    RV,
+                    rvo,
+                    0,
+                    KIND_V,
+                    FMT_V,
+                    QB_V,
+                    G_V,
+                    BITS_V,
+                ),
+                3,
+                True,
+            )
             if PV >= 2:
-                acc1 = acc1 * alpha[:, None] + _mm(ph, pl, _phase_mixed(vb, sv, iv[None, :] * PV + 1, mv, pv, kvh,
-                                                                        V1, V2, v1_s, v1_h, v2_s, v2_h, RV, rvo, 1,
-                                                                        KIND_V, FMT_V, QB_V, G_V, BITS_V), True, True)
+                acc1 = acc1 * alpha[:, None] + _mm(
+                    ph,
+                    pm,
+                    pl,
+                    _phase_mixed(
+                        vb,
+                        sv,
+                        iv[None, :] * PV + 1,
+                        mv,
+                        pv,
+                        kvh,
+                        V1,
+                        V2,
+                        v1_s,
+                        v1_h,
+                        v2_s,
+                        v2_h,
+                        RV,
+                        rvo,
+                        1,
+                        KIND_V,
+                        FMT_V,
+                        QB_V,
+                        G_V,
+                        BITS_V,
+                    ),
+                    3,
+                    True,
+                )
             if PV == 4:
-                acc2 = acc2 * alpha[:, None] + _mm(ph, pl, _phase_mixed(vb, sv, iv[None, :] * PV + 2, mv, pv, kvh,
-                                                                        V1, V2, v1_s, v1_h, v2_s, v2_h, RV, rvo, 2,
-                                                                        KIND_V, FMT_V, QB_V, G_V, BITS_V), True, True)
-                acc3 = acc3 * alpha[:, None] + _mm(ph, pl, _phase_mixed(vb, sv, iv[None, :] * PV + 3, mv, pv, kvh,
-                                                                        V1, V2, v1_s, v1_h, v2_s, v2_h, RV, rvo, 3,
-                                                                        KIND_V, FMT_V, QB_V, G_V, BITS_V), True, True)
+                acc2 = acc2 * alpha[:, None] + _mm(
+                    ph,
+                    pm,
+                    pl,
+                    _phase_mixed(
+                        vb,
+                        sv,
+                        iv[None, :] * PV + 2,
+                        mv,
+                        pv,
+                        kvh,
+                        V1,
+                        V2,
+                        v1_s,
+                        v1_h,
+                        v2_s,
+                        v2_h,
+                        RV,
+                        rvo,
+                        2,
+                        KIND_V,
+                        FMT_V,
+                        QB_V,
+                        G_V,
+                        BITS_V,
+                    ),
+                    3,
+                    True,
+                )
+                acc3 = acc3 * alpha[:, None] + _mm(
+                    ph,
+                    pm,
+                    pl,
+                    _phase_mixed(
+                        vb,
+                        sv,
+                        iv[None, :] * PV + 3,
+                        mv,
+                        pv,
+                        kvh,
+                        V1,
+                        V2,
+                        v1_s,
+                        v1_h,
+                        v2_s,
+                        v2_h,
+                        RV,
+                        rvo,
+                        3,
+                        KIND_V,
+                        FMT_V,
+                        QB_V,
+                        G_V,
+                        BITS_V,
+                    ),
+                    3,
+                    True,
+                )
     safe_l = tl.where(l_i > 0, l_i, 1.0)
     vs = tl.load(VS + kvh)
     lse2 = tl.where(l_i > 0, m_i + tl.log2(safe_l), float("-inf"))
@@ -274,8 +773,9 @@ def decode_split_kernel(
 
 
 @triton.jit
-def merge_kernel(OP, LP, O, LSE, n_splits, op_b, op_h, op_s, lp_b, lp_h, o_b, o_h, lse_b,
-                 D: tl.constexpr, S_PAD: tl.constexpr):
+def merge_kernel(
+    OP, LP, O, LSE, n_splits, op_b, op_h, op_s, lp_b, lp_h, o_b, o_h, lse_b, D: tl.constexpr, S_PAD: tl.constexpr
+):
     """Merge split outputs by log-sum-exp; writes out [D] and the natural-log LSE of one (seq, head)."""
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
@@ -304,8 +804,18 @@ class CacheTiles:
     ``tensor_scale`` is a float32 [kv_heads] tensor folded into the softmax scale (K) or the output (V).
     """
 
-    def __init__(self, kind: str, fields: list, tensor_scale, *, fmt: int = 0, token_scale: bool = False,
-                 block: int = 16, group: int = 1, bits: int = 8) -> None:
+    def __init__(
+        self,
+        kind: str,
+        fields: list,
+        tensor_scale,
+        *,
+        fmt: int = 0,
+        token_scale: bool = False,
+        block: int = 16,
+        group: int = 1,
+        bits: int = 8,
+    ) -> None:
         if kind not in KIND_IDS:
             raise ValueError(f"unknown tile kind {kind!r}; known: {sorted(KIND_IDS)}")
         self.kind, self.fields, self.tensor_scale = kind, list(fields), tensor_scale
@@ -322,7 +832,6 @@ class CacheTiles:
         return out
 
 
-
 def choose_splits(batch: int, kv_heads: int, max_len: int, block_n: int, num_sms: int) -> tuple[int, int]:
     """(splits, tokens per split): enough programs to fill about two waves of the GPU, each split a
     whole number of tiles and at least 4 tiles long."""
@@ -334,9 +843,22 @@ def choose_splits(batch: int, kv_heads: int, max_len: int, block_n: int, num_sms
     return -(-max(max_len, 1) // per), per
 
 
-def paged_decode(q, k: CacheTiles, v: CacheTiles, block_table, seq_lens, page_size: int, *,
-                 sm_scale: float | None = None, residual=None, block_n: int = 64, num_splits: int | None = None,
-                 max_seq_len: int | None = None, num_warps: int = 4, num_stages: int = 2):
+def paged_decode(
+    q,
+    k: CacheTiles,
+    v: CacheTiles,
+    block_table,
+    seq_lens,
+    page_size: int,
+    *,
+    sm_scale: float | None = None,
+    residual=None,
+    block_n: int = 64,
+    num_splits: int | None = None,
+    max_seq_len: int | None = None,
+    num_warps: int = 4,
+    num_stages: int = 2,
+):
     """Decode attention for q [batch, q_heads, D] over a paged cache; returns (out [B, Hq, D] float32,
     lse [B, Hq] float32, natural log).
 
@@ -351,45 +873,94 @@ def paged_decode(q, k: CacheTiles, v: CacheTiles, block_table, seq_lens, page_si
     qpk = q_heads // kv_heads
     block_h = max(16, triton.next_power_of_2(qpk))
     if sm_scale is None:
-        sm_scale = head_dim ** -0.5
+        sm_scale = head_dim**-0.5
     has_res = residual is not None
     if has_res:
         rk, rv, kl, vl = residual
-        paged_max = int(torch.minimum(kl, vl).max().item()) if kl.numel() else 0
     else:
         rk = rv = torch.zeros(1, 1, 1, 1, dtype=torch.float32, device=q.device)
         kl = vl = seq_lens
-        paged_max = None
-    if max_seq_len is None:
+    if max_seq_len is None:  # (a device sync: callers in a hot loop pass it)
         max_seq_len = int(seq_lens.max().item()) if seq_lens.numel() else 0
-    if paged_max is None:
-        paged_max = max_seq_len
     if num_splits is None:
         sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4
-        num_splits, per = choose_splits(batch, kv_heads, paged_max, block_n, sms)
+        num_splits, per = choose_splits(batch, kv_heads, max_seq_len, block_n, sms)
     else:
-        per = -(-max(paged_max, 1) // num_splits)
+        per = -(-max(max_seq_len, 1) // num_splits)
         per = -(-per // block_n) * block_n
     total = num_splits + int(has_res)
     op = torch.empty(batch, q_heads, total, head_dim, dtype=torch.float32, device=q.device)
     lp = torch.empty(batch, q_heads, total, dtype=torch.float32, device=q.device)
     grid = (batch, kv_heads, total)
     decode_split_kernel[grid](
-        q, block_table, seq_lens, kl, vl, *k.field_args(), *v.field_args(), rk, rv, k.tensor_scale, v.tensor_scale,
-        op, lp, float(sm_scale), num_splits, per,
-        q.stride(0), q.stride(1), block_table.stride(0),
-        *k.stride_args(), *v.stride_args(),
-        rk.stride(0), rk.stride(1), rk.stride(2),
-        op.stride(0), op.stride(1), op.stride(2), lp.stride(0), lp.stride(1),
-        QPK=qpk, BLOCK_H=block_h, D=head_dim, PAGE=page_size, BLOCK_N=block_n,
-        KIND_K=KIND_IDS[k.kind], FMT_K=k.fmt, TSC_K=k.token_scale, QB_K=k.block, G_K=k.group, BITS_K=k.bits,
-        KIND_V=KIND_IDS[v.kind], FMT_V=v.fmt, TSC_V=v.token_scale, QB_V=v.block, G_V=v.group, BITS_V=v.bits,
-        HAS_RES=has_res, Q_SPLIT=q.dtype != torch.bfloat16,
-        num_warps=num_warps, num_stages=num_stages,
+        q,
+        block_table,
+        seq_lens,
+        kl,
+        vl,
+        *k.field_args(),
+        *v.field_args(),
+        rk,
+        rv,
+        k.tensor_scale,
+        v.tensor_scale,
+        op,
+        lp,
+        float(sm_scale),
+        num_splits,
+        per,
+        q.stride(0),
+        q.stride(1),
+        block_table.stride(0),
+        *k.stride_args(),
+        *v.stride_args(),
+        rk.stride(0),
+        rk.stride(1),
+        rk.stride(2),
+        op.stride(0),
+        op.stride(1),
+        op.stride(2),
+        lp.stride(0),
+        lp.stride(1),
+        QPK=qpk,
+        BLOCK_H=block_h,
+        D=head_dim,
+        PAGE=page_size,
+        BLOCK_N=block_n,
+        KIND_K=KIND_IDS[k.kind],
+        FMT_K=k.fmt,
+        TSC_K=k.token_scale,
+        QB_K=k.block,
+        G_K=k.group,
+        BITS_K=k.bits,
+        KIND_V=KIND_IDS[v.kind],
+        FMT_V=v.fmt,
+        TSC_V=v.token_scale,
+        QB_V=v.block,
+        G_V=v.group,
+        BITS_V=v.bits,
+        HAS_RES=has_res,
+        Q_SPLIT=q.dtype != torch.bfloat16,
+        num_warps=num_warps,
+        num_stages=num_stages,
     )
     out = torch.empty(batch, q_heads, head_dim, dtype=torch.float32, device=q.device)
     lse = torch.empty(batch, q_heads, dtype=torch.float32, device=q.device)
-    merge_kernel[(batch, q_heads)](op, lp, out, lse, total, op.stride(0), op.stride(1), op.stride(2),
-                                   lp.stride(0), lp.stride(1), out.stride(0), out.stride(1), lse.stride(0),
-                                   D=head_dim, S_PAD=max(2, triton.next_power_of_2(total)))
+    merge_kernel[(batch, q_heads)](
+        op,
+        lp,
+        out,
+        lse,
+        total,
+        op.stride(0),
+        op.stride(1),
+        op.stride(2),
+        lp.stride(0),
+        lp.stride(1),
+        out.stride(0),
+        out.stride(1),
+        lse.stride(0),
+        D=head_dim,
+        S_PAD=max(2, triton.next_power_of_2(total)),
+    )
     return out, lse
