@@ -25,13 +25,21 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="32,32,8,128,8192")
     ap.add_argument("--schemes", default="bf16,fp8_e4m3,fp4_e2m1,int4_kivi")
+    ap.add_argument("--once", action="store_true", help="one decode per scheme (for a profiler)")
     args = ap.parse_args()
     shape = tuple(int(v) for v in args.shape.split(","))
+    if args.once:
+        for label in args.schemes.split(","):
+            dc, _, _ = make_cache(label, shape, 16)
+            q = torch.randn(shape[0], shape[1], shape[3], device="cuda").to(torch.bfloat16)
+            tb.decode(q, dc, validate=False, max_seq_len=shape[4], block_n=32, num_splits=8)
+            torch.cuda.synchronize()
+        return 0
     for label in args.schemes.split(","):
         dc, _, _ = make_cache(label, shape, 16)
         q = torch.randn(shape[0], shape[1], shape[3], device="cuda").to(torch.bfloat16)
         base = None
-        for bn, nw, ns, sp in itertools.product((32, 64), (4, 8), (2, 3), (None, 8, 16)):
+        for bn, nw, ns, sp in itertools.product((32, 64), (4, 8), (2, 3, 4), (8, 16)):
             if label.endswith("kivi") and bn > 32:
                 continue
             try:
