@@ -24,7 +24,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kvqref.kernels.codecs import INTERPRET, decode_f32, e8m0_to_f32
+from kvqref.kernels.codecs import INTERPRET, decode_f32, e8m0_to_f32, floor_log2_f32, pow2_f32
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -73,6 +73,28 @@ def _mm(a_hi, a_mid, a_lo, b, A_PARTS: tl.constexpr, B_SPLIT: tl.constexpr):
 
 
 @triton.jit
+def _split16(x):
+    """float32 -> (hi, lo) float16 parts, hi + lo = x to 22 bits (the caller scales x into float16's range)."""
+    if INTERPRET:
+        return x, x
+    else:
+        hi = x.to(tl.float16)
+        return hi, (x - hi.to(tl.float32)).to(tl.float16)
+
+
+@triton.jit
+def _mm16(a_hi, a_lo, b, A_PARTS: tl.constexpr):
+    """(a_hi + a_lo) @ b on float16 tensor cores (``b`` exact in float16: FP8 values), float32 accumulation."""
+    if INTERPRET:
+        return tl.dot(a_hi, b.to(tl.float32), input_precision="ieee")
+    else:
+        acc = tl.dot(a_hi, b)
+        if A_PARTS >= 2:
+            acc += tl.dot(a_lo, b)
+        return acc
+
+
+@triton.jit
 def _phase(
     byte,
     slot,
@@ -97,7 +119,17 @@ def _phase(
     if KIND == 0:
         return byte
     elif KIND == 1:
-        return decode_f32(byte, FMT)
+        if FMT >= 8 and not INTERPRET:  # hardware conversion, exact: fp8 -> fp16 (FMT - 8 is the format)
+            if FMT == 8:
+                return byte.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+            elif FMT == 9:
+                return byte.to(tl.float8e5, bitcast=True).to(tl.float16)
+            elif FMT == 10:
+                return byte.to(tl.float8e4b8, bitcast=True).to(tl.float16)
+            else:
+                return byte.to(tl.float8e5b16, bitcast=True).to(tl.float16)
+        else:
+            return decode_f32(byte, FMT % 8)
     elif KIND == 2 or KIND == 3:
         nib = (byte.to(tl.int32) >> (4 * P)) & 0xF
         sc = tl.load(F1 + slot * f1_s + kvh * f1_h + e // QB, mask=m, other=0)
@@ -153,6 +185,11 @@ def _load_q(Q, base, hmask, P: tl.constexpr, PACK: tl.constexpr, DP: tl.constexp
     i = tl.arange(0, DP)
     qp = tl.load(Q + base + (i * PACK + P)[None, :], mask=hmask[:, None], other=0.0).to(tl.float32)
     return _split(qp, True)
+
+
+@triton.jit
+def ik_all(D: tl.constexpr):
+    return tl.arange(0, D)
 
 
 @triton.jit
@@ -252,6 +289,18 @@ def decode_split_kernel(
     q2h, q2m, q2l = _load_q(Q, qbase, hmask, 2 % PK, PK, DK)
     q3h, q3m, q3l = _load_q(Q, qbase, hmask, 3 % PK, PK, DK)
     qk_scale = sm_scale * tl.load(KS + kvh) * 1.4426950408889634
+    # FP8 tiles are exact in float16: q goes to float16 tensor cores, scaled by a power of two into range
+    F16K: tl.constexpr = KIND_K == 1
+    F16V: tl.constexpr = KIND_V == 1 and not TSC_V
+    QP16: tl.constexpr = 2 if Q_SPLIT else 1
+    if F16K:
+        qf = tl.load(Q + qbase + ik_all(D)[None, :], mask=hmask[:, None], other=0.0).to(tl.float32)
+        qmax = tl.max(tl.max(tl.abs(qf), 1), 0)
+        eq = tl.where(qmax > 0, tl.minimum(14 - floor_log2_f32(qmax), 126), 0)
+        q16h, q16l = _split16(qf * pow2_f32(eq))
+        sc_k = qk_scale * pow2_f32(-eq)
+    else:
+        sc_k = qk_scale
     m_i = tl.full((BLOCK_H,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_H,), tl.float32)
     acc0 = tl.zeros((BLOCK_H, DV), tl.float32)
@@ -276,32 +325,29 @@ def decode_split_kernel(
             sk = slot[None, :]
             mk = tmask[None, :]
             kb = tl.load(K0 + sk * k0_s + kvh * k0_h + ik[:, None], mask=mk, other=0)
-            s = _mm(
-                q0h,
-                q0m,
-                q0l,
-                _phase(
-                    kb,
-                    sk,
-                    ik[:, None] * PK,
-                    mk,
-                    kvh,
-                    K1,
-                    K2,
-                    k1_s,
-                    k1_h,
-                    k2_s,
-                    k2_h,
-                    0,
-                    KIND_K,
-                    FMT_K,
-                    QB_K,
-                    G_K,
-                    BITS_K,
-                ),
-                QP,
-                K_SPLIT,
+            k0t = _phase(
+                kb,
+                sk,
+                ik[:, None] * PK,
+                mk,
+                kvh,
+                K1,
+                K2,
+                k1_s,
+                k1_h,
+                k2_s,
+                k2_h,
+                0,
+                KIND_K,
+                FMT_K,
+                QB_K,
+                G_K,
+                BITS_K,
             )
+            if F16K:
+                s = _mm16(q16h, q16l, k0t, QP16)
+            else:
+                s = _mm(q0h, q0m, q0l, k0t, QP, K_SPLIT)
             if PK >= 2:
                 s += _mm(
                     q1h,
@@ -383,43 +429,43 @@ def decode_split_kernel(
                     K_SPLIT,
                 )
             if KIND_K == 1 and TSC_K:
-                s = s * (tl.load(K1 + slot * k1_s + kvh * k1_h, mask=tmask, other=0.0) * qk_scale)[None, :]
+                s = s * (tl.load(K1 + slot * k1_s + kvh * k1_h, mask=tmask, other=0.0) * sc_k)[None, :]
             else:
-                s = s * qk_scale
+                s = s * sc_k
             p, alpha, m_i, l_i = _softmax_step(s, tmask, m_i, l_i)
             if KIND_V == 1 and TSC_V:
                 p = p * tl.load(V1 + slot * v1_s + kvh * v1_h, mask=tmask, other=0.0)[None, :]
-            ph, pm, pl = _split(p, True)
+            if F16V:
+                p16h, p16l = _split16(p * 16384.0)  # p <= 1: scaled into float16's normal range
+            else:
+                ph, pm, pl = _split(p, True)
             # V: [N, DV] per phase
             sv = slot[:, None]
             mv = tmask[:, None]
             vb = tl.load(V0 + sv * v0_s + kvh * v0_h + iv[None, :], mask=mv, other=0)
-            acc0 = acc0 * alpha[:, None] + _mm(
-                ph,
-                pm,
-                pl,
-                _phase(
-                    vb,
-                    sv,
-                    iv[None, :] * PV,
-                    mv,
-                    kvh,
-                    V1,
-                    V2,
-                    v1_s,
-                    v1_h,
-                    v2_s,
-                    v2_h,
-                    0,
-                    KIND_V,
-                    FMT_V,
-                    QB_V,
-                    G_V,
-                    BITS_V,
-                ),
-                3,
-                V_SPLIT,
+            v0t = _phase(
+                vb,
+                sv,
+                iv[None, :] * PV,
+                mv,
+                kvh,
+                V1,
+                V2,
+                v1_s,
+                v1_h,
+                v2_s,
+                v2_h,
+                0,
+                KIND_V,
+                FMT_V,
+                QB_V,
+                G_V,
+                BITS_V,
             )
+            if F16V:
+                acc0 = acc0 * alpha[:, None] + _mm16(p16h, p16l, v0t, 2)
+            else:
+                acc0 = acc0 * alpha[:, None] + _mm(ph, pm, pl, v0t, 3, V_SPLIT)
             if PV >= 2:
                 acc1 = acc1 * alpha[:, None] + _mm(
                     ph,
@@ -760,6 +806,8 @@ def decode_split_kernel(
                     True,
                 )
     safe_l = tl.where(l_i > 0, l_i, 1.0)
+    if F16V:
+        acc0 = acc0 * (1.0 / 16384.0)
     vs = tl.load(VS + kvh)
     lse2 = tl.where(l_i > 0, m_i + tl.log2(safe_l), float("-inf"))
     base = b * op_b + qh[:, None].to(tl.int64) * op_h + split * op_s
@@ -795,6 +843,19 @@ def merge_kernel(
 
 
 KIND_IDS = {"bf16": 0, "fp8": 1, "mxfp4": 2, "nvfp4": 3, "int_v": 4, "int_k": 5}
+
+
+def hardware_fp8_formats(device) -> set[int]:
+    """FP8 format ids the device converts to float16 in hardware (exactly): OCP E4M3FN/E5M2 on NVIDIA
+    sm_89+ and AMD gfx950, the FNUZ formats on AMD gfx942; none in the interpreter."""
+    import torch
+
+    if not (hasattr(device, "type") and device.type == "cuda"):
+        return set()
+    if getattr(torch.version, "hip", None):
+        arch = torch.cuda.get_device_properties(device).gcnArchName
+        return {2, 3} if "gfx942" in arch else ({0, 1} if "gfx950" in arch else set())
+    return {0, 1} if torch.cuda.get_device_capability(device) >= (8, 9) else set()
 
 
 class CacheTiles:
@@ -889,6 +950,7 @@ def paged_decode(
         per = -(-max(max_seq_len, 1) // num_splits)
         per = -(-per // block_n) * block_n
     total = num_splits + int(has_res)
+    hw = hardware_fp8_formats(q.device)
     op = torch.empty(batch, q_heads, total, head_dim, dtype=torch.float32, device=q.device)
     lp = torch.empty(batch, q_heads, total, dtype=torch.float32, device=q.device)
     grid = (batch, kv_heads, total)
@@ -928,13 +990,13 @@ def paged_decode(
         PAGE=page_size,
         BLOCK_N=block_n,
         KIND_K=KIND_IDS[k.kind],
-        FMT_K=k.fmt,
+        FMT_K=k.fmt + 8 * (k.kind == "fp8" and k.fmt in hw),
         TSC_K=k.token_scale,
         QB_K=k.block,
         G_K=k.group,
         BITS_K=k.bits,
         KIND_V=KIND_IDS[v.kind],
-        FMT_V=v.fmt,
+        FMT_V=v.fmt + 8 * (v.kind == "fp8" and v.fmt in hw),
         TSC_V=v.token_scale,
         QB_V=v.block,
         G_V=v.group,
