@@ -894,9 +894,9 @@ class CacheTiles:
 
 
 def choose_splits(batch: int, kv_heads: int, max_len: int, block_n: int, num_sms: int) -> tuple[int, int]:
-    """(splits, tokens per split): enough programs to fill about two waves of the GPU, each split a
-    whole number of tiles and at least 4 tiles long."""
-    want = max(1, -(-2 * num_sms // max(1, batch * kv_heads)))
+    """(splits, tokens per split): about 16 programs per multiprocessor (measured best on the H100 for
+    batch x kv_heads = 256), each split a whole number of tiles and at least 4 tiles long."""
+    want = max(1, -(-16 * num_sms // max(1, batch * kv_heads)))
     most = max(1, -(-max_len // (4 * block_n)))
     splits = min(want, most)
     per = -(-max(max_len, 1) // splits)
@@ -914,7 +914,7 @@ def paged_decode(
     *,
     sm_scale: float | None = None,
     residual=None,
-    block_n: int = 64,
+    block_n: int | None = None,
     num_splits: int | None = None,
     max_seq_len: int | None = None,
     num_warps: int = 4,
@@ -935,6 +935,8 @@ def paged_decode(
     block_h = max(16, triton.next_power_of_2(qpk))
     if sm_scale is None:
         sm_scale = head_dim**-0.5
+    if block_n is None:  # tuned on the H100 (bench/tune_decode.py): wide tiles only pay for plain bf16
+        block_n = 64 if k.kind == v.kind == "bf16" else 32
     has_res = residual is not None
     if has_res:
         rk, rv, kl, vl = residual
