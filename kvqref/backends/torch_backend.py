@@ -85,9 +85,6 @@ def decode(q, dc: DeviceCache, sm_scale: float | None = None, dtype=None, **_: A
     torch = _torch()
     dtype = dtype or torch.bfloat16
     k, v, valid = gather(dc, dequantize(dc.k, dtype), dequantize(dc.v, dtype))
-    Hq, Hkv = q.shape[1], k.shape[1]
-    k = k.repeat_interleave(Hq // Hkv, dim=1)
-    v = v.repeat_interleave(Hq // Hkv, dim=1)
     out = torch.nn.functional.scaled_dot_product_attention(
-        q.to(dtype)[:, :, None, :], k, v, attn_mask=valid[:, None, None, :], scale=sm_scale)
+        q.to(dtype)[:, :, None, :], k, v, attn_mask=valid[:, None, None, :], scale=sm_scale, enable_gqa=True)
     return out[:, :, 0, :].float(), None

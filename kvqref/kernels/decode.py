@@ -129,7 +129,11 @@ def _phase(
             else:
                 return byte.to(tl.float8e5b16, bitcast=True).to(tl.float16)
         else:
-            return decode_f32(byte, FMT % 8)
+            v = decode_f32(byte, FMT % 8)
+            if INTERPRET:
+                return v
+            else:
+                return v.to(tl.float16)  # exact: every FP8 value is a float16 value
     elif KIND == 2 or KIND == 3:
         nib = (byte.to(tl.int32) >> (4 * P)) & 0xF
         sc = tl.load(F1 + slot * f1_s + kvh * f1_h + e // QB, mask=m, other=0)
