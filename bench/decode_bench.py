@@ -29,8 +29,13 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 # (batch, q_heads, kv_heads, head_dim, tokens)
-SHAPES = [(32, 32, 8, 128, 8192), (8, 32, 8, 128, 32768), (1, 32, 8, 128, 131072), (128, 32, 8, 128, 4096),
-          (64, 64, 8, 128, 16384)]
+SHAPES = [
+    (32, 32, 8, 128, 8192),
+    (8, 32, 8, 128, 32768),
+    (1, 32, 8, 128, 131072),
+    (128, 32, 8, 128, 4096),
+    (64, 64, 8, 128, 16384),
+]
 SCHEMES: list[tuple[str, str, dict[str, Any], dict[str, Any]]] = [
     # label, scheme name, K options, V options
     ("bf16", "bf16", {}, {}),
@@ -48,14 +53,22 @@ def environment() -> dict[str, Any]:
     import torch
     import triton
 
-    env = {"python": platform.python_version(), "torch": torch.__version__, "triton": triton.__version__,
-           "numpy": np.__version__}
+    env = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "numpy": np.__version__,
+    }
     if torch.cuda.is_available():
         env["device"] = torch.cuda.get_device_name(0)
         env["sms"] = torch.cuda.get_device_properties(0).multi_processor_count
         try:
-            env["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                                           capture_output=True, text=True, timeout=20).stdout.strip()
+            env["driver"] = subprocess.run(
+                ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                capture_output=True,
+                text=True,
+                timeout=20,
+            ).stdout.strip()
         except (OSError, subprocess.SubprocessError):
             env["driver"] = "unknown"
     else:
@@ -113,8 +126,9 @@ def make_cache(label: str, shape, page_size: int, seed: int = 0):
         params = {"scale": np.float32(6.0 / 448.0)}
     elif name == "nvfp4":
         params = {"global_scale": np.float32(6.0 / 2688.0)}
-    dc = tb.empty_device_cache(ks, vs, num_pages, page_size, kv_heads, head_dim, block_table, seq_lens,
-                               k_params=params, v_params=params)
+    dc = tb.empty_device_cache(
+        ks, vs, num_pages, page_size, kv_heads, head_dim, block_table, seq_lens, k_params=params, v_params=params
+    )
     t = torch.arange(tokens, device="cuda")
     chunk = max(1, 2**24 // (kv_heads * head_dim))  # write in chunks of ~16M elements
     for b in range(batch):
@@ -144,14 +158,27 @@ def decode_case(label: str, shape, page_size: int, backend: str = "triton") -> d
         def fn():
             return triton_backend.decode(q, dc, validate=False, max_seq_len=tokens)
     else:
+
         def fn():
             return torch_backend.decode(q, dc)
+
     ms = bench_ms(fn)
     per_tok = side_bytes_per_token(ks, kv_heads, head_dim) + side_bytes_per_token(vs, kv_heads, head_dim)
     nbytes = batch * tokens * per_tok + 2 * q.numel() * 2
-    return {"op": "decode", "backend": backend, "scheme": label, "batch": batch, "q_heads": q_heads,
-            "kv_heads": kv_heads, "head_dim": head_dim, "tokens": tokens, "page_size": page_size,
-            "time_us": ms * 1e3, "bytes": nbytes, "gbs": nbytes / (ms * 1e-3) / 1e9}
+    return {
+        "op": "decode",
+        "backend": backend,
+        "scheme": label,
+        "batch": batch,
+        "q_heads": q_heads,
+        "kv_heads": kv_heads,
+        "head_dim": head_dim,
+        "tokens": tokens,
+        "page_size": page_size,
+        "time_us": ms * 1e3,
+        "bytes": nbytes,
+        "gbs": nbytes / (ms * 1e-3) / 1e9,
+    }
     # note: page_size in the record is the one asked for; KIVI runs with pages of 32
 
 
@@ -165,9 +192,20 @@ def sdpa_case(shape) -> dict[str, Any]:
     q = torch.randn(batch, q_heads, 1, head_dim, device="cuda", dtype=torch.bfloat16)
     ms = bench_ms(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True))
     nbytes = 2 * k.numel() * 2 + 2 * q.numel() * 2
-    return {"op": "decode", "backend": "torch-sdpa-dense", "scheme": "bf16", "batch": batch, "q_heads": q_heads,
-            "kv_heads": kv_heads, "head_dim": head_dim, "tokens": tokens, "page_size": 0,
-            "time_us": ms * 1e3, "bytes": nbytes, "gbs": nbytes / (ms * 1e-3) / 1e9}
+    return {
+        "op": "decode",
+        "backend": "torch-sdpa-dense",
+        "scheme": "bf16",
+        "batch": batch,
+        "q_heads": q_heads,
+        "kv_heads": kv_heads,
+        "head_dim": head_dim,
+        "tokens": tokens,
+        "page_size": 0,
+        "time_us": ms * 1e3,
+        "bytes": nbytes,
+        "gbs": nbytes / (ms * 1e-3) / 1e9,
+    }
 
 
 def write_case(label: str, tokens: int = 65536, kv_heads: int = 8, head_dim: int = 128) -> dict[str, Any]:
@@ -178,14 +216,25 @@ def write_case(label: str, tokens: int = 65536, kv_heads: int = 8, head_dim: int
     shape = (1, kv_heads, kv_heads, head_dim, tokens)
     dc, ks, _ = make_cache(label, shape, 32)
     x = torch.randn(tokens, kv_heads, head_dim, device="cuda").to(torch.bfloat16)
-    slots = torch.randperm(tokens // 32, device="cuda").repeat_interleave(32) * 32 + torch.arange(
-        tokens, device="cuda") % 32
+    slots = (
+        torch.randperm(tokens // 32, device="cuda").repeat_interleave(32) * 32
+        + torch.arange(tokens, device="cuda") % 32
+    )
     if label.endswith("kivi"):
         slots = torch.arange(tokens, device="cuda")
     ms = bench_ms(lambda: tb.quantize_write(dc.k, x, slots))
     nbytes = x.numel() * 2 + slots.numel() * 8 + tokens * side_bytes_per_token(ks, kv_heads, head_dim)
-    return {"op": "write", "backend": "triton", "scheme": label, "tokens": tokens, "kv_heads": kv_heads,
-            "head_dim": head_dim, "time_us": ms * 1e3, "bytes": nbytes, "gbs": nbytes / (ms * 1e-3) / 1e9}
+    return {
+        "op": "write",
+        "backend": "triton",
+        "scheme": label,
+        "tokens": tokens,
+        "kv_heads": kv_heads,
+        "head_dim": head_dim,
+        "time_us": ms * 1e3,
+        "bytes": nbytes,
+        "gbs": nbytes / (ms * 1e-3) / 1e9,
+    }
 
 
 def run(quick: bool = False) -> dict[str, Any]:

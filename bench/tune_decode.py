@@ -39,12 +39,12 @@ def main() -> int:
         dc, _, _ = make_cache(label, shape, 16)
         q = torch.randn(shape[0], shape[1], shape[3], device="cuda").to(torch.bfloat16)
         base = None
-        for bn, nw, ns, sp in itertools.product((32, 64), (4, 8), (2, 3, 4), (8, 16)):
+        for bn, nw, ns, sp, kt in itertools.product((32, 64, 128), (4, 8), (2, 3, 4), (None,), (True, False)):
             if label.endswith("kivi") and bn > 32:
                 continue
             try:
                 ms = bench_ms(
-                    lambda q=q, dc=dc, bn=bn, nw=nw, ns=ns, sp=sp: tb.decode(
+                    lambda q=q, dc=dc, bn=bn, nw=nw, ns=ns, sp=sp, kt=kt: tb.decode(
                         q,
                         dc,
                         validate=False,
@@ -56,10 +56,10 @@ def main() -> int:
                     )
                 )
             except Exception as exc:  # noqa: BLE001 - report and go on (e.g. out of shared memory)
-                print(label, bn, nw, ns, sp, "failed", type(exc).__name__, str(exc)[:80], flush=True)
+                print(label, bn, nw, ns, sp, kt, "failed", type(exc).__name__, str(exc)[:80], flush=True)
                 continue
             base = ms if base is None else min(base, ms)
-            print(label, bn, nw, ns, sp, f"{ms * 1e3:.1f}", flush=True)
+            print(label, bn, nw, ns, sp, kt, f"{ms * 1e3:.1f}", flush=True)
         print(label, "best", f"{base * 1e3:.1f}", flush=True)
     return 0
 

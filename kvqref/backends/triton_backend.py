@@ -72,6 +72,10 @@ class Side:
 
 
 def _tensor_scale(scheme: Scheme, params: dict[str, Any], kv_heads: int) -> np.ndarray:
+    """The float32 [kv_heads] scale folded into the kernels (1 where the scheme has none, or where the cache
+    is still empty and its params are not set yet)."""
+    if not params:
+        return np.ones(kv_heads, np.float32)
     if isinstance(scheme, FP8Scheme) and scheme.granularity != "token_head":
         s = np.asarray(params["scale"], np.float32)
         return np.broadcast_to(s, (kv_heads,)).astype(np.float32)
@@ -190,11 +194,11 @@ def validate_decode(q, dc: DeviceCache) -> None:
         raise ValueError(f"block table holds page indices outside [0, {num_slots // dc.page_size})")
 
 
-def quantize_write(side: Side, x, slot_mapping, *, block_t: int = 16) -> None:
-    """Quantize ``x`` [tokens, kv_heads, D] into ``side``'s fields at ``slot_mapping`` [tokens] (int64;
-    -1 skips a token), in place. KIVI keys: tokens come in whole, slot-consecutive groups of G."""
+def plan_write(side: Side, x, slot_mapping, *, block_t: int = 16):
+    """The launch of :func:`quantize_write` (checked on the host first)."""
     import triton
 
+    from kvqref.kernels.decode import Launch
     from kvqref.kernels.write import quantize_write_kernel
 
     torch = _torch()
@@ -204,10 +208,10 @@ def quantize_write(side: Side, x, slot_mapping, *, block_t: int = 16) -> None:
         raise ValueError(f"slot_mapping must have one entry per token ({x.shape[0]}), got {tuple(slot_mapping.shape)}")
     if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"x must be bfloat16, float16 or float32, got {x.dtype}")
-    if not torch.isfinite(x).all() and not isinstance(side.scheme, (BF16Scheme, FP8Scheme)):
-        raise ValueError(f"{side.scheme.name}: input holds NaN or Inf")
     cfg = kernel_config(side.scheme)
     n, kv_heads, head_dim = x.shape
+    if x.device != slot_mapping.device or x.device != next(iter(side.fields.values())).device:
+        raise ValueError("x, slot_mapping and the cache must be on one device")
     x = x.contiguous()
     slot_mapping = slot_mapping.to(torch.int64).contiguous()
     order = {"bf16": ["data"], "fp8": ["codes", "scale"], "mxfp4": ["codes", "scales"],
@@ -222,10 +226,19 @@ def quantize_write(side: Side, x, slot_mapping, *, block_t: int = 16) -> None:
         block_t = cfg["group"]
         if n % block_t:
             raise ValueError(f"{side.scheme.name} keys are written in whole groups of {block_t} tokens, got {n}")
-    sc = side.tensor_scale
     kind_id = {"bf16": 0, "fp8": 1, "mxfp4": 2, "nvfp4": 3, "int_v": 4, "int_k": 5}[cfg["kind"]]
-    quantize_write_kernel[(triton.cdiv(n, block_t), kv_heads)](
-        x, slot_mapping, *fields, sc, n, x.stride(0), x.stride(1), *strides,
-        KIND=kind_id, FMT=cfg.get("fmt", 0), SGLANG=cfg.get("sglang", False),
-        TOKEN_SCALE=cfg.get("token_scale", False), QB=cfg.get("block", 16), G=cfg.get("group", 1),
-        BITS=cfg.get("bits", 8), D=head_dim, BLOCK_T=block_t)
+    args = [x, slot_mapping, *fields, side.tensor_scale, n, x.stride(0), x.stride(1), *strides]
+    cx = dict(KIND=kind_id, FMT=cfg.get("fmt", 0), SGLANG=cfg.get("sglang", False),
+              TOKEN_SCALE=cfg.get("token_scale", False), QB=cfg.get("block", 16), G=cfg.get("group", 1),
+              BITS=cfg.get("bits", 8), D=head_dim, BLOCK_T=block_t)
+    return Launch(quantize_write_kernel, (triton.cdiv(n, block_t), kv_heads), args, cx, {})
+
+
+def quantize_write(side: Side, x, slot_mapping, *, block_t: int = 16) -> None:
+    """Quantize ``x`` [tokens, kv_heads, D] into ``side``'s fields at ``slot_mapping`` [tokens] (int64;
+    -1 skips a token), in place, with the scheme's exact rounding (bytes equal the oracle's). KIVI keys:
+    tokens come in whole, slot-consecutive groups of G. E2M1 and KIVI schemes reject NaN/Inf input."""
+    torch = _torch()
+    if isinstance(side.scheme, (E8M0BlockScheme, NVFP4Scheme, KiviScheme)) and not torch.isfinite(x).all():
+        raise ValueError(f"{side.scheme.name}: input holds NaN or Inf")
+    plan_write(side, x, slot_mapping, block_t=block_t)()

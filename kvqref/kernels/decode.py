@@ -95,6 +95,24 @@ def _mm16(a_hi, a_lo, b, A_PARTS: tl.constexpr):
 
 
 @triton.jit
+def _mm_t(a, b_hi, b_mid, b_lo, B_PARTS: tl.constexpr, F16: tl.constexpr):
+    """a [M, K] (exact in float16 if ``F16``, else in bfloat16) @ (b_hi + b_mid + b_lo) [K, N]."""
+    if INTERPRET:
+        return tl.dot(a.to(tl.float32), b_hi, input_precision="ieee")
+    else:
+        if F16:
+            a2 = a.to(tl.float16)
+        else:
+            a2 = a.to(tl.bfloat16)
+        acc = tl.dot(a2, b_hi)
+        if B_PARTS >= 2:
+            acc += tl.dot(a2, b_mid)
+        if B_PARTS >= 3:
+            acc += tl.dot(a2, b_lo)
+        return acc
+
+
+@triton.jit
 def _phase(
     byte,
     slot,
@@ -271,6 +289,7 @@ def decode_split_kernel(
     BITS_V: tl.constexpr,
     HAS_RES: tl.constexpr,
     Q_SPLIT: tl.constexpr,
+    KT: tl.constexpr = True,
 ):
     """One (sequence, KV head, split): K tiles are read transposed [D/PACK, N] per phase (the elements
     sharing a byte position), V tiles [N, D/PACK]; no register transposes or interleaves."""
@@ -313,6 +332,17 @@ def decode_split_kernel(
     acc3 = tl.zeros((BLOCK_H, DV), tl.float32)
     ik = tl.arange(0, DK)
     iv = tl.arange(0, DV)
+    K_T: tl.constexpr = KT and PK == 1 and KIND_K <= 1
+    QPT: tl.constexpr = QP16 if F16K else QP
+    if K_T:
+        if F16K:
+            qTh = tl.trans(q16h)
+            qTm = tl.trans(q16l)
+            qTl = qTm
+        else:
+            qTh = tl.trans(q0h)
+            qTm = tl.trans(q0m)
+            qTl = tl.trans(q0l)
     if split < num_splits:
         if HAS_RES:
             paged_len = tl.minimum(tl.load(KL + b), tl.load(VL + b))
@@ -328,110 +358,135 @@ def decode_split_kernel(
             # K: [DK, N] per phase
             sk = slot[None, :]
             mk = tmask[None, :]
-            kb = tl.load(K0 + sk * k0_s + kvh * k0_h + ik[:, None], mask=mk, other=0)
-            k0t = _phase(
-                kb,
-                sk,
-                ik[:, None] * PK,
-                mk,
-                kvh,
-                K1,
-                K2,
-                k1_s,
-                k1_h,
-                k2_s,
-                k2_h,
-                0,
-                KIND_K,
-                FMT_K,
-                QB_K,
-                G_K,
-                BITS_K,
-            )
-            if F16K:
-                s = _mm16(q16h, q16l, k0t, QP16)
+            if K_T:
+                # K as the left operand [N, D], loaded in its memory order (lets the compiler keep the
+                # dequantized tile in registers in the dot-operand layout); scores come out transposed
+                kn = tl.load(K0 + slot[:, None] * k0_s + kvh * k0_h + ik[None, :], mask=tmask[:, None], other=0)
+                kt = _phase(
+                    kn,
+                    slot[:, None],
+                    ik[None, :],
+                    tmask[:, None],
+                    kvh,
+                    K1,
+                    K2,
+                    k1_s,
+                    k1_h,
+                    k2_s,
+                    k2_h,
+                    0,
+                    KIND_K,
+                    FMT_K,
+                    QB_K,
+                    G_K,
+                    BITS_K,
+                )
+                s = tl.trans(_mm_t(kt, qTh, qTm, qTl, QPT, F16K))
             else:
-                s = _mm(q0h, q0m, q0l, k0t, QP, K_SPLIT)
-            if PK >= 2:
-                s += _mm(
-                    q1h,
-                    q1m,
-                    q1l,
-                    _phase(
-                        kb,
-                        sk,
-                        ik[:, None] * PK + 1,
-                        mk,
-                        kvh,
-                        K1,
-                        K2,
-                        k1_s,
-                        k1_h,
-                        k2_s,
-                        k2_h,
-                        1,
-                        KIND_K,
-                        FMT_K,
-                        QB_K,
-                        G_K,
-                        BITS_K,
-                    ),
-                    QP,
-                    K_SPLIT,
+                kb = tl.load(K0 + sk * k0_s + kvh * k0_h + ik[:, None], mask=mk, other=0)
+                k0t = _phase(
+                    kb,
+                    sk,
+                    ik[:, None] * PK,
+                    mk,
+                    kvh,
+                    K1,
+                    K2,
+                    k1_s,
+                    k1_h,
+                    k2_s,
+                    k2_h,
+                    0,
+                    KIND_K,
+                    FMT_K,
+                    QB_K,
+                    G_K,
+                    BITS_K,
                 )
-            if PK == 4:
-                s += _mm(
-                    q2h,
-                    q2m,
-                    q2l,
-                    _phase(
-                        kb,
-                        sk,
-                        ik[:, None] * PK + 2,
-                        mk,
-                        kvh,
-                        K1,
-                        K2,
-                        k1_s,
-                        k1_h,
-                        k2_s,
-                        k2_h,
-                        2,
-                        KIND_K,
-                        FMT_K,
-                        QB_K,
-                        G_K,
-                        BITS_K,
-                    ),
-                    QP,
-                    K_SPLIT,
-                )
-                s += _mm(
-                    q3h,
-                    q3m,
-                    q3l,
-                    _phase(
-                        kb,
-                        sk,
-                        ik[:, None] * PK + 3,
-                        mk,
-                        kvh,
-                        K1,
-                        K2,
-                        k1_s,
-                        k1_h,
-                        k2_s,
-                        k2_h,
-                        3,
-                        KIND_K,
-                        FMT_K,
-                        QB_K,
-                        G_K,
-                        BITS_K,
-                    ),
-                    QP,
-                    K_SPLIT,
-                )
+                if F16K:
+                    s = _mm16(q16h, q16l, k0t, QP16)
+                else:
+                    s = _mm(q0h, q0m, q0l, k0t, QP, K_SPLIT)
+                if PK >= 2:
+                    s += _mm(
+                        q1h,
+                        q1m,
+                        q1l,
+                        _phase(
+                            kb,
+                            sk,
+                            ik[:, None] * PK + 1,
+                            mk,
+                            kvh,
+                            K1,
+                            K2,
+                            k1_s,
+                            k1_h,
+                            k2_s,
+                            k2_h,
+                            1,
+                            KIND_K,
+                            FMT_K,
+                            QB_K,
+                            G_K,
+                            BITS_K,
+                        ),
+                        QP,
+                        K_SPLIT,
+                    )
+                if PK == 4:
+                    s += _mm(
+                        q2h,
+                        q2m,
+                        q2l,
+                        _phase(
+                            kb,
+                            sk,
+                            ik[:, None] * PK + 2,
+                            mk,
+                            kvh,
+                            K1,
+                            K2,
+                            k1_s,
+                            k1_h,
+                            k2_s,
+                            k2_h,
+                            2,
+                            KIND_K,
+                            FMT_K,
+                            QB_K,
+                            G_K,
+                            BITS_K,
+                        ),
+                        QP,
+                        K_SPLIT,
+                    )
+                    s += _mm(
+                        q3h,
+                        q3m,
+                        q3l,
+                        _phase(
+                            kb,
+                            sk,
+                            ik[:, None] * PK + 3,
+                            mk,
+                            kvh,
+                            K1,
+                            K2,
+                            k1_s,
+                            k1_h,
+                            k2_s,
+                            k2_h,
+                            3,
+                            KIND_K,
+                            FMT_K,
+                            QB_K,
+                            G_K,
+                            BITS_K,
+                        ),
+                        QP,
+                        K_SPLIT,
+                    )
             if KIND_K == 1 and TSC_K:
                 s = s * (tl.load(K1 + slot * k1_s + kvh * k1_h, mask=tmask, other=0.0) * sc_k)[None, :]
             else:
@@ -862,6 +917,16 @@ def hardware_fp8_formats(device) -> set[int]:
     return {0, 1} if torch.cuda.get_device_capability(device) >= (8, 9) else set()
 
 
+class Launch:
+    """One kernel launch: ``kernel[grid](*args, **constexprs, **options)``; AOT compiles the same record."""
+
+    def __init__(self, kernel, grid, args: list, constexprs: dict, options: dict) -> None:
+        self.kernel, self.grid, self.args, self.constexprs, self.options = kernel, grid, args, constexprs, options
+
+    def __call__(self) -> None:
+        self.kernel[self.grid](*self.args, **self.constexprs, **self.options)
+
+
 class CacheTiles:
     """How one of K or V is stored, as the kernel reads it: kind, constexprs, field tensors, scales.
 
@@ -908,7 +973,7 @@ def choose_splits(batch: int, kv_heads: int, max_len: int, block_n: int, num_sms
     return -(-max(max_len, 1) // per), per
 
 
-def paged_decode(
+def plan_decode(
     q,
     k: CacheTiles,
     v: CacheTiles,
@@ -923,14 +988,11 @@ def paged_decode(
     max_seq_len: int | None = None,
     num_warps: int = 4,
     num_stages: int = 2,
+    hw_formats: set[int] | None = None,
+    k_transposed: bool = True,
 ):
-    """Decode attention for q [batch, q_heads, D] over a paged cache; returns (out [B, Hq, D] float32,
-    lse [B, Hq] float32, natural log).
-
-    ``residual``: KIVI's full-precision tail, ``(k_res [B, W, Hkv, D] f32, v_res, k_lens [B], v_lens [B])``:
-    token t of K is read from the pages while t < k_lens[b], else from ``k_res[b, t - k_lens[b]]`` (same
-    for V); tensor scales must then be 1.
-    """
+    """The launches of decode attention (see :func:`paged_decode`), with their output tensors.
+    ``hw_formats``: FP8 format ids converted in hardware (default: what ``q``'s device has)."""
     import torch
 
     batch, q_heads, head_dim = q.shape
@@ -956,11 +1018,11 @@ def paged_decode(
         per = -(-max(max_seq_len, 1) // num_splits)
         per = -(-per // block_n) * block_n
     total = num_splits + int(has_res)
-    hw = hardware_fp8_formats(q.device)
+    hw = hardware_fp8_formats(q.device) if hw_formats is None else hw_formats
     op = torch.empty(batch, q_heads, total, head_dim, dtype=torch.float32, device=q.device)
     lp = torch.empty(batch, q_heads, total, dtype=torch.float32, device=q.device)
     grid = (batch, kv_heads, total)
-    decode_split_kernel[grid](
+    split_args = [
         q,
         block_table,
         seq_lens,
@@ -990,6 +1052,8 @@ def paged_decode(
         op.stride(2),
         lp.stride(0),
         lp.stride(1),
+    ]
+    split_cx = dict(
         QPK=qpk,
         BLOCK_H=block_h,
         D=head_dim,
@@ -1009,12 +1073,11 @@ def paged_decode(
         BITS_V=v.bits,
         HAS_RES=has_res,
         Q_SPLIT=q.dtype != torch.bfloat16,
-        num_warps=num_warps,
-        num_stages=num_stages,
+        KT=k_transposed,
     )
     out = torch.empty(batch, q_heads, head_dim, dtype=torch.float32, device=q.device)
     lse = torch.empty(batch, q_heads, dtype=torch.float32, device=q.device)
-    merge_kernel[(batch, q_heads)](
+    merge_args = [
         op,
         lp,
         out,
@@ -1028,7 +1091,25 @@ def paged_decode(
         out.stride(0),
         out.stride(1),
         lse.stride(0),
-        D=head_dim,
-        S_PAD=max(2, triton.next_power_of_2(total)),
-    )
+    ]
+    merge_cx = dict(D=head_dim, S_PAD=max(2, triton.next_power_of_2(total)))
+    launches = [
+        Launch(decode_split_kernel, grid, split_args, split_cx, {"num_warps": num_warps, "num_stages": num_stages}),
+        Launch(merge_kernel, (batch, q_heads), merge_args, merge_cx, {}),
+    ]
+    return launches, out, lse
+
+
+def paged_decode(q, k: CacheTiles, v: CacheTiles, block_table, seq_lens, page_size: int, **kw):
+    """Decode attention for q [batch, q_heads, D] over a paged cache; returns (out [B, Hq, D] float32,
+    lse [B, Hq] float32, natural log).
+
+    ``residual``: KIVI's full-precision tail, ``(k_res [B, W, Hkv, D] f32, v_res, k_lens [B], v_lens [B])``:
+    token t of K is read from the pages while t < k_lens[b], else from ``k_res[b, t - k_lens[b]]`` (same
+    for V); tensor scales must then be 1. Other keywords: ``sm_scale``, ``block_n``, ``num_splits``,
+    ``max_seq_len``, ``num_warps``, ``num_stages`` (see :func:`plan_decode`).
+    """
+    launches, out, lse = plan_decode(q, k, v, block_table, seq_lens, page_size, **kw)
+    for launch in launches:
+        launch()
     return out, lse

@@ -1,0 +1,94 @@
+"""Turn a ``decode_bench.py`` JSON file into the markdown table the README quotes (and a plot when
+matplotlib is installed).
+
+    python3 bench/tables.py bench/results/h100.json > bench/results/h100.md
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+
+def markdown(doc: dict) -> str:
+    env = doc["environment"]
+    rows = doc["results"]
+    lines = [
+        f"Device: {env.get('device')} (driver {env.get('driver', '?')}), torch {env['torch']}, "
+        f"triton {env['triton']}. Bandwidth ceiling measured in the same run (bf16 reduction over 4 GiB): "
+        f"{doc['ceiling_gbs']:.0f} GB/s. Command: `{doc.get('command', '?')}`.",
+        "",
+        "### Decode attention (page size 16; KIVI pages of 32), median of CUDA-event timings",
+        "",
+        "| batch x q_heads x kv_heads x D x tokens | scheme | backend | time (us) | GB/s | of ceiling "
+        "| speed-up vs SDPA bf16 |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    base = {}
+    for r in rows:
+        if r["op"] == "decode" and r["backend"] == "torch-sdpa-dense":
+            base[(r["batch"], r["q_heads"], r["tokens"])] = r["time_us"]
+    for r in rows:
+        if r["op"] != "decode":
+            continue
+        shape = f"{r['batch']}x{r['q_heads']}x{r['kv_heads']}x{r['head_dim']}x{r['tokens']}"
+        if r["page_size"] == 1:
+            shape += " (page 1)"
+        b = base.get((r["batch"], r["q_heads"], r["tokens"]))
+        sp = f"{b / r['time_us']:.2f}x" if b else ""
+        lines.append(
+            f"| {shape} | {r['scheme']} | {r['backend']} | {r['time_us']:.1f} | {r['gbs']:.0f} | "
+            f"{r['fraction_of_ceiling']:.0%} | {sp} |"
+        )
+    writes = [r for r in rows if r["op"] == "write"]
+    if writes:
+        lines += [
+            "",
+            "### Quantize-on-write (65,536 tokens x 8 heads x 128, bf16 in; bytes = read + written)",
+            "",
+            "| scheme | time (us) | GB/s | of ceiling |",
+            "|---|---|---|---|",
+        ]
+        for r in writes:
+            lines.append(f"| {r['scheme']} | {r['time_us']:.1f} | {r['gbs']:.0f} | {r['fraction_of_ceiling']:.0%} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(doc: dict, out: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    by = {}
+    for r in doc["results"]:
+        if r["op"] == "decode" and r["page_size"] in (0, 16):
+            by.setdefault(f"{r['backend']}:{r['scheme']}", []).append((r["batch"] * r["tokens"], r["gbs"]))
+    for k, pts in sorted(by.items()):
+        pts.sort()
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=k)
+    ax.axhline(doc["ceiling_gbs"], color="k", ls="--", label="measured ceiling")
+    ax.set_xscale("log")
+    ax.set_xlabel("batch x tokens")
+    ax.set_ylabel("achieved GB/s (cache bytes / time)")
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    return True
+
+
+def main() -> int:
+    path = Path(sys.argv[1])
+    doc = json.loads(path.read_text())
+    sys.stdout.write(markdown(doc))
+    if plot(doc, path.with_suffix(".png")):
+        print(f"\n![achieved bandwidth]({path.with_suffix('.png').name})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

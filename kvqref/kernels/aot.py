@@ -1,0 +1,162 @@
+"""Compile every kernel ahead of time for GPUs this machine does not have (the project's ROCm evidence).
+
+    python3 -m kvqref.kernels.aot [--targets hip:gfx942,hip:gfx950,cuda:90,cuda:100] [--json]
+
+For every scheme the backend supports, the real launch records (:class:`kvqref.kernels.decode.Launch`,
+built by the same host code that launches on a GPU, from a small cache on the CPU) are compiled with
+``triton.compile`` for each target, and the output is checked: AMDGCN and an ELF ``hsaco`` for HIP,
+PTX and an ELF ``cubin`` for CUDA. Must run in a process where ``TRITON_INTERPRET`` is not set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import warnings
+from typing import Any
+
+TARGETS = ("hip:gfx942", "hip:gfx950", "cuda:90", "cuda:100")
+
+# (label, K scheme, K options, V scheme, V options)
+DECODE_CASES: list[tuple[str, str, dict, str, dict]] = [
+    ("bf16", "bf16", {}, "bf16", {}),
+    ("fp8_e4m3", "fp8_e4m3", {}, "fp8_e4m3", {}),
+    ("fp8_e5m2-token_head", "fp8_e5m2", {"granularity": "token_head"}, "fp8_e5m2", {"granularity": "token_head"}),
+    ("fp8-rocm-fnuz", "fp8_e4m3", {"profile": "rocm"}, "fp8_e5m2", {"profile": "rocm"}),
+    ("fp4_e2m1", "fp4_e2m1", {}, "fp4_e2m1", {}),
+    ("mxfp4/nvfp4", "mxfp4", {}, "nvfp4", {}),
+    ("int4_kivi", "int4_kivi", {"role": "key", "group_size": 16, "residual": 16},
+     "int4_kivi", {"role": "value", "group_size": 16, "residual": 16}),
+    ("int2_kivi", "int2_kivi", {"role": "key", "group_size": 16, "residual": 16},
+     "int2_kivi", {"role": "value", "group_size": 16, "residual": 16}),
+]
+WRITE_CASES: list[tuple[str, dict]] = [
+    ("bf16", {}), ("fp8_e4m3", {}), ("fp8_e4m3", {"granularity": "token_head"}),
+    ("fp8_e4m3", {"profile": "sglang", "scale": 1.0}), ("fp8_e4m3", {"profile": "rocm"}),
+    ("fp4_e2m1", {}), ("fp4_e2m1", {"profile": "sglang"}), ("mxfp4", {}), ("nvfp4", {}),
+    ("int4_kivi", {"role": "value", "group_size": 16}), ("int2_kivi", {"role": "key", "group_size": 16}),
+]
+
+
+def _hw_formats(target: str) -> set[int]:
+    """FP8 formats with hardware conversion on ``target`` (as ``hardware_fp8_formats`` on a device)."""
+    if target == "hip:gfx942":
+        return {2, 3}
+    if target == "hip:gfx950":
+        return {0, 1}
+    return {0, 1}
+
+
+def _signature(launch) -> tuple[dict[str, str], dict[str, Any], list[str]]:
+    """Triton signature strings for ``launch.args`` (by the kernel's parameter names), its constexprs, and
+    the names of arguments the JIT would mark 16-divisible."""
+    import torch
+
+    tmap = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.uint8: "*u8",
+            torch.int32: "*i32", torch.int64: "*i64", torch.int16: "*i16"}
+    names = [n for n in launch.kernel.arg_names if n not in launch.constexprs]
+    sig: dict[str, str] = {}
+    div: list[str] = []
+    for name, a in zip(names, launch.args, strict=True):
+        if isinstance(a, torch.Tensor):
+            sig[name] = tmap[a.dtype]
+            div.append(name)
+        elif isinstance(a, bool):
+            sig[name] = "i1"
+        elif isinstance(a, int):
+            sig[name] = "i64" if abs(a) >= 2**31 else "i32"
+            if a % 16 == 0 and a != 0:
+                div.append(name)
+        else:
+            sig[name] = "fp32"
+    return sig, dict(launch.constexprs), div
+
+
+def _launches(target: str) -> list[tuple[str, Any]]:
+    """(name, Launch) for every kernel variant, built on the CPU with the target's FP8 conversions."""
+    import numpy as np
+    import torch
+
+    from kvqref import schemes
+    from kvqref.backends import triton_backend as tb
+    from kvqref.kernels.decode import plan_decode
+    from kvqref.paged import PagedKVCache
+
+    out = []
+    rng = np.random.default_rng(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for label, kn, ko, vn, vo in DECODE_CASES:
+            cache = PagedKVCache(schemes.get(kn, **ko), schemes.get(vn, **vo), 8, 16, 2, 128, batch=2)
+            for b in range(2):
+                cache.append(b, rng.standard_normal((40, 2, 128)), rng.standard_normal((40, 2, 128)))
+            dc = tb.DeviceCache.from_cache(cache, "cpu")
+            q = torch.zeros(2, 8, 128, dtype=torch.bfloat16)
+            residual = (dc.k_residual, dc.v_residual, dc.k_lens, dc.v_lens) if dc.has_residual else None
+            launches, _, _ = plan_decode(q, dc.k.tiles(), dc.v.tiles(), dc.block_table, dc.seq_lens, 16,
+                                         residual=residual, max_seq_len=40, num_splits=2,
+                                         hw_formats=_hw_formats(target))
+            out.append((f"decode[{label}]", launches[0]))
+            if label == "bf16":  # the merge kernel does not depend on the scheme
+                out.append(("merge", launches[1]))
+        for name, opts in WRITE_CASES:
+            scheme = schemes.get(name, **opts)
+            cache = PagedKVCache(scheme if opts.get("role") == "key" else schemes.get("bf16"),
+                                 schemes.get("bf16") if opts.get("role") == "key" else scheme, 4, 16, 2, 128)
+            dc = tb.DeviceCache.from_cache(cache, "cpu")
+            side = dc.k if opts.get("role") == "key" else dc.v
+            x = torch.zeros(16, 2, 128, dtype=torch.bfloat16)
+            label = name + "".join(f"-{v}" for v in opts.values())
+            out.append((f"write[{label}]", tb.plan_write(side, x, torch.arange(16))))
+    return out
+
+
+def compile_all(targets: tuple[str, ...] = TARGETS) -> list[dict[str, Any]]:
+    """Compile every kernel variant for every target; one result dict per (variant, target)."""
+    from kvqref.backends._aot import compile_for_target, expected_asm_keys, make_target
+
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        raise RuntimeError("AOT compilation needs a process without TRITON_INTERPRET=1")
+    results = []
+    for target in targets:
+        backend, arch = target.split(":")
+        tgt = make_target(backend, arch if backend == "hip" else int(arch))
+        for name, launch in _launches(target):
+            sig, cx, div = _signature(launch)
+            t0 = time.perf_counter()
+            rec: dict[str, Any] = {"target": target, "kernel": name}
+            try:
+                ck = compile_for_target(launch.kernel, sig, cx, tgt, divisible_by_16=div,
+                                        options={**launch.options, "enable_fp_fusion": False})
+                text, binary = expected_asm_keys(ck.metadata.target)
+                ok = bool(ck.asm.get(text)) and ck.asm.get(binary, b"")[:4] == b"\x7fELF"
+                if backend == "hip":
+                    ok = ok and arch in ck.asm[text]
+                rec.update(ok=ok, seconds=round(time.perf_counter() - t0, 2), shared=ck.metadata.shared,
+                           num_warps=ck.metadata.num_warps, code_bytes=len(ck.asm[binary]))
+            except Exception as exc:  # noqa: BLE001 - reported per variant
+                rec.update(ok=False, error=f"{type(exc).__name__}: {str(exc)[:300]}")
+            results.append(rec)
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--targets", default=",".join(TARGETS))
+    ap.add_argument("--json", action="store_true", help="print one JSON document")
+    args = ap.parse_args(argv)
+    results = compile_all(tuple(args.targets.split(",")))
+    if args.json:
+        print(json.dumps(results))
+    else:
+        for r in results:
+            status = "ok " if r["ok"] else "FAIL"
+            print(f"{status} {r['target']:12s} {r['kernel']:40s} {r.get('seconds', '')} {r.get('error', '')}")
+    return 0 if all(r["ok"] for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
