@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from kvqref import formats
 
@@ -54,9 +55,123 @@ def _cmd_vectors(args: argparse.Namespace) -> int:
     return 0
 
 
+class UsageError(Exception):
+    """A mistake the person running the command can fix: printed without a traceback, exit status 2."""
+
+
+def _gpu_reason() -> str | None:
+    """None if torch sees a CUDA or ROCm GPU, else why not."""
+    from kvqref.backends import _gpu
+
+    kind, desc = _gpu()
+    return None if kind else desc
+
+
+def _backend_names(requested: Sequence[str] | None) -> list[str] | None:
+    from kvqref import backends
+
+    if not requested:
+        return None
+    names = [n.strip() for item in requested for n in item.split(",") if n.strip()]
+    for n in names:
+        if n not in backends.names():
+            raise UsageError(f"unknown backend {n!r}; known backends: {', '.join(backends.names())}")
+        why = backends.available()[n]
+        if why:
+            raise UsageError(f"backend {n!r} is unavailable here: {why}")
+    return names
+
+
+def _cmd_report(args: argparse.Namespace) -> int:
+    from kvqref import report
+
+    names = _backend_names(args.backend)
+    if args.speed and _gpu_reason():
+        raise UsageError(f"--speed needs a GPU, and this machine has none ({_gpu_reason()}); "
+                         "leave it out to get every other section on the CPU")
+    report.run(Path(args.out), quick=args.quick, backends_=names, want_speed=False if args.no_speed else None)
+    return 0
+
+
+def _cmd_claims(args: argparse.Namespace) -> int:
+    from kvqref import report
+
+    report.run_claims(Path(args.out), quick=args.quick)
+    return 0
+
+
+def _cmd_check(args: argparse.Namespace) -> int:
+    from kvqref import conformance, report
+
+    (name,) = _backend_names([args.backend]) or [args.backend]
+    results = conformance.check(name, quick=not args.full,
+                                progress=report.Progress(conformance.expected_count(name), f"check {name}"))
+    for r in results:
+        print(f"{'PASS' if r.passed else 'FAIL'}  {r.check:9s} {r.case}: {r.detail}")
+    s = conformance.summary(results).get(name, {"passed": 0, "failed": 0})
+    print(f"{name}: {s['passed']} passed, {s['failed']} failed")
+    return 0 if s["failed"] == 0 else 1
+
+
+def _cmd_capacity(args: argparse.Namespace) -> int:
+    from kvqref import capacity, report, schemes
+
+    try:
+        mem = capacity.parse_memory(args.memory)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    entries: list = list(report.CAPACITY_SCHEMES)
+    if args.schemes:
+        entries = [n.strip() for n in args.schemes.split(",") if n.strip()]
+        for n in entries:
+            if schemes.ALIASES.get(n, n) not in schemes.names():
+                raise UsageError(f"unknown KV cache scheme {n!r}; known schemes: "
+                                 f"{', '.join([*schemes.names(), *schemes.ALIASES])}")
+    for nm, val in (("--layers", args.layers), ("--kv-heads", args.kv_heads), ("--head-dim", args.head_dim)):
+        if val <= 0:
+            raise UsageError(f"{nm} must be a positive integer, got {val}")
+    try:
+        rows = report.capacity_rows(mem, args.layers, args.kv_heads, args.head_dim, entries, args.num_seqs)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    cols = ("scheme", "bits/elem with scales", "bytes/token (all layers, K+V)", "tokens", "x BF16 (tokens)",
+            "x FP8 (tokens)")
+    print(f"Tokens of K+V cache in {args.memory} ({mem:,} bytes), {args.layers} layers, {args.kv_heads} KV heads, "
+          f"head_dim {args.head_dim}, {args.num_seqs} sequence(s) (KIVI residual windows reserved):\n")
+    print(report.markdown(rows, cols))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvqref", description="Reference codecs and kernels for quantized KV caches")
     sub = p.add_subparsers(dest="command", required=True)
+    r = sub.add_parser("report", help="the main job: formats, accuracy study, conformance, speed (GPU); writes a "
+                                      "folder of markdown, CSV, JSON, LaTeX and PNG")
+    r.add_argument("--out", default="kvqref-report", help="output folder (default: ./kvqref-report)")
+    r.add_argument("--quick", action="store_true", help="a reduced run (CI smoke test, < 1 minute)")
+    r.add_argument("--backend", action="append", metavar="NAME",
+                   help="backends to check for conformance (repeat or comma-separate; default: every available)")
+    sp = r.add_mutually_exclusive_group()
+    sp.add_argument("--speed", action="store_true", help="require the speed section (GPU only)")
+    sp.add_argument("--no-speed", action="store_true", help="skip the speed section even on a GPU")
+    r.set_defaults(func=_cmd_report)
+    c = sub.add_parser("claims", help="regenerate the claims table of papers/README.md (markdown, CSV, JSON, LaTeX)")
+    c.add_argument("--out", default="kvqref-report", help="output folder (default: ./kvqref-report)")
+    c.add_argument("--quick", action="store_true", help="a reduced sample")
+    c.set_defaults(func=_cmd_claims)
+    k = sub.add_parser("check", help="conformance of a backend against the oracle (bytes written, attention)")
+    k.add_argument("--backend", required=True, help="numpy, torch or triton (triton without a GPU: "
+                                                    "TRITON_INTERPRET=1)")
+    k.add_argument("--full", action="store_true", help="larger caches (slow in the Triton interpreter)")
+    k.set_defaults(func=_cmd_check)
+    cp = sub.add_parser("capacity", help="tokens of KV cache that fit in a memory budget, per scheme")
+    cp.add_argument("--memory", default="80GiB", help="e.g. 80GiB, 141GB, 512MiB (default 80GiB)")
+    cp.add_argument("--layers", type=int, default=32)
+    cp.add_argument("--kv-heads", type=int, default=8)
+    cp.add_argument("--head-dim", type=int, default=128)
+    cp.add_argument("--num-seqs", type=int, default=1, help="sequences (KIVI reserves a residual window each)")
+    cp.add_argument("--schemes", help="comma-separated scheme names (default: a standard set)")
+    cp.set_defaults(func=_cmd_capacity)
     sub.add_parser("formats", help="table of every element format").set_defaults(func=_cmd_formats)
     v = sub.add_parser("vectors", help="export the golden test vectors (JSON)")
     v.add_argument("--out", required=True, help="output folder")
@@ -66,7 +181,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return int(args.func(args))
+    try:
+        return int(args.func(args))
+    except UsageError as e:
+        print(f"kvqref {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -214,7 +214,8 @@ def kivi_finding(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         tk = next(k for k in ch if k.startswith("top") and k.endswith("_agree"))
         row[f"{tk} per-channel"] = ch[tk]
         row[f"{tk} per-token"] = tok[tk]
-        row["per-channel better"] = bool(ch["k_rel_rms"] < tok["k_rel_rms"] and ch["attn_rel_err"] < tok["attn_rel_err"])
+        row["per-channel better"] = bool(ch["k_rel_rms"] < tok["k_rel_rms"]
+                                         and ch["attn_rel_err"] < tok["attn_rel_err"])
         out.append(row)
     return out
 
