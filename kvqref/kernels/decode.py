@@ -987,7 +987,7 @@ def plan_decode(
     num_splits: int | None = None,
     max_seq_len: int | None = None,
     num_warps: int = 4,
-    num_stages: int = 2,
+    num_stages: int | None = None,
     hw_formats: set[int] | None = None,
     k_transposed: bool = True,
 ):
@@ -1001,8 +1001,10 @@ def plan_decode(
     block_h = max(16, triton.next_power_of_2(qpk))
     if sm_scale is None:
         sm_scale = head_dim**-0.5
-    if block_n is None:  # tuned on the H100 (bench/tune_decode.py): wide tiles only pay for plain bf16
-        block_n = 64 if k.kind == v.kind == "bf16" else 32
+    if block_n is None:  # tuned on the H100 (bench/tune_decode.py, bench/results/tune-*.log)
+        block_n = {"bf16": 64, "fp8": 128}.get(k.kind, 32) if k.kind == v.kind else 32
+    if num_stages is None:
+        num_stages = 3 if k.kind == v.kind == "fp8" else 2
     has_res = residual is not None
     if has_res:
         rk, rv, kl, vl = residual
