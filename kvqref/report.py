@@ -102,7 +102,11 @@ def latex(rows: Sequence[dict[str, Any]], columns: Sequence[str], caption: str =
     """A booktabs table (``\\usepackage{booktabs}``): numbers right-aligned, text left-aligned."""
     numeric = [all(isinstance(r.get(c), (int, float, np.integer, np.floating)) and not isinstance(r.get(c), bool)
                    for r in rows) for c in columns]
-    spec = "".join("r" if n else "l" for n in numeric)
+    long = [not n and max([len(c), *(len(_fmt(r.get(c, ""))) for r in rows)]) > 40
+            for c, n in zip(columns, numeric, strict=True)]
+    width = 0.85 / max(1, sum(long))  # long text columns wrap, sharing 85% of the line
+    spec = "".join("r" if n else (f"p{{{width:.2f}\\linewidth}}" if lg else "l")
+                   for n, lg in zip(numeric, long, strict=True))
     out = ["\\begin{table}[t]", "\\centering", f"\\begin{{tabular}}{{{spec}}}", "\\toprule",
            " & ".join(tex_escape(c) for c in columns) + " \\\\", "\\midrule"]
     for r in rows:

@@ -146,6 +146,8 @@ def test_splits_and_page_size_one_agree():
 WRITE_CASES = [
     ("bf16", {}), ("fp8_e4m3", {}), ("fp8_e5m2", {"granularity": "head"}),
     ("fp8_e4m3", {"granularity": "token_head"}), ("fp8_e4m3", {"profile": "rocm", "scale": 0.03}),
+    ("fp8_e4m3", {"profile": "sglang", "scale": 0.3, "sglang_scale": "float"}),
+    ("fp8_e5m2", {"profile": "sglang", "scale": 0.003, "saturate": True}),
     ("fp8_e5m2", {"profile": "rocm"}), ("fp8_e4m3", {"profile": "sglang", "scale": 0.004}),
     ("fp4_e2m1", {}), ("fp4_e2m1", {"profile": "sglang"}), ("mxfp4", {}), ("nvfp4", {}),
     ("int4_kivi", {"role": "value", "group_size": 32}), ("int2_kivi", {"role": "value", "group_size": 16}),
@@ -202,7 +204,7 @@ def test_write_bytes_equal_oracle(name, opts):
 
 
 @settings(max_examples=6 if not GPU else 40, deadline=None, suppress_health_check=list(HealthCheck))
-@given(seed=st.integers(0, 2**31), case=st.sampled_from(WRITE_CASES[:11]),
+@given(seed=st.integers(0, 2**31), case=st.sampled_from(WRITE_CASES[:13]),
        scale_exp=st.integers(-20, 20), page=st.sampled_from([1, 16, 32]))  # no KIVI keys: pages % G
 def test_write_fuzz(seed, case, scale_exp, page):
     """Differential fuzzing of the write path: random magnitudes (incl. subnormal-range and huge), pages."""

@@ -32,8 +32,11 @@ def kernel_config(scheme: Scheme) -> dict[str, Any]:
         if isinstance(scheme, cls):
             cfg: dict[str, Any] = {"kind": kind}
             if isinstance(scheme, FP8Scheme):
+                sglang = 0 if scheme.profile != "sglang" else (2 if scheme.sglang_scale == "float" else 1)
+                if sglang == 2 and scheme.granularity == "token_head":
+                    raise ValueError("triton backend: sglang_scale='float' needs a static tensor or head scale")
                 cfg.update(fmt=FMT_IDS[scheme.format], token_scale=scheme.granularity == "token_head",
-                           sglang=scheme.profile == "sglang")
+                           sglang=sglang, saturate=scheme.saturate)
             if isinstance(scheme, E8M0BlockScheme):
                 if scheme.scale_rule == "ceil" and scheme.rounding != "away" or (
                         scheme.scale_rule == "floor" and scheme.rounding != "even"):
@@ -227,8 +230,12 @@ def plan_write(side: Side, x, slot_mapping, *, block_t: int = 16):
         if n % block_t:
             raise ValueError(f"{side.scheme.name} keys are written in whole groups of {block_t} tokens, got {n}")
     kind_id = {"bf16": 0, "fp8": 1, "mxfp4": 2, "nvfp4": 3, "int_v": 4, "int_k": 5}[cfg["kind"]]
-    args = [x, slot_mapping, *fields, side.tensor_scale, n, x.stride(0), x.stride(1), *strides]
-    cx = dict(KIND=kind_id, FMT=cfg.get("fmt", 0), SGLANG=cfg.get("sglang", False),
+    sc = side.tensor_scale
+    if cfg.get("sglang") == 2:  # torch's x * (1 / s): the reciprocal rounded to float32 once, on the host
+        sc = (1.0 / sc.double()).float()
+    args = [x, slot_mapping, *fields, sc, n, x.stride(0), x.stride(1), *strides]
+    cx = dict(KIND=kind_id, FMT=cfg.get("fmt", 0), SGLANG=int(cfg.get("sglang", 0)),
+              SATURATE=bool(cfg.get("saturate", True)),
               TOKEN_SCALE=cfg.get("token_scale", False), QB=cfg.get("block", 16), G=cfg.get("group", 1),
               BITS=cfg.get("bits", 8), D=head_dim, BLOCK_T=block_t)
     return Launch(quantize_write_kernel, (triton.cdiv(n, block_t), kv_heads), args, cx, {})

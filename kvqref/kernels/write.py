@@ -84,7 +84,7 @@ def _kivi_quant(x16, mn, mx, MAXINT: tl.constexpr):
 def quantize_write_kernel(
     X, SLOT, F0, F1, F2, SC, n_tokens,
     x_t, x_h, f0_s, f0_h, f1_s, f1_h, f2_s, f2_h,
-    KIND: tl.constexpr, FMT: tl.constexpr, SGLANG: tl.constexpr, TOKEN_SCALE: tl.constexpr,
+    KIND: tl.constexpr, FMT: tl.constexpr, SGLANG: tl.constexpr, TOKEN_SCALE: tl.constexpr, SATURATE: tl.constexpr,
     QB: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -110,11 +110,14 @@ def quantize_write_kernel(
             s2 = tl.load(SC + h)
         if SGLANG:
             xb = bf16_bits_to_f32(f32_to_bf16_bits(x))
-            sb = bf16_bits_to_f32(f32_to_bf16_bits(s2 + tl.zeros_like(x)))
-            y = bf16_bits_to_f32(f32_to_bf16_bits(_div(xb, sb)))
-            c = encode_f32(y, FMT, False)
+            if SGLANG == 2:  # a Python-float scale: torch multiplies by its float32 reciprocal (given in SC)
+                y = bf16_bits_to_f32(f32_to_bf16_bits(xb * s2))
+            else:
+                sb = bf16_bits_to_f32(f32_to_bf16_bits(s2 + tl.zeros_like(x)))
+                y = bf16_bits_to_f32(f32_to_bf16_bits(_div(xb, sb)))
+            c = encode_f32(y, FMT, SATURATE)
         else:
-            c = encode_f32(_div(x, s2 + tl.zeros_like(x)), FMT, True)
+            c = encode_f32(_div(x, s2 + tl.zeros_like(x)), FMT, SATURATE)
         tl.store(F0 + slot[:, None] * f0_s + h * f0_h + d[None, :], c.to(tl.uint8), mask=m2)
     elif KIND == 2 or KIND == 3:
         NB: tl.constexpr = D // QB
