@@ -38,3 +38,12 @@ def gpu(session: nox.Session) -> None:
     """The GPU suite (marker `gpu`); needs a CUDA or ROCm device."""
     _install(session, "test")
     session.run("python", "-m", "pytest", "-q", "-m", "gpu", *session.posargs)
+
+
+@nox.session
+def bench(session: nox.Session) -> None:
+    """pytest-benchmark suites (bench/test_bench.py); JSON into bench/results/. GPU machine without an
+    index: `nox --no-venv -s bench` or `python3 -m pytest bench/test_bench.py --benchmark-json=...`."""
+    _install(session, "test")
+    session.run("python", "-m", "pytest", "bench/test_bench.py", "-q",
+                "--benchmark-json=bench/results/pytest-benchmark.json", *session.posargs)
