@@ -74,7 +74,11 @@ def _fmt(v: Any) -> str:
         v = float(v)
         if math.isnan(v):
             return "n/a"
-        if v == 0 or (1e-3 <= abs(v) < 1e6):
+        if v.is_integer() and 1 <= abs(v) < 1e12:
+            return f"{int(v):,}" if abs(v) >= 10000 else str(int(v))
+        if 1e4 <= abs(v) < 1e12:
+            return f"{v:,.1f}"
+        if v == 0 or (1e-3 <= abs(v) < 1e4):
             return f"{v:.4g}"
         return f"{v:.3e}"
     if isinstance(v, (int, np.integer)):
