@@ -113,6 +113,22 @@ def _mm_t(a, b_hi, b_mid, b_lo, B_PARTS: tl.constexpr, F16: tl.constexpr):
 
 
 @triton.jit
+def _e2m1_f32(nib):
+    """E2M1 code (low 4 bits of an int32) -> exact float32, through the float16 bit layout."""
+    h = ((nib & 7) << 9) | ((nib & 8) << 12)
+    return h.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32) * 16384.0
+
+
+@triton.jit
+def _fp4_scale(code, KIND: tl.constexpr):
+    """Block scale code -> float32: E8M0 (KIND 2) or E4M3FN (KIND 3, NVFP4)."""
+    if KIND == 2:
+        return e8m0_to_f32(code)
+    else:
+        return decode_f32(code, 0)
+
+
+@triton.jit
 def _phase(
     byte,
     slot,
@@ -358,7 +374,20 @@ def decode_split_kernel(
             # K: [DK, N] per phase
             sk = slot[None, :]
             mk = tmask[None, :]
-            if K_T:
+            if KIND_K == 2 or KIND_K == 3:
+                # FP4 blocks: bytes as [blocks, QB/2, N], one scale per (block, token) broadcast
+                NBK: tl.constexpr = D // QB_K
+                bk = tl.arange(0, NBK)
+                jk = tl.arange(0, QB_K // 2)
+                koff = (bk[:, None] * (QB_K // 2) + jk[None, :])[:, :, None]
+                kb3 = tl.load(K0 + slot[None, None, :] * k0_s + kvh * k0_h + koff, mask=tmask[None, None, :], other=0)
+                kb3 = kb3.to(tl.int32)
+                ksc = tl.load(K1 + slot[None, :] * k1_s + kvh * k1_h + bk[:, None], mask=tmask[None, :], other=0)
+                ks3 = _fp4_scale(ksc, KIND_K)[:, None, :]
+                k_lo = tl.reshape(_e2m1_f32(kb3 & 15) * ks3, (DK, BLOCK_N))
+                k_hi = tl.reshape(_e2m1_f32(kb3 >> 4) * ks3, (DK, BLOCK_N))
+                s = _mm(q0h, q0m, q0l, k_lo, QP, False) + _mm(q1h, q1m, q1l, k_hi, QP, False)
+            elif K_T:
                 # K as the left operand [N, D], loaded in its memory order (lets the compiler keep the
                 # dequantized tile in registers in the dot-operand layout); scores come out transposed
                 kn = tl.load(K0 + slot[:, None] * k0_s + kvh * k0_h + ik[None, :], mask=tmask[:, None], other=0)
@@ -498,113 +527,128 @@ def decode_split_kernel(
                 p16h, p16l = _split16(p * 16384.0)  # p <= 1: scaled into float16's normal range
             else:
                 ph, pm, pl = _split(p, True)
-            # V: [N, DV] per phase
-            sv = slot[:, None]
-            mv = tmask[:, None]
-            vb = tl.load(V0 + sv * v0_s + kvh * v0_h + iv[None, :], mask=mv, other=0)
-            v0t = _phase(
-                vb,
-                sv,
-                iv[None, :] * PV,
-                mv,
-                kvh,
-                V1,
-                V2,
-                v1_s,
-                v1_h,
-                v2_s,
-                v2_h,
-                0,
-                KIND_V,
-                FMT_V,
-                QB_V,
-                G_V,
-                BITS_V,
-            )
-            if F16V:
-                acc0 = acc0 * alpha[:, None] + _mm16(p16h, p16l, v0t, 2)
+            if KIND_V == 2 or KIND_V == 3:
+                NBV: tl.constexpr = D // QB_V
+                bv = tl.arange(0, NBV)
+                jv = tl.arange(0, QB_V // 2)
+                voff = (bv[:, None] * (QB_V // 2) + jv[None, :])[None, :, :]
+                vb3 = tl.load(V0 + slot[:, None, None] * v0_s + kvh * v0_h + voff, mask=tmask[:, None, None], other=0)
+                vb3 = vb3.to(tl.int32)
+                vsc = tl.load(V1 + slot[:, None] * v1_s + kvh * v1_h + bv[None, :], mask=tmask[:, None], other=0)
+                vs3 = _fp4_scale(vsc, KIND_V)[:, :, None]
+                v_lo = tl.reshape(_e2m1_f32(vb3 & 15) * vs3, (BLOCK_N, DV))
+                v_hi = tl.reshape(_e2m1_f32(vb3 >> 4) * vs3, (BLOCK_N, DV))
+                acc0 = acc0 * alpha[:, None] + _mm(ph, pm, pl, v_lo, 3, False)
+                acc1 = acc1 * alpha[:, None] + _mm(ph, pm, pl, v_hi, 3, False)
             else:
-                acc0 = acc0 * alpha[:, None] + _mm(ph, pm, pl, v0t, 3, V_SPLIT)
-            if PV >= 2:
-                acc1 = acc1 * alpha[:, None] + _mm(
-                    ph,
-                    pm,
-                    pl,
-                    _phase(
-                        vb,
-                        sv,
-                        iv[None, :] * PV + 1,
-                        mv,
-                        kvh,
-                        V1,
-                        V2,
-                        v1_s,
-                        v1_h,
-                        v2_s,
-                        v2_h,
-                        1,
-                        KIND_V,
-                        FMT_V,
-                        QB_V,
-                        G_V,
-                        BITS_V,
-                    ),
-                    3,
-                    V_SPLIT,
+                # V: [N, DV] per phase
+                sv = slot[:, None]
+                mv = tmask[:, None]
+                vb = tl.load(V0 + sv * v0_s + kvh * v0_h + iv[None, :], mask=mv, other=0)
+                v0t = _phase(
+                    vb,
+                    sv,
+                    iv[None, :] * PV,
+                    mv,
+                    kvh,
+                    V1,
+                    V2,
+                    v1_s,
+                    v1_h,
+                    v2_s,
+                    v2_h,
+                    0,
+                    KIND_V,
+                    FMT_V,
+                    QB_V,
+                    G_V,
+                    BITS_V,
                 )
-            if PV == 4:
-                acc2 = acc2 * alpha[:, None] + _mm(
-                    ph,
-                    pm,
-                    pl,
-                    _phase(
-                        vb,
-                        sv,
-                        iv[None, :] * PV + 2,
-                        mv,
-                        kvh,
-                        V1,
-                        V2,
-                        v1_s,
-                        v1_h,
-                        v2_s,
-                        v2_h,
-                        2,
-                        KIND_V,
-                        FMT_V,
-                        QB_V,
-                        G_V,
-                        BITS_V,
-                    ),
-                    3,
-                    V_SPLIT,
-                )
-                acc3 = acc3 * alpha[:, None] + _mm(
-                    ph,
-                    pm,
-                    pl,
-                    _phase(
-                        vb,
-                        sv,
-                        iv[None, :] * PV + 3,
-                        mv,
-                        kvh,
-                        V1,
-                        V2,
-                        v1_s,
-                        v1_h,
-                        v2_s,
-                        v2_h,
+                if F16V:
+                    acc0 = acc0 * alpha[:, None] + _mm16(p16h, p16l, v0t, 2)
+                else:
+                    acc0 = acc0 * alpha[:, None] + _mm(ph, pm, pl, v0t, 3, V_SPLIT)
+                if PV >= 2:
+                    acc1 = acc1 * alpha[:, None] + _mm(
+                        ph,
+                        pm,
+                        pl,
+                        _phase(
+                            vb,
+                            sv,
+                            iv[None, :] * PV + 1,
+                            mv,
+                            kvh,
+                            V1,
+                            V2,
+                            v1_s,
+                            v1_h,
+                            v2_s,
+                            v2_h,
+                            1,
+                            KIND_V,
+                            FMT_V,
+                            QB_V,
+                            G_V,
+                            BITS_V,
+                        ),
                         3,
-                        KIND_V,
-                        FMT_V,
-                        QB_V,
-                        G_V,
-                        BITS_V,
-                    ),
-                    3,
-                    V_SPLIT,
-                )
+                        V_SPLIT,
+                    )
+                if PV == 4:
+                    acc2 = acc2 * alpha[:, None] + _mm(
+                        ph,
+                        pm,
+                        pl,
+                        _phase(
+                            vb,
+                            sv,
+                            iv[None, :] * PV + 2,
+                            mv,
+                            kvh,
+                            V1,
+                            V2,
+                            v1_s,
+                            v1_h,
+                            v2_s,
+                            v2_h,
+                            2,
+                            KIND_V,
+                            FMT_V,
+                            QB_V,
+                            G_V,
+                            BITS_V,
+                        ),
+                        3,
+                        V_SPLIT,
+                    )
+                    acc3 = acc3 * alpha[:, None] + _mm(
+                        ph,
+                        pm,
+                        pl,
+                        _phase(
+                            vb,
+                            sv,
+                            iv[None, :] * PV + 3,
+                            mv,
+                            kvh,
+                            V1,
+                            V2,
+                            v1_s,
+                            v1_h,
+                            v2_s,
+                            v2_h,
+                            3,
+                            KIND_V,
+                            FMT_V,
+                            QB_V,
+                            G_V,
+                            BITS_V,
+                        ),
+                        3,
+                        V_SPLIT,
+                    )
+
     if HAS_RES and split >= num_splits:
         # the tail [min(k_len, v_len), seq_len): KIVI keeps the newest keys and values in full precision
         # (float32 residuals [batch, W, kv_heads, D]); K and V switch to their residual at their own length
