@@ -129,7 +129,7 @@ def test_quantize_on_write(benchmark, label, env, ceiling):
     slots = torch.arange(65536, device="cuda")
 
     def fn():
-        tb.quantize_write(dc.k, x, slots)
+        tb.quantize_write(dc.k, x, slots, validate=False)
         torch.cuda.synchronize()
 
     benchmark.pedantic(fn, rounds=10, warmup_rounds=2)

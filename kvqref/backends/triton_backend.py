@@ -197,7 +197,7 @@ def validate_decode(q, dc: DeviceCache) -> None:
         raise ValueError(f"block table holds page indices outside [0, {num_slots // dc.page_size})")
 
 
-def plan_write(side: Side, x, slot_mapping, *, block_t: int = 16):
+def plan_write(side: Side, x, slot_mapping, *, block_t: int = 32):
     """The launch of :func:`quantize_write` (checked on the host first)."""
     import triton
 
@@ -241,11 +241,13 @@ def plan_write(side: Side, x, slot_mapping, *, block_t: int = 16):
     return Launch(quantize_write_kernel, (triton.cdiv(n, block_t), kv_heads), args, cx, {})
 
 
-def quantize_write(side: Side, x, slot_mapping, *, block_t: int = 16) -> None:
+def quantize_write(side: Side, x, slot_mapping, *, block_t: int = 32, validate: bool = True) -> None:
     """Quantize ``x`` [tokens, kv_heads, D] into ``side``'s fields at ``slot_mapping`` [tokens] (int64;
     -1 skips a token), in place, with the scheme's exact rounding (bytes equal the oracle's). KIVI keys:
-    tokens come in whole, slot-consecutive groups of G. E2M1 and KIVI schemes reject NaN/Inf input."""
+    tokens come in whole, slot-consecutive groups of G. E2M1 and KIVI schemes reject NaN/Inf input;
+    ``validate=False`` skips that check (a reduction and a device sync) in a serving loop."""
     torch = _torch()
-    if isinstance(side.scheme, (E8M0BlockScheme, NVFP4Scheme, KiviScheme)) and not torch.isfinite(x).all():
+    needs_finite = isinstance(side.scheme, (E8M0BlockScheme, NVFP4Scheme, KiviScheme))
+    if validate and needs_finite and not torch.isfinite(x).all():
         raise ValueError(f"{side.scheme.name}: input holds NaN or Inf")
     plan_write(side, x, slot_mapping, block_t=block_t)()
