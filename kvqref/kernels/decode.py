@@ -231,6 +231,26 @@ def ik_all(D: tl.constexpr):
 
 
 @triton.jit
+def _load_qf(Q, base, hmask, P: tl.constexpr, PACK: tl.constexpr, DP: tl.constexpr):
+    i = tl.arange(0, DP)
+    return tl.load(Q + base + (i * PACK + P)[None, :], mask=hmask[:, None], other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _kivi_key_phase(
+    qf, kb, K1, K2, grp, kvh, k1_s, k1_h, k2_s, k2_h, ik, P: tl.constexpr, PK: tl.constexpr, BITS: tl.constexpr
+):
+    """KIVI keys, one byte phase, for a tile inside one token group: scores q . (code * s + z) computed as
+    (q * s) . code + q . z, with the per-channel s, z of the group folded into q (codes are exact)."""
+    e = ik * PK + P
+    sc = tl.load(K1 + grp * k1_s + kvh * k1_h + e).to(tl.float32)
+    z = tl.load(K2 + grp * k2_s + kvh * k2_h + e).to(tl.float32)
+    qh, qm, ql = _split(qf * sc[None, :], True)
+    codes = ((kb.to(tl.int32) >> (P * BITS)) & ((1 << BITS) - 1)).to(tl.float32)
+    return _mm(qh, qm, ql, codes, 3, False), tl.sum(qf * z[None, :], 1)
+
+
+@triton.jit
 def _softmax_step(s, tmask, m_i, l_i):
     s = tl.where(tmask[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -327,6 +347,11 @@ def decode_split_kernel(
     q1h, q1m, q1l = _load_q(Q, qbase, hmask, 1 % PK, PK, DK)
     q2h, q2m, q2l = _load_q(Q, qbase, hmask, 2 % PK, PK, DK)
     q3h, q3m, q3l = _load_q(Q, qbase, hmask, 3 % PK, PK, DK)
+    if KIND_K == 5:
+        qf0 = _load_qf(Q, qbase, hmask, 0, PK, DK)
+        qf1 = _load_qf(Q, qbase, hmask, 1 % PK, PK, DK)
+        qf2 = _load_qf(Q, qbase, hmask, 2 % PK, PK, DK)
+        qf3 = _load_qf(Q, qbase, hmask, 3 % PK, PK, DK)
     qk_scale = sm_scale * tl.load(KS + kvh) * 1.4426950408889634
     # FP8 tiles are exact in float16: q goes to float16 tensor cores, scaled by a power of two into range
     F16K: tl.constexpr = KIND_K == 1
@@ -374,7 +399,21 @@ def decode_split_kernel(
             # K: [DK, N] per phase
             sk = slot[None, :]
             mk = tmask[None, :]
-            if KIND_K == 2 or KIND_K == 3:
+            if KIND_K == 5:
+                # KIVI keys: the tile lies inside one token group (BLOCK_N divides G, G divides PAGE)
+                grp = tl.min(tl.where(tmask, slot, 2**62), 0) // G_K
+                kb = tl.load(K0 + slot[None, :] * k0_s + kvh * k0_h + ik[:, None], mask=tmask[None, :], other=0)
+                s, bias = _kivi_key_phase(qf0, kb, K1, K2, grp, kvh, k1_s, k1_h, k2_s, k2_h, ik, 0, PK, BITS_K)
+                s_1, b_1 = _kivi_key_phase(qf1, kb, K1, K2, grp, kvh, k1_s, k1_h, k2_s, k2_h, ik, 1, PK, BITS_K)
+                s += s_1
+                bias += b_1
+                if PK == 4:
+                    s_2, b_2 = _kivi_key_phase(qf2, kb, K1, K2, grp, kvh, k1_s, k1_h, k2_s, k2_h, ik, 2, PK, BITS_K)
+                    s_3, b_3 = _kivi_key_phase(qf3, kb, K1, K2, grp, kvh, k1_s, k1_h, k2_s, k2_h, ik, 3, PK, BITS_K)
+                    s += s_2 + s_3
+                    bias += b_2 + b_3
+                s += bias[:, None]
+            elif KIND_K == 2 or KIND_K == 3:
                 # FP4 blocks: bytes as [blocks, QB/2, N], one scale per (block, token) broadcast
                 NBK: tl.constexpr = D // QB_K
                 bk = tl.arange(0, NBK)
@@ -527,7 +566,29 @@ def decode_split_kernel(
                 p16h, p16l = _split16(p * 16384.0)  # p <= 1: scaled into float16's normal range
             else:
                 ph, pm, pl = _split(p, True)
-            if KIND_V == 2 or KIND_V == 3:
+            if KIND_V == 4:
+                # KIVI values: bytes as [N, groups, G/PACK], one scale and zero per (token, group)
+                NGV: tl.constexpr = D // G_V
+                gv = tl.arange(0, NGV)
+                jg = tl.arange(0, G_V // PV)
+                goff = (gv[:, None] * (G_V // PV) + jg[None, :])[None, :, :]
+                vb3 = tl.load(V0 + slot[:, None, None] * v0_s + kvh * v0_h + goff, mask=tmask[:, None, None], other=0)
+                vb3 = vb3.to(tl.int32)
+                vsc = tl.load(V1 + slot[:, None] * v1_s + kvh * v1_h + gv[None, :], mask=tmask[:, None], other=0.0)
+                vz = tl.load(V2 + slot[:, None] * v2_s + kvh * v2_h + gv[None, :], mask=tmask[:, None], other=0.0)
+                vs3 = vsc.to(tl.float32)[:, :, None]
+                vz3 = vz.to(tl.float32)[:, :, None]
+                MASKV: tl.constexpr = (1 << BITS_V) - 1
+                v_0 = tl.reshape((vb3 & MASKV).to(tl.float32) * vs3 + vz3, (BLOCK_N, DV))
+                acc0 = acc0 * alpha[:, None] + _mm(ph, pm, pl, v_0, 3, True)
+                v_1 = tl.reshape(((vb3 >> BITS_V) & MASKV).to(tl.float32) * vs3 + vz3, (BLOCK_N, DV))
+                acc1 = acc1 * alpha[:, None] + _mm(ph, pm, pl, v_1, 3, True)
+                if PV == 4:
+                    v_2 = tl.reshape(((vb3 >> 4) & MASKV).to(tl.float32) * vs3 + vz3, (BLOCK_N, DV))
+                    acc2 = acc2 * alpha[:, None] + _mm(ph, pm, pl, v_2, 3, True)
+                    v_3 = tl.reshape(((vb3 >> 6) & MASKV).to(tl.float32) * vs3 + vz3, (BLOCK_N, DV))
+                    acc3 = acc3 * alpha[:, None] + _mm(ph, pm, pl, v_3, 3, True)
+            elif KIND_V == 2 or KIND_V == 3:
                 NBV: tl.constexpr = D // QB_V
                 bv = tl.arange(0, NBV)
                 jv = tl.arange(0, QB_V // 2)
@@ -1047,6 +1108,10 @@ def plan_decode(
         sm_scale = head_dim**-0.5
     if block_n is None:  # tuned on the H100 (bench/tune_decode.py, bench/results/tune-*.log)
         block_n = {"bf16": 64, "fp8": 128}.get(k.kind, 32) if k.kind == v.kind else 32
+    if k.kind == "int_k":  # a tile must lie inside one KIVI token group
+        block_n = min(block_n, k.group)
+        if k.group % block_n:
+            raise ValueError(f"block_n {block_n} must divide the KIVI key group size {k.group}")
     if num_stages is None:
         num_stages = 3 if k.kind == v.kind == "fp8" else 2
     has_res = residual is not None
