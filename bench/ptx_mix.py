@@ -19,7 +19,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 KINDS = {
     "mma": re.compile(r"^\s*(mma|wgmma)\."),
     "cvt": re.compile(r"^\s*cvt\."),
-    "int/bit": re.compile(r"^\s*(and|or|xor|shl|shr|lop3|prmt|bfe|bfi|selp|not|setp\.\w+\.[su]\d+|add\.[su]\d+|mul\.lo|mad\.lo|min\.[su]|max\.[su])"),
+    "int/bit": re.compile(r"^\s*(and|or|xor|shl|shr|lop3|prmt|bfe|bfi|selp|not|setp\.\w+\.[su]\d+"
+                          r"|add\.[su]\d+|mul\.lo|mad\.lo|min\.[su]|max\.[su])"),
     "float": re.compile(r"^\s*(fma|mul|add|sub|ex2|lg2|max|min|rcp|div|neg|abs)\.(rn\.)?(f32|f16|bf16|ftz)"),
     "ld.global": re.compile(r"^\s*ld\.global"),
     "st/ld.shared": re.compile(r"^\s*(st|ld)\.shared|^\s*ldmatrix"),

@@ -236,9 +236,10 @@ def _triton_attention(cache: PagedKVCache, q: np.ndarray) -> tuple[bool, str]:
     return ok and lse_bad == 0, f"{detail}; lse: {lse_bad} beyond tolerance"
 
 
-def _triton_bytes(name: str, opts: dict[str, Any], x: np.ndarray, page_size: int,
+def triton_write_matches(name: str, opts: dict[str, Any], x: np.ndarray, page_size: int,
                   rng: np.random.Generator) -> tuple[bool, str]:
-    """Quantize ``x`` into a shuffled paged cache with the oracle and with the kernel; compare every byte."""
+    """Quantize ``x`` into a shuffled paged cache with the oracle and with the triton write kernel; compare
+    every stored byte as integers. Returns (all equal, what differed)."""
     import torch
 
     from kvqref.backends import triton_backend as tb
@@ -330,7 +331,7 @@ def check(backend_name: str, quick: bool = True, seed: int = 0,
             x = write_input(rng, shape["write_tokens"])
             page = max(16, opts.get("group_size", 1))
             record("bytes", write_label(name, opts), lambda n=name, o=opts, x=x, p=page, r=rng:
-                   _triton_bytes(n, o, x, p, r))
+                   triton_write_matches(n, o, x, p, r))
     return results
 
 

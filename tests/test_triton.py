@@ -6,20 +6,19 @@ on a GPU the same tests run on the device with larger shapes (marker ``gpu``).
 
 from __future__ import annotations
 
-import warnings
-
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvqref import reference, schemes
-from kvqref.paged import PagedKVCache
+from kvqref import reference
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
 
+from kvqref import conformance  # noqa: E402
 from kvqref.backends import triton_backend as tb  # noqa: E402
+from kvqref.conformance import kv_tensor, triton_write_matches  # noqa: E402
 
 GPU = torch.cuda.is_available()
 DEVICE = "cuda" if GPU else "cpu"
@@ -45,36 +44,10 @@ SMALL = dict(batch=3, kv_heads=2, q_heads=4, head_dim=64, page_size=16, lens=(1,
 BIG = dict(batch=4, kv_heads=8, q_heads=32, head_dim=128, page_size=16, lens=(1, 300, 1000, 2500))
 
 
-def kv_tensor(rng: np.random.Generator, n: int, kv_heads: int, head_dim: int, outliers: bool) -> np.ndarray:
-    """float32 K/V tokens: Gaussian, optionally with a few 10-100x outlier channels (KIVI's key structure)."""
-    x = rng.standard_normal((n, kv_heads, head_dim))
-    if outliers:
-        x[:, :, rng.choice(head_dim, 3, replace=False)] *= rng.uniform(10, 100, 3)
-    return x.astype(np.float32)
-
-
-def build_cache(pair, shape, rng: np.random.Generator, chunks: int = 3) -> tuple[PagedKVCache, list]:
-    """A paged cache filled by ragged appends in several chunks (crossing page and group boundaries),
-    pages drawn from a shuffled free list. Returns the cache and every (seq, k, v) appended."""
-    kname, kopt, vname, vopt = pair
-    batch, kvh, d, page = shape["batch"], shape["kv_heads"], shape["head_dim"], shape["page_size"]
-    lens = list(shape["lens"])[:batch]
-    per_seq_pages = -(-max(lens) // page) + 1
-    npages = batch * per_seq_pages + 2
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        cache = PagedKVCache(schemes.get(kname, **kopt), schemes.get(vname, **vopt), npages, page, kvh, d,
-                             batch=batch, max_pages=per_seq_pages,
-                             free_pages=[int(p) for p in rng.permutation(npages)])
-        log = []
-        for b, T in enumerate(lens):
-            cuts = np.sort(rng.choice(np.arange(1, T), min(chunks - 1, T - 1), replace=False)) if T > 1 else []
-            for lo, hi in zip([0, *cuts], [*cuts, T], strict=True):
-                k = kv_tensor(rng, hi - lo, kvh, d, outliers=True)
-                v = kv_tensor(rng, hi - lo, kvh, d, outliers=False)
-                cache.append(b, k, v)
-                log.append((b, k, v))
-    return cache, log
+def build_cache(pair, shape, rng: np.random.Generator, chunks: int = 3):
+    """kvqref.conformance.build_cache for a (K scheme, K options, V scheme, V options) pair: ragged appends in
+    several chunks (crossing page and group boundaries), pages from a shuffled free list."""
+    return conformance.build_cache(("", *pair), shape, rng, chunks)
 
 
 def _run_decode(cache, q, **kw):
@@ -157,36 +130,9 @@ WRITE_CASES = [
 
 def _write_and_compare(name: str, opts: dict, x: np.ndarray, page_size: int, rng: np.random.Generator):
     """Quantize ``x`` [T, H, D] into a shuffled paged cache with the oracle and with the kernel; compare
-    every stored byte."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        scheme = schemes.get(name, **opts)
-    T, H, D = x.shape
-    npages = -(-T // page_size) + 1
-    is_key = getattr(scheme, "role", None) == "key"
-    dummy = schemes.get("bf16")
-    if getattr(scheme, "residual_window", 0):
-        scheme.residual_window = 0
-    cache = PagedKVCache(scheme if is_key else dummy, dummy if is_key else scheme, npages, page_size, H, D,
-                         free_pages=[int(p) for p in rng.permutation(npages)])
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        cache.append(0, x, x)
-    side_np = cache.k if is_key else cache.v
-    n = int(side_np.paged[0])
-    dc = tb.DeviceCache.from_cache(cache, DEVICE)
-    side = dc.k if is_key else dc.v
-    for t in side.fields.values():
-        t.zero_()
-    slots = torch.from_numpy(cache.slot_mapping(0, 0, n)).to(DEVICE)
-    tb.quantize_write(side, torch.from_numpy(x[:n]).to(DEVICE), slots)
-    for f, store in side_np.storage.items():
-        got = side.fields[f].cpu()
-        got = got.view(torch.int16) if got.dtype == torch.bfloat16 else got
-        want = torch.from_numpy(store.reshape(-1, *store.shape[2:]).view(np.int16) if store.dtype == np.uint16
-                                else store.reshape(-1, *store.shape[2:]))
-        diff = (got.view(torch.uint8) != want.view(torch.uint8)).nonzero()
-        assert diff.shape[0] == 0, f"{name} {opts} field {f}: {diff.shape[0]} bytes differ, first at {diff[0].tolist()}"
+    every stored byte (kvqref.conformance.triton_write_matches)."""
+    ok, detail = triton_write_matches(name, opts, x, page_size, rng)
+    assert ok, f"{name} {opts}: {detail}"
 
 
 WRITE_IDS = [f"{n}-{'-'.join(map(str, o.values()))}" for n, o in WRITE_CASES]
