@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvqref import reference
+from kvqref import reference, schemes
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
@@ -178,3 +178,61 @@ def test_bad_input_is_rejected_before_launch():
         side = tb.DeviceCache.from_cache(build_cache(PAIRS[5], SMALL, rng)[0], DEVICE).k
         tb.quantize_write(side, torch.full((2, 2, 64), float("nan"), device=DEVICE),
                           torch.zeros(2, dtype=torch.int64, device=DEVICE))
+
+
+SHAPE_CASES = [  # (name, shape overrides, pair index): head_dim 256 and 64, MQA, pages of 256 and 1
+    ("head_dim_256", dict(head_dim=256), 1),
+    ("head_dim_256_fp4", dict(head_dim=256), 6),
+    ("mqa", dict(kv_heads=1, q_heads=8), 1),
+    ("mqa_kivi", dict(kv_heads=1, q_heads=8), 7),
+    ("page_256", dict(page_size=256), 5),
+    ("page_1_nvfp4", dict(page_size=1), 6),
+]
+
+
+@pytest.mark.parametrize("name,over,pair", SHAPE_CASES, ids=[c[0] for c in SHAPE_CASES])
+def test_decode_shapes(name, over, pair):
+    rng = np.random.default_rng(len(name))
+    shape = dict(BIG if GPU else SMALL, **over)
+    cache, _ = build_cache(PAIRS[pair], shape, rng)
+    q = torch.from_numpy(rng.standard_normal((shape["batch"], shape["q_heads"], shape["head_dim"]))
+                         .astype(np.float32)).to(torch.bfloat16)
+    out, lse, _ = _run_decode(cache, q)
+    ref_out, ref_lse, tol_o, tol_l = _oracle(cache, q.float().numpy().astype(np.float64))
+    assert (np.abs(out - ref_out) <= tol_o).all(), np.abs(out - ref_out).max()
+    assert (np.abs(lse - ref_lse) <= tol_l).all(), np.abs(lse - ref_lse).max()
+
+
+@pytest.mark.skipif(not GPU, reason="needs a GPU: a cache of more than 2**31 elements, 131,072 tokens")
+@pytest.mark.parametrize("scheme", ["fp8_e4m3", "fp4_e2m1"])
+def test_long_context_with_offsets_beyond_2_31(scheme):
+    """Batch 1 at 131,072 tokens whose pages lie beyond element 2**31 of a 2.2 G-element cache: 64-bit
+    offsets, split-KV, bytes written by the kernel equal the oracle's, attention within tolerance."""
+    kvh, d, page, T = 8, 128, 16, 131072
+    s = schemes.get(scheme)
+    params = {"scale": np.float32(0.05)} if scheme.startswith("fp8") else {}
+    num_pages = (2**31 + 2**27) // (page * kvh * d) + T // page
+    first = num_pages - T // page  # the sequence's pages are the last ones: offsets > 2**31 elements
+    bt = torch.arange(first, num_pages, dtype=torch.int32)[None, :]
+    sl = torch.tensor([T], dtype=torch.int32)
+    dc = tb.empty_device_cache(s, s, num_pages, page, kvh, d, bt, sl, k_params=params, v_params=params)
+    rng = np.random.default_rng(0)
+    k = kv_tensor(rng, T, kvh, d, outliers=True)
+    v = kv_tensor(rng, T, kvh, d, outliers=False)
+    slots = (bt[0].long()[:, None] * page + torch.arange(page)[None, :]).reshape(-1).cuda()
+    tb.quantize_write(dc.k, torch.from_numpy(k).cuda(), slots)
+    tb.quantize_write(dc.v, torch.from_numpy(v).cuda(), slots)
+    qk, qv = s.quantize(k, params=params or None), s.quantize(v, params=params or None)
+    lo = first * page
+    for side, qz in ((dc.k, qk), (dc.v, qv)):
+        for f, want in qz.fields.items():
+            got = side.fields[f][lo:lo + T].cpu().numpy()
+            assert np.array_equal(got.view(np.uint8), want.view(np.uint8)), f
+    q = torch.from_numpy(rng.standard_normal((1, 32, d)).astype(np.float32)).to(torch.bfloat16)
+    out, lse = tb.decode(q.cuda(), dc)
+    K, V = s.dequantize(qk), s.dequantize(qv)
+    q64 = q.float().numpy().astype(np.float64)
+    ref_out, ref_lse = reference.attention(q64, [K], [V])
+    tol_o, tol_l = reference.kernel_tolerance(q64, [K], [V])
+    assert (np.abs(out.cpu().numpy() - ref_out) <= tol_o).all()
+    assert (np.abs(lse.cpu().numpy() - ref_lse) <= tol_l).all()
