@@ -15,8 +15,11 @@ Cache tile kinds (``KIND_K``/``KIND_V``) and the fields they read (leading axes 
     5 INT-K    F0 as 4; F1 fp16 scale, F2 fp16 zero [D] per group of G slots (per channel, token groups)
 Tensor-level scales (FP8 per-tensor/per-head, NVFP4 global) are folded: K's into the softmax scale,
 V's into the output. Per-token FP8 scales multiply score columns and probabilities, never the
-elements, so dequantized FP8/FP4 tiles are exact in bfloat16 and go to the tensor cores as they are;
-tiles that are not (INT, the residual) and the probabilities are split into bfloat16 hi + lo parts.
+elements, so dequantized FP8 tiles are exact in float16 and FP4 tiles exact in bfloat16 and go to the
+tensor cores as they are. Operands that are not exact in 16 bits (q in float32, the probabilities, KIVI
+tiles, the residual) are split into two or three 16-bit parts whose sum is the float32 value, so the
+products are those of float32 operands (docs/kernels.md). KIVI keys fold the group's per-channel scale
+and zero into q, so their integer codes go to the tensor cores exactly.
 """
 
 from __future__ import annotations
@@ -25,9 +28,6 @@ import triton
 import triton.language as tl
 
 from kvqref.kernels.codecs import INTERPRET, decode_f32, e8m0_to_f32, floor_log2_f32, pow2_f32
-
-LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
 
 
 @triton.jit
@@ -226,11 +226,6 @@ def _load_q(Q, base, hmask, P: tl.constexpr, PACK: tl.constexpr, DP: tl.constexp
 
 
 @triton.jit
-def ik_all(D: tl.constexpr):
-    return tl.arange(0, D)
-
-
-@triton.jit
 def _load_qf(Q, base, hmask, P: tl.constexpr, PACK: tl.constexpr, DP: tl.constexpr):
     i = tl.arange(0, DP)
     return tl.load(Q + base + (i * PACK + P)[None, :], mask=hmask[:, None], other=0.0).to(tl.float32)
@@ -358,7 +353,7 @@ def decode_split_kernel(
     F16V: tl.constexpr = KIND_V == 1 and not TSC_V
     QP16: tl.constexpr = 2 if Q_SPLIT else 1
     if F16K:
-        qf = tl.load(Q + qbase + ik_all(D)[None, :], mask=hmask[:, None], other=0.0).to(tl.float32)
+        qf = tl.load(Q + qbase + tl.arange(0, D)[None, :], mask=hmask[:, None], other=0.0).to(tl.float32)
         qmax = tl.max(tl.max(tl.abs(qf), 1), 0)
         eq = tl.where(qmax > 0, tl.minimum(14 - floor_log2_f32(qmax), 126), 0)
         q16h, q16l = _split16(qf * pow2_f32(eq))
