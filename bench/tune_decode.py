@@ -26,6 +26,7 @@ def main() -> int:
     ap.add_argument("--shape", default="32,32,8,128,8192")
     ap.add_argument("--schemes", default="bf16,fp8_e4m3,fp4_e2m1,int4_kivi")
     ap.add_argument("--once", action="store_true", help="one decode per scheme (for a profiler)")
+    ap.add_argument("--grid", default="32,64,128/4,8/2,3,4", help="block_n list / warps list / stages list")
     args = ap.parse_args()
     shape = tuple(int(v) for v in args.shape.split(","))
     if args.once:
@@ -39,7 +40,9 @@ def main() -> int:
         dc, _, _ = make_cache(label, shape, 16)
         q = torch.randn(shape[0], shape[1], shape[3], device="cuda").to(torch.bfloat16)
         base = None
-        for bn, nw, ns, sp, kt in itertools.product((32, 64, 128), (4, 8), (2, 3, 4), (None,), (True, False)):
+        for bn, nw, ns, sp, kt in itertools.product(
+            *[tuple(int(v) for v in part.split(",")) for part in args.grid.split("/")], (None,), (True,)
+        ):
             if label.endswith("kivi") and bn > 32:
                 continue
             try:
