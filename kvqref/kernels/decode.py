@@ -1086,7 +1086,7 @@ def plan_decode(
     block_n: int | None = None,
     num_splits: int | None = None,
     max_seq_len: int | None = None,
-    num_warps: int = 4,
+    num_warps: int | None = None,
     num_stages: int | None = None,
     hw_formats: set[int] | None = None,
     k_transposed: bool = True,
@@ -1101,14 +1101,18 @@ def plan_decode(
     block_h = max(16, triton.next_power_of_2(qpk))
     if sm_scale is None:
         sm_scale = head_dim**-0.5
-    if block_n is None:  # tuned on the H100 (bench/tune_decode.py, bench/results/tune-*.log)
-        block_n = {"bf16": 64, "fp8": 128}.get(k.kind, 32) if k.kind == v.kind else 32
+    # defaults tuned on the H100 (bench/tune_decode.py; bench/results/history/tune-h100-*.log): the kernel's
+    # occupancy is limited by registers, so two warps per program and 32-token tiles win for every scheme
+    if block_n is None:
+        block_n = 32
+    if num_warps is None:
+        num_warps = 2
     if k.kind == "int_k":  # a tile must lie inside one KIVI token group
         block_n = min(block_n, k.group)
         if k.group % block_n:
             raise ValueError(f"block_n {block_n} must divide the KIVI key group size {k.group}")
     if num_stages is None:
-        num_stages = 3 if k.kind == v.kind == "fp8" else 2
+        num_stages = 3 if k.kind in ("fp8", "int_k") else 2
     has_res = residual is not None
     if has_res:
         rk, rv, kl, vl = residual
