@@ -446,6 +446,8 @@ def decode_split_kernel(
                 )
                 s = tl.trans(_mm_t(kt, qTh, qTm, qTl, QPT, F16K))
             else:
+                # one byte per element (bf16/FP8 with KT=False): packed kinds have their own branches above
+                tl.static_assert(PK == 1)
                 kb = tl.load(K0 + sk * k0_s + kvh * k0_h + ik[:, None], mask=mk, other=0)
                 k0t = _phase(
                     kb,
@@ -470,86 +472,6 @@ def decode_split_kernel(
                     s = _mm16(q16h, q16l, k0t, QP16)
                 else:
                     s = _mm(q0h, q0m, q0l, k0t, QP, K_SPLIT)
-                if PK >= 2:
-                    s += _mm(
-                        q1h,
-                        q1m,
-                        q1l,
-                        _phase(
-                            kb,
-                            sk,
-                            ik[:, None] * PK + 1,
-                            mk,
-                            kvh,
-                            K1,
-                            K2,
-                            k1_s,
-                            k1_h,
-                            k2_s,
-                            k2_h,
-                            1,
-                            KIND_K,
-                            FMT_K,
-                            QB_K,
-                            G_K,
-                            BITS_K,
-                        ),
-                        QP,
-                        K_SPLIT,
-                    )
-                if PK == 4:
-                    s += _mm(
-                        q2h,
-                        q2m,
-                        q2l,
-                        _phase(
-                            kb,
-                            sk,
-                            ik[:, None] * PK + 2,
-                            mk,
-                            kvh,
-                            K1,
-                            K2,
-                            k1_s,
-                            k1_h,
-                            k2_s,
-                            k2_h,
-                            2,
-                            KIND_K,
-                            FMT_K,
-                            QB_K,
-                            G_K,
-                            BITS_K,
-                        ),
-                        QP,
-                        K_SPLIT,
-                    )
-                    s += _mm(
-                        q3h,
-                        q3m,
-                        q3l,
-                        _phase(
-                            kb,
-                            sk,
-                            ik[:, None] * PK + 3,
-                            mk,
-                            kvh,
-                            K1,
-                            K2,
-                            k1_s,
-                            k1_h,
-                            k2_s,
-                            k2_h,
-                            3,
-                            KIND_K,
-                            FMT_K,
-                            QB_K,
-                            G_K,
-                            BITS_K,
-                        ),
-                        QP,
-                        K_SPLIT,
-                    )
             if KIND_K == 1 and TSC_K:
                 s = s * (tl.load(K1 + slot * k1_s + kvh * k1_h, mask=tmask, other=0.0) * sc_k)[None, :]
             else:
@@ -597,7 +519,8 @@ def decode_split_kernel(
                 acc0 = acc0 * alpha[:, None] + _mm(ph, pm, pl, v_lo, 3, False)
                 acc1 = acc1 * alpha[:, None] + _mm(ph, pm, pl, v_hi, 3, False)
             else:
-                # V: [N, DV] per phase
+                # V: [N, D], one byte per element (bf16/FP8): packed kinds have their own branches above
+                tl.static_assert(PV == 1)
                 sv = slot[:, None]
                 mv = tmask[:, None]
                 vb = tl.load(V0 + sv * v0_s + kvh * v0_h + iv[None, :], mask=mv, other=0)
@@ -624,87 +547,6 @@ def decode_split_kernel(
                     acc0 = acc0 * alpha[:, None] + _mm16(p16h, p16l, v0t, 2)
                 else:
                     acc0 = acc0 * alpha[:, None] + _mm(ph, pm, pl, v0t, 3, V_SPLIT)
-                if PV >= 2:
-                    acc1 = acc1 * alpha[:, None] + _mm(
-                        ph,
-                        pm,
-                        pl,
-                        _phase(
-                            vb,
-                            sv,
-                            iv[None, :] * PV + 1,
-                            mv,
-                            kvh,
-                            V1,
-                            V2,
-                            v1_s,
-                            v1_h,
-                            v2_s,
-                            v2_h,
-                            1,
-                            KIND_V,
-                            FMT_V,
-                            QB_V,
-                            G_V,
-                            BITS_V,
-                        ),
-                        3,
-                        V_SPLIT,
-                    )
-                if PV == 4:
-                    acc2 = acc2 * alpha[:, None] + _mm(
-                        ph,
-                        pm,
-                        pl,
-                        _phase(
-                            vb,
-                            sv,
-                            iv[None, :] * PV + 2,
-                            mv,
-                            kvh,
-                            V1,
-                            V2,
-                            v1_s,
-                            v1_h,
-                            v2_s,
-                            v2_h,
-                            2,
-                            KIND_V,
-                            FMT_V,
-                            QB_V,
-                            G_V,
-                            BITS_V,
-                        ),
-                        3,
-                        V_SPLIT,
-                    )
-                    acc3 = acc3 * alpha[:, None] + _mm(
-                        ph,
-                        pm,
-                        pl,
-                        _phase(
-                            vb,
-                            sv,
-                            iv[None, :] * PV + 3,
-                            mv,
-                            kvh,
-                            V1,
-                            V2,
-                            v1_s,
-                            v1_h,
-                            v2_s,
-                            v2_h,
-                            3,
-                            KIND_V,
-                            FMT_V,
-                            QB_V,
-                            G_V,
-                            BITS_V,
-                        ),
-                        3,
-                        V_SPLIT,
-                    )
-
     if HAS_RES and split >= num_splits:
         # the tail [min(k_len, v_len), seq_len): KIVI keeps the newest keys and values in full precision
         # (float32 residuals [batch, W, kv_heads, D]); K and V switch to their residual at their own length
