@@ -144,7 +144,19 @@ def make_cache(label: str, shape, page_size: int, seed: int = 0):
     return dc, ks, vs
 
 
+def timed(fn, record: dict[str, Any]) -> dict[str, Any]:
+    """``record`` (which holds ``bytes``) completed with the median time of ``fn`` and the GB/s."""
+    ms = bench_ms(fn)
+    return {**record, "time_us": ms * 1e3, "gbs": record["bytes"] / (ms * 1e-3) / 1e9}
+
+
 def decode_case(label: str, shape, page_size: int, backend: str = "triton") -> dict[str, Any]:
+    """One timed decode row (page_size is the one asked for; KIVI runs with pages of 32)."""
+    return timed(*decode_setup(label, shape, page_size, backend))
+
+
+def decode_setup(label: str, shape, page_size: int, backend: str = "triton"):
+    """(the decode call to time, its record without times): a device cache written by the kernel."""
     import torch
 
     from kvqref.backends import torch_backend, triton_backend
@@ -162,10 +174,9 @@ def decode_case(label: str, shape, page_size: int, backend: str = "triton") -> d
         def fn():
             return torch_backend.decode(q, dc)
 
-    ms = bench_ms(fn)
     per_tok = side_bytes_per_token(ks, kv_heads, head_dim) + side_bytes_per_token(vs, kv_heads, head_dim)
     nbytes = batch * tokens * per_tok + 2 * q.numel() * 2
-    return {
+    return fn, {
         "op": "decode",
         "backend": backend,
         "scheme": label,
@@ -175,11 +186,8 @@ def decode_case(label: str, shape, page_size: int, backend: str = "triton") -> d
         "head_dim": head_dim,
         "tokens": tokens,
         "page_size": page_size,
-        "time_us": ms * 1e3,
         "bytes": nbytes,
-        "gbs": nbytes / (ms * 1e-3) / 1e9,
     }
-    # note: page_size in the record is the one asked for; KIVI runs with pages of 32
 
 
 def sdpa_case(shape) -> dict[str, Any]:
@@ -209,6 +217,12 @@ def sdpa_case(shape) -> dict[str, Any]:
 
 
 def write_case(label: str, tokens: int = 65536, kv_heads: int = 8, head_dim: int = 128) -> dict[str, Any]:
+    """One timed quantize-on-write row."""
+    return timed(*write_setup(label, tokens, kv_heads, head_dim))
+
+
+def write_setup(label: str, tokens: int = 65536, kv_heads: int = 8, head_dim: int = 128):
+    """(the write call to time, its record without times): pages in random order, bf16 input."""
     import torch
 
     from kvqref.backends import triton_backend as tb
@@ -222,18 +236,19 @@ def write_case(label: str, tokens: int = 65536, kv_heads: int = 8, head_dim: int
     )
     if label.endswith("kivi"):
         slots = torch.arange(tokens, device="cuda")
-    ms = bench_ms(lambda: tb.quantize_write(dc.k, x, slots, validate=False))
     nbytes = x.numel() * 2 + slots.numel() * 8 + tokens * side_bytes_per_token(ks, kv_heads, head_dim)
-    return {
+
+    def fn():
+        tb.quantize_write(dc.k, x, slots, validate=False)
+
+    return fn, {
         "op": "write",
         "backend": "triton",
         "scheme": label,
         "tokens": tokens,
         "kv_heads": kv_heads,
         "head_dim": head_dim,
-        "time_us": ms * 1e3,
         "bytes": nbytes,
-        "gbs": nbytes / (ms * 1e-3) / 1e9,
     }
 
 

@@ -19,8 +19,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 KINDS = {
     "mma": re.compile(r"^\s*(mma|wgmma)\."),
     "cvt": re.compile(r"^\s*cvt\."),
-    "int/bit": re.compile(r"^\s*(and|or|xor|shl|shr|lop3|prmt|bfe|bfi|selp|not|setp\.\w+\.[su]\d+"
-                          r"|add\.[su]\d+|mul\.lo|mad\.lo|min\.[su]|max\.[su])"),
+    "int/bit": re.compile(
+        r"^\s*(and|or|xor|shl|shr|lop3|prmt|bfe|bfi|selp|not|setp\.\w+\.[su]\d+"
+        r"|add\.[su]\d+|mul\.lo|mad\.lo|min\.[su]|max\.[su])"
+    ),
     "float": re.compile(r"^\s*(fma|mul|add|sub|ex2|lg2|max|min|rcp|div|neg|abs)\.(rn\.)?(f32|f16|bf16|ftz)"),
     "ld.global": re.compile(r"^\s*ld\.global"),
     "st/ld.shared": re.compile(r"^\s*(st|ld)\.shared|^\s*ldmatrix"),
@@ -48,8 +50,9 @@ def main() -> int:
         if not name.startswith("decode"):
             continue
         sig, cx, div = _signature(launch)
-        ck = compile_for_target(launch.kernel, sig, cx, tgt, divisible_by_16=div,
-                                options={**launch.options, "enable_fp_fusion": False})
+        ck = compile_for_target(
+            launch.kernel, sig, cx, tgt, divisible_by_16=div, options={**launch.options, "enable_fp_fusion": False}
+        )
         m = mix(ck.asm["ptx"])
         print(f"| {name} (BLOCK_N={cx['BLOCK_N']}) | " + " | ".join(str(m.get(k, 0)) for k in KINDS) + " |")
     return 0

@@ -83,15 +83,11 @@ def test_decode(benchmark, backend, shape, label, env, ceiling):
     if GPU:
         if backend == "torch" and shape != GPU_SHAPES[0]:
             pytest.skip("the unfused baseline is measured at the first shape only (it materializes BF16)")
-        row = db.decode_case(label, shape, 16, backend=backend)
-        dc, _, _ = db.make_cache(label, shape, 16)
-        q = torch.randn(shape[0], shape[1], shape[3], device="cuda").to(torch.bfloat16)
-        from kvqref import backends
-
-        b = backends.get(backend)
+        call, rec = db.decode_setup(label, shape, 16, backend=backend)
+        row = db.timed(call, rec)
 
         def fn():
-            b.decode(q, dc)
+            call()
             torch.cuda.synchronize()
     else:
         from kvqref import backends
@@ -121,15 +117,11 @@ def test_quantize_on_write(benchmark, label, env, ceiling):
         benchmark.pedantic(lambda: scheme.quantize(x), rounds=3, warmup_rounds=1)
         _record(benchmark, env, ceiling, {"op": "write", "backend": "numpy", "scheme": label, "tokens": 256})
         return
-    row = db.write_case(label)
-    from kvqref.backends import triton_backend as tb
-
-    dc, _, _ = db.make_cache(label, (1, 8, 8, 128, 65536), 32)
-    x = torch.randn(65536, 8, 128, device="cuda").to(torch.bfloat16)
-    slots = torch.arange(65536, device="cuda")
+    call, rec = db.write_setup(label)
+    row = db.timed(call, rec)
 
     def fn():
-        tb.quantize_write(dc.k, x, slots, validate=False)
+        call()
         torch.cuda.synchronize()
 
     benchmark.pedantic(fn, rounds=10, warmup_rounds=2)

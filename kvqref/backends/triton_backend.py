@@ -13,6 +13,10 @@ import numpy as np
 from kvqref.schemes import BF16Scheme, E8M0BlockScheme, FP8Scheme, KiviScheme, NVFP4Scheme, Scheme
 
 TILE_KINDS = {BF16Scheme: "bf16", FP8Scheme: "fp8", E8M0BlockScheme: "mxfp4", NVFP4Scheme: "nvfp4"}
+#: the scheme fields each kernel kind reads, in the order of its F0, F1, F2 arguments
+FIELD_ORDER = {"bf16": ("data",), "fp8": ("codes", "scale"), "mxfp4": ("codes", "scales"),
+               "nvfp4": ("codes", "scales"), "int_v": ("codes", "scale", "zero"),
+               "int_k": ("codes", "scale", "zero")}
 
 
 def _torch():
@@ -65,10 +69,7 @@ class Side:
         from kvqref.kernels.decode import CacheTiles
 
         cfg = kernel_config(self.scheme)
-        order = {"bf16": ["data"], "fp8": ["codes", "scale"], "mxfp4": ["codes", "scales"],
-                 "nvfp4": ["codes", "scales"], "int_v": ["codes", "scale", "zero"],
-                 "int_k": ["codes", "scale", "zero"]}[cfg["kind"]]
-        fields = [self.fields[f] for f in order if f in self.fields]
+        fields = [self.fields[f] for f in FIELD_ORDER[cfg["kind"]] if f in self.fields]
         return CacheTiles(cfg["kind"], fields, self.tensor_scale, fmt=cfg.get("fmt", 0),
                           token_scale=cfg.get("token_scale", False), block=cfg.get("block", 16),
                           group=cfg.get("group", 1), bits=cfg.get("bits", 8))
@@ -201,7 +202,7 @@ def plan_write(side: Side, x, slot_mapping, *, block_t: int = 32):
     """The launch of :func:`quantize_write` (checked on the host first)."""
     import triton
 
-    from kvqref.kernels.decode import Launch
+    from kvqref.kernels.decode import KIND_IDS, Launch
     from kvqref.kernels.write import quantize_write_kernel
 
     torch = _torch()
@@ -217,10 +218,7 @@ def plan_write(side: Side, x, slot_mapping, *, block_t: int = 32):
         raise ValueError("x, slot_mapping and the cache must be on one device")
     x = x.contiguous()
     slot_mapping = slot_mapping.to(torch.int64).contiguous()
-    order = {"bf16": ["data"], "fp8": ["codes", "scale"], "mxfp4": ["codes", "scales"],
-             "nvfp4": ["codes", "scales"], "int_v": ["codes", "scale", "zero"],
-             "int_k": ["codes", "scale", "zero"]}[cfg["kind"]]
-    fields = [side.fields[f] for f in order if f in side.fields]
+    fields = [side.fields[f] for f in FIELD_ORDER[cfg["kind"]] if f in side.fields]
     fields += [fields[0]] * (3 - len(fields))
     strides: list[int] = []
     for t in fields:
@@ -229,12 +227,11 @@ def plan_write(side: Side, x, slot_mapping, *, block_t: int = 32):
         block_t = cfg["group"]
         if n % block_t:
             raise ValueError(f"{side.scheme.name} keys are written in whole groups of {block_t} tokens, got {n}")
-    kind_id = {"bf16": 0, "fp8": 1, "mxfp4": 2, "nvfp4": 3, "int_v": 4, "int_k": 5}[cfg["kind"]]
     sc = side.tensor_scale
     if cfg.get("sglang") == 2:  # torch's x * (1 / s): the reciprocal rounded to float32 once, on the host
         sc = (1.0 / sc.double()).float()
     args = [x, slot_mapping, *fields, sc, n, x.stride(0), x.stride(1), *strides]
-    cx = dict(KIND=kind_id, FMT=cfg.get("fmt", 0), SGLANG=int(cfg.get("sglang", 0)),
+    cx = dict(KIND=KIND_IDS[cfg["kind"]], FMT=cfg.get("fmt", 0), SGLANG=int(cfg.get("sglang", 0)),
               SATURATE=bool(cfg.get("saturate", True)),
               TOKEN_SCALE=cfg.get("token_scale", False), QB=cfg.get("block", 16), G=cfg.get("group", 1),
               BITS=cfg.get("bits", 8), D=head_dim, BLOCK_T=block_t)

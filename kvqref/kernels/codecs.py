@@ -162,12 +162,6 @@ def bf16_bits_to_f32(b):
 
 
 @triton.jit
-def f32_to_f16_rne(x):
-    """float32 -> nearest float16 value, ties to even, returned as float32."""
-    return x.to(tl.float16).to(tl.float32)
-
-
-@triton.jit
 def ceil_log2_f32(x):
     """ceil(log2(x)) of a positive normal float32, exactly from its bits."""
     a = x.to(tl.int32, bitcast=True)

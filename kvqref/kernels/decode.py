@@ -220,9 +220,8 @@ def _phase_mixed(
 
 @triton.jit
 def _load_q(Q, base, hmask, P: tl.constexpr, PACK: tl.constexpr, DP: tl.constexpr):
-    i = tl.arange(0, DP)
-    qp = tl.load(Q + base + (i * PACK + P)[None, :], mask=hmask[:, None], other=0.0).to(tl.float32)
-    return _split(qp, True)
+    """Phase ``P`` of q as three bfloat16 parts (exact)."""
+    return _split(_load_qf(Q, base, hmask, P, PACK, DP), True)
 
 
 @triton.jit
