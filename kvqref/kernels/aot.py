@@ -75,8 +75,9 @@ def _signature(launch) -> tuple[dict[str, str], dict[str, Any], list[str]]:
     return sig, dict(launch.constexprs), div
 
 
-def _launches(target: str) -> list[tuple[str, Any]]:
-    """(name, Launch) for every kernel variant, built on the CPU with the target's FP8 conversions."""
+def _launches(target: str, cases: list | None = None, page: int = 16) -> list[tuple[str, Any]]:
+    """(name, Launch) for every kernel variant (``cases``: DECODE_CASES), built on the CPU with the target's
+    FP8 conversions, in pages of ``page`` tokens."""
     import numpy as np
     import torch
 
@@ -89,14 +90,14 @@ def _launches(target: str) -> list[tuple[str, Any]]:
     rng = np.random.default_rng(0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        for label, kn, ko, vn, vo in DECODE_CASES:
-            cache = PagedKVCache(schemes.get(kn, **ko), schemes.get(vn, **vo), 8, 16, 2, 128, batch=2)
+        for label, kn, ko, vn, vo in DECODE_CASES if cases is None else cases:
+            cache = PagedKVCache(schemes.get(kn, **ko), schemes.get(vn, **vo), 8, page, 2, 128, batch=2)
             for b in range(2):
                 cache.append(b, rng.standard_normal((40, 2, 128)), rng.standard_normal((40, 2, 128)))
             dc = tb.DeviceCache.from_cache(cache, "cpu")
             q = torch.zeros(2, 8, 128, dtype=torch.bfloat16)
             residual = (dc.k_residual, dc.v_residual, dc.k_lens, dc.v_lens) if dc.has_residual else None
-            launches, _, _ = plan_decode(q, dc.k.tiles(), dc.v.tiles(), dc.block_table, dc.seq_lens, 16,
+            launches, _, _ = plan_decode(q, dc.k.tiles(), dc.v.tiles(), dc.block_table, dc.seq_lens, page,
                                          residual=residual, max_seq_len=40, num_splits=2,
                                          hw_formats=_hw_formats(target))
             out.append((f"decode[{label}]", launches[0]))
