@@ -31,26 +31,19 @@ from kvqref.kernels.codecs import INTERPRET, decode_f32, e8m0_to_f32, floor_log2
 
 
 @triton.jit
-def _hi_bf16(x):
-    """float32 -> (the bfloat16 of its upper 16 bits, those bits as float32): a truncation, so ``x`` minus
-    the second is exact; bit operations only (no conversion instruction)."""
-    u = x.to(tl.uint32, bitcast=True)
-    return (u >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True), (u & 0xFFFF0000).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _split(x):
-    """float32 -> bfloat16 parts (hi, mid, lo) whose sum is exactly ``x`` (for normal float32 values and
-    parts above float32's subnormal range): hi and mid are truncations to 8 significant bits, the rest has
-    at most 8. Bit operations and two subtractions, no conversions. Interpreter: (x, x, x) and exact
-    float32 dots."""
+def _split(x, THREE: tl.constexpr):
+    """float32 -> bfloat16 parts whose sum is ``x``: (hi, lo, 0) to about 16 bits, or with ``THREE``
+    (hi, mid, lo), exact for float32. Interpreter: (x, x, x) and exact float32 dots."""
     if INTERPRET:
         return x, x, x
     else:
-        hi, hi32 = _hi_bf16(x)
-        r = x - hi32
-        mid, mid32 = _hi_bf16(r)
-        lo, _ = _hi_bf16(r - mid32)
+        hi = x.to(tl.bfloat16)
+        r = x - hi.to(tl.float32)
+        mid = r.to(tl.bfloat16)
+        if THREE:
+            lo = (r - mid.to(tl.float32)).to(tl.bfloat16)
+        else:
+            lo = mid
         return hi, mid, lo
 
 
@@ -63,7 +56,7 @@ def _mm(a_hi, a_mid, a_lo, b, A_PARTS: tl.constexpr, B_SPLIT: tl.constexpr):
         return tl.dot(a_hi, b.to(tl.float32), input_precision="ieee")
     else:
         if B_SPLIT:
-            b_hi, b_mid, b_lo = _split(b.to(tl.float32))
+            b_hi, b_mid, b_lo = _split(b.to(tl.float32), True)
         else:
             b_hi = b.to(tl.bfloat16)
         acc = tl.dot(a_hi, b_hi)
@@ -117,31 +110,6 @@ def _mm_t(a, b_hi, b_mid, b_lo, B_PARTS: tl.constexpr, F16: tl.constexpr):
         if B_PARTS >= 3:
             acc += tl.dot(a2, b_lo)
         return acc
-
-
-@triton.jit
-def _e2m1_bf16(nib):
-    """E2M1 code (low 4 bits of an int32) -> its exact value in bfloat16: the code's bits placed in
-    bfloat16's exponent and mantissa fields give the value times 2**-126 (a subnormal for codes 0-1), and a
-    bfloat16 multiplication by 2**126 (exact, subnormals supported) restores it."""
-    if INTERPRET:  # its bfloat16 bit casts are not exact: float32 from the float16 layout
-        return _e2m1_f32(nib)
-    else:
-        h = ((nib & 7) << 6) | ((nib & 8) << 12)
-        v = h.to(tl.uint16).to(tl.bfloat16, bitcast=True)
-        return v * tl.full((), 2.0**126, tl.bfloat16)
-
-
-@triton.jit
-def _int_code_bf16(c):
-    """Integer code 0..127 (an int32) -> its exact value in bfloat16 without a conversion instruction: the
-    bits 0x4300 | c are the bfloat16 value 128 + c (spacing 1 in [128, 256)), and subtracting 128 is exact.
-    Interpreter: float32."""
-    if INTERPRET:
-        return c.to(tl.float32)
-    else:
-        v = (c | 0x4300).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-        return v - tl.full((), 128.0, tl.bfloat16)
 
 
 @triton.jit
@@ -253,7 +221,7 @@ def _phase_mixed(
 @triton.jit
 def _load_q(Q, base, hmask, P: tl.constexpr, PACK: tl.constexpr, DP: tl.constexpr):
     """Phase ``P`` of q as three bfloat16 parts (exact)."""
-    return _split(_load_qf(Q, base, hmask, P, PACK, DP))
+    return _split(_load_qf(Q, base, hmask, P, PACK, DP), True)
 
 
 @triton.jit
@@ -263,26 +231,17 @@ def _load_qf(Q, base, hmask, P: tl.constexpr, PACK: tl.constexpr, DP: tl.constex
 
 
 @triton.jit
-def _kivi_key_phase(qs, kb, P: tl.constexpr, BITS: tl.constexpr):
-    """KIVI keys, one byte phase, for a tile inside one token group: ``qs`` (q times the group's
-    per-channel scales, this phase's columns) . codes; integer codes are exact in bfloat16."""
-    qh, qm, ql = _split(qs)
-    codes = _int_code_bf16((kb.to(tl.int32) >> (P * BITS)) & ((1 << BITS) - 1))
-    return _mm(qh, qm, ql, codes, 3, False)
-
-
-@triton.jit
-def _phases(x, H: tl.constexpr, DK: tl.constexpr, PK: tl.constexpr):
-    """[H, DK * PK] in memory order -> its PK phases (columns i * PK + P), each [H, DK] (P = 2, 3 repeat
-    0, 1 when PK == 2)."""
-    if PK == 2:
-        a, b = tl.split(tl.reshape(x, (H, DK, 2)))
-        return a, b, a, b
-    else:
-        e, o = tl.split(tl.reshape(x, (H, DK, 2, 2)))  # e: P = 0, 2; o: P = 1, 3
-        x0, x2 = tl.split(e)
-        x1, x3 = tl.split(o)
-        return x0, x1, x2, x3
+def _kivi_key_phase(
+    qf, kb, K1, K2, grp, kvh, k1_s, k1_h, k2_s, k2_h, ik, P: tl.constexpr, PK: tl.constexpr, BITS: tl.constexpr
+):
+    """KIVI keys, one byte phase, for a tile inside one token group: scores q . (code * s + z) computed as
+    (q * s) . code + q . z, with the per-channel s, z of the group folded into q (codes are exact)."""
+    e = ik * PK + P
+    sc = tl.load(K1 + grp * k1_s + kvh * k1_h + e).to(tl.float32)
+    z = tl.load(K2 + grp * k2_s + kvh * k2_h + e).to(tl.float32)
+    qh, qm, ql = _split(qf * sc[None, :], True)
+    codes = ((kb.to(tl.int32) >> (P * BITS)) & ((1 << BITS) - 1)).to(tl.float32)
+    return _mm(qh, qm, ql, codes, 3, False), tl.sum(qf * z[None, :], 1)
 
 
 @triton.jit
@@ -383,7 +342,10 @@ def decode_split_kernel(
     q2h, q2m, q2l = _load_q(Q, qbase, hmask, 2 % PK, PK, DK)
     q3h, q3m, q3l = _load_q(Q, qbase, hmask, 3 % PK, PK, DK)
     if KIND_K == 5:
-        qfull = tl.load(Q + qbase + tl.arange(0, D)[None, :], mask=hmask[:, None], other=0.0).to(tl.float32)
+        qf0 = _load_qf(Q, qbase, hmask, 0, PK, DK)
+        qf1 = _load_qf(Q, qbase, hmask, 1 % PK, PK, DK)
+        qf2 = _load_qf(Q, qbase, hmask, 2 % PK, PK, DK)
+        qf3 = _load_qf(Q, qbase, hmask, 3 % PK, PK, DK)
     qk_scale = sm_scale * tl.load(KS + kvh) * 1.4426950408889634
     # FP8 tiles are exact in float16: q goes to float16 tensor cores, scaled by a power of two into range
     F16K: tl.constexpr = KIND_K == 1
@@ -403,8 +365,6 @@ def decode_split_kernel(
     acc1 = tl.zeros((BLOCK_H, DV), tl.float32)
     acc2 = tl.zeros((BLOCK_H, DV), tl.float32)
     acc3 = tl.zeros((BLOCK_H, DV), tl.float32)
-    if KIND_V == 4:
-        accg = tl.zeros((D // G_V, BLOCK_H, G_V), tl.float32)  # KIVI values, paged part: [groups, H, G]
     ik = tl.arange(0, DK)
     iv = tl.arange(0, DV)
     K_T: tl.constexpr = KT and PK == 1 and KIND_K <= 1
@@ -437,15 +397,15 @@ def decode_split_kernel(
                 # KIVI keys: the tile lies inside one token group (BLOCK_N divides G, G divides PAGE)
                 grp = tl.min(tl.where(tmask, slot, 2**62), 0) // G_K
                 kb = tl.load(K0 + slot[None, :] * k0_s + kvh * k0_h + ik[:, None], mask=tmask[None, :], other=0)
-                # the group's per-channel scale and zero, loaded once per row (vector loads), folded into q
-                kd = (0 * hh[:, None] + tl.arange(0, D)[None, :])
-                sck = tl.load(K1 + grp * k1_s + kvh * k1_h + kd).to(tl.float32)
-                zk = tl.load(K2 + grp * k2_s + kvh * k2_h + kd).to(tl.float32)
-                bias = tl.sum(qfull * zk, 1)
-                qs0, qs1, qs2, qs3 = _phases(qfull * sck, BLOCK_H, DK, PK)
-                s = _kivi_key_phase(qs0, kb, 0, BITS_K) + _kivi_key_phase(qs1, kb, 1, BITS_K)
+                s, bias = _kivi_key_phase(qf0, kb, K1, K2, grp, kvh, k1_s, k1_h, k2_s, k2_h, ik, 0, PK, BITS_K)
+                s_1, b_1 = _kivi_key_phase(qf1, kb, K1, K2, grp, kvh, k1_s, k1_h, k2_s, k2_h, ik, 1, PK, BITS_K)
+                s += s_1
+                bias += b_1
                 if PK == 4:
-                    s += _kivi_key_phase(qs2, kb, 2, BITS_K) + _kivi_key_phase(qs3, kb, 3, BITS_K)
+                    s_2, b_2 = _kivi_key_phase(qf2, kb, K1, K2, grp, kvh, k1_s, k1_h, k2_s, k2_h, ik, 2, PK, BITS_K)
+                    s_3, b_3 = _kivi_key_phase(qf3, kb, K1, K2, grp, kvh, k1_s, k1_h, k2_s, k2_h, ik, 3, PK, BITS_K)
+                    s += s_2 + s_3
+                    bias += b_2 + b_3
                 s += bias[:, None]
             elif KIND_K == 2 or KIND_K == 3:
                 # FP4 blocks: bytes as [blocks, QB/2, N], one scale per (block, token) broadcast
@@ -456,9 +416,9 @@ def decode_split_kernel(
                 kb3 = tl.load(K0 + slot[None, None, :] * k0_s + kvh * k0_h + koff, mask=tmask[None, None, :], other=0)
                 kb3 = kb3.to(tl.int32)
                 ksc = tl.load(K1 + slot[None, :] * k1_s + kvh * k1_h + bk[:, None], mask=tmask[None, :], other=0)
-                ks3 = _fp4_scale(ksc, KIND_K).to(tl.bfloat16)[:, None, :]
-                k_lo = tl.reshape(_e2m1_bf16(kb3 & 15) * ks3, (DK, BLOCK_N))
-                k_hi = tl.reshape(_e2m1_bf16(kb3 >> 4) * ks3, (DK, BLOCK_N))
+                ks3 = _fp4_scale(ksc, KIND_K)[:, None, :]
+                k_lo = tl.reshape(_e2m1_f32(kb3 & 15) * ks3, (DK, BLOCK_N))
+                k_hi = tl.reshape(_e2m1_f32(kb3 >> 4) * ks3, (DK, BLOCK_N))
                 s = _mm(q0h, q0m, q0l, k_lo, QP, False) + _mm(q1h, q1m, q1l, k_hi, QP, False)
             elif K_T:
                 # K as the left operand [N, D], loaded in its memory order (lets the compiler keep the
@@ -521,32 +481,29 @@ def decode_split_kernel(
             if F16V:
                 p16h, p16l = _split16(p * 16384.0)  # p <= 1: scaled into float16's normal range
             else:
-                ph, pm, pl = _split(p)
+                ph, pm, pl = _split(p, True)
             if KIND_V == 4:
-                # KIVI values, one scale s and zero z per (token, channel group): for each group g,
-                # out_g = (p * s_g) @ codes_g + p @ z_g, a batched dot over the groups [NGV, H, N] @ [NGV, N, G]
-                # whose right operand is the integer codes (exact in bfloat16, in their natural order)
+                # KIVI values: bytes as [N, groups, G/PACK], one scale and zero per (token, group)
                 NGV: tl.constexpr = D // G_V
                 gv = tl.arange(0, NGV)
                 jg = tl.arange(0, G_V // PV)
-                goff = (gv[:, None, None] * (G_V // PV) + jg[None, None, :])
-                vb3 = tl.load(V0 + slot[None, :, None] * v0_s + kvh * v0_h + goff, mask=tmask[None, :, None], other=0)
+                goff = (gv[:, None] * (G_V // PV) + jg[None, :])[None, :, :]
+                vb3 = tl.load(V0 + slot[:, None, None] * v0_s + kvh * v0_h + goff, mask=tmask[:, None, None], other=0)
                 vb3 = vb3.to(tl.int32)
-                vsc = tl.load(V1 + slot[None, :] * v1_s + kvh * v1_h + gv[:, None], mask=tmask[None, :], other=0.0)
-                vz = tl.load(V2 + slot[None, :] * v2_s + kvh * v2_h + gv[:, None], mask=tmask[None, :], other=0.0)
+                vsc = tl.load(V1 + slot[:, None] * v1_s + kvh * v1_h + gv[None, :], mask=tmask[:, None], other=0.0)
+                vz = tl.load(V2 + slot[:, None] * v2_s + kvh * v2_h + gv[None, :], mask=tmask[:, None], other=0.0)
+                vs3 = vsc.to(tl.float32)[:, :, None]
+                vz3 = vz.to(tl.float32)[:, :, None]
                 MASKV: tl.constexpr = (1 << BITS_V) - 1
-                c0 = _int_code_bf16(vb3 & MASKV)
-                c1 = _int_code_bf16((vb3 >> BITS_V) & MASKV)
-                if PV == 2:
-                    cg = tl.reshape(tl.join(c0, c1), (NGV, BLOCK_N, G_V))
-                else:
-                    c2 = _int_code_bf16((vb3 >> 4) & MASKV)
-                    c3 = _int_code_bf16((vb3 >> 6) & MASKV)
-                    cg = tl.reshape(tl.join(tl.join(c0, c2), tl.join(c1, c3)), (NGV, BLOCK_N, G_V))
-                pg = p[None, :, :] * vsc.to(tl.float32)[:, None, :]
-                pgh, pgm, pgl = _split(pg)
-                bias = tl.sum(p[None, :, :] * vz.to(tl.float32)[:, None, :], 2)
-                accg = accg * alpha[None, :, None] + _mm(pgh, pgm, pgl, cg, 3, False) + bias[:, :, None]
+                v_0 = tl.reshape((vb3 & MASKV).to(tl.float32) * vs3 + vz3, (BLOCK_N, DV))
+                acc0 = acc0 * alpha[:, None] + _mm(ph, pm, pl, v_0, 3, True)
+                v_1 = tl.reshape(((vb3 >> BITS_V) & MASKV).to(tl.float32) * vs3 + vz3, (BLOCK_N, DV))
+                acc1 = acc1 * alpha[:, None] + _mm(ph, pm, pl, v_1, 3, True)
+                if PV == 4:
+                    v_2 = tl.reshape(((vb3 >> 4) & MASKV).to(tl.float32) * vs3 + vz3, (BLOCK_N, DV))
+                    acc2 = acc2 * alpha[:, None] + _mm(ph, pm, pl, v_2, 3, True)
+                    v_3 = tl.reshape(((vb3 >> 6) & MASKV).to(tl.float32) * vs3 + vz3, (BLOCK_N, DV))
+                    acc3 = acc3 * alpha[:, None] + _mm(ph, pm, pl, v_3, 3, True)
             elif KIND_V == 2 or KIND_V == 3:
                 NBV: tl.constexpr = D // QB_V
                 bv = tl.arange(0, NBV)
@@ -554,11 +511,10 @@ def decode_split_kernel(
                 voff = (bv[:, None] * (QB_V // 2) + jv[None, :])[None, :, :]
                 vb3 = tl.load(V0 + slot[:, None, None] * v0_s + kvh * v0_h + voff, mask=tmask[:, None, None], other=0)
                 vb3 = vb3.to(tl.int32)
-                vsc = tl.load(V1 + slot[:, None, None] * v1_s + kvh * v1_h + bv[None, :, None],
-                              mask=tmask[:, None, None], other=0)
-                vs3 = _fp4_scale(vsc, KIND_V).to(tl.bfloat16)
-                v_lo = tl.reshape(_e2m1_bf16(vb3 & 15) * vs3, (BLOCK_N, DV))
-                v_hi = tl.reshape(_e2m1_bf16(vb3 >> 4) * vs3, (BLOCK_N, DV))
+                vsc = tl.load(V1 + slot[:, None] * v1_s + kvh * v1_h + bv[None, :], mask=tmask[:, None], other=0)
+                vs3 = _fp4_scale(vsc, KIND_V)[:, :, None]
+                v_lo = tl.reshape(_e2m1_f32(vb3 & 15) * vs3, (BLOCK_N, DV))
+                v_hi = tl.reshape(_e2m1_f32(vb3 >> 4) * vs3, (BLOCK_N, DV))
                 acc0 = acc0 * alpha[:, None] + _mm(ph, pm, pl, v_lo, 3, False)
                 acc1 = acc1 * alpha[:, None] + _mm(ph, pm, pl, v_hi, 3, False)
             else:
@@ -725,7 +681,7 @@ def decode_split_kernel(
                     True,
                 )
             p, alpha, m_i, l_i = _softmax_step(s * qk_scale, tmask, m_i, l_i)
-            ph, pm, pl = _split(p)
+            ph, pm, pl = _split(p, True)
             sv = slot[:, None]
             mv = tmask[:, None]
             pv = mv & (t < vl)[:, None]
@@ -855,16 +811,12 @@ def decode_split_kernel(
     vs = tl.load(VS + kvh)
     lse2 = tl.where(l_i > 0, m_i + tl.log2(safe_l), float("-inf"))
     base = b * op_b + qh[:, None].to(tl.int64) * op_h + split * op_s
-    if KIND_V == 4 and split < num_splits:
-        gi = tl.arange(0, D // G_V)[:, None, None] * G_V + tl.arange(0, G_V)[None, None, :]
-        tl.store(OP + base[None, :, :] + gi, accg / safe_l[None, :, None] * vs, mask=hmask[None, :, None])
-    else:
-        tl.store(OP + base + (iv * PV)[None, :], acc0 / safe_l[:, None] * vs, mask=hmask[:, None])
-        if PV >= 2:
-            tl.store(OP + base + (iv * PV + 1)[None, :], acc1 / safe_l[:, None] * vs, mask=hmask[:, None])
-        if PV == 4:
-            tl.store(OP + base + (iv * PV + 2)[None, :], acc2 / safe_l[:, None] * vs, mask=hmask[:, None])
-            tl.store(OP + base + (iv * PV + 3)[None, :], acc3 / safe_l[:, None] * vs, mask=hmask[:, None])
+    tl.store(OP + base + (iv * PV)[None, :], acc0 / safe_l[:, None] * vs, mask=hmask[:, None])
+    if PV >= 2:
+        tl.store(OP + base + (iv * PV + 1)[None, :], acc1 / safe_l[:, None] * vs, mask=hmask[:, None])
+    if PV == 4:
+        tl.store(OP + base + (iv * PV + 2)[None, :], acc2 / safe_l[:, None] * vs, mask=hmask[:, None])
+        tl.store(OP + base + (iv * PV + 3)[None, :], acc3 / safe_l[:, None] * vs, mask=hmask[:, None])
     tl.store(LP + b * lp_b + qh.to(tl.int64) * lp_h + split, lse2, mask=hmask)
 
 
