@@ -190,32 +190,16 @@ def _phase(
 
 
 @triton.jit
-def _phase_mixed(
-    byte,
-    slot,
-    e,
-    m,
-    paged,
-    kvh,
-    F1,
-    F2,
-    f1_s,
-    f1_h,
-    f2_s,
-    f2_h,
-    R,
-    roff,
-    P: tl.constexpr,
-    KIND: tl.constexpr,
-    FMT: tl.constexpr,
-    QB: tl.constexpr,
-    G: tl.constexpr,
-    BITS: tl.constexpr,
+def _res_mm(
+    a_hi, a_mid, a_lo, A_PARTS: tl.constexpr, byte, slot, e0, m, paged, kvh, F1, F2, f1_s, f1_h, f2_s, f2_h, R, roff,
+    P: tl.constexpr, KIND: tl.constexpr, FMT: tl.constexpr, QB: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr,
 ):
-    """As :func:`_phase` where ``paged``, else the float32 residual at ``R + roff + e``."""
+    """Residual-window tiles: ``a @ x`` where ``x`` is phase ``P`` (elements ``e0 + P``) dequantized as in
+    :func:`_phase` where ``paged``, else the float32 residual at ``R + roff + e0 + P``."""
+    e = e0 + P
     x = _phase(byte, slot, e, paged, kvh, F1, F2, f1_s, f1_h, f2_s, f2_h, P, KIND, FMT, QB, G, BITS)
     r = tl.load(R + roff + e, mask=m & (paged == 0), other=0.0)
-    return tl.where(paged, x.to(tl.float32), r)
+    return _mm(a_hi, a_mid, a_lo, tl.where(paged, x.to(tl.float32), r), A_PARTS, True)
 
 
 @triton.jit
@@ -562,124 +546,17 @@ def decode_split_kernel(
             pk = mk & (t < kl)[None, :]
             rko = b * r_b + (t - kl)[None, :].to(tl.int64) * r_t + kvh * r_h
             kb = tl.load(K0 + sk * k0_s + kvh * k0_h + ik[:, None], mask=pk, other=0)
-            s = _mm(
-                q0h,
-                q0m,
-                q0l,
-                _phase_mixed(
-                    kb,
-                    sk,
-                    ik[:, None] * PK,
-                    mk,
-                    pk,
-                    kvh,
-                    K1,
-                    K2,
-                    k1_s,
-                    k1_h,
-                    k2_s,
-                    k2_h,
-                    RK,
-                    rko,
-                    0,
-                    KIND_K,
-                    FMT_K,
-                    QB_K,
-                    G_K,
-                    BITS_K,
-                ),
-                QP,
-                True,
-            )
+            ek = ik[:, None] * PK
+            s = _res_mm(q0h, q0m, q0l, QP, kb, sk, ek, mk, pk, kvh, K1, K2, k1_s, k1_h, k2_s, k2_h, RK, rko,
+                        0, KIND_K, FMT_K, QB_K, G_K, BITS_K)
             if PK >= 2:
-                s += _mm(
-                    q1h,
-                    q1m,
-                    q1l,
-                    _phase_mixed(
-                        kb,
-                        sk,
-                        ik[:, None] * PK + 1,
-                        mk,
-                        pk,
-                        kvh,
-                        K1,
-                        K2,
-                        k1_s,
-                        k1_h,
-                        k2_s,
-                        k2_h,
-                        RK,
-                        rko,
-                        1,
-                        KIND_K,
-                        FMT_K,
-                        QB_K,
-                        G_K,
-                        BITS_K,
-                    ),
-                    QP,
-                    True,
-                )
+                s += _res_mm(q1h, q1m, q1l, QP, kb, sk, ek, mk, pk, kvh, K1, K2, k1_s, k1_h, k2_s, k2_h, RK, rko,
+                             1, KIND_K, FMT_K, QB_K, G_K, BITS_K)
             if PK == 4:
-                s += _mm(
-                    q2h,
-                    q2m,
-                    q2l,
-                    _phase_mixed(
-                        kb,
-                        sk,
-                        ik[:, None] * PK + 2,
-                        mk,
-                        pk,
-                        kvh,
-                        K1,
-                        K2,
-                        k1_s,
-                        k1_h,
-                        k2_s,
-                        k2_h,
-                        RK,
-                        rko,
-                        2,
-                        KIND_K,
-                        FMT_K,
-                        QB_K,
-                        G_K,
-                        BITS_K,
-                    ),
-                    QP,
-                    True,
-                )
-                s += _mm(
-                    q3h,
-                    q3m,
-                    q3l,
-                    _phase_mixed(
-                        kb,
-                        sk,
-                        ik[:, None] * PK + 3,
-                        mk,
-                        pk,
-                        kvh,
-                        K1,
-                        K2,
-                        k1_s,
-                        k1_h,
-                        k2_s,
-                        k2_h,
-                        RK,
-                        rko,
-                        3,
-                        KIND_K,
-                        FMT_K,
-                        QB_K,
-                        G_K,
-                        BITS_K,
-                    ),
-                    QP,
-                    True,
-                )
+                s += _res_mm(q2h, q2m, q2l, QP, kb, sk, ek, mk, pk, kvh, K1, K2, k1_s, k1_h, k2_s, k2_h, RK, rko,
+                             2, KIND_K, FMT_K, QB_K, G_K, BITS_K)
+                s += _res_mm(q3h, q3m, q3l, QP, kb, sk, ek, mk, pk, kvh, K1, K2, k1_s, k1_h, k2_s, k2_h, RK, rko,
+                             3, KIND_K, FMT_K, QB_K, G_K, BITS_K)
             p, alpha, m_i, l_i = _softmax_step(s * qk_scale, tmask, m_i, l_i)
             ph, pm, pl = _split(p, True)
             sv = slot[:, None]
@@ -687,124 +564,17 @@ def decode_split_kernel(
             pv = mv & (t < vl)[:, None]
             rvo = b * r_b + (t - vl)[:, None].to(tl.int64) * r_t + kvh * r_h
             vb = tl.load(V0 + sv * v0_s + kvh * v0_h + iv[None, :], mask=pv, other=0)
-            acc0 = acc0 * alpha[:, None] + _mm(
-                ph,
-                pm,
-                pl,
-                _phase_mixed(
-                    vb,
-                    sv,
-                    iv[None, :] * PV,
-                    mv,
-                    pv,
-                    kvh,
-                    V1,
-                    V2,
-                    v1_s,
-                    v1_h,
-                    v2_s,
-                    v2_h,
-                    RV,
-                    rvo,
-                    0,
-                    KIND_V,
-                    FMT_V,
-                    QB_V,
-                    G_V,
-                    BITS_V,
-                ),
-                3,
-                True,
-            )
+            ev = iv[None, :] * PV
+            acc0 = acc0 * alpha[:, None] + _res_mm(ph, pm, pl, 3, vb, sv, ev, mv, pv, kvh, V1, V2, v1_s, v1_h, v2_s,
+                                                   v2_h, RV, rvo, 0, KIND_V, FMT_V, QB_V, G_V, BITS_V)
             if PV >= 2:
-                acc1 = acc1 * alpha[:, None] + _mm(
-                    ph,
-                    pm,
-                    pl,
-                    _phase_mixed(
-                        vb,
-                        sv,
-                        iv[None, :] * PV + 1,
-                        mv,
-                        pv,
-                        kvh,
-                        V1,
-                        V2,
-                        v1_s,
-                        v1_h,
-                        v2_s,
-                        v2_h,
-                        RV,
-                        rvo,
-                        1,
-                        KIND_V,
-                        FMT_V,
-                        QB_V,
-                        G_V,
-                        BITS_V,
-                    ),
-                    3,
-                    True,
-                )
+                acc1 = acc1 * alpha[:, None] + _res_mm(ph, pm, pl, 3, vb, sv, ev, mv, pv, kvh, V1, V2, v1_s, v1_h,
+                                                       v2_s, v2_h, RV, rvo, 1, KIND_V, FMT_V, QB_V, G_V, BITS_V)
             if PV == 4:
-                acc2 = acc2 * alpha[:, None] + _mm(
-                    ph,
-                    pm,
-                    pl,
-                    _phase_mixed(
-                        vb,
-                        sv,
-                        iv[None, :] * PV + 2,
-                        mv,
-                        pv,
-                        kvh,
-                        V1,
-                        V2,
-                        v1_s,
-                        v1_h,
-                        v2_s,
-                        v2_h,
-                        RV,
-                        rvo,
-                        2,
-                        KIND_V,
-                        FMT_V,
-                        QB_V,
-                        G_V,
-                        BITS_V,
-                    ),
-                    3,
-                    True,
-                )
-                acc3 = acc3 * alpha[:, None] + _mm(
-                    ph,
-                    pm,
-                    pl,
-                    _phase_mixed(
-                        vb,
-                        sv,
-                        iv[None, :] * PV + 3,
-                        mv,
-                        pv,
-                        kvh,
-                        V1,
-                        V2,
-                        v1_s,
-                        v1_h,
-                        v2_s,
-                        v2_h,
-                        RV,
-                        rvo,
-                        3,
-                        KIND_V,
-                        FMT_V,
-                        QB_V,
-                        G_V,
-                        BITS_V,
-                    ),
-                    3,
-                    True,
-                )
+                acc2 = acc2 * alpha[:, None] + _res_mm(ph, pm, pl, 3, vb, sv, ev, mv, pv, kvh, V1, V2, v1_s, v1_h,
+                                                       v2_s, v2_h, RV, rvo, 2, KIND_V, FMT_V, QB_V, G_V, BITS_V)
+                acc3 = acc3 * alpha[:, None] + _res_mm(ph, pm, pl, 3, vb, sv, ev, mv, pv, kvh, V1, V2, v1_s, v1_h,
+                                                       v2_s, v2_h, RV, rvo, 3, KIND_V, FMT_V, QB_V, G_V, BITS_V)
     safe_l = tl.where(l_i > 0, l_i, 1.0)
     if F16V:
         acc0 = acc0 * (1.0 / 16384.0)
