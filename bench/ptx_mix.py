@@ -40,8 +40,8 @@ def mix(ptx: str) -> dict[str, int]:
 
 
 def main() -> int:
-    from kvqref.backends._aot import compile_for_target, make_target
-    from kvqref.kernels.aot import _launches, _signature
+    from kvqref.backends._aot import make_target
+    from kvqref.kernels.aot import _launches, compile_launch
 
     tgt = make_target("cuda", 90)
     print("| kernel | " + " | ".join(KINDS) + " |")
@@ -49,12 +49,10 @@ def main() -> int:
     for name, launch in _launches("cuda:90"):
         if not name.startswith("decode"):
             continue
-        sig, cx, div = _signature(launch)
-        ck = compile_for_target(
-            launch.kernel, sig, cx, tgt, divisible_by_16=div, options={**launch.options, "enable_fp_fusion": False}
-        )
+        ck = compile_launch(launch, tgt)
         m = mix(ck.asm["ptx"])
-        print(f"| {name} (BLOCK_N={cx['BLOCK_N']}) | " + " | ".join(str(m.get(k, 0)) for k in KINDS) + " |")
+        counts = " | ".join(str(m.get(k, 0)) for k in KINDS)
+        print(f"| {name} (BLOCK_N={launch.constexprs['BLOCK_N']}) | {counts} |")
     return 0
 
 

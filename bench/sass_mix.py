@@ -74,8 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     import triton
 
-    from kvqref.backends._aot import compile_for_target, make_target
-    from kvqref.kernels.aot import DECODE_CASES, _launches, _signature
+    from kvqref.backends._aot import make_target
+    from kvqref.kernels.aot import DECODE_CASES, _launches, compile_launch
 
     cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     tgt = make_target("cuda", 90)
@@ -89,10 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, launch in _launches("cuda:90", cases, page=32):
         if not name.startswith("decode") or (args.only and args.only not in name):
             continue
-        sig, cx, div = _signature(launch)
-        ck = compile_for_target(
-            launch.kernel, sig, cx, tgt, divisible_by_16=div, options={**launch.options, "enable_fp_fusion": False}
-        )
+        ck = compile_launch(launch, tgt)
         with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
             f.write(ck.asm["cubin"])
         try:
@@ -106,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
             (Path(args.dump) / (re.sub(r"[^\w.-]+", "_", name) + ".sass")).write_text(sass)
         body = tile_loop(parse(sass))
         c = unit_counts(body)
-        print(f"| {name} (BLOCK_N={cx['BLOCK_N']}, warps={launch.options.get('num_warps')}) | "
+        print(f"| {name} (BLOCK_N={launch.constexprs['BLOCK_N']}, warps={launch.options.get('num_warps')}) | "
               f"{regs.group(1) if regs else '?'} | {len(body)} | " + " | ".join(str(c.get(k, 0)) for k in cols) + " |")
     return 0
 

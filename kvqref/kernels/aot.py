@@ -115,9 +115,18 @@ def _launches(target: str, cases: list | None = None, page: int = 16) -> list[tu
     return out
 
 
+def compile_launch(launch, tgt):
+    """Compile one launch record for the GPUTarget ``tgt`` as the JIT would build it (minus FP fusion)."""
+    from kvqref.backends._aot import compile_for_target
+
+    sig, cx, div = _signature(launch)
+    return compile_for_target(launch.kernel, sig, cx, tgt, divisible_by_16=div,
+                              options={**launch.options, "enable_fp_fusion": False})
+
+
 def compile_all(targets: tuple[str, ...] = TARGETS) -> list[dict[str, Any]]:
     """Compile every kernel variant for every target; one result dict per (variant, target)."""
-    from kvqref.backends._aot import compile_for_target, expected_asm_keys, make_target
+    from kvqref.backends._aot import expected_asm_keys, make_target
 
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise RuntimeError("AOT compilation needs a process without TRITON_INTERPRET=1")
@@ -126,12 +135,10 @@ def compile_all(targets: tuple[str, ...] = TARGETS) -> list[dict[str, Any]]:
         backend, arch = target.split(":")
         tgt = make_target(backend, arch if backend == "hip" else int(arch))
         for name, launch in _launches(target):
-            sig, cx, div = _signature(launch)
             t0 = time.perf_counter()
             rec: dict[str, Any] = {"target": target, "kernel": name}
             try:
-                ck = compile_for_target(launch.kernel, sig, cx, tgt, divisible_by_16=div,
-                                        options={**launch.options, "enable_fp_fusion": False})
+                ck = compile_launch(launch, tgt)
                 text, binary = expected_asm_keys(ck.metadata.target)
                 ok = bool(ck.asm.get(text)) and ck.asm.get(binary, b"")[:4] == b"\x7fELF"
                 if backend == "hip":
