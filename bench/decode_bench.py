@@ -150,13 +150,14 @@ def timed(fn, record: dict[str, Any]) -> dict[str, Any]:
     return {**record, "time_us": ms * 1e3, "gbs": record["bytes"] / (ms * 1e-3) / 1e9}
 
 
-def decode_case(label: str, shape, page_size: int, backend: str = "triton") -> dict[str, Any]:
+def decode_case(label: str, shape, page_size: int, backend: str = "triton", precision: str = "fast") -> dict[str, Any]:
     """One timed decode row (page_size is the one asked for; KIVI runs with pages of 32)."""
-    return timed(*decode_setup(label, shape, page_size, backend))
+    return timed(*decode_setup(label, shape, page_size, backend, precision))
 
 
-def decode_setup(label: str, shape, page_size: int, backend: str = "triton"):
-    """(the decode call to time, its record without times): a device cache written by the kernel."""
+def decode_setup(label: str, shape, page_size: int, backend: str = "triton", precision: str = "fast"):
+    """(the decode call to time, its record without times): a device cache written by the kernel;
+    ``precision``: the triton kernel's ("fast" or "exact"; the torch backend's bfloat16 or float32)."""
     import torch
 
     from kvqref.backends import torch_backend, triton_backend
@@ -168,17 +169,18 @@ def decode_setup(label: str, shape, page_size: int, backend: str = "triton"):
         triton_backend.validate_decode(q, dc)  # once, outside the timed region (it synchronizes)
 
         def fn():
-            return triton_backend.decode(q, dc, validate=False, max_seq_len=tokens)
+            return triton_backend.decode(q, dc, validate=False, max_seq_len=tokens, precision=precision)
     else:
 
         def fn():
-            return torch_backend.decode(q, dc)
+            return torch_backend.decode(q, dc, precision=precision)
 
     per_tok = side_bytes_per_token(ks, kv_heads, head_dim) + side_bytes_per_token(vs, kv_heads, head_dim)
     nbytes = batch * tokens * per_tok + 2 * q.numel() * 2
     return fn, {
         "op": "decode",
         "backend": backend,
+        "precision": precision,
         "scheme": label,
         "batch": batch,
         "q_heads": q_heads,
@@ -266,6 +268,10 @@ def run(quick: bool = False) -> dict[str, Any]:
             r = decode_case(label, shape, 16)
             results.append(r)
             print(json.dumps(r), flush=True)
+    for label in labels[1:]:  # the float32-exact products, for comparison
+        r = decode_case(label, SHAPES[0], 16, precision="exact")
+        results.append(r)
+        print(json.dumps(r), flush=True)
     if not quick:
         for label in ("bf16", "fp8_e4m3", "fp4_e2m1"):
             r = decode_case(label, SHAPES[0], 1)

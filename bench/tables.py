@@ -21,9 +21,9 @@ def markdown(doc: dict) -> str:
         "",
         "### Decode attention (page size 16; KIVI pages of 32), median of CUDA-event timings",
         "",
-        "| batch x q_heads x kv_heads x D x tokens | scheme | backend | time (us) | GB/s | of ceiling "
-        "| speed-up vs SDPA bf16 |",
-        "|---|---|---|---|---|---|---|",
+        "| batch x q_heads x kv_heads x D x tokens | scheme | backend | precision | time (us) | GB/s "
+        "| of ceiling | speed-up vs SDPA bf16 |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     base = {}
     for r in rows:
@@ -38,7 +38,8 @@ def markdown(doc: dict) -> str:
         b = base.get((r["batch"], r["q_heads"], r["tokens"]))
         sp = f"{b / r['time_us']:.2f}x" if b else ""
         lines.append(
-            f"| {shape} | {r['scheme']} | {r['backend']} | {r['time_us']:.1f} | {r['gbs']:.0f} | "
+            f"| {shape} | {r['scheme']} | {r['backend']} | {r.get('precision', '')} | {r['time_us']:.1f} | "
+            f"{r['gbs']:.0f} | "
             f"{r['fraction_of_ceiling']:.0%} | {sp} |"
         )
     writes = [r for r in rows if r["op"] == "write"]
@@ -66,7 +67,7 @@ def plot(doc: dict, out: Path) -> bool:
     fig, ax = plt.subplots(figsize=(8, 4.5))
     by = {}
     for r in doc["results"]:
-        if r["op"] == "decode" and r["page_size"] in (0, 16):
+        if r["op"] == "decode" and r["page_size"] in (0, 16) and r.get("precision", "fast") != "exact":
             by.setdefault(f"{r['backend']}:{r['scheme']}", []).append((r["batch"] * r["tokens"], r["gbs"]))
     for k, pts in sorted(by.items()):
         pts.sort()

@@ -1,7 +1,9 @@
 """Sweep decode-kernel launch parameters (BLOCK_N, warps, stages, splits) for a few schemes on the GPU.
 
-    python3 bench/tune_decode.py [--shape B,Hq,Hkv,D,T]
-Prints one line per configuration: scheme, block_n, num_warps, num_stages, splits, microseconds.
+    python3 bench/tune_decode.py [--shape B,Hq,Hkv,D,T] [--schemes all] [--precision fast,exact]
+        [--grid 32,64/2,4/2,3[/splits]]
+Prints one line per configuration: scheme, precision, block_n, num_warps, num_stages, splits (None: the
+default choice), microseconds (median, L2 flushed), and per scheme and precision the best.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from decode_bench import bench_ms, make_cache  # noqa: E402
+from decode_bench import SCHEMES, bench_ms, make_cache  # noqa: E402
 
 
 def main() -> int:
@@ -26,8 +28,15 @@ def main() -> int:
     ap.add_argument("--shape", default="32,32,8,128,8192")
     ap.add_argument("--schemes", default="bf16,fp8_e4m3,fp4_e2m1,int4_kivi")
     ap.add_argument("--once", action="store_true", help="one decode per scheme (for a profiler)")
-    ap.add_argument("--grid", default="32,64,128/4,8/2,3,4", help="block_n list / warps list / stages list")
+    ap.add_argument("--grid", default="32,64,128/4,8/2,3,4",
+                    help="block_n list / warps list / stages list [/ splits list]")
+    ap.add_argument("--precision", default="fast", help="comma-separated: fast, exact")
     args = ap.parse_args()
+    if args.schemes == "all":
+        args.schemes = ",".join(s[0] for s in SCHEMES)
+    grid = [tuple(int(v) for v in part.split(",")) for part in args.grid.split("/")]
+    if len(grid) == 3:
+        grid.append((None,))
     shape = tuple(int(v) for v in args.shape.split(","))
     if args.once:
         for label in args.schemes.split(","):
@@ -39,31 +48,28 @@ def main() -> int:
     for label in args.schemes.split(","):
         dc, _, _ = make_cache(label, shape, 16)
         q = torch.randn(shape[0], shape[1], shape[3], device="cuda").to(torch.bfloat16)
-        base = None
-        for bn, nw, ns, sp, kt in itertools.product(
-            *[tuple(int(v) for v in part.split(",")) for part in args.grid.split("/")], (None,), (True,)
-        ):
-            if label.endswith("kivi") and bn > 32:
-                continue
-            try:
-                ms = bench_ms(
-                    lambda q=q, dc=dc, bn=bn, nw=nw, ns=ns, sp=sp, kt=kt: tb.decode(
-                        q,
-                        dc,
-                        validate=False,
-                        max_seq_len=shape[4],
-                        block_n=bn,
-                        num_warps=nw,
-                        num_stages=ns,
-                        num_splits=sp,
+        for prec in args.precision.split(","):
+            best = None
+            for bn, nw, ns, sp in itertools.product(*grid):
+                if label.endswith("kivi") and bn > 32:
+                    continue
+                try:
+                    ms = bench_ms(
+                        lambda q=q, dc=dc, bn=bn, nw=nw, ns=ns, sp=sp, prec=prec: tb.decode(
+                            q, dc, validate=False, max_seq_len=shape[4], block_n=bn, num_warps=nw,
+                            num_stages=ns, num_splits=sp, precision=prec,
+                        )
                     )
-                )
-            except Exception as exc:  # noqa: BLE001 - report and go on (e.g. out of shared memory)
-                print(label, bn, nw, ns, sp, kt, "failed", type(exc).__name__, str(exc)[:80], flush=True)
-                continue
-            base = ms if base is None else min(base, ms)
-            print(label, bn, nw, ns, sp, kt, f"{ms * 1e3:.1f}", flush=True)
-        print(label, "best", f"{base * 1e3:.1f}", flush=True)
+                except Exception as exc:  # noqa: BLE001 - report and go on (e.g. out of shared memory)
+                    print(label, prec, bn, nw, ns, sp, "failed", type(exc).__name__, str(exc)[:80], flush=True)
+                    continue
+                if best is None or ms < best[0]:
+                    best = (ms, bn, nw, ns, sp)
+                print(label, prec, bn, nw, ns, sp, f"{ms * 1e3:.1f}", flush=True)
+            if best is not None:
+                print(label, prec, "best", f"{best[0] * 1e3:.1f}", "at", *best[1:], flush=True)
+        del dc
+        torch.cuda.empty_cache()
     return 0
 
 

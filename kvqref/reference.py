@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -72,8 +73,71 @@ def decode_attention(q: Any, cache: Any, sm_scale: float | None = None) -> tuple
     return attention(qa, Ks, Vs, sm_scale)
 
 
+U_BF16 = 2.0**-8  # unit roundoff of bfloat16 (8-bit significand)
+U_F16 = 2.0**-11  # unit roundoff of float16 (11-bit significand)
+
+
+@dataclass(frozen=True)
+class Rounding16:
+    """The roundings a 16-bit ("fast") kernel adds to the float32 model (docs/kernels.md, "Precision"):
+
+    * ``u_q``: relative error of ``q_d`` rounded once to 16 bits, against ``|q_d k_jd|``;
+    * ``a_q``: absolute error of each rounded q element, in units of ``max_d |q_d|`` (float16 underflow);
+    * ``u_qs``: relative error of KIVI's folded factor ``q_d * s_d`` (split in two bfloat16 parts: 2**-16),
+      against ``|q_d| * kr_jd`` with ``kr`` the ``K_round`` magnitudes given to :func:`kernel_tolerance`
+      (``|K - Z| = s * code``; ``|K|`` when not given);
+    * ``u_k``: relative error of the K tile (a float32 tile split in two bfloat16 parts: 2**-16);
+    * ``u_p``, ``a_p``: relative and absolute (float16 underflow) error of each probability ``p_j <= 1``
+      rounded to 16 bits before the P @ V product;
+    * ``u_v``: relative error of the V tile (two-part split: 2**-16).
+    """
+
+    u_q: float = 0.0
+    a_q: float = 0.0
+    u_qs: float = 0.0
+    u_k: float = 0.0
+    u_p: float = 0.0
+    a_p: float = 0.0
+    u_v: float = 0.0
+
+
+def fast_rounding(k_scheme: Any, v_scheme: Any, q_dtype: str) -> Rounding16:
+    """The :class:`Rounding16` of the Triton decode kernel's ``precision="fast"`` for these schemes and a
+    ``q`` of dtype ``q_dtype`` ("bfloat16", "float16" or "float32"); derivation in docs/kernels.md.
+
+    Scores: q goes to the tensor cores as bfloat16 (bf16, FP4 and KIVI-residual tiles) or, scaled by a
+    power of two, as float16 (FP8 tiles); KIVI keys fold the per-channel scale into q and ``q_d * s_d`` is
+    split in two bfloat16 parts (not rounded once: keys carry outlier channels, and one rounding would
+    cost up to 2**-8 of each product, a bound that no longer sees one code step); float32 tiles (the KIVI
+    residual) are split in two bfloat16 parts. Outputs: p is rounded to bfloat16, or (FP8 values with a
+    tensor scale) ``p * 2**14`` to float16; KIVI value tiles and the residual are split in two bfloat16
+    parts.
+    """
+    from kvqref.schemes import FP8Scheme, KiviScheme
+
+    if q_dtype not in ("bfloat16", "float16", "float32"):
+        raise ValueError(f"q_dtype must be bfloat16, float16 or float32, got {q_dtype!r}")
+    kivi_k, kivi_v = isinstance(k_scheme, KiviScheme), isinstance(v_scheme, KiviScheme)
+    fp8_k = isinstance(k_scheme, FP8Scheme)
+    fp8_v16 = isinstance(v_scheme, FP8Scheme) and v_scheme.granularity != "token_head"
+    if fp8_k:
+        u_q, a_q = (0.0 if q_dtype in ("bfloat16", "float16") else U_F16), 2.0**-39
+    else:
+        u_q, a_q = (0.0 if q_dtype == "bfloat16" else U_BF16), 0.0
+    return Rounding16(
+        u_q=u_q,
+        a_q=a_q,
+        u_qs=2.0**-16 if kivi_k else 0.0,
+        u_k=2.0**-16 if kivi_k else 0.0,
+        u_p=U_F16 if fp8_v16 else U_BF16,
+        a_p=2.0**-39 if fp8_v16 else 0.0,
+        u_v=2.0**-16 if kivi_v else 0.0,
+    )
+
+
 def kernel_tolerance(q: Any, K_list: Sequence[Any], V_list: Sequence[Any], sm_scale: float | None = None,
-                     c: float = 4.0, model: str = "probabilistic") -> tuple[np.ndarray, np.ndarray]:
+                     c: float = 4.0, model: str = "probabilistic", *, fast: Rounding16 | None = None,
+                     K_round: Sequence[Any] | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Per-element bounds ``(out_tol [B, Hq, D], lse_tol [B, Hq])`` for a float32-accumulating kernel run on
     the same dequantized values (docs/schemes.md, "Tolerance for kernels"). With ``g(n) = c * sqrt(n) * eps32``
     (``model="probabilistic"``: Higham & Mary's bound for sums of n rounded terms, holding with probability
@@ -84,6 +148,10 @@ def kernel_tolerance(q: Any, K_list: Sequence[Any], V_list: Sequence[Any], sm_sc
       dequantization, products and sums; the scaling by sm_scale and log2(e)),
     * ``lse``: ``|d lse| <= max_j e_j + g(T + 4) + 2 * eps32 * |lse|`` (exp, sum, log in float32),
     * ``out``: ``|d out_d| <= (2 * max_j e_j + g(T + 6)) * sum_j p_j |v_jd|``.
+
+    ``fast``: the 16-bit roundings of a fast-mode kernel (:func:`fast_rounding`) are added:
+    ``e_j += sm_scale * sum_d |q_d| ((u_q + u_k (1 + u_q)) |k_jd| + u_qs kr_jd) + sm_scale a_q max|q| sum_d |k_jd|``
+    and ``|d out_d| += (u_p + u_v + u_p u_v) sum_j p_j |v_jd| + a_p sum_j |v_jd|`` (``kr = K_round`` or ``|K|``).
     """
     if model not in ("probabilistic", "worst"):
         raise ValueError(f"model must be 'probabilistic' or 'worst', got {model!r}")
@@ -105,7 +173,13 @@ def kernel_tolerance(q: Any, K_list: Sequence[Any], V_list: Sequence[Any], sm_sc
         kv_of = np.arange(Hq) // (Hq // Hkv)
         Kq, Vq = K[:, kv_of, :], V[:, kv_of, :]
         s = scale * np.einsum("hd,thd->ht", qa[b], Kq)
-        e = g(D + 2) * scale * np.einsum("hd,thd->ht", np.abs(qa[b]), np.abs(Kq)) + 2 * EPS32 * np.abs(s)
+        aq, ak = np.abs(qa[b]), np.abs(Kq)
+        e = g(D + 2) * scale * np.einsum("hd,thd->ht", aq, ak) + 2 * EPS32 * np.abs(s)
+        if fast is not None:
+            kr = ak if K_round is None else np.abs(np.asarray(K_round[b], dtype=np.float64))[:, kv_of, :]
+            e += scale * ((fast.u_q + fast.u_k * (1 + fast.u_q)) * np.einsum("hd,thd->ht", aq, ak)
+                          + fast.u_qs * np.einsum("hd,thd->ht", aq, kr)
+                          + fast.a_q * aq.max(axis=1)[:, None] * ak.sum(axis=2).T)
         m = s.max(axis=1, keepdims=True)
         p = np.exp(s - m)
         l = p.sum(axis=1, keepdims=True)
@@ -115,4 +189,7 @@ def kernel_tolerance(q: Any, K_list: Sequence[Any], V_list: Sequence[Any], sm_sc
         lse_tol[b] = emax + g(T + 4) + 2 * EPS32 * np.abs(lse)
         pv = np.einsum("ht,thd->hd", p, np.abs(Vq))
         out_tol[b] = (2 * emax + g(T + 6))[:, None] * pv
+        if fast is not None:
+            out_tol[b] += (fast.u_p + fast.u_v + fast.u_p * fast.u_v) * pv
+            out_tol[b] += fast.a_p * np.abs(Vq).sum(axis=0)
     return out_tol, lse_tol

@@ -56,51 +56,94 @@ def _run_decode(cache, q, **kw):
     return out.cpu().numpy().astype(np.float64), lse.cpu().numpy().astype(np.float64), dc
 
 
-def _oracle(cache, q64):
+def _key_round(cache, Ks):
+    """For KIVI keys, the magnitudes whose product with q is rounded in fast mode: (K - Z) = s * code on
+    the paged tokens (Z: the group's zero point), K on the residual tokens; None for other schemes."""
+    if not isinstance(cache.k.scheme, schemes.KiviScheme):
+        return None
+    out = []
+    for b, K in enumerate(Ks):
+        qz = cache.quantized(b, "k")
+        z = np.repeat(qz.fields["zero"].astype(np.float64), cache.k.scheme.group_size, axis=0)
+        out.append(K - np.concatenate([z, np.zeros((K.shape[0] - z.shape[0], *K.shape[1:]))]))
+    return out
+
+
+def _oracle(cache, q64, precision="fast", qdtype="bfloat16"):
+    """Oracle attention and the tolerance of ``precision`` (docs/kernels.md, "Precision")."""
     Ks, Vs = zip(*(cache.dequantized(b) for b in range(cache.batch)), strict=True)
     out, lse = reference.attention(q64, Ks, Vs)
-    tol_o, tol_l = reference.kernel_tolerance(q64, Ks, Vs)
+    fast = reference.fast_rounding(cache.k.scheme, cache.v.scheme, qdtype) if precision == "fast" else None
+    tol_o, tol_l = reference.kernel_tolerance(q64, Ks, Vs, fast=fast, K_round=_key_round(cache, Ks))
     return out, lse, tol_o, tol_l
 
 
 @pytest.mark.parametrize("pair", PAIRS, ids=IDS)
 @pytest.mark.parametrize("qdtype", ["bfloat16", "float32"])
-def test_decode_matches_oracle(pair, qdtype):
+@pytest.mark.parametrize("precision", ["fast", "exact"])
+def test_decode_matches_oracle(pair, qdtype, precision):
     rng = np.random.default_rng(abs(hash((IDS[PAIRS.index(pair)], qdtype))) % 2**32)
     shape = BIG if GPU else SMALL
     cache, _ = build_cache(pair, shape, rng)
     q = torch.from_numpy(rng.standard_normal((shape["batch"], shape["q_heads"], shape["head_dim"]))
                          .astype(np.float32)).to(getattr(torch, qdtype))
     q64 = q.float().numpy().astype(np.float64)
-    out, lse, dc = _run_decode(cache, q)
-    ref_out, ref_lse, tol_o, tol_l = _oracle(cache, q64)
+    out, lse, dc = _run_decode(cache, q, precision=precision)
+    ref_out, ref_lse, tol_o, tol_l = _oracle(cache, q64, precision, qdtype)
     assert np.isfinite(out).all() and np.isfinite(lse).all()
     bad = np.abs(out - ref_out) > tol_o
     assert not bad.any(), f"{bad.sum()} outputs beyond tolerance; worst {np.abs(out - ref_out).max():.3g}"
     assert (np.abs(lse - ref_lse) <= tol_l).all(), f"lse error {np.abs(lse - ref_lse).max():.3g}"
 
 
-def test_tolerance_catches_a_planted_scale_exponent_off_by_one():
+@pytest.mark.parametrize("precision", ["fast", "exact"])
+def test_tolerance_catches_a_planted_scale_exponent_off_by_one(precision):
     """An E8M0 block scale one power of two too large, in one block of one token: must fail the check."""
     rng = np.random.default_rng(7)
     pair = PAIRS[5]
     cache, _ = build_cache(pair, SMALL, rng)
     q = torch.from_numpy(rng.standard_normal((3, 4, 64)).astype(np.float32))
     q64 = q.numpy().astype(np.float64)
-    ref_out, ref_lse, tol_o, tol_l = _oracle(cache, q64)
+    ref_out, ref_lse, tol_o, tol_l = _oracle(cache, q64, precision, "float32")
     b = 2
     K, _ = cache.dequantized(b)
     top = int(np.argmax(K[:, 0, :] @ q64[b, 0]))  # the token query head 0 attends to most
     page, off = divmod(int(cache.slot_mapping(b, top, 1)[0]), cache.page_size)
     cache.v.storage["scales"][page, off, 0, 1] += 1  # planted: one V block scale of that token, exponent + 1
-    out, lse, _ = _run_decode(cache, q)
+    out, lse, _ = _run_decode(cache, q, precision=precision)
     assert (np.abs(out - ref_out) > tol_o).any()
     cache.v.storage["scales"][page, off, 0, 1] -= 1
-    out, lse, _ = _run_decode(cache, q)
+    out, lse, _ = _run_decode(cache, q, precision=precision)
     assert (np.abs(out - ref_out) <= tol_o).all()  # restored: passes again
     cache.k.storage["scales"][page, off, 0, 2] += 1  # planted: one K block scale: changes the logits
-    out, lse, _ = _run_decode(cache, q)
+    out, lse, _ = _run_decode(cache, q, precision=precision)
     assert (np.abs(lse - ref_lse) > tol_l).any()
+
+
+@pytest.mark.parametrize("pair_index", [1, 5, 6, 7, 8], ids=[IDS[i] for i in (1, 5, 6, 7, 8)])
+def test_fast_tolerance_catches_one_code_step(pair_index):
+    """Fast mode's bound is tight enough to see one stored code off by one step (its lowest bit flipped:
+    one FP8 ulp, the neighbouring E2M1 value, an integer code +-1) at the largest element of the token the
+    first query head attends to most; the same run without the plant passes."""
+    rng = np.random.default_rng(13)
+    cache, _ = build_cache(PAIRS[pair_index], SMALL, rng)
+    q = torch.from_numpy(rng.standard_normal((3, 4, 64)).astype(np.float32)).to(torch.bfloat16)
+    q64 = q.float().numpy().astype(np.float64)
+    ref_out, ref_lse, tol_o, tol_l = _oracle(cache, q64, "fast")
+    out, _, _ = _run_decode(cache, q, precision="fast")
+    assert (np.abs(out - ref_out) <= tol_o).all()
+    b = 2
+    K, V = cache.dequantized(b)
+    n = int(cache.v.paged[b])
+    top = int(np.argmax(K[:n, 0, :] @ q64[b, 0]))
+    d = int(np.argmax(np.abs(V[top, 0, :])))
+    page, off = divmod(int(cache.slot_mapping(b, top, 1)[0]), cache.page_size)
+    vs = cache.v.scheme
+    bits = vs.bits if isinstance(vs, schemes.KiviScheme) else (8 if isinstance(vs, schemes.FP8Scheme) else 4)
+    byte, shift = divmod(d * bits, 8)
+    cache.v.storage["codes"][page, off, 0, byte] ^= np.uint8(1 << shift)  # planted: one code step
+    out, _, _ = _run_decode(cache, q, precision="fast")
+    assert (np.abs(out - ref_out) > tol_o).any()
 
 
 def test_splits_and_page_size_one_agree():
@@ -169,6 +212,8 @@ def test_bad_input_is_rejected_before_launch():
         tb.decode(torch.zeros(3, 3, 64, device=DEVICE), dc)
     with pytest.raises(ValueError, match="batch"):
         tb.decode(torch.zeros(2, 4, 64, device=DEVICE), dc)
+    with pytest.raises(ValueError, match="precision"):
+        tb.decode(torch.zeros(3, 4, 64, device=DEVICE), dc, precision="half")
     dc.block_table[1, 0] = 10_000
     with pytest.raises(ValueError, match="page indices"):
         tb.decode(torch.zeros(3, 4, 64, device=DEVICE), dc)
@@ -233,6 +278,6 @@ def test_long_context_with_offsets_beyond_2_31(scheme):
     K, V = s.dequantize(qk), s.dequantize(qv)
     q64 = q.float().numpy().astype(np.float64)
     ref_out, ref_lse = reference.attention(q64, [K], [V])
-    tol_o, tol_l = reference.kernel_tolerance(q64, [K], [V])
+    tol_o, tol_l = reference.kernel_tolerance(q64, [K], [V], fast=reference.fast_rounding(s, s, "bfloat16"))
     assert (np.abs(out.cpu().numpy() - ref_out) <= tol_o).all()
     assert (np.abs(lse.cpu().numpy() - ref_lse) <= tol_l).all()

@@ -80,10 +80,14 @@ def gather(dc: DeviceCache, deq_k, deq_v):
     return k.transpose(1, 2), v.transpose(1, 2), valid
 
 
-def decode(q, dc: DeviceCache, sm_scale: float | None = None, dtype=None, **_: Any):
-    """Unfused decode: dequantize everything to ``dtype`` (bfloat16 by default), SDPA; (out, None)."""
+def decode(q, dc: DeviceCache, sm_scale: float | None = None, dtype=None, *, precision: str = "fast",
+           **_: Any):
+    """Unfused decode: dequantize everything to ``dtype``, SDPA; (out, None). ``dtype`` defaults to the
+    ``precision``: bfloat16 for ``"fast"`` (the default), float32 for ``"exact"``."""
     torch = _torch()
-    dtype = dtype or torch.bfloat16
+    if precision not in ("fast", "exact"):
+        raise ValueError(f"precision must be 'fast' or 'exact', got {precision!r}")
+    dtype = dtype or (torch.bfloat16 if precision == "fast" else torch.float32)
     k, v, valid = gather(dc, dequantize(dc.k, dtype), dequantize(dc.v, dtype))
     out = torch.nn.functional.scaled_dot_product_attention(
         q.to(dtype)[:, :, None, :], k, v, attn_mask=valid[:, None, None, :], scale=sm_scale, enable_gqa=True)

@@ -153,18 +153,24 @@ def empty_device_cache(k_scheme: Scheme, v_scheme: Scheme, num_pages: int, page_
     return DeviceCache(sides[0], sides[1], page_size, bt, sl, sl, sl, empty, empty, has_res)
 
 
-def decode(q, dc: DeviceCache, sm_scale: float | None = None, validate: bool = True, **kw: Any):
+def decode(q, dc: DeviceCache, sm_scale: float | None = None, validate: bool = True, *,
+           precision: str = "fast", **kw: Any):
     """Fused decode attention: (out [B, Hq, D] float32, lse [B, Hq] float32, natural log).
 
-    ``validate=False`` skips the host-side checks (they synchronize with the device); a serving loop
-    validates once and passes ``max_seq_len`` too."""
-    from kvqref.kernels.decode import paged_decode
+    ``precision="fast"`` (default): 16-bit tensor-core operands (q and the probabilities rounded once to
+    16 bits, float32 softmax and accumulation); ``"exact"``: float32 products (docs/kernels.md gives both
+    error bounds; :func:`kvqref.reference.kernel_tolerance` implements them). ``validate=False`` skips the
+    host-side checks (they synchronize with the device); a serving loop validates once and passes
+    ``max_seq_len`` too."""
+    from kvqref.kernels.decode import PRECISIONS, paged_decode
 
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     if validate:
         validate_decode(q, dc)
     residual = (dc.k_residual, dc.v_residual, dc.k_lens, dc.v_lens) if dc.has_residual else None
     return paged_decode(q, dc.k.tiles(), dc.v.tiles(), dc.block_table, dc.seq_lens, dc.page_size,
-                        sm_scale=sm_scale, residual=residual, **kw)
+                        sm_scale=sm_scale, residual=residual, precision=precision, **kw)
 
 
 def validate_decode(q, dc: DeviceCache) -> None:

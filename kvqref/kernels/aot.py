@@ -2,10 +2,10 @@
 
     python3 -m kvqref.kernels.aot [--targets hip:gfx942,hip:gfx950,cuda:90,cuda:100] [--json]
 
-For every scheme the backend supports, the real launch records (:class:`kvqref.kernels.decode.Launch`,
-built by the same host code that launches on a GPU, from a small cache on the CPU) are compiled with
-``triton.compile`` for each target, and the output is checked: AMDGCN and an ELF ``hsaco`` for HIP,
-PTX and an ELF ``cubin`` for CUDA. Must run in a process where ``TRITON_INTERPRET`` is not set.
+For every scheme the backend supports (decode in both precisions), the real launch records
+(:class:`kvqref.kernels.decode.Launch`, built by the same host code that launches on a GPU, from a small
+cache on the CPU) are compiled with ``triton.compile`` for each target, and the output is checked:
+AMDGCN and an ELF ``hsaco`` for HIP, PTX and an ELF ``cubin`` for CUDA. Must run in a process where ``TRITON_INTERPRET`` is not set.
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ def _launches(target: str, cases: list | None = None, page: int = 16) -> list[tu
 
     from kvqref import schemes
     from kvqref.backends import triton_backend as tb
-    from kvqref.kernels.decode import plan_decode
+    from kvqref.kernels.decode import PRECISIONS, plan_decode
     from kvqref.paged import PagedKVCache
 
     out = []
@@ -97,10 +97,12 @@ def _launches(target: str, cases: list | None = None, page: int = 16) -> list[tu
             dc = tb.DeviceCache.from_cache(cache, "cpu")
             q = torch.zeros(2, 8, 128, dtype=torch.bfloat16)
             residual = (dc.k_residual, dc.v_residual, dc.k_lens, dc.v_lens) if dc.has_residual else None
-            launches, _, _ = plan_decode(q, dc.k.tiles(), dc.v.tiles(), dc.block_table, dc.seq_lens, page,
-                                         residual=residual, max_seq_len=40, num_splits=2,
-                                         hw_formats=_hw_formats(target))
-            out.append((f"decode[{label}]", launches[0]))
+            for precision in PRECISIONS:
+                launches, _, _ = plan_decode(q, dc.k.tiles(), dc.v.tiles(), dc.block_table, dc.seq_lens, page,
+                                             residual=residual, max_seq_len=40, num_splits=2,
+                                             hw_formats=_hw_formats(target), precision=precision)
+                out.append((f"decode[{label}]" if precision == "fast" else f"decode[{label},{precision}]",
+                            launches[0]))
             if label == "bf16":  # the merge kernel does not depend on the scheme
                 out.append(("merge", launches[1]))
         for name, opts in WRITE_CASES:

@@ -31,32 +31,55 @@ from kvqref.kernels.codecs import INTERPRET, decode_f32, e8m0_to_f32, floor_log2
 
 
 @triton.jit
-def _split(x, THREE: tl.constexpr):
-    """float32 -> bfloat16 parts whose sum is ``x``: (hi, lo, 0) to about 16 bits, or with ``THREE``
-    (hi, mid, lo), exact for float32. Interpreter: (x, x, x) and exact float32 dots."""
+def _bf16_rn(x):
+    """float32 ``x`` rounded to bfloat16 (to nearest, ties to even), as float32, with integer operations
+    (the interpreter's bfloat16 cast truncates); finite ``x`` only."""
+    u = x.to(tl.uint32, bitcast=True)
+    u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
+    return u.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _split(x, THREE: tl.constexpr, FAST: tl.constexpr = False):
+    """float32 -> bfloat16 parts whose sum is ``x``: (hi, lo, lo), hi + lo = x to about 16 bits, or with
+    ``THREE`` (hi, mid, lo), exact for float32. ``FAST``: ``x`` rounded once to bfloat16 (only ``hi`` is
+    used). Interpreter: (r, r, r) with r the float32 value the parts sum to (x itself with ``THREE``)."""
     if INTERPRET:
-        return x, x, x
+        if FAST:
+            r = _bf16_rn(x)
+        elif THREE:
+            r = x
+        else:
+            r = _bf16_rn(x) + _bf16_rn(x - _bf16_rn(x))
+        return r, r, r
     else:
         hi = x.to(tl.bfloat16)
-        r = x - hi.to(tl.float32)
-        mid = r.to(tl.bfloat16)
-        if THREE:
-            lo = (r - mid.to(tl.float32)).to(tl.bfloat16)
+        if FAST:
+            return hi, hi, hi
         else:
-            lo = mid
-        return hi, mid, lo
+            r = x - hi.to(tl.float32)
+            mid = r.to(tl.bfloat16)
+            if THREE:
+                lo = (r - mid.to(tl.float32)).to(tl.bfloat16)
+            else:
+                lo = mid
+            return hi, mid, lo
 
 
 @triton.jit
 def _mm(a_hi, a_mid, a_lo, b, A_PARTS: tl.constexpr, B_SPLIT: tl.constexpr):
     """(a_hi + a_mid + a_lo) [M, K] @ b [K, N], float32 accumulation on bfloat16 tensor cores; ``A_PARTS``
-    of ``a`` are used (1: ``a`` is exact in bfloat16; 3: float32); ``b`` is split in three when it is not
-    exact in bfloat16 (``B_SPLIT``). Interpreter: one exact float32 dot."""
+    of ``a`` are used (1: ``a`` is exact in bfloat16, or rounded to it in fast mode; 3: float32). ``b`` is
+    used as bfloat16 (``B_SPLIT`` 0: exact in bfloat16), or split in two (2: about 16 bits, fast mode) or
+    three (3: exact) bfloat16 parts. Interpreter: one exact float32 dot (``b``'s two-part split emulated)."""
     if INTERPRET:
-        return tl.dot(a_hi, b.to(tl.float32), input_precision="ieee")
+        bq = b.to(tl.float32)
+        if B_SPLIT == 2:
+            bq, _, _ = _split(bq, False)
+        return tl.dot(a_hi, bq, input_precision="ieee")
     else:
-        if B_SPLIT:
-            b_hi, b_mid, b_lo = _split(b.to(tl.float32), True)
+        if B_SPLIT != 0:
+            b_hi, b_mid, b_lo = _split(b.to(tl.float32), B_SPLIT == 3)
         else:
             b_hi = b.to(tl.bfloat16)
         acc = tl.dot(a_hi, b_hi)
@@ -64,22 +87,31 @@ def _mm(a_hi, a_mid, a_lo, b, A_PARTS: tl.constexpr, B_SPLIT: tl.constexpr):
             acc += tl.dot(a_mid, b_hi)
         if A_PARTS >= 3:
             acc += tl.dot(a_lo, b_hi)
-        if B_SPLIT:
+        if B_SPLIT != 0:
             acc += tl.dot(a_hi, b_mid)
-            acc += tl.dot(a_hi, b_lo)
             if A_PARTS >= 2:
                 acc += tl.dot(a_mid, b_mid)
+        if B_SPLIT == 3:
+            acc += tl.dot(a_hi, b_lo)
         return acc
 
 
 @triton.jit
-def _split16(x):
-    """float32 -> (hi, lo) float16 parts, hi + lo = x to 22 bits (the caller scales x into float16's range)."""
+def _split16(x, FAST: tl.constexpr = False):
+    """float32 -> (hi, lo) float16 parts, hi + lo = x to 22 bits (the caller scales x into float16's range);
+    ``FAST``: ``x`` rounded once to float16 (only ``hi`` is used). Interpreter: float32 values."""
     if INTERPRET:
-        return x, x
+        if FAST:
+            r = x.to(tl.float16).to(tl.float32)
+            return r, r
+        else:
+            return x, x
     else:
         hi = x.to(tl.float16)
-        return hi, (x - hi.to(tl.float32)).to(tl.float16)
+        if FAST:
+            return hi, hi
+        else:
+            return hi, (x - hi.to(tl.float32)).to(tl.float16)
 
 
 @triton.jit
@@ -193,19 +225,21 @@ def _phase(
 def _res_mm(
     a_hi, a_mid, a_lo, A_PARTS: tl.constexpr, byte, slot, e0, m, paged, kvh, F1, F2, f1_s, f1_h, f2_s, f2_h, R, roff,
     P: tl.constexpr, KIND: tl.constexpr, FMT: tl.constexpr, QB: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr,
+    BS: tl.constexpr,
 ):
     """Residual-window tiles: ``a @ x`` where ``x`` is phase ``P`` (elements ``e0 + P``) dequantized as in
-    :func:`_phase` where ``paged``, else the float32 residual at ``R + roff + e0 + P``."""
+    :func:`_phase` where ``paged``, else the float32 residual at ``R + roff + e0 + P``; ``x`` is split in
+    ``BS`` bfloat16 parts (:func:`_mm`)."""
     e = e0 + P
     x = _phase(byte, slot, e, paged, kvh, F1, F2, f1_s, f1_h, f2_s, f2_h, P, KIND, FMT, QB, G, BITS)
     r = tl.load(R + roff + e, mask=m & (paged == 0), other=0.0)
-    return _mm(a_hi, a_mid, a_lo, tl.where(paged, x.to(tl.float32), r), A_PARTS, True)
+    return _mm(a_hi, a_mid, a_lo, tl.where(paged, x.to(tl.float32), r), A_PARTS, BS)
 
 
 @triton.jit
-def _load_q(Q, base, hmask, P: tl.constexpr, PACK: tl.constexpr, DP: tl.constexpr):
-    """Phase ``P`` of q as three bfloat16 parts (exact)."""
-    return _split(_load_qf(Q, base, hmask, P, PACK, DP), True)
+def _load_q(Q, base, hmask, P: tl.constexpr, PACK: tl.constexpr, DP: tl.constexpr, FAST: tl.constexpr):
+    """Phase ``P`` of q as three bfloat16 parts (exact), or rounded once to bfloat16 (``FAST``)."""
+    return _split(_load_qf(Q, base, hmask, P, PACK, DP), True, FAST)
 
 
 @triton.jit
@@ -216,16 +250,20 @@ def _load_qf(Q, base, hmask, P: tl.constexpr, PACK: tl.constexpr, DP: tl.constex
 
 @triton.jit
 def _kivi_key_phase(
-    qf, kb, K1, K2, grp, kvh, k1_s, k1_h, k2_s, k2_h, ik, P: tl.constexpr, PK: tl.constexpr, BITS: tl.constexpr
+    qf, kb, K1, K2, grp, kvh, k1_s, k1_h, k2_s, k2_h, ik, P: tl.constexpr, PK: tl.constexpr, BITS: tl.constexpr,
+    FAST: tl.constexpr,
 ):
     """KIVI keys, one byte phase, for a tile inside one token group: scores q . (code * s + z) computed as
-    (q * s) . code + q . z, with the per-channel s, z of the group folded into q (codes are exact)."""
+    (q * s) . code + q . z, with the per-channel s, z of the group folded into q (codes are exact);
+    ``FAST``: q * s split in two bfloat16 parts (about 16 bits; keys have outlier channels, so one rounding
+    would hide a code step), else in three (exact)."""
+    AP: tl.constexpr = 2 if FAST else 3
     e = ik * PK + P
     sc = tl.load(K1 + grp * k1_s + kvh * k1_h + e).to(tl.float32)
     z = tl.load(K2 + grp * k2_s + kvh * k2_h + e).to(tl.float32)
-    qh, qm, ql = _split(qf * sc[None, :], True)
+    qh, qm, ql = _split(qf * sc[None, :], not FAST)
     codes = ((kb.to(tl.int32) >> (P * BITS)) & ((1 << BITS) - 1)).to(tl.float32)
-    return _mm(qh, qm, ql, codes, 3, False), tl.sum(qf * z[None, :], 1)
+    return _mm(qh, qm, ql, codes, AP, 0), tl.sum(qf * z[None, :], 1)
 
 
 @triton.jit
@@ -304,6 +342,7 @@ def decode_split_kernel(
     HAS_RES: tl.constexpr,
     Q_SPLIT: tl.constexpr,
     KT: tl.constexpr = True,
+    FAST: tl.constexpr = False,
 ):
     """One (sequence, KV head, split): K tiles are read transposed [D/PACK, N] per phase (the elements
     sharing a byte position), V tiles [N, D/PACK]; no register transposes or interleaves."""
@@ -311,9 +350,13 @@ def decode_split_kernel(
     PV: tl.constexpr = 1 if KIND_V <= 1 else (2 if KIND_V <= 3 else 8 // BITS_V)
     DK: tl.constexpr = D // PK
     DV: tl.constexpr = D // PV
-    QP: tl.constexpr = 3 if Q_SPLIT else 1  # a bfloat16 q is exact in one part
-    K_SPLIT: tl.constexpr = KIND_K >= 4
-    V_SPLIT: tl.constexpr = KIND_V >= 4
+    # operand parts (docs/kernels.md, "Precision"): exact mode splits what is not exact in 16 bits into
+    # parts whose sum is the float32 value; fast mode rounds q and p once to 16 bits and splits the tiles
+    # that are not exact in 16 bits (KIVI, the residual) in two bfloat16 parts
+    QP: tl.constexpr = 3 if Q_SPLIT and not FAST else 1  # a bfloat16 q is exact in one part
+    PP: tl.constexpr = 1 if FAST else 3
+    PP16: tl.constexpr = 1 if FAST else 2
+    RBS: tl.constexpr = 2 if FAST else 3
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -321,10 +364,10 @@ def decode_split_kernel(
     hmask = hh < QPK
     qh = kvh * QPK + hh
     qbase = b * stride_qb + qh[:, None].to(tl.int64) * stride_qh
-    q0h, q0m, q0l = _load_q(Q, qbase, hmask, 0, PK, DK)
-    q1h, q1m, q1l = _load_q(Q, qbase, hmask, 1 % PK, PK, DK)
-    q2h, q2m, q2l = _load_q(Q, qbase, hmask, 2 % PK, PK, DK)
-    q3h, q3m, q3l = _load_q(Q, qbase, hmask, 3 % PK, PK, DK)
+    q0h, q0m, q0l = _load_q(Q, qbase, hmask, 0, PK, DK, FAST)
+    q1h, q1m, q1l = _load_q(Q, qbase, hmask, 1 % PK, PK, DK, FAST)
+    q2h, q2m, q2l = _load_q(Q, qbase, hmask, 2 % PK, PK, DK, FAST)
+    q3h, q3m, q3l = _load_q(Q, qbase, hmask, 3 % PK, PK, DK, FAST)
     if KIND_K == 5:
         qf0 = _load_qf(Q, qbase, hmask, 0, PK, DK)
         qf1 = _load_qf(Q, qbase, hmask, 1 % PK, PK, DK)
@@ -334,12 +377,12 @@ def decode_split_kernel(
     # FP8 tiles are exact in float16: q goes to float16 tensor cores, scaled by a power of two into range
     F16K: tl.constexpr = KIND_K == 1
     F16V: tl.constexpr = KIND_V == 1 and not TSC_V
-    QP16: tl.constexpr = 2 if Q_SPLIT else 1
+    QP16: tl.constexpr = 2 if Q_SPLIT and not FAST else 1
     if F16K:
         qf = tl.load(Q + qbase + tl.arange(0, D)[None, :], mask=hmask[:, None], other=0.0).to(tl.float32)
         qmax = tl.max(tl.max(tl.abs(qf), 1), 0)
         eq = tl.where(qmax > 0, tl.minimum(14 - floor_log2_f32(qmax), 126), 0)
-        q16h, q16l = _split16(qf * pow2_f32(eq))
+        q16h, q16l = _split16(qf * pow2_f32(eq), FAST)
         sc_k = qk_scale * pow2_f32(-eq)
     else:
         sc_k = qk_scale
@@ -381,13 +424,17 @@ def decode_split_kernel(
                 # KIVI keys: the tile lies inside one token group (BLOCK_N divides G, G divides PAGE)
                 grp = tl.min(tl.where(tmask, slot, 2**62), 0) // G_K
                 kb = tl.load(K0 + slot[None, :] * k0_s + kvh * k0_h + ik[:, None], mask=tmask[None, :], other=0)
-                s, bias = _kivi_key_phase(qf0, kb, K1, K2, grp, kvh, k1_s, k1_h, k2_s, k2_h, ik, 0, PK, BITS_K)
-                s_1, b_1 = _kivi_key_phase(qf1, kb, K1, K2, grp, kvh, k1_s, k1_h, k2_s, k2_h, ik, 1, PK, BITS_K)
+                s, bias = _kivi_key_phase(qf0, kb, K1, K2, grp, kvh, k1_s, k1_h, k2_s, k2_h, ik, 0, PK, BITS_K,
+                                          FAST)
+                s_1, b_1 = _kivi_key_phase(qf1, kb, K1, K2, grp, kvh, k1_s, k1_h, k2_s, k2_h, ik, 1, PK, BITS_K,
+                                           FAST)
                 s += s_1
                 bias += b_1
                 if PK == 4:
-                    s_2, b_2 = _kivi_key_phase(qf2, kb, K1, K2, grp, kvh, k1_s, k1_h, k2_s, k2_h, ik, 2, PK, BITS_K)
-                    s_3, b_3 = _kivi_key_phase(qf3, kb, K1, K2, grp, kvh, k1_s, k1_h, k2_s, k2_h, ik, 3, PK, BITS_K)
+                    s_2, b_2 = _kivi_key_phase(qf2, kb, K1, K2, grp, kvh, k1_s, k1_h, k2_s, k2_h, ik, 2, PK, BITS_K,
+                                               FAST)
+                    s_3, b_3 = _kivi_key_phase(qf3, kb, K1, K2, grp, kvh, k1_s, k1_h, k2_s, k2_h, ik, 3, PK, BITS_K,
+                                               FAST)
                     s += s_2 + s_3
                     bias += b_2 + b_3
                 s += bias[:, None]
@@ -403,7 +450,7 @@ def decode_split_kernel(
                 ks3 = _fp4_scale(ksc, KIND_K)[:, None, :]
                 k_lo = tl.reshape(_e2m1_f32(kb3 & 15) * ks3, (DK, BLOCK_N))
                 k_hi = tl.reshape(_e2m1_f32(kb3 >> 4) * ks3, (DK, BLOCK_N))
-                s = _mm(q0h, q0m, q0l, k_lo, QP, False) + _mm(q1h, q1m, q1l, k_hi, QP, False)
+                s = _mm(q0h, q0m, q0l, k_lo, QP, 0) + _mm(q1h, q1m, q1l, k_hi, QP, 0)
             elif K_T:
                 # K as the left operand [N, D], loaded in its memory order (lets the compiler keep the
                 # dequantized tile in registers in the dot-operand layout); scores come out transposed
@@ -454,7 +501,7 @@ def decode_split_kernel(
                 if F16K:
                     s = _mm16(q16h, q16l, k0t, QP16)
                 else:
-                    s = _mm(q0h, q0m, q0l, k0t, QP, K_SPLIT)
+                    s = _mm(q0h, q0m, q0l, k0t, QP, 0)
             if KIND_K == 1 and TSC_K:
                 s = s * (tl.load(K1 + slot * k1_s + kvh * k1_h, mask=tmask, other=0.0) * sc_k)[None, :]
             else:
@@ -463,9 +510,9 @@ def decode_split_kernel(
             if KIND_V == 1 and TSC_V:
                 p = p * tl.load(V1 + slot * v1_s + kvh * v1_h, mask=tmask, other=0.0)[None, :]
             if F16V:
-                p16h, p16l = _split16(p * 16384.0)  # p <= 1: scaled into float16's normal range
+                p16h, p16l = _split16(p * 16384.0, FAST)  # p <= 1: scaled into float16's normal range
             else:
-                ph, pm, pl = _split(p, True)
+                ph, pm, pl = _split(p, True, FAST)
             if KIND_V == 4:
                 # KIVI values: bytes as [N, groups, G/PACK], one scale and zero per (token, group)
                 NGV: tl.constexpr = D // G_V
@@ -480,14 +527,14 @@ def decode_split_kernel(
                 vz3 = vz.to(tl.float32)[:, :, None]
                 MASKV: tl.constexpr = (1 << BITS_V) - 1
                 v_0 = tl.reshape((vb3 & MASKV).to(tl.float32) * vs3 + vz3, (BLOCK_N, DV))
-                acc0 = acc0 * alpha[:, None] + _mm(ph, pm, pl, v_0, 3, True)
+                acc0 = acc0 * alpha[:, None] + _mm(ph, pm, pl, v_0, PP, RBS)
                 v_1 = tl.reshape(((vb3 >> BITS_V) & MASKV).to(tl.float32) * vs3 + vz3, (BLOCK_N, DV))
-                acc1 = acc1 * alpha[:, None] + _mm(ph, pm, pl, v_1, 3, True)
+                acc1 = acc1 * alpha[:, None] + _mm(ph, pm, pl, v_1, PP, RBS)
                 if PV == 4:
                     v_2 = tl.reshape(((vb3 >> 4) & MASKV).to(tl.float32) * vs3 + vz3, (BLOCK_N, DV))
-                    acc2 = acc2 * alpha[:, None] + _mm(ph, pm, pl, v_2, 3, True)
+                    acc2 = acc2 * alpha[:, None] + _mm(ph, pm, pl, v_2, PP, RBS)
                     v_3 = tl.reshape(((vb3 >> 6) & MASKV).to(tl.float32) * vs3 + vz3, (BLOCK_N, DV))
-                    acc3 = acc3 * alpha[:, None] + _mm(ph, pm, pl, v_3, 3, True)
+                    acc3 = acc3 * alpha[:, None] + _mm(ph, pm, pl, v_3, PP, RBS)
             elif KIND_V == 2 or KIND_V == 3:
                 NBV: tl.constexpr = D // QB_V
                 bv = tl.arange(0, NBV)
@@ -499,8 +546,8 @@ def decode_split_kernel(
                 vs3 = _fp4_scale(vsc, KIND_V)[:, :, None]
                 v_lo = tl.reshape(_e2m1_f32(vb3 & 15) * vs3, (BLOCK_N, DV))
                 v_hi = tl.reshape(_e2m1_f32(vb3 >> 4) * vs3, (BLOCK_N, DV))
-                acc0 = acc0 * alpha[:, None] + _mm(ph, pm, pl, v_lo, 3, False)
-                acc1 = acc1 * alpha[:, None] + _mm(ph, pm, pl, v_hi, 3, False)
+                acc0 = acc0 * alpha[:, None] + _mm(ph, pm, pl, v_lo, PP, 0)
+                acc1 = acc1 * alpha[:, None] + _mm(ph, pm, pl, v_hi, PP, 0)
             else:
                 # V: [N, D], one byte per element (bf16/FP8): packed kinds have their own branches above
                 tl.static_assert(PV == 1)
@@ -527,9 +574,9 @@ def decode_split_kernel(
                     BITS_V,
                 )
                 if F16V:
-                    acc0 = acc0 * alpha[:, None] + _mm16(p16h, p16l, v0t, 2)
+                    acc0 = acc0 * alpha[:, None] + _mm16(p16h, p16l, v0t, PP16)
                 else:
-                    acc0 = acc0 * alpha[:, None] + _mm(ph, pm, pl, v0t, 3, V_SPLIT)
+                    acc0 = acc0 * alpha[:, None] + _mm(ph, pm, pl, v0t, PP, 0)
     if HAS_RES and split >= num_splits:
         # the tail [min(k_len, v_len), seq_len): KIVI keeps the newest keys and values in full precision
         # (float32 residuals [batch, W, kv_heads, D]); K and V switch to their residual at their own length
@@ -548,33 +595,33 @@ def decode_split_kernel(
             kb = tl.load(K0 + sk * k0_s + kvh * k0_h + ik[:, None], mask=pk, other=0)
             ek = ik[:, None] * PK
             s = _res_mm(q0h, q0m, q0l, QP, kb, sk, ek, mk, pk, kvh, K1, K2, k1_s, k1_h, k2_s, k2_h, RK, rko,
-                        0, KIND_K, FMT_K, QB_K, G_K, BITS_K)
+                        0, KIND_K, FMT_K, QB_K, G_K, BITS_K, RBS)
             if PK >= 2:
                 s += _res_mm(q1h, q1m, q1l, QP, kb, sk, ek, mk, pk, kvh, K1, K2, k1_s, k1_h, k2_s, k2_h, RK, rko,
-                             1, KIND_K, FMT_K, QB_K, G_K, BITS_K)
+                             1, KIND_K, FMT_K, QB_K, G_K, BITS_K, RBS)
             if PK == 4:
                 s += _res_mm(q2h, q2m, q2l, QP, kb, sk, ek, mk, pk, kvh, K1, K2, k1_s, k1_h, k2_s, k2_h, RK, rko,
-                             2, KIND_K, FMT_K, QB_K, G_K, BITS_K)
+                             2, KIND_K, FMT_K, QB_K, G_K, BITS_K, RBS)
                 s += _res_mm(q3h, q3m, q3l, QP, kb, sk, ek, mk, pk, kvh, K1, K2, k1_s, k1_h, k2_s, k2_h, RK, rko,
-                             3, KIND_K, FMT_K, QB_K, G_K, BITS_K)
+                             3, KIND_K, FMT_K, QB_K, G_K, BITS_K, RBS)
             p, alpha, m_i, l_i = _softmax_step(s * qk_scale, tmask, m_i, l_i)
-            ph, pm, pl = _split(p, True)
+            ph, pm, pl = _split(p, True, FAST)
             sv = slot[:, None]
             mv = tmask[:, None]
             pv = mv & (t < vl)[:, None]
             rvo = b * r_b + (t - vl)[:, None].to(tl.int64) * r_t + kvh * r_h
             vb = tl.load(V0 + sv * v0_s + kvh * v0_h + iv[None, :], mask=pv, other=0)
             ev = iv[None, :] * PV
-            acc0 = acc0 * alpha[:, None] + _res_mm(ph, pm, pl, 3, vb, sv, ev, mv, pv, kvh, V1, V2, v1_s, v1_h, v2_s,
-                                                   v2_h, RV, rvo, 0, KIND_V, FMT_V, QB_V, G_V, BITS_V)
+            acc0 = acc0 * alpha[:, None] + _res_mm(ph, pm, pl, PP, vb, sv, ev, mv, pv, kvh, V1, V2, v1_s, v1_h, v2_s,
+                                                   v2_h, RV, rvo, 0, KIND_V, FMT_V, QB_V, G_V, BITS_V, RBS)
             if PV >= 2:
-                acc1 = acc1 * alpha[:, None] + _res_mm(ph, pm, pl, 3, vb, sv, ev, mv, pv, kvh, V1, V2, v1_s, v1_h,
-                                                       v2_s, v2_h, RV, rvo, 1, KIND_V, FMT_V, QB_V, G_V, BITS_V)
+                acc1 = acc1 * alpha[:, None] + _res_mm(ph, pm, pl, PP, vb, sv, ev, mv, pv, kvh, V1, V2, v1_s, v1_h,
+                                                       v2_s, v2_h, RV, rvo, 1, KIND_V, FMT_V, QB_V, G_V, BITS_V, RBS)
             if PV == 4:
-                acc2 = acc2 * alpha[:, None] + _res_mm(ph, pm, pl, 3, vb, sv, ev, mv, pv, kvh, V1, V2, v1_s, v1_h,
-                                                       v2_s, v2_h, RV, rvo, 2, KIND_V, FMT_V, QB_V, G_V, BITS_V)
-                acc3 = acc3 * alpha[:, None] + _res_mm(ph, pm, pl, 3, vb, sv, ev, mv, pv, kvh, V1, V2, v1_s, v1_h,
-                                                       v2_s, v2_h, RV, rvo, 3, KIND_V, FMT_V, QB_V, G_V, BITS_V)
+                acc2 = acc2 * alpha[:, None] + _res_mm(ph, pm, pl, PP, vb, sv, ev, mv, pv, kvh, V1, V2, v1_s, v1_h,
+                                                       v2_s, v2_h, RV, rvo, 2, KIND_V, FMT_V, QB_V, G_V, BITS_V, RBS)
+                acc3 = acc3 * alpha[:, None] + _res_mm(ph, pm, pl, PP, vb, sv, ev, mv, pv, kvh, V1, V2, v1_s, v1_h,
+                                                       v2_s, v2_h, RV, rvo, 3, KIND_V, FMT_V, QB_V, G_V, BITS_V, RBS)
     safe_l = tl.where(l_i > 0, l_i, 1.0)
     if F16V:
         acc0 = acc0 * (1.0 / 16384.0)
@@ -611,6 +658,9 @@ def merge_kernel(
     lse_nat = tl.where(wsum > 0, (m_use + tl.log2(wsum)) * 0.6931471805599453, float("-inf"))
     tl.store(LSE + b * lse_b + h, lse_nat)
 
+
+#: decode arithmetic: "fast" (16-bit tensor-core operands, q and p rounded once) or "exact" (float32 products)
+PRECISIONS = ("fast", "exact")
 
 KIND_IDS = {"bf16": 0, "fp8": 1, "mxfp4": 2, "nvfp4": 3, "int_v": 4, "int_k": 5}
 
@@ -701,10 +751,14 @@ def plan_decode(
     num_stages: int | None = None,
     hw_formats: set[int] | None = None,
     k_transposed: bool = True,
+    precision: str = "fast",
 ):
     """The launches of decode attention (see :func:`paged_decode`), with their output tensors.
     ``hw_formats``: FP8 format ids converted in hardware (default: what ``q``'s device has)."""
     import torch
+
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
 
     batch, q_heads, head_dim = q.shape
     kv_heads = k.fields[0].shape[1]
@@ -795,6 +849,7 @@ def plan_decode(
         HAS_RES=has_res,
         Q_SPLIT=q.dtype != torch.bfloat16,
         KT=k_transposed,
+        FAST=precision == "fast",
     )
     out = torch.empty(batch, q_heads, head_dim, dtype=torch.float32, device=q.device)
     lse = torch.empty(batch, q_heads, dtype=torch.float32, device=q.device)
@@ -827,8 +882,10 @@ def paged_decode(q, k: CacheTiles, v: CacheTiles, block_table, seq_lens, page_si
 
     ``residual``: KIVI's full-precision tail, ``(k_res [B, W, Hkv, D] f32, v_res, k_lens [B], v_lens [B])``:
     token t of K is read from the pages while t < k_lens[b], else from ``k_res[b, t - k_lens[b]]`` (same
-    for V); tensor scales must then be 1. Other keywords: ``sm_scale``, ``block_n``, ``num_splits``,
-    ``max_seq_len``, ``num_warps``, ``num_stages`` (see :func:`plan_decode`).
+    for V); tensor scales must then be 1. ``precision``: ``"fast"`` (default; q and the probabilities
+    rounded once to 16 bits, KIVI and residual tiles to about 16 bits) or ``"exact"`` (float32 products);
+    docs/kernels.md derives each one's error bound. Other keywords: ``sm_scale``, ``block_n``,
+    ``num_splits``, ``max_seq_len``, ``num_warps``, ``num_stages`` (see :func:`plan_decode`).
     """
     launches, out, lse = plan_decode(q, k, v, block_table, seq_lens, page_size, **kw)
     for launch in launches:
