@@ -5,7 +5,8 @@
 For every scheme the backend supports (decode in both precisions), the real launch records
 (:class:`kvqref.kernels.decode.Launch`, built by the same host code that launches on a GPU, from a small
 cache on the CPU) are compiled with ``triton.compile`` for each target, and the output is checked:
-AMDGCN and an ELF ``hsaco`` for HIP, PTX and an ELF ``cubin`` for CUDA. Must run in a process where ``TRITON_INTERPRET`` is not set.
+AMDGCN and an ELF ``hsaco`` for HIP, PTX and an ELF ``cubin`` for CUDA. Must run in a process where
+``TRITON_INTERPRET`` is not set.
 """
 
 from __future__ import annotations
