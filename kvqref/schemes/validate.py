@@ -55,7 +55,8 @@ def check_scale(name: str, param: str, value: Any, shape: tuple[int, ...] | None
         idx = tuple(int(i) for i in np.argwhere(bad)[0])
         where = f"[{', '.join(map(str, idx))}] " if idx else ""
         got = float(v[idx])
-        why = "must be finite and > 0" if not (np.isfinite(got) and got > 0) else "is not finite and > 0 in float32"
+        ok64 = bool(np.isfinite(got) and got > 0)
+        why = "is not positive and finite in float32" if ok64 else "must be positive and finite"
         raise ValueError(f"{name}: {param} {where}{why}, got {got!r}")
     return s
 
