@@ -27,8 +27,10 @@ from typing import Any
 
 import numpy as np
 
+from kvqref.formats import as_exact_float
 from kvqref.schemes import Quantized, Scheme
 from kvqref.schemes import get as get_scheme
+from kvqref.schemes.validate import check_real_input
 
 
 class OutOfPagesError(RuntimeError):
@@ -49,7 +51,7 @@ class _Side:
         for f, spec in self.specs.items():
             rows = page_size if spec.per == "token" else page_size // G
             self.storage[f] = np.zeros((num_pages, rows, kv_heads, *spec.shape), dtype=spec.dtype)
-        self.params = params
+        self.params = None if params is None else scheme.check_params(params, kv_heads)
         self.paged = np.zeros(batch, dtype=np.int64)
         self.residual = [np.zeros((0, kv_heads, head_dim), np.float32) for _ in range(batch)]
 
@@ -132,12 +134,10 @@ class PagedKVCache:
 
     # -- writing --------------------------------------------------------------------------------
     def _check_chunk(self, name: str, x: Any) -> np.ndarray:
-        arr = np.asarray(x)
+        arr = check_real_input(f"append: {name}", x)
         if arr.ndim != 3 or arr.shape[1:] != (self.kv_heads, self.head_dim):
             raise ValueError(f"append: {name} must be [tokens, {self.kv_heads}, {self.head_dim}], got {arr.shape}")
-        if arr.dtype.kind not in "fV":
-            raise ValueError(f"append: {name} must be a float array, got dtype {arr.dtype}")
-        return arr.astype(np.float32)
+        return as_exact_float(arr).astype(np.float32)
 
     def append(self, seq_id: int, k: Any, v: Any) -> None:
         """Append tokens ``k``, ``v`` ``[n, kv_heads, head_dim]`` to ``seq_id``, quantizing the tokens that

@@ -4,7 +4,9 @@ Inputs are IEEE bit patterns in hex (float32, and float64 for the single-roundin
 codes in hex, so a C++, Rust or CUDA implementation can test against kvqref without Python. The
 inputs are chosen from the definitions: every code's value, every midpoint between neighbouring
 values (ties), the points just beside each midpoint, zeros, subnormals, the overflow boundary,
-+-Inf, NaN, and a fixed-seed random sample.
++-Inf, NaN, and a fixed-seed random sample (SplitMix64, integer arithmetic). Each format's inputs are
+distinct bit patterns in ascending unsigned order (:func:`canonical`), so the document depends on no
+library's sort, hash or random stream.
 """
 
 from __future__ import annotations
@@ -17,22 +19,59 @@ import numpy as np
 
 from kvqref import formats
 
-VERSION = 1
+VERSION = 2
 _SEED = 20261122
 
 
-def _interesting_inputs(codec: formats.MinifloatCodec) -> tuple[np.ndarray, np.ndarray]:
-    """float32 and float64 inputs that exercise every rounding and edge of ``codec``."""
+def _splitmix64(seed: int, n: int) -> list[int]:
+    """``n`` outputs of SplitMix64 (Steele, Lea, Flood 2014) started at ``seed``: integer arithmetic only,
+    so the sample below is the same on every platform and library version (numpy's generators promise no
+    stream compatibility across versions)."""
+    mask, out, state = (1 << 64) - 1, [], seed & ((1 << 64) - 1)
+    for _ in range(n):
+        state = (state + 0x9E3779B97F4A7C15) & mask
+        z = state
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+        out.append(z ^ (z >> 31))
+    return out
+
+
+def _sample(stream: int, n: int, e_lo: int, e_hi: int) -> np.ndarray:
+    """``n`` float32 values ``+-m * 2**(e - 23)``: 24-bit significand m in [2**23, 2**24), exponent e
+    uniform in [e_lo, e_hi], sign: bits of SplitMix64 outputs seeded with ``_SEED + stream`` (exact)."""
+    vals = []
+    for z in _splitmix64(_SEED + stream, n):
+        m = (1 << 23) | (z & ((1 << 23) - 1))
+        e = e_lo + (z >> 23) % (e_hi - e_lo + 1)
+        vals.append((-1.0 if (z >> 63) else 1.0) * float(np.ldexp(float(m), int(e) - 23)))
+    return np.array(vals, np.float64)
+
+
+def canonical(values: np.ndarray) -> np.ndarray:
+    """The distinct bit patterns of float32 or float64 ``values``, in ascending order of the unsigned bit
+    pattern: +0, positive values ascending, +Inf, NaN, then -0, negative values by ascending magnitude,
+    -Inf, -NaN. Sorting integers makes the result independent of the input order and of numpy's sort
+    algorithm (+0.0 and -0.0 compare equal as floats, so a float sort or unique may keep either)."""
+    uint = {4: np.uint32, 8: np.uint64}[values.dtype.itemsize]
+    return np.unique(np.ascontiguousarray(values).view(uint)).view(values.dtype)
+
+
+def _candidate_inputs(codec: formats.MinifloatCodec) -> tuple[np.ndarray, np.ndarray]:
+    """float32 and float64 inputs that exercise every rounding and edge of ``codec`` (with repeats, in
+    construction order; :func:`canonical` makes the published order)."""
     vals = codec.decode(np.arange(codec.num_codes, dtype=np.uint8)).astype(np.float64)
-    pos = np.unique(vals[np.isfinite(vals) & (vals >= 0)])
+    # +0.0 only (never -0.0): the positive values, distinct as floats, so sorting them is unambiguous
+    pos = np.unique(vals[np.isfinite(vals) & (vals >= 0) & ~np.signbit(vals)])
     mids = (pos[:-1] + pos[1:]) / 2
     top = pos[-1]
     gap = top - pos[-2]
     edges = [0.0, pos[1] / 4, pos[1] / 2, pos[1], top + gap / 2, top + gap, top * 2, 1e30, np.inf, np.nan]
     f32 = np.concatenate([pos, mids, np.nextafter(mids.astype(np.float32), np.float32(np.inf)),
                           np.nextafter(mids.astype(np.float32), np.float32(0)), np.array(edges)])
-    rng = np.random.default_rng(_SEED)
-    f32 = np.concatenate([f32, rng.standard_normal(48) * top / 4, rng.standard_normal(16) * pos[1]])
+    e_small = int(np.frexp(pos[1])[1]) - 1  # floor(log2) of the smallest positive value
+    e_top = int(np.frexp(top)[1]) - 1
+    f32 = np.concatenate([f32, _sample(0, 48, e_small, e_top + 1), _sample(1, 16, e_small - 2, e_small + 2)])
     with np.errstate(over="ignore"):
         f32 = f32.astype(np.float32)
     f32 = np.concatenate([f32, -f32])
@@ -48,6 +87,12 @@ def _interesting_inputs(codec: formats.MinifloatCodec) -> tuple[np.ndarray, np.n
     return f32, f64
 
 
+def _interesting_inputs(codec: formats.MinifloatCodec) -> tuple[np.ndarray, np.ndarray]:
+    """The published inputs of ``codec``: :func:`canonical` of :func:`_candidate_inputs`."""
+    f32, f64 = _candidate_inputs(codec)
+    return canonical(f32), canonical(f64)
+
+
 def _hex(arr: np.ndarray, width: int) -> list[str]:
     return [f"0x{int(v):0{width}x}" for v in arr]
 
@@ -57,7 +102,8 @@ def generate() -> dict[str, Any]:
     doc: dict[str, Any] = {
         "kvqref_golden_vectors": VERSION,
         "rule": "round to nearest, ties to even, one rounding from the exact input; see docs/formats.md",
-        "layout": "inputs are IEEE bit patterns (hex); codes are space-separated hex bytes, one per input",
+        "layout": "inputs are distinct IEEE bit patterns (hex) in ascending unsigned order; codes are "
+                  "space-separated hex bytes, one per input",
         "formats": {},
     }
     for name in formats.names():

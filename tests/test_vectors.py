@@ -45,3 +45,38 @@ def test_cli_formats_table(capsys):
     for fact in ("float8_e4m3fn", "448", "0x7E (0.1111.110)", "float8_e4m3fnuz", "240", "0x7F (0.1111.111)",
                  "57344", "float4_e2m1fn", "float8_e8m0fnu"):
         assert fact in out
+
+
+def test_inputs_do_not_depend_on_construction_order_or_sort_algorithm():
+    """The published inputs are a function of the set of bit patterns alone: shuffling the candidates, or
+    deduplicating with each of numpy's sort kinds, gives the same bytes (issue: np.unique over floats kept
+    +0.0 or -0.0 depending on numpy's sort implementation)."""
+    from kvqref import formats
+
+    rng = np.random.default_rng()  # fresh order each run: any permutation must give the same result
+    for name in formats.names():
+        f32, f64 = vectors._candidate_inputs(formats.get(name))
+        for cand in (f32, f64):
+            want = vectors.canonical(cand)
+            uint = np.uint32 if cand.dtype == np.float32 else np.uint64
+            assert len(np.unique(want.view(uint))) == len(want)  # distinct bit patterns
+            assert vectors.canonical(rng.permutation(cand)).tobytes() == want.tobytes()
+            assert vectors.canonical(cand[::-1].copy()).tobytes() == want.tobytes()
+            for kind in ("quicksort", "mergesort", "heapsort", "stable"):
+                bits = np.sort(cand.view(uint), kind=kind)
+                dedup = bits[np.concatenate([[True], bits[1:] != bits[:-1]])]
+                assert dedup.tobytes() == want.view(uint).tobytes(), (name, kind)
+
+
+def test_both_zeros_are_inputs_in_a_fixed_place():
+    doc = json.loads(GOLDEN.read_text())
+    for name in ("float8_e4m3fn", "float8_e5m2", "float4_e2m1fn"):
+        case = doc["formats"][name]["cases"][0]
+        ins = case["inputs"]
+        assert ins[0] == "0x00000000" and "0x80000000" in ins, name
+        assert ins == sorted(ins, key=lambda h: int(h, 16)), name
+
+
+def test_random_sample_is_platform_independent():
+    """SplitMix64's published first output for seed 0 (Vigna's reference implementation)."""
+    assert vectors._splitmix64(0, 1) == [0xE220A8397B1DCDAF]

@@ -80,6 +80,7 @@ def _tensor_scale(scheme: Scheme, params: dict[str, Any], kv_heads: int) -> np.n
     is still empty and its params are not set yet)."""
     if not params:
         return np.ones(kv_heads, np.float32)
+    params = scheme.check_params(params, kv_heads)
     if isinstance(scheme, FP8Scheme) and scheme.granularity != "token_head":
         s = np.asarray(params["scale"], np.float32)
         return np.broadcast_to(s, (kv_heads,)).astype(np.float32)
@@ -253,4 +254,6 @@ def quantize_write(side: Side, x, slot_mapping, *, block_t: int = 32, validate: 
     needs_finite = isinstance(side.scheme, (E8M0BlockScheme, NVFP4Scheme, KiviScheme))
     if validate and needs_finite and not torch.isfinite(x).all():
         raise ValueError(f"{side.scheme.name}: input holds NaN or Inf")
+    if validate and side.params:  # the scales the kernel divides by: once per call, on the host
+        side.scheme.check_params(side.params, x.shape[1] if x.dim() == 3 else None)
     plan_write(side, x, slot_mapping, block_t=block_t)()

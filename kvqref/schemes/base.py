@@ -17,6 +17,8 @@ from typing import Any
 
 import numpy as np
 
+from kvqref.schemes.validate import check_real_input
+
 
 @dataclass(frozen=True)
 class FieldSpec:
@@ -81,9 +83,17 @@ class Scheme(ABC):
     def bits_per_element(self, head_dim: int, kv_heads: int = 1) -> float:
         """Stored bits per K or V element, scale overhead included."""
 
+    def check_params(self, params: dict[str, Any] | None, kv_heads: int | None = None) -> dict[str, Any]:
+        """Check user-given tensor-level ``params`` (see :mod:`kvqref.schemes.validate`) and return them in
+        the form :meth:`quantize` uses. Schemes without tensor-level parameters accept ``None`` or ``{}``."""
+        if params:
+            raise ValueError(f"{self.name}: takes no tensor-level params, got {sorted(params)}")
+        return {}
+
     def check_input(self, x: Any) -> np.ndarray:
-        """Validate ``[tokens, kv_heads, head_dim]`` input; return it as a NumPy array."""
-        arr = np.asarray(x)
+        """Validate ``[tokens, kv_heads, head_dim]`` real input; return it as a NumPy array. Integer input is
+        taken as the values it holds; complex, boolean and non-numeric input raises TypeError."""
+        arr = check_real_input(self.name, x)
         if arr.ndim != 3:
             raise ValueError(f"{self.name}: expected [tokens, kv_heads, head_dim], got shape {arr.shape}")
         return arr

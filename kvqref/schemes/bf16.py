@@ -20,6 +20,7 @@ class BF16Scheme(Scheme):
         return {"data": FieldSpec((head_dim,), np.dtype(np.uint16))}
 
     def quantize(self, x: Any, params: dict[str, Any] | None = None) -> Quantized:
+        self.check_params(params)
         arr = self.check_input(x)
         if np.isnan(arr.astype(np.float64)).any():
             raise ValueError(f"{self.name}: input holds NaN")

@@ -35,6 +35,7 @@ from kvqref import formats
 from kvqref.formats import as_exact_float
 from kvqref.schemes._num import pack_bits, round_bf16, unpack_bits
 from kvqref.schemes.base import FieldSpec, Quantized, Scheme
+from kvqref.schemes.validate import check_scale
 
 E2M1 = formats.get("float4_e2m1fn")
 E4M3 = formats.get("float8_e4m3fn")
@@ -108,6 +109,7 @@ class E8M0BlockScheme(Scheme):
         return np.clip(e, -127, 127)
 
     def quantize(self, x: Any, params: dict[str, Any] | None = None) -> Quantized:
+        self.check_params(params)
         v = _finite_input(self.name, x, self.check_input).astype(np.float64)
         if self.profile == "sglang":
             v = round_bf16(v).astype(np.float64)
@@ -162,9 +164,8 @@ class NVFP4Scheme(Scheme):
         if profile not in ("ocp", "trtllm"):
             raise ValueError(f"nvfp4: profile must be 'ocp' or 'trtllm' (the same arithmetic), got {profile!r}")
         self.profile = profile
-        if global_scale is not None and not (np.isfinite(global_scale) and global_scale > 0):
-            raise ValueError(f"nvfp4: global_scale must be positive and finite, got {global_scale!r}")
-        self.global_scale = None if global_scale is None else np.float32(global_scale)
+        self.global_scale = None if global_scale is None else np.float32(check_scale("nvfp4", "global_scale",
+                                                                                      global_scale, ()))
 
     def fields(self, kv_heads: int, head_dim: int) -> dict[str, FieldSpec]:
         if head_dim % 16:
@@ -175,6 +176,14 @@ class NVFP4Scheme(Scheme):
     def bits_per_element(self, head_dim: int, kv_heads: int = 1) -> float:
         """4 + 8/16 = 4.5 (the one float32 global scale per tensor is not per token)."""
         return 4.5
+
+    def check_params(self, params: dict[str, Any] | None, kv_heads: int | None = None) -> dict[str, Any]:
+        """``{"global_scale": g}``, g a float32 scalar, finite and > 0."""
+        if not isinstance(params, dict) or set(params) != {"global_scale"}:
+            got = sorted(params) if isinstance(params, dict) else type(params).__name__
+            raise ValueError(f"nvfp4: params must be {{'global_scale': ...}}, got {got}")
+        return {"global_scale": np.float32(check_scale("nvfp4", "params['global_scale']",
+                                                       params["global_scale"], ()))}
 
     def calibrate(self, x: Any) -> dict[str, Any]:
         """``{"global_scale": float32(amax / 2688)}`` (1.0 for an all-zero tensor), or the given one."""
@@ -188,10 +197,8 @@ class NVFP4Scheme(Scheme):
     def quantize(self, x: Any, params: dict[str, Any] | None = None) -> Quantized:
         v = _finite_input(self.name, x, self.check_input).astype(np.float32)
         xb = _blocks(self.name, v, 16)
-        params = self.calibrate(v) if params is None else params
+        params = self.calibrate(v) if params is None else self.check_params(params)
         g = np.float32(params["global_scale"])
-        if not (np.isfinite(g) and g > 0):
-            raise ValueError(f"nvfp4: global_scale must be positive and finite, got {g}")
         bamax = np.abs(xb).max(axis=-1)
         s = ((bamax / np.float32(6.0)).astype(np.float32) / g).astype(np.float32)
         s = np.clip(s, np.float32(2.0**-6), np.float32(448.0))

@@ -30,6 +30,7 @@ import numpy as np
 from kvqref import formats
 from kvqref.schemes._num import round_bf16
 from kvqref.schemes.base import FieldSpec, Quantized, Scheme
+from kvqref.schemes.validate import check_scale
 
 GRANULARITIES = ("tensor", "head", "token_head")
 PROFILES = ("vllm", "sglang", "rocm", "ocp")
@@ -86,13 +87,11 @@ class FP8Scheme(Scheme):
         if scale is not None:
             if granularity == "token_head":
                 raise ValueError(f"{name}: a static scale needs granularity 'tensor' or 'head', not 'token_head'")
-            s = np.asarray(scale, dtype=np.float64)
+            s = np.asarray(scale)
             if s.ndim > 1 or (granularity == "tensor" and s.ndim != 0):
                 raise ValueError(f"{name}: static {granularity} scale must be a scalar (tensor) or [kv_heads] "
                                  f"array (head), got shape {s.shape}")
-            if not (np.all(np.isfinite(s)) and np.all(s > 0)):
-                raise ValueError(f"{name}: scales must be positive and finite, got {scale!r}")
-            s = s.astype(np.float32)
+            s = check_scale(name, "scale", s)
             if self.fnuz and profile == "rocm":
                 s = (s * np.float32(2)).astype(np.float32)  # OCP checkpoint scale -> FNUZ (exact: power of 2)
             self._static = s
@@ -132,6 +131,22 @@ class FP8Scheme(Scheme):
             return {"scale": np.float32(self._amax_scale(a.max(initial=0.0)))}
         return {"scale": self._amax_scale(a.max(axis=(0, 2), initial=0.0))}
 
+    def check_params(self, params: dict[str, Any] | None, kv_heads: int | None = None) -> dict[str, Any]:
+        """``{"scale": s}``: a float32 scalar (granularity ``tensor``) or float32[kv_heads] (``head``), each
+        finite and > 0; per-token-head scales are computed per token, so that granularity takes no params."""
+        if self.granularity == "token_head":
+            return super().check_params(params, kv_heads)
+        if not isinstance(params, dict) or set(params) != {"scale"}:
+            got = sorted(params) if isinstance(params, dict) else type(params).__name__
+            raise ValueError(f"{self.name}: params must be {{'scale': ...}} for {self.granularity} scales, got {got}")
+        if self.granularity == "tensor":
+            return {"scale": np.float32(check_scale(self.name, "params['scale']", params["scale"], ()))}
+        s = np.asarray(params["scale"])
+        if kv_heads is None and s.ndim != 1:
+            raise ValueError(f"{self.name}: params['scale'] must be a [kv_heads] array, got shape {s.shape}")
+        shape = (kv_heads,) if kv_heads is not None else s.shape
+        return {"scale": check_scale(self.name, "params['scale'] (one per kv head)", s, shape)}
+
     def _checked(self, x: Any) -> np.ndarray:
         arr = self.check_input(x)
         v = arr.astype(np.float64)
@@ -147,17 +162,14 @@ class FP8Scheme(Scheme):
         T, H, D = arr.shape
         fields: dict[str, np.ndarray] = {}
         if self.granularity == "token_head":
+            self.check_params(params, H)
             s = self._amax_scale(np.abs(arr.astype(np.float32)).max(axis=2, initial=0.0))
             fields["scale"] = s
             sb = s[:, :, None]
             params = {}
         else:
-            params = self.calibrate(arr) if params is None else params
+            params = self.calibrate(arr) if params is None else self.check_params(params, H)
             s = np.asarray(params["scale"], dtype=np.float32)
-            if self.granularity == "head" and s.shape != (H,):
-                raise ValueError(f"{self.name}: per-head scale shape {s.shape} does not match {H} kv heads")
-            if self.granularity == "tensor" and s.ndim != 0:
-                raise ValueError(f"{self.name}: per-tensor scale must be a scalar, got shape {s.shape}")
             sb = s[None, :, None] if s.ndim else s
         if self.profile == "sglang":
             xb = round_bf16(arr)  # float32

@@ -29,6 +29,7 @@ import numpy as np
 from kvqref.formats import as_exact_float
 from kvqref.schemes._num import f16, pack_bits, unpack_bits
 from kvqref.schemes.base import FieldSpec, Quantized, Scheme
+from kvqref.schemes.validate import check_integer_option
 
 
 class KiviScheme(Scheme):
@@ -46,8 +47,8 @@ class KiviScheme(Scheme):
             raise ValueError(f"{name}: role must be 'key' or 'value', got {role!r}")
         if profile != "kivi":
             raise ValueError(f"{name}: the only profile is 'kivi', got {profile!r}")
-        if group_size <= 0 or residual < 0:
-            raise ValueError(f"{name}: group_size must be > 0 and residual >= 0, got {group_size}, {residual}")
+        group_size = check_integer_option(name, "group_size", group_size, minimum=1)
+        residual = check_integer_option(name, "residual", residual, minimum=0)
         if role == "key" and residual % group_size:
             raise ValueError(f"{name}: residual window {residual} must be a multiple of the group size {group_size}")
         self.name, self.bits, self.role = name, bits, role
@@ -108,6 +109,7 @@ class KiviScheme(Scheme):
         return x16
 
     def quantize(self, x: Any, params: dict[str, Any] | None = None) -> Quantized:
+        self.check_params(params)
         x16 = self._input16(x)
         T, H, D = x16.shape
         G = self.group_size
