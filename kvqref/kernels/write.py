@@ -107,7 +107,11 @@ def quantize_write_kernel(
     slot = tl.load(SLOT + t, mask=tin, other=-1).to(tl.int64)
     tm = tin & (slot >= 0)
     m2 = tm[:, None]
-    x = tl.load(X + t[:, None].to(tl.int64) * x_t + h * x_h + d[None, :], mask=m2, other=0.0).to(tl.float32)
+    xr = tl.load(X + t[:, None].to(tl.int64) * x_t + h * x_h + d[None, :], mask=m2, other=0.0)
+    if X.dtype.element_ty == tl.bfloat16:  # widen from the bits: exact for subnormals (the interpreter flushes them)
+        x = bf16_bits_to_f32(xr.to(tl.int16, bitcast=True))
+    else:
+        x = xr.to(tl.float32)
     if KIND == 0:
         bits = f32_to_bf16_bits(x).to(tl.int16)
         tl.store(F0 + slot[:, None] * f0_s + h * f0_h + d[None, :], bits.to(tl.bfloat16, bitcast=True), mask=m2)

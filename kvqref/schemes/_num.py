@@ -61,8 +61,8 @@ def model_dtype_of(label: str, engine: str, input_dtype: str, model_dtype: str |
     input whose dtype contradicts ``model_dtype``, or a model dtype the engine does not accept, raises
     ValueError naming the engine and the dtypes it accepts.
     """
-    if model_dtype is not None and model_dtype not in MODEL_DTYPES:
-        raise ValueError(f"{label}: model_dtype must be one of {MODEL_DTYPES}, got {model_dtype!r}")
+    if model_dtype is not None and model_dtype not in accepts:
+        raise ValueError(f"{label}: {engine} accepts K/V in {', '.join(accepts)}; got model_dtype={model_dtype!r}")
     if model_dtype is not None and input_dtype in ("bfloat16", "float16") and input_dtype != model_dtype:
         raise ValueError(f"{label}: the input is a {input_dtype} array but model_dtype={model_dtype!r}; a model "
                          "has one dtype (pass float32 values to have them rounded to model_dtype)")
