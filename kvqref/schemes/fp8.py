@@ -226,7 +226,8 @@ class FP8Scheme(Scheme):
 
     def describe(self) -> dict[str, str]:
         arith = {"sglang": f"division in the model dtype ({self.sglang_scale} scale)",
-                 "rocm": "x / scale in float32; static OCP scales doubled"}.get(self.profile, "x / scale in float32")
+                 "rocm": "x / scale in float32 (float16 model: quotient rounded to float16); static OCP scales "
+                         "doubled"}.get(self.profile, "x / scale in float32")
         return {"scheme": self.name, "format": self.format,
                 "scale rule": f"{self.granularity}: amax / {self.codec.max_finite:g} or static; {arith}",
                 "rounding": "RNE", "overflow": f"saturate to +-{self.codec.max_finite:g}" if self.saturate
