@@ -348,3 +348,52 @@ def summary(results: list[Result]) -> dict[str, dict[str, int]]:
         d = out.setdefault(r.backend, {"passed": 0, "failed": 0})
         d["passed" if r.passed else "failed"] += 1
     return out
+
+
+#: (model dtype, float32 bits per step of that dtype near a normal value): the dtypes engine profiles serve
+_DTYPE_STEP = {"bfloat16": 1 << 16, "float32": 1}
+SMALLEST_SUBNORMAL = {"bfloat16": 2.0**-133, "float16": 2.0**-24, "float32": 2.0**-149}
+BINADE_EXPONENTS = {"bfloat16": (-40, -34, -33, -20, -1, 0, 6, 60, 125),
+                    "float16": (-20, -16, -14, -1, 0, 6, 13),
+                    "float32": (-40, -34, -33, -1, 0, 6, 100, 125)}
+
+
+def dtype_neighbours(v: float, dtype: str) -> list[float]:
+    """[previous, v, next]: ``v`` (positive, representable in ``dtype``) and its neighbours in ``dtype``,
+    from adjacent bit patterns."""
+    if dtype == "float16":
+        bits = np.array([v], np.float16).view(np.uint16)
+        return [float((bits + d).view(np.float16)[0]) if d >= 0 else float((bits - 1).view(np.float16)[0])
+                for d in (-1, 0, 1)]
+    bits = np.array([v], np.float32).view(np.uint32)
+    step = np.uint32(_DTYPE_STEP[dtype])
+    return [float((bits - step).view(np.float32)[0]), float(v), float((bits + step).view(np.float32)[0])]
+
+
+def to_dtype_values(x: np.ndarray, dtype: str) -> np.ndarray:
+    """float32 ``x`` moved to values representable in ``dtype`` (bfloat16: low 16 bits cleared; float16: via
+    NumPy's float16), as float32."""
+    x = np.asarray(x, np.float32)
+    if dtype == "bfloat16":
+        return (x.view(np.uint32) & np.uint32(0xFFFF0000)).view(np.float32)
+    if dtype == "float16":
+        return x.astype(np.float16).astype(np.float32)
+    return x
+
+
+def binade_edge_blocks(dtype: str, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """FP4 blocks of 16 whose amax / 6 sits at a power of two 2**k and one ``dtype`` step above and below it
+    (amax = the neighbours of 6 * 2**k in ``dtype``, for k in ``BINADE_EXPONENTS[dtype]``), every value
+    representable in ``dtype``. Returns (x float32 [blocks, 1, 16], (k, step) per block, step in -1, 0, 1).
+    Element 0 is +-amax; element 6 the dtype's smallest subnormal, negated; the others are random in
+    (-amax, amax), one of them tiny and negative."""
+    rows, tags = [], []
+    for k in BINADE_EXPONENTS[dtype]:
+        for step, amax in zip((-1, 0, 1), dtype_neighbours(6.0 * 2.0**k, dtype), strict=True):
+            blk = rng.uniform(-1, 1, 16) * amax
+            blk[0] = amax if len(rows) % 2 == 0 else -amax
+            blk[5] = -amax * 2.0**-20
+            blk[6] = -SMALLEST_SUBNORMAL[dtype]  # a float32 subnormal for bfloat16 and float32 input
+            rows.append(to_dtype_values(np.clip(blk, -amax, amax), dtype))
+            tags.append((k, step))
+    return np.stack(rows)[:, None, :], np.array(tags)

@@ -9,6 +9,9 @@ Storage of K (and likewise V): for every field of the scheme, an array
 
 Input precision: :meth:`PagedKVCache.append` rounds K and V to float32 (RNE) first, as an engine's
 activations are float32 or narrower; the residual window is stored in float32 (KIVI keeps float16).
+The model dtype is kept: float16 and bfloat16 (ml_dtypes) input reach ``scheme.quantize`` as arrays of
+that dtype (exactly: float32 holds them), so engine profiles compute in the model's dtype; every append
+must then use the dtype of the first one.
 
 Tensor-level params (a per-tensor or per-head FP8 scale, NVFP4's global scale) are per cache: given at
 creation (``k_params`` / ``v_params``) or else computed by ``scheme.calibrate`` from the first chunk that
@@ -80,6 +83,8 @@ class PagedKVCache:
         self.v = _Side("V", v_scheme, num_pages, page_size, kv_heads, head_dim, batch, v_params)
         self.block_table = np.full((batch, self.max_pages), -1, dtype=np.int32)
         self.seq_lens = np.zeros(batch, dtype=np.int32)
+        #: "float16" / "bfloat16" / "float32" (float32 and float64 input), fixed by the first append
+        self.model_dtype: str | None = None
         order = list(range(num_pages)) if free_pages is None else [int(p) for p in free_pages]
         if sorted(order) != list(range(num_pages)):
             raise ValueError("PagedKVCache: free_pages must be a permutation of range(num_pages)")
@@ -139,11 +144,24 @@ class PagedKVCache:
             raise ValueError(f"append: {name} must be [tokens, {self.kv_heads}, {self.head_dim}], got {arr.shape}")
         return as_exact_float(arr).astype(np.float32)
 
+    def _model_dtype(self, kdt: np.dtype, vdt: np.dtype) -> np.dtype | None:
+        """The 16-bit model dtype of K/V (None for float32/float64 input); the same for every append."""
+        if kdt != vdt:
+            raise ValueError(f"append: k is {kdt} and v is {vdt}; a model has one dtype")
+        md = kdt if kdt.name in ("float16", "bfloat16") else None
+        name = md.name if md is not None else "float32"
+        if self.model_dtype is not None and self.model_dtype != name:
+            raise ValueError(f"append: k/v are {kdt} but earlier appends were {self.model_dtype}; a model has one "
+                             "dtype")
+        self.model_dtype = name
+        return md
+
     def append(self, seq_id: int, k: Any, v: Any) -> None:
         """Append tokens ``k``, ``v`` ``[n, kv_heads, head_dim]`` to ``seq_id``, quantizing the tokens that
         leave the residual window and writing their fields into slots; pages come from the free list."""
         b = self._seq(seq_id)
         k32, v32 = self._check_chunk("k", k), self._check_chunk("v", v)
+        model_dtype = self._model_dtype(np.asarray(k).dtype, np.asarray(v).dtype)
         if k32.shape[0] != v32.shape[0]:
             raise ValueError(f"append: k has {k32.shape[0]} tokens and v has {v32.shape[0]}")
         total = int(self.seq_lens[b]) + k32.shape[0]
@@ -158,6 +176,8 @@ class PagedKVCache:
             params = side.params
             quant = None
             if len(chunk):
+                if model_dtype is not None:
+                    chunk = chunk.astype(model_dtype)  # exact: the values came from that dtype
                 if params is None:
                     params = side.scheme.calibrate(chunk)
                 quant = side.scheme.quantize(chunk, params=params)

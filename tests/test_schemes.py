@@ -171,18 +171,24 @@ def test_fp8_vllm_hand_cases():
 
 
 def test_fp8_sglang_hand_cases():
-    s = schemes.get("fp8_e4m3", scale=1.0, profile="sglang")
+    s = schemes.get("fp8_e4m3", scale=1.0, profile="sglang", model_dtype="bfloat16")
     x = np.array([[[500.0, -500.0, 464.0, 1.0625 + 2**-10]]])
     with pytest.warns(UserWarning, match="2 element"):
         codes = s.quantize(x).fields["codes"].ravel().tolist()
     # overflow -> NaN with sign; bf16 first: 1.0625 + 2**-10 -> 1.0625 (bf16), a tie -> 1.0 (even)
     assert codes == [0x7F, 0xFF, 0x7E, 0x38]
-    sat = schemes.get("fp8_e4m3", scale=1.0, profile="sglang", saturate=True)
+    sat = schemes.get("fp8_e4m3", scale=1.0, profile="sglang", saturate=True, model_dtype="bfloat16")
     assert sat.quantize(x).fields["codes"].ravel().tolist() == [0x7E, 0xFE, 0x7E, 0x38]
     # tensor scale: bf16(20.5 / bf16(0.3)) = 68.0; float scale: bf16(f32(20.5 * f32(1/0.3))) = 68.5
-    t = schemes.get("fp8_e4m3", scale=0.3, profile="sglang").quantize(np.array([[[20.5]]]))
-    f = schemes.get("fp8_e4m3", scale=0.3, profile="sglang", sglang_scale="float").quantize(np.array([[[20.5]]]))
+    x = np.array([[[20.5]]], dtype=ml_dtypes.bfloat16)
+    t = schemes.get("fp8_e4m3", scale=0.3, profile="sglang").quantize(x)
+    f = schemes.get("fp8_e4m3", scale=0.3, profile="sglang", sglang_scale="float").quantize(x)
     assert (t.fields["codes"].item(), f.fields["codes"].item()) == (104, 105)
+    # float16 model: f16(20.5 / f16(0.3)) = f16(68.350...) = 68.375 -> 72 (0x69); float32 model: 68.33 -> 72;
+    # only bfloat16's rounding lands on the tie 68 (-> 64, even)
+    t16 = schemes.get("fp8_e4m3", scale=0.3, profile="sglang").quantize(x.astype(np.float16))
+    t32 = schemes.get("fp8_e4m3", scale=0.3, profile="sglang").quantize(x.astype(np.float32))
+    assert (t16.fields["codes"].item(), t32.fields["codes"].item()) == (0x69, 0x69)
 
 
 def test_fp8_rocm_doubles_static_ocp_scales_and_uses_fnuz():
@@ -245,8 +251,8 @@ def ref_fp4_e8m0(x: np.ndarray, block: int, rule: str) -> tuple[np.ndarray, np.n
     T, H, D = x.shape
     codes = np.zeros((T, H, D), np.uint8)
     scales = np.zeros((T, H, D // block), np.uint8)
-    if rule == "sglang":
-        x = x.astype(ml_dtypes.bfloat16).astype(np.float32)
+    if rule == "sglang":  # SGLang's compiled quantizer computes in float32 on the input values
+        x = x.astype(np.float32)
     for t in range(T):
         for h in range(H):
             for j in range(D // block):
@@ -260,7 +266,7 @@ def ref_fp4_e8m0(x: np.ndarray, block: int, rule: str) -> tuple[np.ndarray, np.n
                     e = k - 1 if m == 0.5 else k
                 scales[t, h, j] = e + 127
                 for i, xv in enumerate(blk):
-                    y = xv / 2.0**e
+                    y = xv / 2.0**e if rule == "ocp" else float(np.float32(xv / 2.0**e))
                     a = abs(y)
                     if rule == "ocp":  # nearest value, ties to the even code; saturate at 6
                         best = min(range(8), key=lambda c: (abs(E2M1_VALUES[c] - min(a, 6.0)), c % 2))
@@ -295,7 +301,7 @@ def check_fp4_e8m0(x: np.ndarray, fields: dict, block: int, rule: str) -> None:
             e = np.ceil(np.log2(np.maximum(amax / 6, 1e-10)))
     y = xb / 2.0**e
     bound = np.where(np.abs(y) > 6, np.abs(y) - 6, e2m1_half_spacing(y)) * 2.0**e
-    bound = bound * (1 + 2.0**-20) + (2.0**-8 * np.abs(xb) if rule == "sglang" else 0)  # bf16 input rounding
+    bound = bound * (1 + 2.0**-20)
     err = np.abs(deq.reshape(xb.shape) - xb)
     assert np.all(err <= bound), f"max excess {np.max(err - bound)}"
 
@@ -312,10 +318,16 @@ def test_fp4_e8m0_round_trip_bound(x, case):
 
 @settings(max_examples=10, deadline=None)
 @given(kv_tensors(tokens=(2,), dims=(32,)), st.sampled_from([("fp4_e2m1", 16, "ocp"), ("mxfp4", 32, "ocp"),
-                                                              ("fp4_e2m1", 16, "sglang")]))
-def test_fp4_e8m0_bytes_equal_scalar_reference(x, case):
+                                                              ("fp4_e2m1", 16, "sglang")]),
+       st.sampled_from(["bfloat16", "float16", "float32"]))
+def test_fp4_e8m0_bytes_equal_scalar_reference(x, case, dtype):
+    """Every model dtype (the input array's): the same float32 / exact arithmetic on its values."""
+    from kvqref.conformance import to_dtype_values
+
     name, block, rule = case
-    q = schemes.get(name, profile=rule).quantize(x)
+    x = to_dtype_values(np.clip(x, -60000, 60000), dtype)
+    q = schemes.get(name, profile=rule).quantize(x.astype({"bfloat16": ml_dtypes.bfloat16, "float16": np.float16,
+                                                           "float32": np.float32}[dtype]))
     codes, scales = ref_fp4_e8m0(x, block, rule)
     assert np.array_equal(independent_unpack(q.fields["codes"]), codes)
     assert np.array_equal(q.fields["scales"], scales)
@@ -666,3 +678,143 @@ def test_error_table_runs_and_orders():
     rows = {(r["scheme"], r["options"]): r["rel_rms"] for r in schemes.error_table(tokens=64, heads=2)}
     assert rows[("bf16", "")] < rows[("fp8_e4m3", "")] < rows[("fp4_e2m1", "")]
     assert rows[("int2_kivi", "role=value")] > rows[("int4_kivi", "role=value")]
+
+
+# --------------------------------------------------------------------------------------------------
+# Model dtypes: each engine profile computes as the engine does for the model's dtype (docs/engines.md,
+# "Model dtypes"). Expected bytes come from the documented arithmetic in scalar NumPy/Python, with
+# ml_dtypes' casts as the independent peer for the bfloat16 and FP8 roundings.
+# --------------------------------------------------------------------------------------------------
+NP_DTYPES = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16, "float32": np.float32}
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_fp4_sglang_binade_edges_per_model_dtype(dtype):
+    """Blocks whose amax / 6 is 2**k, one dtype step below and one above: SGLang's compiled float32 arithmetic
+    gives e = k, k, k + 1 (clamped at -33), whatever the dtype; bytes equal the scalar reference."""
+    from kvqref.conformance import binade_edge_blocks
+
+    x32, tags = binade_edge_blocks(dtype, np.random.default_rng(len(dtype)))
+    q = schemes.get("fp4_e2m1", profile="sglang").quantize(x32.astype(NP_DTYPES[dtype]))
+    codes, scales = ref_fp4_e8m0(x32, 16, "sglang")
+    assert np.array_equal(q.fields["scales"], scales)
+    assert np.array_equal(independent_unpack(q.fields["codes"]), codes)
+    k, step = tags[:, 0], tags[:, 1]
+    e = np.maximum(k + (step == 1), -33)
+    assert q.fields["scales"][:, 0, 0].tolist() == (e + 127).tolist()
+    top = independent_unpack(q.fields["codes"])[:, 0, 0] & 7
+    unclamped = k >= -33
+    # amax / 2**e: 3 + tiny (code 5, value 3) one step above the binade; 6 or 6 - tiny (code 7) otherwise
+    assert (top[unclamped & (step == 1)] == 5).all() and (top[unclamped & (step != 1)] == 7).all()
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_fp4_sglang_bf16_rounding_is_caught(dtype):
+    """The planted bug of issue 15 (rounding the input to bfloat16 first) changes the scale of blocks one
+    dtype step above a binade: the reference must tell."""
+    from kvqref.conformance import binade_edge_blocks, to_dtype_values
+
+    x32, tags = binade_edge_blocks(dtype, np.random.default_rng(1))
+    _, scales = ref_fp4_e8m0(x32, 16, "sglang")
+    wrong = schemes.get("fp4_e2m1", profile="sglang").quantize(x32.astype(ml_dtypes.bfloat16))
+    amax = np.abs(x32[:, 0, 0])
+    in_bf16 = to_dtype_values(amax, "bfloat16") == amax  # float16 subnormals have few bits: bfloat16 holds them
+    above = (tags[:, 1] == 1) & (tags[:, 0] > -33) & ~in_bf16
+    assert above.sum() >= 5
+    assert (wrong.fields["scales"][above] != scales[above]).all()
+
+
+def ref_fp8_engine(x32: np.ndarray, scale: float, md: str, profile: str, sglang_scale: str = "tensor") -> np.ndarray:
+    """FP8 E4M3 codes of ``x32`` (values of a ``md`` model) by the engines' documented arithmetic, with
+    NumPy float32 division and ml_dtypes' casts: sglang: md(x / md(s)) or md(x * f32(1/s)), then a
+    non-saturating E4M3FN cast; rocm: x / (2s) in float32, rounded to float16 in a float16 model, then a
+    saturating E4M3FNUZ cast; vllm: x / s in float32, saturating E4M3FN."""
+    def rnd(v):
+        return np.asarray(v, np.float32).astype(NP_DTYPES[md]).astype(np.float32)
+
+    if profile == "sglang":
+        if sglang_scale == "tensor":
+            q = rnd(x32 / rnd(np.float32(scale)))
+        else:
+            q = rnd(x32 * np.float32(1.0 / scale))
+        return q.astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
+    if profile == "rocm":
+        q = (x32 / np.float32(2 * scale)).astype(np.float32)
+        if md == "float16":
+            q = rnd(q)
+        return np.clip(q, -240, 240).astype(ml_dtypes.float8_e4m3fnuz).view(np.uint8)
+    return np.clip(x32 / np.float32(scale), -448, 448).astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
+
+
+FP8_DTYPE_CASES = [("sglang", "tensor"), ("sglang", "float"), ("rocm", "tensor"), ("vllm", "tensor")]
+
+
+@settings(max_examples=4, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), scale=st.sampled_from([0.3, 0.0123, 1.7, 2.0**-5]) | st.floats(1e-3, 1e3))
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+@pytest.mark.parametrize("profile,sglang_scale", FP8_DTYPE_CASES)
+def test_fp8_profiles_per_model_dtype(dtype, profile, sglang_scale, seed, scale):
+    """Random K/V of each model dtype and random static scales: bytes equal the engine arithmetic."""
+    from kvqref.conformance import to_dtype_values
+
+    rng = np.random.default_rng(seed)
+    x = rng.uniform(-1, 1, (64, 2, 32)) * 400 * scale * 2.0 ** rng.integers(-8, 1, (64, 2, 1))
+    x32 = to_dtype_values(np.clip(x, -60000, 60000), dtype)  # within float16's range
+    s = schemes.get("fp8_e4m3", profile=profile, scale=scale, sglang_scale=sglang_scale)
+    q = s.quantize(x32.astype(NP_DTYPES[dtype]))
+    assert np.array_equal(q.fields["codes"], ref_fp8_engine(x32, scale, dtype, profile, sglang_scale))
+
+
+def test_fp8_dtype_arithmetic_differs_where_documented():
+    """The model dtype matters (so the tests above can fail): SGLang's float16 division and vLLM-ROCm's float16
+    quotient give other codes than float32 arithmetic on some of the same float16 inputs."""
+    from kvqref.conformance import to_dtype_values
+
+    x32 = to_dtype_values(np.random.default_rng(2).uniform(-100, 100, (256, 1, 32)), "float16")
+    for profile in ("sglang", "rocm"):
+        s = schemes.get("fp8_e4m3", profile=profile, scale=0.37)
+        c16 = s.quantize(x32.astype(np.float16)).fields["codes"]
+        c32 = s.quantize(x32).fields["codes"]
+        assert np.array_equal(c16, ref_fp8_engine(x32, 0.37, "float16", profile))
+        assert (c16 != c32).sum() > 0, profile
+    # vLLM's CUDA kernel widens every dtype to float32 first: the dtype changes nothing
+    v = schemes.get("fp8_e4m3", scale=0.37)
+    assert np.array_equal(v.quantize(x32.astype(np.float16)).fields["codes"], v.quantize(x32).fields["codes"])
+
+
+def test_model_dtype_option_and_errors():
+    x = np.array([[[1.0 + 2.0**-9, 70000.0]]], np.float32)
+    with pytest.raises(ValueError, match=r"SGLang MHATokenToKVPool.set_kv_buffer accepts K/V in bfloat16, float16, "
+                                         r"float32; got model_dtype='float64'"):
+        schemes.get("fp8_e4m3", profile="sglang", model_dtype="float64")
+    with pytest.raises(ValueError, match="FP4MXBlock16KVQuantizeUtil.batched_quantize accepts K/V in"):
+        schemes.get("fp4_e2m1", profile="sglang", model_dtype="int8")
+    with pytest.raises(ValueError, match="float16 array but model_dtype='bfloat16'"):
+        schemes.get("fp4_e2m1", profile="sglang", model_dtype="bfloat16").quantize(np.zeros((1, 1, 16), np.float16))
+    with pytest.raises(ValueError, match="1 input value.*overflow float16"):
+        schemes.get("fp8_e4m3", scale=1000.0, profile="sglang", model_dtype="float16").quantize(x)
+    # model_dtype rounds float32 input once, then computes as for an array of that dtype
+    s = schemes.get("fp4_e2m1", profile="sglang", model_dtype="bfloat16")
+    x16 = np.random.default_rng(0).standard_normal((4, 2, 32)).astype(np.float32)
+    want = schemes.get("fp4_e2m1", profile="sglang").quantize(x16.astype(ml_dtypes.bfloat16))
+    got = s.quantize(x16)
+    assert all(np.array_equal(got.fields[f], want.fields[f]) for f in want.fields)
+    # a tensor scale that float16 cannot hold: SGLang would divide by 0
+    with pytest.raises(ValueError, match="0 or Inf in float16"):
+        schemes.get("fp8_e4m3", scale=1e-9, profile="sglang").quantize(np.ones((1, 1, 4), np.float16))
+
+
+def test_paged_cache_keeps_the_model_dtype():
+    from kvqref.paged import PagedKVCache
+
+    s = schemes.get("fp8_e4m3", profile="sglang", scale=0.37)
+    x32 = np.random.default_rng(5).uniform(-100, 100, (20, 2, 32)).astype(np.float16)
+    cache = PagedKVCache(s, s, 4, 16, 2, 32)
+    cache.append(0, x32[:7], x32[:7])
+    cache.append(0, x32[7:], x32[7:])
+    want = s.quantize(x32).fields["codes"]
+    got = cache.k.storage["codes"].reshape(-1, 2, 32)[cache.slot_mapping(0, 0, 20)]
+    assert np.array_equal(got, want)
+    assert not np.array_equal(want, s.quantize(x32.astype(np.float32)).fields["codes"])
+    with pytest.raises(ValueError, match="a model has one dtype"):
+        cache.append(0, x32[:1].astype(ml_dtypes.bfloat16), x32[:1].astype(ml_dtypes.bfloat16))

@@ -281,3 +281,70 @@ def test_long_context_with_offsets_beyond_2_31(scheme):
     tol_o, tol_l = reference.kernel_tolerance(q64, [K], [V], fast=reference.fast_rounding(s, s, "bfloat16"))
     assert (np.abs(out.cpu().numpy() - ref_out) <= tol_o).all()
     assert (np.abs(lse.cpu().numpy() - ref_lse) <= tol_l).all()
+
+
+DTYPE_WRITE_CASES = [("fp4_e2m1", {"profile": "sglang"}), ("fp4_e2m1", {}),
+                     ("fp8_e4m3", {"profile": "sglang", "scale": 0.37}),
+                     ("fp8_e4m3", {"profile": "sglang", "scale": 0.0123, "sglang_scale": "float"}),
+                     ("fp8_e5m2", {"profile": "sglang", "scale": 1.7, "saturate": True}),
+                     ("fp8_e4m3", {"profile": "rocm", "scale": 0.37}), ("fp8_e4m3", {"scale": 0.37})]
+
+
+def _write_model_dtype(name: str, opts: dict, x32: np.ndarray, dtype: str, rng: np.random.Generator):
+    """Quantize ``x32`` (values representable in ``dtype``) as a ``dtype`` array with the oracle and as a torch
+    ``dtype`` tensor with the write kernel into shuffled slots; every field compared as integers."""
+    import warnings
+
+    import ml_dtypes
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # sglang's non-saturating overflow warns
+        scheme = schemes.get(name, **opts)
+        want = scheme.quantize(x32.astype({"bfloat16": ml_dtypes.bfloat16, "float16": np.float16,
+                                           "float32": np.float32}[dtype]))
+    T, H, D = x32.shape
+    pages = -(-T // 16) + 1
+    table = torch.zeros(1, pages, dtype=torch.int32)
+    dc = tb.empty_device_cache(scheme, scheme, pages, 16, H, D, table, torch.zeros(1, dtype=torch.int32),
+                               k_params=want.params, device=DEVICE)
+    slots = torch.from_numpy(rng.permutation(pages * 16)[:T].astype(np.int64)).to(DEVICE)
+    tb.quantize_write(dc.k, torch.from_numpy(x32).to(getattr(torch, dtype)).to(DEVICE), slots)
+    for f, arr in want.fields.items():
+        got = dc.k.fields[f][slots].cpu().contiguous().view(torch.uint8).numpy()
+        assert np.array_equal(got, arr.view(np.uint8).reshape(got.shape)), (f, int((got != arr.view(np.uint8)
+                                                                                    .reshape(got.shape)).sum()))
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+@pytest.mark.parametrize("name,opts", DTYPE_WRITE_CASES, ids=[f"{n}-{'-'.join(map(str, o.values()))}"
+                                                              for n, o in DTYPE_WRITE_CASES])
+def test_write_model_dtypes_binade_edges(name, opts, dtype):
+    """The write kernel computes as the oracle for each input tensor dtype: FP4 blocks at binade edges (amax / 6
+    at 2**k and one dtype step either side); FP8 values of that dtype over the whole range, overflow included;
+    bytes equal as integers."""
+    from kvqref.conformance import binade_edge_blocks, to_dtype_values
+
+    rng = np.random.default_rng(len(name) + len(dtype))
+    if name.startswith("fp8"):  # spread over the FP8 range and beyond it (overflow), 64 wide
+        x = rng.uniform(-1, 1, (64, 1, 64)) * 400 * opts["scale"] * 2.0 ** rng.integers(-8, 1, (64, 1, 1))
+        x[0, 0, :4] = np.array([500.0, -500.0, 1e4, -1e4]) * opts["scale"]
+    else:
+        x, _ = binade_edge_blocks(dtype, rng)
+        x = np.concatenate([x, rng.standard_normal((12, 1, 16)) * 3])
+    x = to_dtype_values(x, dtype)
+    _write_model_dtype(name, opts, x.astype(np.float32), dtype, rng)
+
+
+def test_write_rejects_a_contradicting_model_dtype():
+    s = schemes.get("fp8_e4m3", profile="sglang", scale=0.5, model_dtype="bfloat16")
+    dc = tb.empty_device_cache(s, s, 2, 16, 1, 16, torch.zeros(1, 2, dtype=torch.int32),
+                               torch.zeros(1, dtype=torch.int32), k_params={"scale": np.float32(0.5)}, device=DEVICE)
+    with pytest.raises(ValueError, match="float16 array but model_dtype='bfloat16'"):
+        tb.quantize_write(dc.k, torch.ones(1, 1, 16, dtype=torch.float16, device=DEVICE),
+                          torch.zeros(1, dtype=torch.int64, device=DEVICE))
+    s16 = schemes.get("fp8_e4m3", profile="sglang", scale=1e-9)
+    dc = tb.empty_device_cache(s16, s16, 2, 16, 1, 16, torch.zeros(1, 2, dtype=torch.int32),
+                               torch.zeros(1, dtype=torch.int32), k_params={"scale": np.float32(1e-9)}, device=DEVICE)
+    with pytest.raises(ValueError, match="0 or Inf in float16"):
+        tb.quantize_write(dc.k, torch.ones(1, 1, 16, dtype=torch.float16, device=DEVICE),
+                          torch.zeros(1, dtype=torch.int64, device=DEVICE))

@@ -205,6 +205,26 @@ def validate_decode(q, dc: DeviceCache) -> None:
         raise ValueError(f"block table holds page indices outside [0, {num_slots // dc.page_size})")
 
 
+#: the write kernel's QDT constexpr: the dtype an FP8 quotient is rounded to (0: none, i.e. float32)
+QDT_IDS = {"float32": 0, "bfloat16": 1, "float16": 2}
+
+
+def _model_input(scheme: Scheme, x):
+    """(x as the model dtype's tensor, the QDT constexpr): the same model-dtype rule as the scheme's oracle
+    (``resolve_model_dtype``: ValueError for a dtype the engine does not accept or that contradicts the
+    scheme's ``model_dtype``); float32 input is rounded (RNE) to an explicit ``model_dtype`` first."""
+    torch = _torch()
+    resolve = getattr(scheme, "resolve_model_dtype", None)
+    if resolve is None:
+        return x, 0
+    md = resolve(str(x.dtype).removeprefix("torch."))
+    if md != "float32" and x.dtype == torch.float32:
+        x = x.to(getattr(torch, md))
+    if not isinstance(scheme, FP8Scheme):
+        return x, 0
+    return x, QDT_IDS[scheme.quotient_dtype(md)]
+
+
 def plan_write(side: Side, x, slot_mapping, *, block_t: int = 32):
     """The launch of :func:`quantize_write` (checked on the host first)."""
     import triton
@@ -219,6 +239,7 @@ def plan_write(side: Side, x, slot_mapping, *, block_t: int = 32):
         raise ValueError(f"slot_mapping must have one entry per token ({x.shape[0]}), got {tuple(slot_mapping.shape)}")
     if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"x must be bfloat16, float16 or float32, got {x.dtype}")
+    x, qdt = _model_input(side.scheme, x)
     cfg = kernel_config(side.scheme)
     n, kv_heads, head_dim = x.shape
     if x.device != slot_mapping.device or x.device != next(iter(side.fields.values())).device:
@@ -238,7 +259,7 @@ def plan_write(side: Side, x, slot_mapping, *, block_t: int = 32):
     if cfg.get("sglang") == 2:  # torch's x * (1 / s): the reciprocal rounded to float32 once, on the host
         sc = (1.0 / sc.double()).float()
     args = [x, slot_mapping, *fields, sc, n, x.stride(0), x.stride(1), *strides]
-    cx = dict(KIND=KIND_IDS[cfg["kind"]], FMT=cfg.get("fmt", 0), SGLANG=int(cfg.get("sglang", 0)),
+    cx = dict(KIND=KIND_IDS[cfg["kind"]], FMT=cfg.get("fmt", 0), SGLANG=int(cfg.get("sglang", 0)), QDT=qdt,
               SATURATE=bool(cfg.get("saturate", True)),
               TOKEN_SCALE=cfg.get("token_scale", False), QB=cfg.get("block", 16), G=cfg.get("group", 1),
               BITS=cfg.get("bits", 8), D=head_dim, BLOCK_T=block_t)
@@ -256,4 +277,10 @@ def quantize_write(side: Side, x, slot_mapping, *, block_t: int = 32, validate: 
         raise ValueError(f"{side.scheme.name}: input holds NaN or Inf")
     if validate and side.params:  # the scales the kernel divides by: once per call, on the host
         side.scheme.check_params(side.params, x.shape[1] if x.dim() == 3 else None)
-    plan_write(side, x, slot_mapping, block_t=block_t)()
+    launch = plan_write(side, x, slot_mapping, block_t=block_t)
+    if validate and launch.constexprs["SGLANG"] == 1 and launch.constexprs["QDT"] == QDT_IDS["float16"]:
+        s16 = side.tensor_scale.to(torch.float16)
+        if not (torch.isfinite(s16).all() and (s16 > 0).all()):
+            raise ValueError(f"{side.scheme.name}: a scale is 0 or Inf in float16, which SGLang's division in "
+                             "the model dtype turns into NaN/Inf")
+    launch()

@@ -37,7 +37,12 @@ DECODE_CASES: list[tuple[str, str, dict, str, dict]] = [
 WRITE_CASES: list[tuple[str, dict]] = [
     ("bf16", {}), ("fp8_e4m3", {}), ("fp8_e4m3", {"granularity": "token_head"}),
     ("fp8_e4m3", {"profile": "sglang", "scale": 1.0}), ("fp8_e4m3", {"profile": "rocm"}),
-    ("fp4_e2m1", {}), ("fp4_e2m1", {"profile": "sglang"}), ("mxfp4", {}), ("nvfp4", {}),
+    ("fp8_e4m3", {"profile": "sglang", "scale": 1.0, "model_dtype": "float16"}),
+    ("fp8_e4m3", {"profile": "sglang", "scale": 1.0, "sglang_scale": "float", "model_dtype": "float32"}),
+    ("fp8_e4m3", {"profile": "rocm", "model_dtype": "float16"}),
+    ("fp4_e2m1", {}), ("fp4_e2m1", {"profile": "sglang"}),
+    ("fp4_e2m1", {"profile": "sglang", "model_dtype": "float16"}),
+    ("mxfp4", {}), ("nvfp4", {}),
     ("int4_kivi", {"role": "value", "group_size": 16}), ("int2_kivi", {"role": "key", "group_size": 16}),
 ]
 
@@ -112,7 +117,7 @@ def _launches(target: str, cases: list | None = None, page: int = 16) -> list[tu
                                  schemes.get("bf16") if opts.get("role") == "key" else scheme, 4, 16, 2, 128)
             dc = tb.DeviceCache.from_cache(cache, "cpu")
             side = dc.k if opts.get("role") == "key" else dc.v
-            x = torch.zeros(16, 2, 128, dtype=torch.bfloat16)
+            x = torch.zeros(16, 2, 128, dtype=getattr(torch, opts.get("model_dtype", "bfloat16")))  # QDT, X type
             label = name + "".join(f"-{v}" for v in opts.values())
             out.append((f"write[{label}]", tb.plan_write(side, x, torch.arange(16))))
     return out

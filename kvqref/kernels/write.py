@@ -68,6 +68,17 @@ def _f16(x):
 
 
 @triton.jit
+def _round_dt(x, DT: tl.constexpr):
+    """Round float32 to the model dtype DT (0 float32: as is; 1 bfloat16; 2 float16), RNE, and back."""
+    if DT == 1:
+        return bf16_bits_to_f32(f32_to_bf16_bits(x))
+    elif DT == 2:
+        return _f16(x)
+    else:
+        return x
+
+
+@triton.jit
 def _kivi_quant(x16, mn, mx, MAXINT: tl.constexpr):
     """KIVI in float16: scale = f16(f16(mx - mn) / MAXINT); q = rint(clamp(f16(f16(x - mn) / scale)));
     scale 0 (constant group) gives code 0."""
@@ -84,7 +95,8 @@ def _kivi_quant(x16, mn, mx, MAXINT: tl.constexpr):
 def quantize_write_kernel(
     X, SLOT, F0, F1, F2, SC, n_tokens,
     x_t, x_h, f0_s, f0_h, f1_s, f1_h, f2_s, f2_h,
-    KIND: tl.constexpr, FMT: tl.constexpr, SGLANG: tl.constexpr, TOKEN_SCALE: tl.constexpr, SATURATE: tl.constexpr,
+    KIND: tl.constexpr, FMT: tl.constexpr, SGLANG: tl.constexpr, QDT: tl.constexpr, TOKEN_SCALE: tl.constexpr,
+    SATURATE: tl.constexpr,
     QB: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -95,7 +107,11 @@ def quantize_write_kernel(
     slot = tl.load(SLOT + t, mask=tin, other=-1).to(tl.int64)
     tm = tin & (slot >= 0)
     m2 = tm[:, None]
-    x = tl.load(X + t[:, None].to(tl.int64) * x_t + h * x_h + d[None, :], mask=m2, other=0.0).to(tl.float32)
+    xr = tl.load(X + t[:, None].to(tl.int64) * x_t + h * x_h + d[None, :], mask=m2, other=0.0)
+    if X.dtype.element_ty == tl.bfloat16:  # widen from the bits: exact for subnormals (the interpreter flushes them)
+        x = bf16_bits_to_f32(xr.to(tl.int16, bitcast=True))
+    else:
+        x = xr.to(tl.float32)
     if KIND == 0:
         bits = f32_to_bf16_bits(x).to(tl.int16)
         tl.store(F0 + slot[:, None] * f0_s + h * f0_h + d[None, :], bits.to(tl.bfloat16, bitcast=True), mask=m2)
@@ -108,21 +124,19 @@ def quantize_write_kernel(
             s2 = s[:, None]
         else:
             s2 = tl.load(SC + h)
-        if SGLANG:
-            xb = bf16_bits_to_f32(f32_to_bf16_bits(x))
-            if SGLANG == 2:  # a Python-float scale: torch multiplies by its float32 reciprocal (given in SC)
-                y = bf16_bits_to_f32(f32_to_bf16_bits(xb * s2))
-            else:
-                sb = bf16_bits_to_f32(f32_to_bf16_bits(s2 + tl.zeros_like(x)))
-                y = bf16_bits_to_f32(f32_to_bf16_bits(_div(xb, sb)))
-            c = encode_f32(y, FMT, SATURATE)
+        # x holds the model dtype's values (exact in float32); QDT: the dtype x / s is rounded to before the
+        # FP8 conversion (SGLang divides in the model dtype, vLLM's HIP kernel in a float16 model's _Float16)
+        if SGLANG == 2:  # a Python-float scale: torch multiplies by its float32 reciprocal (given in SC)
+            y = x * s2
         else:
-            c = encode_f32(_div(x, s2 + tl.zeros_like(x)), FMT, SATURATE)
+            sd = s2 + tl.zeros_like(x)
+            if SGLANG == 1:  # a float32 tensor scale, cast to the model dtype by torch's type promotion
+                sd = _round_dt(sd, QDT)
+            y = _div(x, sd)
+        c = encode_f32(_round_dt(y, QDT), FMT, SATURATE)
         tl.store(F0 + slot[:, None] * f0_s + h * f0_h + d[None, :], c.to(tl.uint8), mask=m2)
     elif KIND == 2 or KIND == 3:
         NB: tl.constexpr = D // QB
-        if SGLANG:
-            x = bf16_bits_to_f32(f32_to_bf16_bits(x))
         xb = tl.reshape(x, (BLOCK_T, NB, QB))
         amax = tl.max(tl.abs(xb), 2)
         if KIND == 2:
@@ -131,7 +145,7 @@ def quantize_write_kernel(
                 e = tl.minimum(tl.maximum(ceil_log2_f32(v), -127), 127)
             else:
                 e = tl.where(amax == 0, -127, tl.maximum(floor_log2_f32(amax) - 2, -127))
-            y = xb * pow2_f32(-e)[:, :, None]
+            y = xb * pow2_f32(-e)[:, :, None]  # float32 x / 2**e (SGLang's compiled arithmetic in every dtype)
             if SGLANG:
                 c = _e2m1_away(y)
             else:

@@ -7,6 +7,8 @@
   float16 is the correctly rounded float16 result of the operation, because 53 >= 2 * 11 + 2 makes the
   double rounding innocuous for +, -, *, / (Figueroa 1995); the same holds for bfloat16 (p = 8).
 * :func:`pack_bits` / :func:`unpack_bits`: LSB-first packing of ``bits``-bit codes along the last axis.
+* :func:`model_dtype_of` / :func:`model_values`: the model dtype an engine profile computes in, and the
+  input values as the model holds them (see "Model dtypes" in docs/engines.md).
 """
 
 from __future__ import annotations
@@ -44,6 +46,50 @@ def bf16_value(bits: np.ndarray) -> np.ndarray:
 def round_bf16(x: Any) -> np.ndarray:
     """``x`` rounded to bfloat16 (RNE), returned as float32."""
     return bf16_value(round_bf16_bits(x))
+
+
+#: the model dtypes (of K/V handed to an engine's cache write) kvqref reproduces, by NumPy dtype name
+MODEL_DTYPES = ("bfloat16", "float16", "float32")
+
+
+def model_dtype_of(label: str, engine: str, input_dtype: str, model_dtype: str | None,
+                   accepts: tuple[str, ...]) -> str:
+    """The model dtype whose arithmetic a profile reproduces, for an input array of dtype ``input_dtype``.
+
+    ``model_dtype`` (a scheme option) wins; otherwise a float16 array means a float16 model, a bfloat16
+    (ml_dtypes) array a bfloat16 model, and float32 (or float64, integer) input a float32 model. A 16-bit
+    input whose dtype contradicts ``model_dtype``, or a model dtype the engine does not accept, raises
+    ValueError naming the engine and the dtypes it accepts.
+    """
+    if model_dtype is not None and model_dtype not in accepts:
+        raise ValueError(f"{label}: {engine} accepts K/V in {', '.join(accepts)}; got model_dtype={model_dtype!r}")
+    if model_dtype is not None and input_dtype in ("bfloat16", "float16") and input_dtype != model_dtype:
+        raise ValueError(f"{label}: the input is a {input_dtype} array but model_dtype={model_dtype!r}; a model "
+                         "has one dtype (pass float32 values to have them rounded to model_dtype)")
+    md = model_dtype or (input_dtype if input_dtype in ("bfloat16", "float16") else "float32")
+    if md not in accepts:
+        raise ValueError(f"{label}: {engine} accepts K/V in {', '.join(accepts)}, not {md}")
+    return md
+
+
+def round_to(x: Any, dtype: str) -> np.ndarray:
+    """``x`` rounded once (RNE) to ``dtype`` ("bfloat16", "float16" or "float32"), returned as float32."""
+    if dtype == "bfloat16":
+        return round_bf16(x)
+    v = as_exact_float(x)
+    with np.errstate(over="ignore"):
+        return (f16(v) if dtype == "float16" else v).astype(np.float32)
+
+
+def model_values(label: str, x: np.ndarray, md: str) -> np.ndarray:
+    """The values of ``x`` as a ``md`` model holds them (float32 array): 16-bit input as it is, float32/float64
+    input rounded once to ``md``. A finite value that overflows ``md`` raises ValueError."""
+    v = as_exact_float(x)
+    out = round_to(v, md)
+    over = np.isinf(out) & np.isfinite(v)
+    if over.any():
+        raise ValueError(f"{label}: {int(over.sum())} input value(s) overflow {md} (e.g. {v[over].flat[0]:g})")
+    return out
 
 
 def f16(x: Any) -> np.ndarray:

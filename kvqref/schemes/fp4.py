@@ -8,13 +8,20 @@ E8M0-scaled blocks (``fp4_e2m1``, ``mxfp4``): value = ``e2m1(code) * 2**(scale_c
 * ``ocp`` profile (default; ``scale_rule="floor"``, ``rounding="even"``): shared exponent
   ``e = floor(log2(block amax)) - 2``, clamped to [-127, 127]; an all-zero block gets e = -127 (code 0x00);
   elements ``x / 2**e`` (exact) rounded to nearest, ties to even, saturating to +-6. -0.0 gives 0x8.
-* ``sglang`` profile (block 16; ``scale_rule="ceil"``, ``rounding="away"``), SGLang's KVFP4QuantizeUtil as run
-  under torch.compile: the input is rounded to bfloat16 (a no-op for SGLang's bf16 KV), then
-  ``e = ceil(log2(max(float32(amax / 6), 1e-10)))`` (an all-zero block gets e = -33, code 94), stored as
-  ``e + 127``; elements ``y = x / 2**e`` get magnitude code = number of midpoints
-  0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5 that are <= |y| (ties away from zero), sign bit iff y < 0 (so -0.0
-  gives 0x0). kvqref takes ``ceil(log2(v))`` exactly from v's bits; SGLang's float32 ``log2`` may round a v
-  within ~2**-20 (relative) above a power of two down to it, and then picks the exponent one lower.
+* ``sglang`` profile (block 16; ``scale_rule="ceil"``, ``rounding="away"``), SGLang's
+  ``FP4MXBlock16KVQuantizeUtil.batched_quantize`` as run under ``torch.compile``, which computes in float32
+  on the input values whatever the model dtype (bfloat16, float16 or float32: nothing is rounded to the
+  model dtype on the way): ``e = ceil(log2(max(float32(amax / 6), 1e-10)))`` (an all-zero block gets
+  e = -33, code 94), stored as ``e + 127``; elements ``y = float32(x / 2**e)`` get magnitude code = number
+  of midpoints 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5 that are <= |y| (ties away from zero), sign bit iff
+  y < 0 (so -0.0, and a negative x whose y underflows float32 to -0.0, give 0x0). kvqref takes
+  ``ceil(log2(v))`` exactly from v's bits; SGLang's float32 ``log2`` may round a v within ~2**-20
+  (relative) above a power of two down to it, and then picks the exponent one lower.
+
+The model dtype is the input array's (float16; bfloat16 as an ml_dtypes array; float32 input means a
+float32 model) unless the ``model_dtype`` option names one, in which case float32/float64 input is
+rounded to it first; without ``model_dtype`` the ``sglang`` profile rounds float64 input once to float32
+(the precision it computes in) and the ``ocp`` profile uses float64 input exactly.
 
 NaN or Inf input raises ValueError (E2M1 has neither).
 
@@ -33,7 +40,7 @@ import numpy as np
 
 from kvqref import formats
 from kvqref.formats import as_exact_float
-from kvqref.schemes._num import pack_bits, round_bf16, unpack_bits
+from kvqref.schemes._num import MODEL_DTYPES, model_dtype_of, model_values, pack_bits, unpack_bits
 from kvqref.schemes.base import FieldSpec, Quantized, Scheme
 from kvqref.schemes.validate import check_scale
 
@@ -72,7 +79,7 @@ class E8M0BlockScheme(Scheme):
     """
 
     def __init__(self, name: str, block: int, *, profile: str = "ocp", scale_rule: str | None = None,
-                 rounding: str | None = None) -> None:
+                 rounding: str | None = None, model_dtype: str | None = None) -> None:
         if profile not in ("ocp", "sglang"):
             raise ValueError(f"{name}: profile must be 'ocp' or 'sglang', got {profile!r}")
         if profile == "sglang" and block != 16:
@@ -84,6 +91,17 @@ class E8M0BlockScheme(Scheme):
             raise ValueError(f"{name}: scale_rule must be 'floor' (OCP) or 'ceil' (SGLang), got {scale_rule!r}")
         if self.rounding not in ("even", "away"):
             raise ValueError(f"{name}: rounding must be 'even' or 'away', got {rounding!r}")
+        self.engine = ("SGLang FP4MXBlock16KVQuantizeUtil.batched_quantize" if profile == "sglang"
+                       else "the OCP MX definition")
+        self.accepts = MODEL_DTYPES
+        self.model_dtype = model_dtype
+        model_dtype_of(name, self.engine, "float32", model_dtype, self.accepts)  # validates the option
+
+    def resolve_model_dtype(self, input_dtype: str) -> str:
+        """The model dtype quantizing an array of dtype ``input_dtype`` reproduces (ValueError if the engine
+        does not accept it). The arithmetic is float32 (sglang) or exact (ocp) for every model dtype."""
+        return model_dtype_of(f"{self.name} ({self.profile} profile)", self.engine, input_dtype, self.model_dtype,
+                              self.accepts)
 
     def fields(self, kv_heads: int, head_dim: int) -> dict[str, FieldSpec]:
         if head_dim % self.block:
@@ -110,12 +128,16 @@ class E8M0BlockScheme(Scheme):
 
     def quantize(self, x: Any, params: dict[str, Any] | None = None) -> Quantized:
         self.check_params(params)
-        v = _finite_input(self.name, x, self.check_input).astype(np.float64)
-        if self.profile == "sglang":
-            v = round_bf16(v).astype(np.float64)
-        xb = _blocks(self.name, v, self.block)
+        arr = self.check_input(x)
+        md = self.resolve_model_dtype(arr.dtype.name)
+        v = _finite_input(self.name, arr, self.check_input)
+        if self.model_dtype is not None or self.profile == "sglang":
+            v = model_values(self.name, v, md)  # no-op for 16-bit input; float32 (sglang) or model_dtype
+        xb = _blocks(self.name, v.astype(np.float64), self.block)
         e = self.block_exponents(xb)
         y = np.ldexp(xb, -e[..., None])
+        if self.profile == "sglang":
+            y = y.astype(np.float32)  # SGLang's float32 quotient (exact unless it underflows float32)
         codes = e2m1_encode_away(y) if self.rounding == "away" else E2M1.encode(y, saturate=True)
         T, H, D = v.shape
         return Quantized(self.name, (T, H, D), {"codes": pack_bits(codes.reshape(T, H, D), 4),

@@ -6,16 +6,28 @@ float32). A computed scale is ``float32(amax) / float32(max_finite)`` in float32
 granularity's elements); amax == 0 gives scale 1.0. Profiles (the arithmetic of ``q = x / scale``):
 
 * ``vllm`` (default) and ``ocp``: ``x`` as float32 (float64 input rounded once, RNE), ``q = x / scale``
-  as one IEEE float32 division, then RNE to FP8, saturating to +-max finite (Inf saturates too).
-* ``sglang``: SGLang's ``cache_k.div_(k_scale)`` in the model dtype (bfloat16; ``x`` is rounded to bfloat16
-  first), then ``.to(fp8)``. ``sglang_scale="tensor"`` (default; the checkpoint's ``k_scale`` Parameter, a
-  float32 0-dim tensor): ``bf16(f32(x) / f32(bf16(scale)))``; ``sglang_scale="float"`` (a Python float, as
-  ``--quantization-param-path`` sets it): ``bf16(f32(f32(x) * f32(1 / scale)))``. The cast is non-saturating
-  (``saturate=False``, torch <= 2.11): overflow gives the NaN code (E4M3FN 0x7F/0xFF, E5M2 +-Inf) and a
-  warning; ``saturate=True`` models torch >= 2.12, whose e4m3fn cast saturates. See docs/engines.md section 2.
+  as one IEEE float32 division, then RNE to FP8, saturating to +-max finite (Inf saturates too). vLLM's
+  ``reshape_and_cache_flash`` widens bfloat16, float16 and float32 K/V exactly to float32 before dividing,
+  so the model dtype changes nothing but the input values.
+* ``sglang``: SGLang's ``cache_k.div_(k_scale)`` in the model dtype ``m`` (bfloat16, float16 or float32),
+  then ``.to(fp8)``. ``sglang_scale="tensor"`` (default; the checkpoint's ``k_scale`` Parameter, a float32
+  0-dim tensor, cast to ``m`` by torch's type promotion): ``m(f32(x) / f32(m(scale)))``;
+  ``sglang_scale="float"`` (a Python float, as ``--quantization-param-path`` sets it: torch multiplies by
+  the float32 reciprocal): ``m(f32(x) * f32(1 / scale))``. In a float32 model ``m`` is the identity. The
+  cast is non-saturating (``saturate=False``, torch <= 2.11): overflow gives the NaN code (E4M3FN
+  0x7F/0xFF, E5M2 +-Inf) and a warning; ``saturate=True`` models torch >= 2.12, whose e4m3fn cast
+  saturates. A tensor scale that is 0 or Inf in a float16 model raises ValueError (SGLang would write
+  NaN/Inf). See docs/engines.md section 2.
 * ``rocm``: as ``vllm`` in the FNUZ formats (E4M3FNUZ max 240). *Given* (static) scales are OCP
   checkpoint scales and are doubled (``scale_fnuz = 2 * scale_ocp``), as vLLM does on MI300, because the
-  same bits mean half the value in FNUZ; computed scales use max 240 directly and are not doubled.
+  same bits mean half the value in FNUZ; computed scales use max 240 directly and are not doubled. In a
+  float16 model vLLM's HIP kernel divides in place in the ``_Float16`` input (``tmp.data /= scale``), so
+  the quotient is rounded to float16 before the FP8 conversion: ``f16(f32(x) / scale)``.
+
+The model dtype is the input array's (float16; bfloat16 as an ml_dtypes array; float32 or float64 input
+means a float32 model) unless the ``model_dtype`` option names one, in which case float32/float64 input is
+rounded to it first (as the model's projection would have stored it). Every profile accepts bfloat16,
+float16 and float32 models (``ENGINE_DTYPES``).
 """
 
 from __future__ import annotations
@@ -28,12 +40,19 @@ from typing import Any
 import numpy as np
 
 from kvqref import formats
-from kvqref.schemes._num import round_bf16
+from kvqref.schemes._num import MODEL_DTYPES, model_dtype_of, model_values, round_to
 from kvqref.schemes.base import FieldSpec, Quantized, Scheme
 from kvqref.schemes.validate import check_scale
 
 GRANULARITIES = ("tensor", "head", "token_head")
 PROFILES = ("vllm", "sglang", "rocm", "ocp")
+#: profile -> (the engine path it reproduces, the model dtypes that path accepts for K/V)
+ENGINE_DTYPES: dict[str, tuple[str, tuple[str, ...]]] = {
+    "vllm": ("vLLM reshape_and_cache_flash", MODEL_DTYPES),
+    "sglang": ("SGLang MHATokenToKVPool.set_kv_buffer", MODEL_DTYPES),
+    "rocm": ("vLLM reshape_and_cache_flash (HIP)", MODEL_DTYPES),
+    "ocp": ("the OCP FP8 definition", MODEL_DTYPES),
+}
 
 
 def load_sglang_scales(path: str | os.PathLike, rank: int, layer: int) -> float:
@@ -62,7 +81,7 @@ class FP8Scheme(Scheme):
 
     def __init__(self, name: str, *, granularity: str = "tensor", scale: Any = None, static: bool = False,
                  profile: str = "vllm", fnuz: bool | None = None, sglang_scale: str = "tensor",
-                 saturate: bool | None = None) -> None:
+                 saturate: bool | None = None, model_dtype: str | None = None) -> None:
         if name not in ("fp8_e4m3", "fp8_e5m2"):
             raise ValueError(f"FP8 scheme name must be fp8_e4m3 or fp8_e5m2, got {name!r}")
         if granularity not in GRANULARITIES:
@@ -72,6 +91,9 @@ class FP8Scheme(Scheme):
         if sglang_scale not in ("tensor", "float"):
             raise ValueError(f"{name}: sglang_scale must be 'tensor' or 'float', got {sglang_scale!r}")
         self.sglang_scale = sglang_scale
+        self.engine, self.accepts = ENGINE_DTYPES[profile]
+        self.model_dtype = model_dtype
+        model_dtype_of(name, self.engine, "float32", model_dtype, self.accepts)  # validates the option
         self.saturate = (profile != "sglang") if saturate is None else bool(saturate)
         self.name = name
         self.granularity = granularity
@@ -116,17 +138,17 @@ class FP8Scheme(Scheme):
 
     def calibrate(self, x: Any) -> dict[str, Any]:
         """``{"scale": float32 scalar}`` (tensor) or ``{"scale": float32[H]}`` (head); ``{}`` for token_head."""
-        arr = self._checked(x)
+        v, _ = self._checked(x)
         if self.granularity == "token_head":
             return {}
         if self._static is not None:
             s = self._static
             if self.granularity == "head" and s.ndim == 0:
-                s = np.full(arr.shape[1], s, dtype=np.float32)
-            if self.granularity == "head" and s.shape != (arr.shape[1],):
-                raise ValueError(f"{self.name}: per-head scale has {s.shape[0]} entries for {arr.shape[1]} heads")
+                s = np.full(v.shape[1], s, dtype=np.float32)
+            if self.granularity == "head" and s.shape != (v.shape[1],):
+                raise ValueError(f"{self.name}: per-head scale has {s.shape[0]} entries for {v.shape[1]} heads")
             return {"scale": s.copy() if s.ndim else np.float32(s)}
-        a = np.abs(arr.astype(np.float32))
+        a = np.abs(v)
         if self.granularity == "tensor":
             return {"scale": np.float32(self._amax_scale(a.max(initial=0.0)))}
         return {"scale": self._amax_scale(a.max(axis=(0, 2), initial=0.0))}
@@ -147,39 +169,57 @@ class FP8Scheme(Scheme):
         shape = (kv_heads,) if kv_heads is not None else s.shape
         return {"scale": check_scale(self.name, "params['scale'] (one per kv head)", s, shape)}
 
-    def _checked(self, x: Any) -> np.ndarray:
+    def resolve_model_dtype(self, input_dtype: str) -> str:
+        """The model dtype quantizing an array of dtype ``input_dtype`` reproduces (ValueError if the engine
+        does not accept it)."""
+        return model_dtype_of(f"{self.name} ({self.profile} profile)", self.engine, input_dtype, self.model_dtype,
+                              self.accepts)
+
+    def quotient_dtype(self, md: str) -> str:
+        """The dtype ``x / scale`` is rounded to before the FP8 conversion, in a ``md`` model (the sglang
+        profile also rounds a tensor scale to it)."""
+        if self.profile == "sglang" or (self.profile == "rocm" and md == "float16"):
+            return md
+        return "float32"
+
+    def _checked(self, x: Any) -> tuple[np.ndarray, str]:
+        """(the input values as the model holds them, float32; the model dtype)."""
         arr = self.check_input(x)
-        v = arr.astype(np.float64)
-        if np.isnan(v).any():
+        md = self.resolve_model_dtype(arr.dtype.name)
+        if np.isnan(arr.astype(np.float64)).any():
             raise ValueError(f"{self.name}: input holds NaN")
+        v = model_values(self.name, arr, md)
         if self._static is None and np.isinf(v).any():
             raise ValueError(f"{self.name}: input holds Inf, so a computed (amax) scale is undefined")
-        return arr
+        return v, md
 
     # -- codec ------------------------------------------------------------------------------
     def quantize(self, x: Any, params: dict[str, Any] | None = None) -> Quantized:
-        arr = self._checked(x)
-        T, H, D = arr.shape
+        v, md = self._checked(x)
+        T, H, D = v.shape
         fields: dict[str, np.ndarray] = {}
         if self.granularity == "token_head":
             self.check_params(params, H)
-            s = self._amax_scale(np.abs(arr.astype(np.float32)).max(axis=2, initial=0.0))
+            s = self._amax_scale(np.abs(v).max(axis=2, initial=0.0))
             fields["scale"] = s
             sb = s[:, :, None]
             params = {}
         else:
-            params = self.calibrate(arr) if params is None else self.check_params(params, H)
+            params = self.calibrate(v) if params is None else self.check_params(params, H)
             s = np.asarray(params["scale"], dtype=np.float32)
             sb = s[None, :, None] if s.ndim else s
-        if self.profile == "sglang":
-            xb = round_bf16(arr)  # float32
-            if self.sglang_scale == "tensor":
-                q = round_bf16((xb / round_bf16(sb)).astype(np.float32))
+        qd = self.quotient_dtype(md)
+        with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
+            if self.profile == "sglang" and self.sglang_scale == "float":
+                inv = (1.0 / np.asarray(sb, np.float64)).astype(np.float32)
+                q = round_to((v * inv).astype(np.float32), qd)
             else:
-                inv = (1.0 / sb.astype(np.float64)).astype(np.float32)
-                q = round_bf16((xb * inv).astype(np.float32))
-        else:
-            q = (arr.astype(np.float32) / sb.astype(np.float32)).astype(np.float32)
+                if self.profile == "sglang":
+                    sb = round_to(sb, qd)
+                    if not (np.isfinite(sb).all() and (sb > 0).all()):
+                        raise ValueError(f"{self.name}: a scale is 0 or Inf in {qd}, which SGLang's division "
+                                         f"in the model dtype turns into NaN/Inf (scales {np.unique(s)})")
+                q = round_to((v / np.asarray(sb, np.float32)).astype(np.float32), qd)
         codes = self.codec.encode(q, saturate=self.saturate)
         if not self.saturate:
             n = int(np.isnan(self.codec.decode(codes)).sum() + np.isinf(self.codec.decode(codes)).sum())
@@ -197,8 +237,9 @@ class FP8Scheme(Scheme):
         return v * (s[None, :, None] if s.ndim else s)
 
     def describe(self) -> dict[str, str]:
-        arith = {"sglang": f"bf16 division ({self.sglang_scale} scale)",
-                 "rocm": "x / scale in float32; static OCP scales doubled"}.get(self.profile, "x / scale in float32")
+        arith = {"sglang": f"division in the model dtype ({self.sglang_scale} scale)",
+                 "rocm": "x / scale in float32 (float16 model: quotient rounded to float16); static OCP scales "
+                         "doubled"}.get(self.profile, "x / scale in float32")
         return {"scheme": self.name, "format": self.format,
                 "scale rule": f"{self.granularity}: amax / {self.codec.max_finite:g} or static; {arith}",
                 "rounding": "RNE", "overflow": f"saturate to +-{self.codec.max_finite:g}" if self.saturate

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-#: engine, kvqref call, format, scale rule, rounding, overflow, packing, source
+#: engine, kvqref call, format, scale rule, rounding, overflow, packing, source (per model dtype: engines.md 8)
 PROFILES: tuple[dict[str, Any], ...] = (
     {"engine": "vLLM (CUDA `reshape_and_cache_flash`)", "call": 'get("fp8_e4m3" | "fp8_e5m2", profile="vllm")',
      "format": "E4M3FN / E5M2",
@@ -22,20 +22,23 @@ PROFILES: tuple[dict[str, Any], ...] = (
      "source": "vllm `_reshape_cache_per_token_head` (engines.md 1a; exact rounding unverified there)"},
     {"engine": "vLLM on ROCm MI300", "call": 'get("fp8_e4m3", profile="rocm")', "format": "E4M3FNUZ (max 240)",
      "scale rule": "static OCP checkpoint scale x 2 (scale_fnuz = 2 * scale_ocp); computed: amax/240",
-     "rounding": "f32(x) / f32(scale), RNE", "overflow": "saturate +-240 (__HIP_SATFINITE)",
+     "rounding": "f32(x) / f32(scale), RNE; float16 model: f16(f32(x) / f32(scale)) first (HIP `/=` on _Float16)",
+     "overflow": "saturate +-240 (__HIP_SATFINITE)",
      "packing": "codes (D,) u8",
      "source": "vllm quantization/kv_cache.py process_weights_after_loading; amd/quant_utils.cuh (engines.md 1c-d)"},
     {"engine": "SGLang FP8 (`set_kv_buffer`)",
      "call": 'get("fp8_e4m3", profile="sglang", sglang_scale="tensor" | "float", saturate=False | True)',
      "format": "E4M3FN / E5M2",
      "scale rule": "static per-tensor (JSON `--quantization-param-path`: one factor for K and V; default 1.0)",
-     "rounding": "tensor scale: bf16(f32(bf16 x) / f32(bf16 s)); float scale: bf16(f32(x * f32(1/s))); then RNE",
+     "rounding": "in the model dtype m (bf16 / f16 / f32, the input's or model_dtype=): tensor scale: "
+                 "m(f32(x) / f32(m(s))); float scale: m(f32(x * f32(1/s))); then RNE",
      "overflow": "torch <= 2.11: NaN code (default, with a warning); torch >= 2.12: saturate (saturate=True)",
      "packing": "codes (D,) u8 ([slots, H, D] uint8 pool)",
      "source": "sglang mem_cache/memory_pool.py MHATokenToKVPool.set_kv_buffer (engines.md 2)"},
     {"engine": "SGLang FP4 (`FP4MXBlock16KVQuantizeUtil`)", "call": 'get("fp4_e2m1", profile="sglang")',
      "format": "E2M1 + uint8 exponent (bias 127), block 16",
-     "scale rule": "e = ceil(log2(max(f32(amax / 6), 1e-10))) (float32, as under torch.compile); zero block: 94",
+     "scale rule": "e = ceil(log2(max(f32(amax / 6), 1e-10))) (float32 on the input values of every model "
+                   "dtype, as under torch.compile); zero block: 94",
      "rounding": "|x / 2^e| >= 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5: ties away; sign iff < 0",
      "overflow": "saturate 6 (cannot occur: |x / 2^e| <= 6)",
      "packing": "even elem low nibble; per token codes [H, D/2], scales [H*D/16] (`to_sglang_layout`)",

@@ -26,7 +26,7 @@ def check_real_input(name: str, x: Any) -> np.ndarray:
     """``x`` as a NumPy array if its dtype is real (float or integer); TypeError otherwise."""
     arr = np.asarray(x)
     kind = arr.dtype.kind
-    if kind in "fiu" or (kind == "V" and arr.dtype.name.startswith("float")):
+    if kind in "fiu" or (kind == "V" and "float" in arr.dtype.name):  # ml_dtypes: bfloat16, float8_*, ...
         return arr
     what = {"c": "complex", "b": "boolean", "U": "string", "S": "bytes", "O": "object"}.get(kind, str(arr.dtype))
     raise TypeError(f"{name}: K/V input must be real (float or integer values), got a {what} array "
