@@ -29,14 +29,13 @@ def main() -> int:
     ap.add_argument("--schemes", default="bf16,fp8_e4m3,fp4_e2m1,int4_kivi")
     ap.add_argument("--once", action="store_true", help="one decode per scheme (for a profiler)")
     ap.add_argument("--grid", default="32,64,128/4,8/2,3,4",
-                    help="block_n list / warps list / stages list [/ splits list]")
+                    help="block_n list / warps list / stages list [/ splits list [/ maxnreg list]]; 0: default")
     ap.add_argument("--precision", default="fast", help="comma-separated: fast, exact")
     args = ap.parse_args()
     if args.schemes == "all":
         args.schemes = ",".join(s[0] for s in SCHEMES)
     grid = [tuple(int(v) for v in part.split(",")) for part in args.grid.split("/")]
-    if len(grid) == 3:
-        grid.append((None,))
+    grid += [(0,)] * (5 - len(grid))
     shape = tuple(int(v) for v in args.shape.split(","))
     if args.once:
         for label in args.schemes.split(","):
@@ -50,22 +49,23 @@ def main() -> int:
         q = torch.randn(shape[0], shape[1], shape[3], device="cuda").to(torch.bfloat16)
         for prec in args.precision.split(","):
             best = None
-            for bn, nw, ns, sp in itertools.product(*grid):
+            for bn, nw, ns, sp, mr in itertools.product(*grid):
+                sp = sp or None
                 if label.endswith("kivi") and bn > 32:
                     continue
                 try:
                     ms = bench_ms(
-                        lambda q=q, dc=dc, bn=bn, nw=nw, ns=ns, sp=sp, prec=prec: tb.decode(
+                        lambda q=q, dc=dc, bn=bn, nw=nw, ns=ns, sp=sp, prec=prec, mr=mr: tb.decode(
                             q, dc, validate=False, max_seq_len=shape[4], block_n=bn, num_warps=nw,
-                            num_stages=ns, num_splits=sp, precision=prec,
+                            num_stages=ns, num_splits=sp, precision=prec, maxnreg=mr or None,
                         )
                     )
                 except Exception as exc:  # noqa: BLE001 - report and go on (e.g. out of shared memory)
-                    print(label, prec, bn, nw, ns, sp, "failed", type(exc).__name__, str(exc)[:80], flush=True)
+                    print(label, prec, bn, nw, ns, sp, mr, "failed", type(exc).__name__, str(exc)[:80], flush=True)
                     continue
                 if best is None or ms < best[0]:
-                    best = (ms, bn, nw, ns, sp)
-                print(label, prec, bn, nw, ns, sp, f"{ms * 1e3:.1f}", flush=True)
+                    best = (ms, bn, nw, ns, sp, mr)
+                print(label, prec, bn, nw, ns, sp, mr, f"{ms * 1e3:.1f}", flush=True)
             if best is not None:
                 print(label, prec, "best", f"{best[0] * 1e3:.1f}", "at", *best[1:], flush=True)
         del dc

@@ -27,16 +27,14 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kvqref.kernels.codecs import INTERPRET, decode_f32, e8m0_to_f32, floor_log2_f32, pow2_f32
+from kvqref.kernels.codecs import INTERPRET, decode_f32, e8m0_to_f32, f32_to_bf16_bits, floor_log2_f32, pow2_f32
 
 
 @triton.jit
 def _bf16_rn(x):
     """float32 ``x`` rounded to bfloat16 (to nearest, ties to even), as float32, with integer operations
     (the interpreter's bfloat16 cast truncates); finite ``x`` only."""
-    u = x.to(tl.uint32, bitcast=True)
-    u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
-    return u.to(tl.float32, bitcast=True)
+    return (f32_to_bf16_bits(x) << 16).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -145,10 +143,30 @@ def _mm_t(a, b_hi, b_mid, b_lo, B_PARTS: tl.constexpr, F16: tl.constexpr):
 
 
 @triton.jit
-def _e2m1_f32(nib):
-    """E2M1 code (low 4 bits of an int32) -> exact float32, through the float16 bit layout."""
+def _e2m1_f16(nib):
+    """E2M1 code (low 4 bits of an int32) -> its value * 2**-14 as float16, exact (the code's exponent and
+    mantissa bits placed in float16's; E2M1 0.5 becomes the float16 subnormal 2**-15)."""
     h = ((nib & 7) << 9) | ((nib & 8) << 12)
-    return h.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32) * 16384.0
+    return h.to(tl.uint16).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def _e2m1_f32(nib):
+    """E2M1 code (low 4 bits of an int32) -> exact float32."""
+    return _e2m1_f16(nib).to(tl.float32) * 16384.0
+
+
+@triton.jit
+def _fp4_factor16(code, ref, KIND: tl.constexpr):
+    """float16 factor that turns ``_e2m1_f16`` (E2M1 * 2**-14) into a fast-mode FP4 tile element:
+    E8M0 (KIND 2): 2**(code - ref + 14), so the tile holds E2M1 * 2**(code - ref) and the caller multiplies
+    by 2**(ref - 127) in float32 (exact unless code < ref - 24 or so: float16 underflow, at most 2**-25 *
+    2**(ref - 127) per element); NVFP4 (KIND 3): the E4M3 scale itself (exact in float16), the tile holds
+    E2M1 * scale * 2**-14, a multiple of 2**-24 below 0.17: exact."""
+    if KIND == 2:
+        return pow2_f32(tl.maximum(code.to(tl.int32) - ref + 14, -126)).to(tl.float16)
+    else:
+        return decode_f32(code, 0).to(tl.float16)
 
 
 @triton.jit
@@ -374,16 +392,25 @@ def decode_split_kernel(
         qf2 = _load_qf(Q, qbase, hmask, 2 % PK, PK, DK)
         qf3 = _load_qf(Q, qbase, hmask, 3 % PK, PK, DK)
     qk_scale = sm_scale * tl.load(KS + kvh) * 1.4426950408889634
-    # FP8 tiles are exact in float16: q goes to float16 tensor cores, scaled by a power of two into range
+    # FP8 tiles are exact in float16: q goes to float16 tensor cores, scaled by a power of two into range;
+    # in fast mode FP4 tiles are built in float16 too (``_fp4_factor16``), and so are the probabilities
+    F4K: tl.constexpr = FAST and (KIND_K == 2 or KIND_K == 3)
+    F4V: tl.constexpr = FAST and (KIND_V == 2 or KIND_V == 3)
     F16K: tl.constexpr = KIND_K == 1
-    F16V: tl.constexpr = KIND_V == 1 and not TSC_V
+    F16V: tl.constexpr = (KIND_V == 1 and not TSC_V) or F4V
     QP16: tl.constexpr = 2 if Q_SPLIT and not FAST else 1
-    if F16K:
+    if F16K or F4K:
         qf = tl.load(Q + qbase + tl.arange(0, D)[None, :], mask=hmask[:, None], other=0.0).to(tl.float32)
         qmax = tl.max(tl.max(tl.abs(qf), 1), 0)
         eq = tl.where(qmax > 0, tl.minimum(14 - floor_log2_f32(qmax), 126), 0)
-        q16h, q16l = _split16(qf * pow2_f32(eq), FAST)
         sc_k = qk_scale * pow2_f32(-eq)
+        if F16K:
+            q16h, q16l = _split16(qf * pow2_f32(eq), FAST)
+        else:
+            q4a, _ = _split16(_load_qf(Q, qbase, hmask, 0, 2, DK) * pow2_f32(eq), True)
+            q4b, _ = _split16(_load_qf(Q, qbase, hmask, 1, 2, DK) * pow2_f32(eq), True)
+            if KIND_K == 3:
+                sc_k = sc_k * 16384.0  # NVFP4 tiles hold E2M1 * scale * 2**-14
     else:
         sc_k = qk_scale
     m_i = tl.full((BLOCK_H,), float("-inf"), tl.float32)
@@ -438,6 +465,23 @@ def decode_split_kernel(
                     s += s_2 + s_3
                     bias += b_2 + b_3
                 s += bias[:, None]
+            elif F4K:
+                # fast FP4 keys: float16 tiles (``_fp4_factor16``); E8M0 relative to each token's largest
+                # block scale, which then scales the score column
+                NBK4: tl.constexpr = D // QB_K
+                bk4 = tl.arange(0, NBK4)
+                jk4 = tl.arange(0, QB_K // 2)
+                koff4 = (bk4[:, None] * (QB_K // 2) + jk4[None, :])[:, :, None]
+                kb4 = tl.load(K0 + slot[None, None, :] * k0_s + kvh * k0_h + koff4, mask=tmask[None, None, :], other=0)
+                kb4 = kb4.to(tl.int32)
+                ksc4 = tl.load(K1 + slot[None, :] * k1_s + kvh * k1_h + bk4[:, None], mask=tmask[None, :], other=0)
+                kref = tl.max(ksc4.to(tl.int32), 0)
+                kf4 = _fp4_factor16(ksc4, kref[None, :], KIND_K)[:, None, :]
+                k4lo = tl.reshape(_e2m1_f16(kb4 & 15) * kf4, (DK, BLOCK_N))
+                k4hi = tl.reshape(_e2m1_f16(kb4 >> 4) * kf4, (DK, BLOCK_N))
+                s = _mm16(q4a, q4a, k4lo, 1) + _mm16(q4b, q4b, k4hi, 1)
+                if KIND_K == 2:
+                    s = s * e8m0_to_f32(kref)[None, :]
             elif KIND_K == 2 or KIND_K == 3:
                 # FP4 blocks: bytes as [blocks, QB/2, N], one scale per (block, token) broadcast
                 NBK: tl.constexpr = D // QB_K
@@ -535,6 +579,27 @@ def decode_split_kernel(
                     acc2 = acc2 * alpha[:, None] + _mm(ph, pm, pl, v_2, PP, RBS)
                     v_3 = tl.reshape(((vb3 >> 6) & MASKV).to(tl.float32) * vs3 + vz3, (BLOCK_N, DV))
                     acc3 = acc3 * alpha[:, None] + _mm(ph, pm, pl, v_3, PP, RBS)
+            elif F4V:
+                # fast FP4 values: float16 tiles; E8M0 relative to the tile's largest scale, applied to the
+                # tile's product (p is in float16, times 2**14)
+                NBV4: tl.constexpr = D // QB_V
+                bv4 = tl.arange(0, NBV4)
+                jv4 = tl.arange(0, QB_V // 2)
+                voff4 = (bv4[:, None] * (QB_V // 2) + jv4[None, :])[None, :, :]
+                vb4 = tl.load(V0 + slot[:, None, None] * v0_s + kvh * v0_h + voff4, mask=tmask[:, None, None], other=0)
+                vb4 = vb4.to(tl.int32)
+                vsc4 = tl.load(V1 + slot[:, None] * v1_s + kvh * v1_h + bv4[None, :], mask=tmask[:, None], other=0)
+                vref = tl.max(tl.max(vsc4.to(tl.int32), 1), 0)
+                vf4 = _fp4_factor16(vsc4, vref, KIND_V)[:, :, None]
+                v4lo = tl.reshape(_e2m1_f16(vb4 & 15) * vf4, (BLOCK_N, DV))
+                v4hi = tl.reshape(_e2m1_f16(vb4 >> 4) * vf4, (BLOCK_N, DV))
+                if KIND_V == 2:
+                    cv = e8m0_to_f32(vref) * (1.0 / 16384.0)
+                    acc0 = acc0 * alpha[:, None] + _mm16(p16h, p16l, v4lo, 1) * cv
+                    acc1 = acc1 * alpha[:, None] + _mm16(p16h, p16l, v4hi, 1) * cv
+                else:  # NVFP4: (p * 2**14) (E2M1 * scale * 2**-14)
+                    acc0 = acc0 * alpha[:, None] + _mm16(p16h, p16l, v4lo, 1)
+                    acc1 = acc1 * alpha[:, None] + _mm16(p16h, p16l, v4hi, 1)
             elif KIND_V == 2 or KIND_V == 3:
                 NBV: tl.constexpr = D // QB_V
                 bv = tl.arange(0, NBV)
@@ -623,7 +688,7 @@ def decode_split_kernel(
                 acc3 = acc3 * alpha[:, None] + _res_mm(ph, pm, pl, PP, vb, sv, ev, mv, pv, kvh, V1, V2, v1_s, v1_h,
                                                        v2_s, v2_h, RV, rvo, 3, KIND_V, FMT_V, QB_V, G_V, BITS_V, RBS)
     safe_l = tl.where(l_i > 0, l_i, 1.0)
-    if F16V:
+    if KIND_V == 1 and F16V:
         acc0 = acc0 * (1.0 / 16384.0)
     vs = tl.load(VS + kvh)
     lse2 = tl.where(l_i > 0, m_i + tl.log2(safe_l), float("-inf"))
@@ -752,9 +817,11 @@ def plan_decode(
     hw_formats: set[int] | None = None,
     k_transposed: bool = True,
     precision: str = "fast",
+    maxnreg: int | None = None,
 ):
     """The launches of decode attention (see :func:`paged_decode`), with their output tensors.
-    ``hw_formats``: FP8 format ids converted in hardware (default: what ``q``'s device has)."""
+    ``hw_formats``: FP8 format ids converted in hardware (default: what ``q``'s device has); ``maxnreg``:
+    a register cap per thread (CUDA only; for tuning occupancy)."""
     import torch
 
     if precision not in PRECISIONS:
@@ -766,12 +833,14 @@ def plan_decode(
     block_h = max(16, triton.next_power_of_2(qpk))
     if sm_scale is None:
         sm_scale = head_dim**-0.5
-    # defaults tuned on the H100 (bench/tune_decode.py; bench/results/history/tune-h100-*.log): the kernel's
-    # occupancy is limited by registers, so two warps per program and 32-token tiles win for every scheme
+    # defaults tuned on the H100 (bench/tune_decode.py; logs in bench/results/history/tune-h100-*.log): the
+    # kernel's occupancy is limited by registers, so small programs (2 warps, 32-token tiles) win, except in
+    # fast mode for bf16 (64-token tiles) and FP4 (64-token tiles, 4 warps)
+    fast_fp4 = precision == "fast" and k.kind in ("mxfp4", "nvfp4")
     if block_n is None:
-        block_n = 32
+        block_n = 64 if precision == "fast" and (fast_fp4 or k.kind == "bf16") else 32
     if num_warps is None:
-        num_warps = 2
+        num_warps = 4 if fast_fp4 else 2
     if k.kind == "int_k":  # a tile must lie inside one KIVI token group
         block_n = min(block_n, k.group)
         if k.group % block_n:
@@ -870,7 +939,8 @@ def plan_decode(
     ]
     merge_cx = dict(D=head_dim, S_PAD=max(2, triton.next_power_of_2(total)))
     launches = [
-        Launch(decode_split_kernel, grid, split_args, split_cx, {"num_warps": num_warps, "num_stages": num_stages}),
+        Launch(decode_split_kernel, grid, split_args, split_cx,
+               {"num_warps": num_warps, "num_stages": num_stages, **({"maxnreg": maxnreg} if maxnreg else {})}),
         Launch(merge_kernel, (batch, q_heads), merge_args, merge_cx, {}),
     ]
     return launches, out, lse
