@@ -117,9 +117,10 @@ def fast_rounding(k_scheme: Any, v_scheme: Any, q_dtype: str) -> Rounding16:
     E2M1 * 2**(scale exponent - the token's largest) for E8M0, exact down to float16 underflow); KIVI keys
     fold the per-channel scale into q and ``q_d * s_d`` is split in two bfloat16 parts (not rounded once:
     keys carry outlier channels, and one rounding would cost up to 2**-8 of each product, a bound that no
-    longer sees one code step); float32 tiles (the KIVI residual) are split in two bfloat16 parts. Outputs: p is rounded to bfloat16, or (FP8 values with a
-    tensor scale, FP4 values) ``p * 2**14`` to float16; E8M0 FP4 value tiles are float16 relative to the
-    tile's largest block scale; KIVI value tiles and the residual are split in two bfloat16 parts.
+    longer sees one code step); float32 tiles (the KIVI residual) are split in two bfloat16 parts.
+    Outputs: p is rounded to bfloat16, or (FP8 values with a tensor scale, FP4 values) ``p * 2**14`` to
+    float16; E8M0 FP4 value tiles are float16 relative to the tile's largest block scale; KIVI value tiles
+    and the residual are split in two bfloat16 parts.
     """
     from kvqref.schemes import E8M0BlockScheme, FP8Scheme, KiviScheme, NVFP4Scheme
 
