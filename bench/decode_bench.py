@@ -254,40 +254,38 @@ def write_setup(label: str, tokens: int = 65536, kv_heads: int = 8, head_dim: in
     }
 
 
-def run(quick: bool = False) -> dict[str, Any]:
+def run(quick: bool = False, out: Path | None = None) -> dict[str, Any]:
+    """Every benchmark row; with ``out``, the document so far is rewritten after each row (``"partial":
+    true`` until the end), so a run cut short keeps what it measured."""
     env = environment()
     ceiling = bandwidth_ceiling_gbs()
     results: list[dict[str, Any]] = []
+
+    def emit(r: dict[str, Any]) -> None:
+        r["ceiling_gbs"] = ceiling
+        r["fraction_of_ceiling"] = r["gbs"] / ceiling
+        results.append(r)
+        print(json.dumps(r), flush=True)
+        if out is not None:
+            doc = {"environment": env, "ceiling_gbs": ceiling, "results": results, "partial": True,
+                   "command": " ".join(["python3", *sys.argv])}
+            out.write_text(json.dumps(doc, indent=1) + "\n")
+
     shapes = SHAPES[:1] if quick else SHAPES
     labels = [s[0] for s in SCHEMES]
     for shape in shapes:
-        base = sdpa_case(shape)
-        results.append(base)
-        print(json.dumps(base), flush=True)
+        emit(sdpa_case(shape))
         for label in labels:
-            r = decode_case(label, shape, 16)
-            results.append(r)
-            print(json.dumps(r), flush=True)
+            emit(decode_case(label, shape, 16))
     for label in labels[1:]:  # the float32-exact products, for comparison
-        r = decode_case(label, SHAPES[0], 16, precision="exact")
-        results.append(r)
-        print(json.dumps(r), flush=True)
+        emit(decode_case(label, SHAPES[0], 16, precision="exact"))
     if not quick:
         for label in ("bf16", "fp8_e4m3", "fp4_e2m1"):
-            r = decode_case(label, SHAPES[0], 1)
-            results.append(r)
-            print(json.dumps(r), flush=True)
+            emit(decode_case(label, SHAPES[0], 1))
         for label in ("bf16", "fp8_e4m3"):
-            r = decode_case(label, SHAPES[0], 16, backend="torch")
-            results.append(r)
-            print(json.dumps(r), flush=True)
+            emit(decode_case(label, SHAPES[0], 16, backend="torch"))
         for label in labels:
-            r = write_case(label)
-            results.append(r)
-            print(json.dumps(r), flush=True)
-    for r in results:  # (each case's tensors are freed when it returns)
-        r["ceiling_gbs"] = ceiling
-        r["fraction_of_ceiling"] = r["gbs"] / ceiling
+            emit(write_case(label))
     return {"environment": env, "ceiling_gbs": ceiling, "results": results}
 
 
@@ -296,7 +294,8 @@ def main() -> int:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--quick", action="store_true")
     args = ap.parse_args()
-    doc = run(args.quick)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    doc = run(args.quick, args.out)
     doc["command"] = " ".join(["python3", *sys.argv])
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(doc, indent=1) + "\n")

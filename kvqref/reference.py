@@ -87,25 +87,18 @@ class Rounding16:
       against ``|q_d| * kr_jd`` with ``kr`` the ``K_round`` magnitudes given to :func:`kernel_tolerance`
       (``|K - Z| = s * code``; ``|K|`` when not given);
     * ``u_k``: relative error of the K tile (a float32 tile split in two bfloat16 parts: 2**-16);
-    * ``a_k``: absolute error of each K element, in units of ``max_d |k_jd|`` of its token (float16 FP4
-      tiles relative to the token's largest E8M0 block scale S: at most 2**-25 S, and S <= max_d |k_jd|
-      for blocks written by the quantizer, whose largest element is at least 3 S);
     * ``u_p``, ``a_p``: relative and absolute (float16 underflow) error of each probability ``p_j <= 1``
       rounded to 16 bits before the P @ V product;
-    * ``u_v``: relative error of the V tile (two-part split: 2**-16);
-    * ``a_v``: absolute error of each V element, in units of ``max_{j,d} |v_jd|`` of the sequence's KV head
-      (float16 FP4 tiles relative to the tile's largest E8M0 block scale, as ``a_k``).
+    * ``u_v``: relative error of the V tile (two-part split: 2**-16).
     """
 
     u_q: float = 0.0
     a_q: float = 0.0
     u_qs: float = 0.0
     u_k: float = 0.0
-    a_k: float = 0.0
     u_p: float = 0.0
     a_p: float = 0.0
     u_v: float = 0.0
-    a_v: float = 0.0
 
 
 def fast_rounding(k_scheme: Any, v_scheme: Any, q_dtype: str) -> Rounding16:
@@ -113,22 +106,21 @@ def fast_rounding(k_scheme: Any, v_scheme: Any, q_dtype: str) -> Rounding16:
     ``q`` of dtype ``q_dtype`` ("bfloat16", "float16" or "float32"); derivation in docs/kernels.md.
 
     Scores: q goes to the tensor cores as bfloat16 (bf16 and KIVI-residual tiles) or, scaled by a power of
-    two, as float16 (FP8 and FP4 tiles; FP4 tiles are float16 E2M1 * scale * 2**-14 for NVFP4, exact, and
-    E2M1 * 2**(scale exponent - the token's largest) for E8M0, exact down to float16 underflow); KIVI keys
+    two, as float16 (FP8 and NVFP4 tiles; NVFP4 tiles are float16 E2M1 * scale * 2**-14, exact; E8M0 FP4
+    tiles are bfloat16, exact); KIVI keys
     fold the per-channel scale into q and ``q_d * s_d`` is split in two bfloat16 parts (not rounded once:
     keys carry outlier channels, and one rounding would cost up to 2**-8 of each product, a bound that no
     longer sees one code step); float32 tiles (the KIVI residual) are split in two bfloat16 parts.
-    Outputs: p is rounded to bfloat16, or (FP8 values with a tensor scale, FP4 values) ``p * 2**14`` to
-    float16; E8M0 FP4 value tiles are float16 relative to the tile's largest block scale; KIVI value tiles
-    and the residual are split in two bfloat16 parts.
+    Outputs: p is rounded to bfloat16, or (FP8 values with a tensor scale, NVFP4 values) ``p * 2**14`` to
+    float16; KIVI value tiles and the residual are split in two bfloat16 parts.
     """
-    from kvqref.schemes import E8M0BlockScheme, FP8Scheme, KiviScheme, NVFP4Scheme
+    from kvqref.schemes import FP8Scheme, KiviScheme, NVFP4Scheme
 
     if q_dtype not in ("bfloat16", "float16", "float32"):
         raise ValueError(f"q_dtype must be bfloat16, float16 or float32, got {q_dtype!r}")
     kivi_k, kivi_v = isinstance(k_scheme, KiviScheme), isinstance(v_scheme, KiviScheme)
-    fp16_k = isinstance(k_scheme, (FP8Scheme, E8M0BlockScheme, NVFP4Scheme))
-    fp16_v = isinstance(v_scheme, (E8M0BlockScheme, NVFP4Scheme)) or (
+    fp16_k = isinstance(k_scheme, (FP8Scheme, NVFP4Scheme))
+    fp16_v = isinstance(v_scheme, NVFP4Scheme) or (
         isinstance(v_scheme, FP8Scheme) and v_scheme.granularity != "token_head")
     if fp16_k:
         u_q, a_q = (0.0 if q_dtype in ("bfloat16", "float16") else U_F16), 2.0**-39
@@ -139,11 +131,9 @@ def fast_rounding(k_scheme: Any, v_scheme: Any, q_dtype: str) -> Rounding16:
         a_q=a_q,
         u_qs=2.0**-16 if kivi_k else 0.0,
         u_k=2.0**-16 if kivi_k else 0.0,
-        a_k=2.0**-25 if isinstance(k_scheme, E8M0BlockScheme) else 0.0,
         u_p=U_F16 if fp16_v else U_BF16,
         a_p=2.0**-39 if fp16_v else 0.0,
         u_v=2.0**-16 if kivi_v else 0.0,
-        a_v=2.0**-25 if isinstance(v_scheme, E8M0BlockScheme) else 0.0,
     )
 
 
@@ -162,9 +152,9 @@ def kernel_tolerance(q: Any, K_list: Sequence[Any], V_list: Sequence[Any], sm_sc
     * ``out``: ``|d out_d| <= (2 * max_j e_j + g(T + 6)) * sum_j p_j |v_jd|``.
 
     ``fast``: the 16-bit roundings of a fast-mode kernel (:func:`fast_rounding`) are added:
-    ``e_j += sm_scale * sum_d |q_d| ((u_q + u_k (1 + u_q)) |k_jd| + u_qs kr_jd + a_k (1 + u_q) max_d |k_jd|)
-    + sm_scale a_q max|q| sum_d |k_jd|`` and ``|d out_d| += (u_p + u_v + u_p u_v) sum_j p_j |v_jd| + a_p
-    sum_j |v_jd| + a_v (1 + u_p) max_{j,d} |v_jd|`` (``kr = K_round`` or ``|K|``).
+    ``e_j += sm_scale * sum_d |q_d| ((u_q + u_k (1 + u_q)) |k_jd| + u_qs kr_jd) + sm_scale a_q max|q|
+    sum_d |k_jd|`` and ``|d out_d| += (u_p + u_v + u_p u_v) sum_j p_j |v_jd| + a_p sum_j |v_jd|``
+    (``kr = K_round`` or ``|K|``).
     """
     if model not in ("probabilistic", "worst"):
         raise ValueError(f"model must be 'probabilistic' or 'worst', got {model!r}")
@@ -192,8 +182,7 @@ def kernel_tolerance(q: Any, K_list: Sequence[Any], V_list: Sequence[Any], sm_sc
             kr = ak if K_round is None else np.abs(np.asarray(K_round[b], dtype=np.float64))[:, kv_of, :]
             e += scale * ((fast.u_q + fast.u_k * (1 + fast.u_q)) * np.einsum("hd,thd->ht", aq, ak)
                           + fast.u_qs * np.einsum("hd,thd->ht", aq, kr)
-                          + fast.a_q * aq.max(axis=1)[:, None] * ak.sum(axis=2).T
-                          + fast.a_k * (1 + fast.u_q) * aq.sum(axis=1)[:, None] * ak.max(axis=2).T)
+                          + fast.a_q * aq.max(axis=1)[:, None] * ak.sum(axis=2).T)
         m = s.max(axis=1, keepdims=True)
         p = np.exp(s - m)
         l = p.sum(axis=1, keepdims=True)
@@ -206,5 +195,4 @@ def kernel_tolerance(q: Any, K_list: Sequence[Any], V_list: Sequence[Any], sm_sc
         if fast is not None:
             out_tol[b] += (fast.u_p + fast.u_v + fast.u_p * fast.u_v) * pv
             out_tol[b] += fast.a_p * np.abs(Vq).sum(axis=0)
-            out_tol[b] += fast.a_v * (1 + fast.u_p) * np.abs(Vq).max(axis=(0, 2))[:, None]
     return out_tol, lse_tol

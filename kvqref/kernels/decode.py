@@ -157,16 +157,12 @@ def _e2m1_f32(nib):
 
 
 @triton.jit
-def _fp4_factor16(code, ref, KIND: tl.constexpr):
-    """float16 factor that turns ``_e2m1_f16`` (E2M1 * 2**-14) into a fast-mode FP4 tile element:
-    E8M0 (KIND 2): 2**(code - ref + 14), so the tile holds E2M1 * 2**(code - ref) and the caller multiplies
-    by 2**(ref - 127) in float32 (exact unless code < ref - 24 or so: float16 underflow, at most 2**-25 *
-    2**(ref - 127) per element); NVFP4 (KIND 3): the E4M3 scale itself (exact in float16), the tile holds
-    E2M1 * scale * 2**-14, a multiple of 2**-24 below 0.17: exact."""
-    if KIND == 2:
-        return pow2_f32(tl.maximum(code.to(tl.int32) - ref + 14, -126)).to(tl.float16)
-    else:
-        return decode_f32(code, 0).to(tl.float16)
+def _nvfp4_tile16(byte, scale_code):
+    """Fast-mode NVFP4 tile elements of the low and high nibbles of ``byte`` (int32), as float16
+    E2M1 * scale * 2**-14 (``scale_code``: E4M3, broadcast): multiples of 2**-24 below 0.17 with at most 6
+    significant bits, so exact in float16 (subnormals included); the caller owes a factor 2**14."""
+    f = decode_f32(scale_code, 0).to(tl.float16)  # E4M3 values are float16 values
+    return _e2m1_f16(byte & 15) * f, _e2m1_f16(byte >> 4) * f
 
 
 @triton.jit
@@ -393,9 +389,11 @@ def decode_split_kernel(
         qf3 = _load_qf(Q, qbase, hmask, 3 % PK, PK, DK)
     qk_scale = sm_scale * tl.load(KS + kvh) * 1.4426950408889634
     # FP8 tiles are exact in float16: q goes to float16 tensor cores, scaled by a power of two into range;
-    # in fast mode FP4 tiles are built in float16 too (``_fp4_factor16``), and so are the probabilities
-    F4K: tl.constexpr = FAST and (KIND_K == 2 or KIND_K == 3)
-    F4V: tl.constexpr = FAST and (KIND_V == 2 or KIND_V == 3)
+    # in fast mode NVFP4 tiles are built in float16 too (``_nvfp4_tile16``), and so are the probabilities.
+    # (E8M0 tiles in float16, relative to the largest block scale of the token or tile, measured slower on
+    # the H100 than the bfloat16 tiles: bench/results/ANALYSIS.md)
+    F4K: tl.constexpr = FAST and KIND_K == 3
+    F4V: tl.constexpr = FAST and KIND_V == 3
     F16K: tl.constexpr = KIND_K == 1
     F16V: tl.constexpr = (KIND_V == 1 and not TSC_V) or F4V
     QP16: tl.constexpr = 2 if Q_SPLIT and not FAST else 1
@@ -409,8 +407,7 @@ def decode_split_kernel(
         else:
             q4a, _ = _split16(_load_qf(Q, qbase, hmask, 0, 2, DK) * pow2_f32(eq), True)
             q4b, _ = _split16(_load_qf(Q, qbase, hmask, 1, 2, DK) * pow2_f32(eq), True)
-            if KIND_K == 3:
-                sc_k = sc_k * 16384.0  # NVFP4 tiles hold E2M1 * scale * 2**-14
+            sc_k = sc_k * 16384.0  # NVFP4 tiles hold E2M1 * scale * 2**-14
     else:
         sc_k = qk_scale
     m_i = tl.full((BLOCK_H,), float("-inf"), tl.float32)
@@ -466,8 +463,7 @@ def decode_split_kernel(
                     bias += b_2 + b_3
                 s += bias[:, None]
             elif F4K:
-                # fast FP4 keys: float16 tiles (``_fp4_factor16``); E8M0 relative to each token's largest
-                # block scale, which then scales the score column
+                # fast NVFP4 keys: float16 tiles (``_nvfp4_tile16``), q in float16
                 NBK4: tl.constexpr = D // QB_K
                 bk4 = tl.arange(0, NBK4)
                 jk4 = tl.arange(0, QB_K // 2)
@@ -475,13 +471,9 @@ def decode_split_kernel(
                 kb4 = tl.load(K0 + slot[None, None, :] * k0_s + kvh * k0_h + koff4, mask=tmask[None, None, :], other=0)
                 kb4 = kb4.to(tl.int32)
                 ksc4 = tl.load(K1 + slot[None, :] * k1_s + kvh * k1_h + bk4[:, None], mask=tmask[None, :], other=0)
-                kref = tl.max(ksc4.to(tl.int32), 0)
-                kf4 = _fp4_factor16(ksc4, kref[None, :], KIND_K)[:, None, :]
-                k4lo = tl.reshape(_e2m1_f16(kb4 & 15) * kf4, (DK, BLOCK_N))
-                k4hi = tl.reshape(_e2m1_f16(kb4 >> 4) * kf4, (DK, BLOCK_N))
-                s = _mm16(q4a, q4a, k4lo, 1) + _mm16(q4b, q4b, k4hi, 1)
-                if KIND_K == 2:
-                    s = s * e8m0_to_f32(kref)[None, :]
+                k4lo, k4hi = _nvfp4_tile16(kb4, ksc4[:, None, :])
+                s = _mm16(q4a, q4a, tl.reshape(k4lo, (DK, BLOCK_N)), 1)
+                s += _mm16(q4b, q4b, tl.reshape(k4hi, (DK, BLOCK_N)), 1)
             elif KIND_K == 2 or KIND_K == 3:
                 # FP4 blocks: bytes as [blocks, QB/2, N], one scale per (block, token) broadcast
                 NBK: tl.constexpr = D // QB_K
@@ -580,8 +572,7 @@ def decode_split_kernel(
                     v_3 = tl.reshape(((vb3 >> 6) & MASKV).to(tl.float32) * vs3 + vz3, (BLOCK_N, DV))
                     acc3 = acc3 * alpha[:, None] + _mm(ph, pm, pl, v_3, PP, RBS)
             elif F4V:
-                # fast FP4 values: float16 tiles; E8M0 relative to the tile's largest scale, applied to the
-                # tile's product (p is in float16, times 2**14)
+                # fast NVFP4 values: float16 tiles, p * 2**14 in float16: the factors 2**14 cancel
                 NBV4: tl.constexpr = D // QB_V
                 bv4 = tl.arange(0, NBV4)
                 jv4 = tl.arange(0, QB_V // 2)
@@ -589,17 +580,9 @@ def decode_split_kernel(
                 vb4 = tl.load(V0 + slot[:, None, None] * v0_s + kvh * v0_h + voff4, mask=tmask[:, None, None], other=0)
                 vb4 = vb4.to(tl.int32)
                 vsc4 = tl.load(V1 + slot[:, None] * v1_s + kvh * v1_h + bv4[None, :], mask=tmask[:, None], other=0)
-                vref = tl.max(tl.max(vsc4.to(tl.int32), 1), 0)
-                vf4 = _fp4_factor16(vsc4, vref, KIND_V)[:, :, None]
-                v4lo = tl.reshape(_e2m1_f16(vb4 & 15) * vf4, (BLOCK_N, DV))
-                v4hi = tl.reshape(_e2m1_f16(vb4 >> 4) * vf4, (BLOCK_N, DV))
-                if KIND_V == 2:
-                    cv = e8m0_to_f32(vref) * (1.0 / 16384.0)
-                    acc0 = acc0 * alpha[:, None] + _mm16(p16h, p16l, v4lo, 1) * cv
-                    acc1 = acc1 * alpha[:, None] + _mm16(p16h, p16l, v4hi, 1) * cv
-                else:  # NVFP4: (p * 2**14) (E2M1 * scale * 2**-14)
-                    acc0 = acc0 * alpha[:, None] + _mm16(p16h, p16l, v4lo, 1)
-                    acc1 = acc1 * alpha[:, None] + _mm16(p16h, p16l, v4hi, 1)
+                v4lo, v4hi = _nvfp4_tile16(vb4, vsc4[:, :, None])
+                acc0 = acc0 * alpha[:, None] + _mm16(p16h, p16l, tl.reshape(v4lo, (BLOCK_N, DV)), 1)
+                acc1 = acc1 * alpha[:, None] + _mm16(p16h, p16l, tl.reshape(v4hi, (BLOCK_N, DV)), 1)
             elif KIND_V == 2 or KIND_V == 3:
                 NBV: tl.constexpr = D // QB_V
                 bv = tl.arange(0, NBV)
@@ -835,18 +818,18 @@ def plan_decode(
         sm_scale = head_dim**-0.5
     # defaults tuned on the H100 (bench/tune_decode.py; logs in bench/results/history/tune-h100-*.log): the
     # kernel's occupancy is limited by registers, so small programs (2 warps, 32-token tiles) win, except in
-    # fast mode for bf16 (64-token tiles) and FP4 (64-token tiles, 4 warps)
-    fast_fp4 = precision == "fast" and k.kind in ("mxfp4", "nvfp4")
+    # fast mode for bf16 (64-token tiles) and E8M0 FP4 (64-token tiles, 4 warps)
+    fast_e8m0 = precision == "fast" and k.kind == "mxfp4"
     if block_n is None:
-        block_n = 64 if precision == "fast" and (fast_fp4 or k.kind == "bf16") else 32
+        block_n = 64 if precision == "fast" and (fast_e8m0 or k.kind == "bf16") else 32
     if num_warps is None:
-        num_warps = 4 if fast_fp4 else 2
+        num_warps = 4 if fast_e8m0 else 2
     if k.kind == "int_k":  # a tile must lie inside one KIVI token group
         block_n = min(block_n, k.group)
         if k.group % block_n:
             raise ValueError(f"block_n {block_n} must divide the KIVI key group size {k.group}")
     if num_stages is None:
-        num_stages = 3 if k.kind in ("fp8", "int_k") else 2
+        num_stages = 3 if k.kind in ("fp8", "int_k") or (precision == "fast" and k.kind == "nvfp4") else 2
     has_res = residual is not None
     if has_res:
         rk, rv, kl, vl = residual
