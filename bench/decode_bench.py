@@ -271,17 +271,23 @@ def run(quick: bool = False, out: Path | None = None) -> dict[str, Any]:
                    "command": " ".join(["python3", *sys.argv])}
             out.write_text(json.dumps(doc, indent=1) + "\n")
 
-    shapes = SHAPES[:1] if quick else SHAPES
     labels = [s[0] for s in SCHEMES]
-    for shape in shapes:
+
+    def shape_rows(shape) -> None:
         emit(sdpa_case(shape))
         for label in labels:
             emit(decode_case(label, shape, 16))
+
+    # the target rows first (batch 32, its exact-mode and page-1 rows, batch 1), then the other shapes
+    shape_rows(SHAPES[0])
     for label in labels[1:]:  # the float32-exact products, for comparison
         emit(decode_case(label, SHAPES[0], 16, precision="exact"))
     if not quick:
         for label in ("bf16", "fp8_e4m3", "fp4_e2m1"):
             emit(decode_case(label, SHAPES[0], 1))
+        shape_rows(SHAPES[2])
+        for shape in SHAPES[1:2] + SHAPES[3:]:
+            shape_rows(shape)
         for label in ("bf16", "fp8_e4m3"):
             emit(decode_case(label, SHAPES[0], 16, backend="torch"))
         for label in labels:
