@@ -4,7 +4,9 @@ Inputs are IEEE bit patterns in hex (float32, and float64 for the single-roundin
 codes in hex, so a C++, Rust or CUDA implementation can test against kvqref without Python. The
 inputs are chosen from the definitions: every code's value, every midpoint between neighbouring
 values (ties), the points just beside each midpoint, zeros, subnormals, the overflow boundary,
-+-Inf, NaN, and a fixed-seed random sample.
++-Inf, NaN, and a fixed-seed SplitMix64 sample (no NumPy RNG or sort: the bytes are the same on every
+platform and NumPy version). The ``"rotations"`` section holds the exact float32 outputs of
+the Hadamard rotation and the fields of rotated schemes (:mod:`kvqref.rotation_vectors`).
 """
 
 from __future__ import annotations
@@ -15,24 +17,26 @@ from typing import Any
 
 import numpy as np
 
-from kvqref import formats
+from kvqref import formats, rotation_vectors
+from kvqref.schemes.rotation import splitmix64
 
-VERSION = 1
+VERSION = 2
 _SEED = 20261122
 
 
 def _interesting_inputs(codec: formats.MinifloatCodec) -> tuple[np.ndarray, np.ndarray]:
     """float32 and float64 inputs that exercise every rounding and edge of ``codec``."""
     vals = codec.decode(np.arange(codec.num_codes, dtype=np.uint8)).astype(np.float64)
-    pos = np.unique(vals[np.isfinite(vals) & (vals >= 0)])
+    # a Python set and sorted(), not np.unique: which of +0.0 and -0.0 np.unique keeps depends on NumPy's
+    # (SIMD, CPU-dependent) sort; -0.0 + 0.0 = +0.0 makes the choice explicit
+    pos = np.array(sorted({float(v) + 0.0 for v in vals if np.isfinite(v) and v >= 0}))
     mids = (pos[:-1] + pos[1:]) / 2
     top = pos[-1]
     gap = top - pos[-2]
     edges = [0.0, pos[1] / 4, pos[1] / 2, pos[1], top + gap / 2, top + gap, top * 2, 1e30, np.inf, np.nan]
     f32 = np.concatenate([pos, mids, np.nextafter(mids.astype(np.float32), np.float32(np.inf)),
                           np.nextafter(mids.astype(np.float32), np.float32(0)), np.array(edges)])
-    rng = np.random.default_rng(_SEED)
-    f32 = np.concatenate([f32, rng.standard_normal(48) * top / 4, rng.standard_normal(16) * pos[1]])
+    f32 = np.concatenate([f32, _uniform(_SEED, 48) * top / 2, _uniform(_SEED + 1, 16) * pos[1] * 2])
     with np.errstate(over="ignore"):
         f32 = f32.astype(np.float32)
     f32 = np.concatenate([f32, -f32])
@@ -46,6 +50,12 @@ def _interesting_inputs(codec: formats.MinifloatCodec) -> tuple[np.ndarray, np.n
     if not codec.spec.has_nan:
         f32 = f32[~np.isnan(f32)]
     return f32, f64
+
+
+def _uniform(seed: int, n: int) -> np.ndarray:
+    """``n`` float64 in [-1, 1) from SplitMix64 (``((u >> 11) - 2**52) * 2**-52``, exact): a sample that no
+    NumPy version or platform changes (NumPy's Generator streams carry no such promise)."""
+    return np.array([((u >> 11) - (1 << 52)) * 2.0**-52 for u in splitmix64(seed, n)])
 
 
 def _hex(arr: np.ndarray, width: int) -> list[str]:
@@ -79,12 +89,13 @@ def generate() -> dict[str, Any]:
                     "codes": " ".join(f"{int(c):02x}" for c in codec.encode(arr, **kwargs)),
                 })
         doc["formats"][name] = entry
+    doc["rotations"] = rotation_vectors.generate()
     return doc
 
 
 def dumps(doc: dict[str, Any]) -> str:
     """JSON with one line per case, so diffs stay readable."""
-    head = {k: v for k, v in doc.items() if k != "formats"}
+    head = {k: v for k, v in doc.items() if k not in ("formats", "rotations")}
     lines = ["{"] + [f" {json.dumps(k)}: {json.dumps(v)}," for k, v in head.items()] + [' "formats": {']
     names = list(doc["formats"])
     for i, name in enumerate(names):
@@ -97,7 +108,19 @@ def dumps(doc: dict[str, Any]) -> str:
                   for j, c in enumerate(cases)]
         lines.append("   ]")
         lines.append("  }" + ("," if i < len(names) - 1 else ""))
-    lines += [" }", "}"]
+    lines.append(" }" + ("," if "rotations" in doc else ""))
+    if "rotations" in doc:
+        rot = doc["rotations"]
+        lines.append(' "rotations": {')
+        lines += [f"  {json.dumps(k)}: {json.dumps(v)}," for k, v in rot.items() if k not in ("cases", "schemes")]
+        for key, last in (("cases", False), ("schemes", True)):
+            lines.append(f"  {json.dumps(key)}: [")
+            rows = rot[key]
+            lines += [f"   {json.dumps(c, separators=(',', ':'))}" + ("," if j < len(rows) - 1 else "")
+                      for j, c in enumerate(rows)]
+            lines.append("  ]" + ("" if last else ","))
+        lines.append(" }")
+    lines.append("}")
     return "\n".join(lines) + "\n"
 
 
