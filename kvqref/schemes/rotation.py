@@ -132,7 +132,7 @@ class HadamardRotation:
         v = as_exact_float(arr)
         if not np.isfinite(v).all():
             raise ValueError("hadamard rotation: input holds NaN or Inf, which a rotation spreads over the head")
-        with np.errstate(over="ignore"):
+        with np.errstate(over="ignore", invalid="ignore"):
             x32 = v.astype(np.float32)
             z = butterflies(x32 * _signs(self.seed, D)) * norm_f32(D)
         if not np.isfinite(z).all():
