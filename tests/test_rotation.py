@@ -387,3 +387,21 @@ def test_golden_rotation_vectors_follow_the_scalar_definition():
         (n, "") for n in ("bf16", "fp8_e4m3", "fp8_e5m2", "fp4_e2m1", "mxfp4", "nvfp4")}
     x = rotation_vectors.spread_inputs(1, 4)
     assert x.dtype == np.float32 and len(set(x.tolist())) == 4
+
+
+def test_rotation_study_rows_and_table():
+    from kvqref import rotation_study, study
+
+    configs = study.configs_named(["fp4_e2m1", "int4_kivi"])
+    rows = rotation_study.run(["gaussian", "outlier"], configs, tokens=64, kv_heads=2, head_dim=128, q_heads=4,
+                              queries=2, seeds=(0,))
+    assert len(rows) == 2 * 2 * 2
+    assert {(r["cache"], r["base"], r["rotated"]) for r in rows} == {
+        (k, c.label, rot) for k in ("gaussian", "outlier") for c in configs for rot in (False, True)}
+    rot = next(r for r in rows if r["rotated"] and r["base"] == "int4_kivi")
+    assert rot["k_scheme"].endswith("rotation=hadamard, rotation_seed=1)") and rot["config"] == "int4_kivi +H"
+    assert all(0 < r["attn_rel_err"] < 2 for r in rows)
+    md = rotation_study.markdown(rows)
+    assert md.count("| fp4_e2m1 |") == 2 and "**outlier** caches" in md and "+H / plain" in md
+    with pytest.raises(ValueError, match="cache kind"):
+        rotation_study.make_caches("uniform")
