@@ -198,10 +198,8 @@ PAIRS = [
     ("fp8_e4m3", {"profile": "sglang", "scale": 0.5, "saturate": True}, "fp8_e5m2", {"profile": "rocm"}),
     ("fp4_e2m1", {}, "fp4_e2m1", {"profile": "sglang"}),
     ("mxfp4", {}, "nvfp4", {}),
-    ("int4_kivi", {"role": "key", "group_size": 16, "residual": 32},
-     "int4_kivi", {"role": "value", "group_size": 16, "residual": 32}),
-    ("int2_kivi", {"role": "key", "group_size": 16, "residual": 16},
-     "int2_kivi", {"role": "value", "group_size": 32, "residual": 16}),
+    *[(f"int{b}_kivi", {"role": "key", "group_size": 16, "residual": r},
+       f"int{b}_kivi", {"role": "value", "group_size": gv, "residual": r}) for b, gv, r in ((4, 16, 32), (2, 32, 16))],
 ]
 SHAPE = dict(batch=3, kv_heads=2, q_heads=4, head_dim=64, page_size=16, lens=(1, 37, 70))
 
@@ -405,3 +403,13 @@ def test_rotation_study_rows_and_table():
     assert md.count("| fp4_e2m1 |") == 2 and "**outlier** caches" in md and "+H / plain" in md
     with pytest.raises(ValueError, match="cache kind"):
         rotation_study.make_caches("uniform")
+
+
+def test_input_is_read_exactly_and_rounded_to_float32_once():
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    rot = HadamardRotation(3)
+    x64 = np.random.default_rng(5).standard_normal((4, 32)) * 3
+    assert np.array_equal(bits(rot.rotate(x64)), bits(rot.rotate(x64.astype(np.float32))))
+    for dt in (ml_dtypes.bfloat16, np.float16):
+        xn = x64.astype(dt)
+        assert np.array_equal(bits(rot.rotate(xn)), bits(rot.rotate(xn.astype(np.float32))))
