@@ -128,7 +128,6 @@ class TritonBackend(Backend):
         from kvqref.backends.triton_backend import decode
 
         self.check_rotation(state)
-
         return decode(q, state, sm_scale, **kw)
 
 
