@@ -13,6 +13,11 @@ The model dtype is kept: float16 and bfloat16 (ml_dtypes) input reach ``scheme.q
 that dtype (exactly: float32 holds them), so engine profiles compute in the model's dtype; every append
 must then use the dtype of the first one.
 
+Rotated schemes (docs/rotation.md): the cache stores the rotated domain everywhere: pages hold the inner
+scheme's fields of ``rotate(x)`` and the residual window holds ``rotate(x)`` (float32, the exact rotation
+rule), so a backend gets one domain from :meth:`PagedKVCache.export`; :meth:`PagedKVCache.dequantized`
+returns original-domain values and :meth:`PagedKVCache.storage_view` the stored ones.
+
 Tensor-level params (a per-tensor or per-head FP8 scale, NVFP4's global scale) are per cache: given at
 creation (``k_params`` / ``v_params``) or else computed by ``scheme.calibrate`` from the first chunk that
 is quantized, then frozen; every later token is quantized with them. So appending a tensor in pieces
@@ -26,6 +31,7 @@ tokens ``[k_lens, seq_lens)`` of K and ``[v_lens, seq_lens)`` of V, are in the r
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import numpy as np
@@ -33,6 +39,7 @@ import numpy as np
 from kvqref.formats import as_exact_float
 from kvqref.schemes import Quantized, Scheme
 from kvqref.schemes import get as get_scheme
+from kvqref.schemes.rotation import rotation_of, storage_scheme
 from kvqref.schemes.validate import check_real_input
 
 
@@ -46,6 +53,7 @@ class _Side:
     def __init__(self, label: str, scheme: Scheme, num_pages: int, page_size: int, kv_heads: int,
                  head_dim: int, batch: int, params: dict[str, Any] | None) -> None:
         self.label, self.scheme = label, scheme
+        self.rotation, self.codec = rotation_of(scheme), storage_scheme(scheme)  # codec: encodes stored values
         G = scheme.token_group
         if page_size % G:
             raise ValueError(f"{label}: page_size {page_size} is not a multiple of {scheme.name}'s token group {G}")
@@ -57,6 +65,16 @@ class _Side:
         self.params = None if params is None else scheme.check_params(params, kv_heads)
         self.paged = np.zeros(batch, dtype=np.int64)
         self.residual = [np.zeros((0, kv_heads, head_dim), np.float32) for _ in range(batch)]
+
+    def to_storage(self, x: np.ndarray) -> np.ndarray:
+        """float32 tokens in the stored domain (rotated for a rotated scheme)."""
+        return self.scheme.rotate_input(x) if self.rotation is not None else x
+
+    def storage_side(self) -> _Side:
+        """This side seen by its codec: same arrays, no rotation."""
+        side = copy.copy(self)
+        side.scheme, side.rotation = self.codec, None
+        return side
 
 
 class PagedKVCache:
@@ -167,7 +185,7 @@ class PagedKVCache:
         total = int(self.seq_lens[b]) + k32.shape[0]
         plans = []
         for side, new in ((self.k, k32), (self.v, v32)):
-            pending = np.concatenate([side.residual[b], new])  # tokens [paged, total)
+            pending = np.concatenate([side.residual[b], side.to_storage(new)])  # tokens [paged, total), stored
             now = int(side.paged[b])
             target = side.scheme.paged_tokens(total)
             if target < now:
@@ -179,8 +197,8 @@ class PagedKVCache:
                 if model_dtype is not None:
                     chunk = chunk.astype(model_dtype)  # exact: the values came from that dtype
                 if params is None:
-                    params = side.scheme.calibrate(chunk)
-                quant = side.scheme.quantize(chunk, params=params)
+                    params = side.codec.calibrate(chunk)
+                quant = side.codec.quantize(chunk, params=params)
             plans.append((side, now, target, quant, params, pending[target - now:]))
         need = -(-max(p[2] for p in plans) // self.page_size)
         have = int((self.block_table[b] >= 0).sum())
@@ -227,21 +245,32 @@ class PagedKVCache:
         return Quantized(side.scheme.name, (n, self.kv_heads, self.head_dim), fields, dict(side.params or {}))
 
     def dequantized(self, seq_id: int) -> tuple[np.ndarray, np.ndarray]:
-        """float64 ``(K, V)`` ``[seq_len, kv_heads, head_dim]``: the paged part, then the residual."""
+        """float64 ``(K, V)`` ``[seq_len, kv_heads, head_dim]``: the paged part, then the residual (original
+        domain: a rotated side's values are un-rotated)."""
         b = self._seq(seq_id)
         out = []
         for which, side in (("k", self.k), ("v", self.v)):
             q = self.quantized(b, which)
             paged = side.scheme.dequantize(q) if q.shape[0] else np.zeros((0, self.kv_heads, self.head_dim))
-            out.append(np.concatenate([paged, side.residual[b].astype(np.float64)]))
+            res = side.residual[b].astype(np.float64)
+            out.append(np.concatenate([paged, res if side.rotation is None else side.rotation.unrotate(res)]))
         return out[0], out[1]
+
+    def storage_view(self) -> PagedKVCache:
+        """A read-only view of this cache (it shares every array) whose schemes are the codecs of the stored
+        values: a rotated scheme is replaced by the scheme it wraps, so ``dequantized`` gives the stored
+        (rotated-domain) values. The identity for a cache without rotation. Never append to a view."""
+        view = copy.copy(self)
+        view.k, view.v = self.k.storage_side(), self.v.storage_side()
+        return view
 
     def export(self) -> dict[str, np.ndarray]:
         """Every array a backend needs, flat: ``k_<field>``, ``v_<field>`` (the page storage),
         ``k_param_<name>``/``v_param_<name>``, ``block_table`` int32 [batch, max_pages] (-1 unused),
         ``seq_lens``, ``k_lens``, ``v_lens`` int32 [batch], ``k_residual``/``v_residual`` float32
         [batch, W, kv_heads, head_dim] (W = the largest residual a scheme can hold) and
-        ``k_residual_lens``/``v_residual_lens`` int32 [batch]."""
+        ``k_residual_lens``/``v_residual_lens`` int32 [batch]. Everything is in the stored domain (rotated for a
+        rotated scheme)."""
         out: dict[str, np.ndarray] = {"block_table": self.block_table.copy(), "seq_lens": self.seq_lens.copy()}
         for tag, side in (("k", self.k), ("v", self.v)):
             for f, arr in side.storage.items():

@@ -5,6 +5,10 @@ For one query token per sequence: ``s_j = sm_scale * q . k_j`` (float64), ``lse 
 ``h`` reads KV head ``h // (q_heads // kv_heads)``. ``sm_scale`` defaults to ``1 / sqrt(head_dim)``.
 An empty sequence gives ``out = 0`` and ``lse = -inf``. The tolerance a float32 kernel must meet is
 derived in docs/schemes.md ("Tolerance for kernels") and implemented by :func:`kernel_tolerance`.
+
+Rotated caches (docs/rotation.md): :func:`decode_attention` works in the stored domain as a kernel does:
+``q`` is rotated by the K rotation (``rotate_query``, float64), attention runs over the stored (rotated)
+K and V values, and the output is un-rotated by the V rotation (``unrotate``); ``lse`` needs nothing.
 """
 
 from __future__ import annotations
@@ -63,14 +67,18 @@ def attention(q: Any, K_list: Sequence[Any], V_list: Sequence[Any],
 
 def decode_attention(q: Any, cache: Any, sm_scale: float | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Decode attention of ``q`` [batch, q_heads, head_dim] over a :class:`kvqref.paged.PagedKVCache`
-    (dequantized paged part + residual window of every sequence)."""
+    (dequantized paged part + residual window of every sequence). A rotated side is read in its stored domain:
+    ``q`` rotated by K's rotation, the output un-rotated by V's (see the module docstring)."""
     qa = _check_q(q)
     if qa.shape[0] != cache.batch or qa.shape[2] != cache.head_dim:
         raise ValueError(f"q {qa.shape} does not match the cache (batch {cache.batch}, head_dim {cache.head_dim})")
     if qa.shape[1] % cache.kv_heads:
         raise ValueError(f"q_heads {qa.shape[1]} is not a multiple of kv_heads {cache.kv_heads}")
-    Ks, Vs = zip(*(cache.dequantized(b) for b in range(cache.batch)), strict=True)
-    return attention(qa, Ks, Vs, sm_scale)
+    k_rot, v_rot = cache.k.rotation, cache.v.rotation
+    stored = cache.storage_view()
+    Ks, Vs = zip(*(stored.dequantized(b) for b in range(cache.batch)), strict=True)
+    out, lse = attention(qa if k_rot is None else k_rot.rotate_query(qa), Ks, Vs, sm_scale)
+    return (out if v_rot is None else v_rot.unrotate(out)), lse
 
 
 U_BF16 = 2.0**-8  # unit roundoff of bfloat16 (8-bit significand)

@@ -6,7 +6,8 @@ inputs are chosen from the definitions: every code's value, every midpoint betwe
 values (ties), the points just beside each midpoint, zeros, subnormals, the overflow boundary,
 +-Inf, NaN, and a fixed-seed random sample (SplitMix64, integer arithmetic). Each format's inputs are
 distinct bit patterns in ascending unsigned order (:func:`canonical`), so the document depends on no
-library's sort, hash or random stream.
+library's sort, hash or random stream. The ``"rotations"`` section holds the exact float32 outputs of
+the Hadamard rotation and the fields of rotated schemes (:mod:`kvqref.rotation_vectors`).
 """
 
 from __future__ import annotations
@@ -17,31 +18,18 @@ from typing import Any
 
 import numpy as np
 
-from kvqref import formats
+from kvqref import formats, rotation_vectors
+from kvqref.schemes.rotation import splitmix64
 
 VERSION = 2
 _SEED = 20261122
-
-
-def _splitmix64(seed: int, n: int) -> list[int]:
-    """``n`` outputs of SplitMix64 (Steele, Lea, Flood 2014) started at ``seed``: integer arithmetic only,
-    so the sample below is the same on every platform and library version (numpy's generators promise no
-    stream compatibility across versions)."""
-    mask, out, state = (1 << 64) - 1, [], seed & ((1 << 64) - 1)
-    for _ in range(n):
-        state = (state + 0x9E3779B97F4A7C15) & mask
-        z = state
-        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
-        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
-        out.append(z ^ (z >> 31))
-    return out
 
 
 def _sample(stream: int, n: int, e_lo: int, e_hi: int) -> np.ndarray:
     """``n`` float32 values ``+-m * 2**(e - 23)``: 24-bit significand m in [2**23, 2**24), exponent e
     uniform in [e_lo, e_hi], sign: bits of SplitMix64 outputs seeded with ``_SEED + stream`` (exact)."""
     vals = []
-    for z in _splitmix64(_SEED + stream, n):
+    for z in splitmix64(_SEED + stream, n):
         m = (1 << 23) | (z & ((1 << 23) - 1))
         e = e_lo + (z >> 23) % (e_hi - e_lo + 1)
         vals.append((-1.0 if (z >> 63) else 1.0) * float(np.ldexp(float(m), int(e) - 23)))
@@ -125,12 +113,13 @@ def generate() -> dict[str, Any]:
                     "codes": " ".join(f"{int(c):02x}" for c in codec.encode(arr, **kwargs)),
                 })
         doc["formats"][name] = entry
+    doc["rotations"] = rotation_vectors.generate()
     return doc
 
 
 def dumps(doc: dict[str, Any]) -> str:
     """JSON with one line per case, so diffs stay readable."""
-    head = {k: v for k, v in doc.items() if k != "formats"}
+    head = {k: v for k, v in doc.items() if k not in ("formats", "rotations")}
     lines = ["{"] + [f" {json.dumps(k)}: {json.dumps(v)}," for k, v in head.items()] + [' "formats": {']
     names = list(doc["formats"])
     for i, name in enumerate(names):
@@ -143,7 +132,19 @@ def dumps(doc: dict[str, Any]) -> str:
                   for j, c in enumerate(cases)]
         lines.append("   ]")
         lines.append("  }" + ("," if i < len(names) - 1 else ""))
-    lines += [" }", "}"]
+    lines.append(" }" + ("," if "rotations" in doc else ""))
+    if "rotations" in doc:
+        rot = doc["rotations"]
+        lines.append(' "rotations": {')
+        lines += [f"  {json.dumps(k)}: {json.dumps(v)}," for k, v in rot.items() if k not in ("cases", "schemes")]
+        for key, last in (("cases", False), ("schemes", True)):
+            lines.append(f"  {json.dumps(key)}: [")
+            rows = rot[key]
+            lines += [f"   {json.dumps(c, separators=(',', ':'))}" + ("," if j < len(rows) - 1 else "")
+                      for j, c in enumerate(rows)]
+            lines.append("  ]" + ("" if last else ","))
+        lines.append(" }")
+    lines.append("}")
     return "\n".join(lines) + "\n"
 
 

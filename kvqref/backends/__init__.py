@@ -6,6 +6,10 @@
   (``TRITON_INTERPRET=1``).
 
 A backend that cannot run here says why (``unavailable_reason``); ``get`` raises with that reason.
+
+Rotated caches (docs/rotation.md): a backend reads one only if it rotates queries and un-rotates outputs
+(``rotates_queries``: numpy and torch). The others refuse a rotated cache in ``prepare`` and ``decode`` with
+ValueError: rotated keys must never meet an unrotated query.
 """
 
 from __future__ import annotations
@@ -30,6 +34,8 @@ def _gpu() -> tuple[str | None, str]:
 class Backend:
     name = ""
     description = ""
+    #: whether ``decode`` rotates q by a rotated cache's K rotation and un-rotates the output by V's
+    rotates_queries = False
 
     def unavailable_reason(self) -> str | None:
         return None
@@ -41,7 +47,25 @@ class Backend:
         """Move a :class:`kvqref.paged.PagedKVCache` to where this backend computes."""
         from kvqref.backends.triton_backend import DeviceCache
 
+        self.check_rotation(cache)
         return DeviceCache.from_cache(cache, self.device())
+
+    def check_rotation(self, state: Any) -> None:
+        """ValueError if ``state`` (a paged cache, a device cache or a rotated device cache) is rotated and this
+        backend cannot rotate queries."""
+        from kvqref.backends.torch_backend import RotatedDeviceCache
+        from kvqref.schemes.rotation import rotation_of
+
+        if isinstance(state, RotatedDeviceCache):
+            rotations = {"K": state.k_rotation, "V": state.v_rotation}
+        else:
+            rotations = {"K": rotation_of(state.k.scheme), "V": rotation_of(state.v.scheme)}
+        rotated = [f"{side}: {rot}" for side, rot in rotations.items() if rot is not None]
+        if rotated and not self.rotates_queries:
+            why = ("rotation is not yet fused into the Triton kernels" if self.name == "triton"
+                   else "it cannot rotate queries")
+            raise ValueError(f"backend {self.name!r} cannot read a rotated cache ({', '.join(rotated)}): {why}; "
+                             "use the numpy or torch backend")
 
     def decode(self, q: Any, state: Any, sm_scale: float | None = None) -> tuple[Any, Any]:
         raise NotImplementedError
@@ -50,6 +74,7 @@ class Backend:
 class NumpyBackend(Backend):
     name = "numpy"
     description = "NumPy oracle: float64 attention over the dequantized cache"
+    rotates_queries = True
 
     def prepare(self, cache: Any) -> Any:
         return cache
@@ -63,12 +88,18 @@ class NumpyBackend(Backend):
 class TorchBackend(Backend):
     name = "torch"
     description = "unfused: dequantize to bfloat16, then torch SDPA"
+    rotates_queries = True
 
     def unavailable_reason(self) -> str | None:
         return None if importlib.util.find_spec("torch") else "torch is not installed"
 
     def device(self) -> str:
         return "cuda" if _gpu()[0] else "cpu"
+
+    def prepare(self, cache: Any) -> Any:
+        from kvqref.backends.torch_backend import prepare
+
+        return prepare(cache, self.device())
 
     def decode(self, q: Any, state: Any, sm_scale: float | None = None) -> tuple[Any, Any]:
         from kvqref.backends.torch_backend import decode
@@ -96,6 +127,7 @@ class TritonBackend(Backend):
     def decode(self, q: Any, state: Any, sm_scale: float | None = None, **kw: Any) -> tuple[Any, Any]:
         from kvqref.backends.triton_backend import decode
 
+        self.check_rotation(state)
         return decode(q, state, sm_scale, **kw)
 
 

@@ -3,13 +3,19 @@
 This is the unfused path SGLang's documentation warns about ("can be extremely slow"), kept to measure
 the fused kernels against. Dequantization uses torch's own float8 dtypes and lookup tables, so it is also
 an independent peer of the NumPy oracle for the stored values.
+
+Rotated caches (docs/rotation.md): :func:`prepare` copies the stored (rotated-domain) values and keeps the
+rotations beside them (:class:`RotatedDeviceCache`); :func:`decode` rotates ``q`` once, runs SDPA over the
+stored values and un-rotates the output once, in float32 butterflies (:func:`hadamard`).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from kvqref.backends.triton_backend import DeviceCache, Side, kernel_config
+from kvqref.schemes.rotation import HadamardRotation, norm_f32
 
 
 def _torch():
@@ -80,15 +86,69 @@ def gather(dc: DeviceCache, deq_k, deq_v):
     return k.transpose(1, 2), v.transpose(1, 2), valid
 
 
-def decode(q, dc: DeviceCache, sm_scale: float | None = None, dtype=None, *, precision: str = "fast",
-           **_: Any):
+@dataclass
+class RotatedDeviceCache:
+    """A device cache of stored (rotated-domain) values and the rotations of its K and V (None: unrotated)."""
+
+    storage: DeviceCache
+    k_rotation: HadamardRotation | None
+    v_rotation: HadamardRotation | None
+
+
+def prepare(cache, device: str = "cpu") -> DeviceCache | RotatedDeviceCache:
+    """A :class:`kvqref.paged.PagedKVCache` on ``device``; a rotated one as a :class:`RotatedDeviceCache`."""
+    if cache.k.rotation is None and cache.v.rotation is None:
+        return DeviceCache.from_cache(cache, device)
+    return RotatedDeviceCache(DeviceCache.from_cache(cache.storage_view(), device), cache.k.rotation,
+                              cache.v.rotation)
+
+
+def hadamard(x):
+    """``x @ H`` along the last axis (float32 tensors: float32 butterflies in the oracle's stage order
+    ``h = 1, 2, ..., D/2``, so the bits equal :func:`kvqref.schemes.rotation.butterflies`)."""
+    torch = _torch()
+    D = x.shape[-1]
+    h = 1
+    while h < D:
+        v = x.unflatten(-1, (D // (2 * h), 2, h))
+        a, b = v[..., 0, :], v[..., 1, :]
+        x = torch.stack((a + b, a - b), dim=-2).flatten(-3)
+        h *= 2
+    return x
+
+
+def _signs(rot: HadamardRotation, D: int, device):
+    return _torch().from_numpy(rot.signs(D)).to(device)
+
+
+def rotate_query(q, rot: HadamardRotation):
+    """float32 ``q @ M^-T = ((q * signs) @ H) / (D * C_D)``."""
+    D = q.shape[-1]
+    return hadamard(q.float() * _signs(rot, D, q.device)) * float(1 / (D * float(norm_f32(D))))
+
+
+def unrotate(z, rot: HadamardRotation):
+    """float32 ``z @ M^-1 = ((z @ H) * signs) / (D * C_D)``."""
+    D = z.shape[-1]
+    return hadamard(z.float()) * (_signs(rot, D, z.device) * float(1 / (D * float(norm_f32(D)))))
+
+
+def decode(q, dc: DeviceCache | RotatedDeviceCache, sm_scale: float | None = None, dtype=None, *,
+           precision: str = "fast", **_: Any):
     """Unfused decode: dequantize everything to ``dtype``, SDPA; (out, None). ``dtype`` defaults to the
-    ``precision``: bfloat16 for ``"fast"`` (the default), float32 for ``"exact"``."""
+    ``precision``: bfloat16 for ``"fast"`` (the default), float32 for ``"exact"``.
+    A :class:`RotatedDeviceCache`: ``q`` rotated before, the output un-rotated after (float32)."""
     torch = _torch()
     if precision not in ("fast", "exact"):
         raise ValueError(f"precision must be 'fast' or 'exact', got {precision!r}")
     dtype = dtype or (torch.bfloat16 if precision == "fast" else torch.float32)
+    k_rot = v_rot = None
+    if isinstance(dc, RotatedDeviceCache):
+        k_rot, v_rot, dc = dc.k_rotation, dc.v_rotation, dc.storage
+        if k_rot is not None:
+            q = rotate_query(q, k_rot)
     k, v, valid = gather(dc, dequantize(dc.k, dtype), dequantize(dc.v, dtype))
     out = torch.nn.functional.scaled_dot_product_attention(
         q.to(dtype)[:, :, None, :], k, v, attn_mask=valid[:, None, None, :], scale=sm_scale, enable_gqa=True)
-    return out[:, :, 0, :].float(), None
+    out = out[:, :, 0, :].float()
+    return (out if v_rot is None else unrotate(out, v_rot)), None

@@ -1,6 +1,7 @@
 """KV cache schemes: ``get(name, **options)`` returns a :class:`Scheme`; names follow ``--kv-cache-dtype``.
 
-Layouts, rules and the engine-profile table: docs/schemes.md.
+Layouts, rules and the engine-profile table: docs/schemes.md. Every scheme takes ``rotation="hadamard"``
+(+ ``rotation_seed``): a randomized Hadamard rotation before quantizing (docs/rotation.md).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from kvqref.schemes.bf16 import BF16Scheme
 from kvqref.schemes.fp4 import E8M0BlockScheme, NVFP4Scheme, from_sglang_layout, to_sglang_layout
 from kvqref.schemes.fp8 import FP8Scheme, load_sglang_scales
 from kvqref.schemes.kivi import KiviScheme, to_kivi_layout
+from kvqref.schemes.rotation import HadamardRotation, RotatedScheme, with_rotation
 
 _FACTORIES: dict[str, Callable[..., Scheme]] = {
     "bf16": lambda **o: BF16Scheme(**o),
@@ -35,12 +37,14 @@ def names() -> list[str]:
 
 
 def get(name: str, **options: Any) -> Scheme:
-    """The scheme ``name`` built with ``options``; KeyError lists the known names."""
+    """The scheme ``name`` built with ``options``; KeyError lists the known names. ``rotation="hadamard"``
+    (and ``rotation_seed``, an int, default 0) wrap it in a :class:`RotatedScheme`."""
     key = ALIASES.get(name, name)
     if key not in _FACTORIES:
         known = ", ".join([*_FACTORIES, *ALIASES])
         raise KeyError(f"unknown KV cache scheme {name!r}; known schemes: {known}")
-    return _FACTORIES[key](**options)
+    rotation, seed = options.pop("rotation", None), options.pop("rotation_seed", None)
+    return with_rotation(_FACTORIES[key](**options), rotation, seed)
 
 
 def outlier_tensor(tokens: int = 1024, heads: int = 8, head_dim: int = 128, *, seed: int = 0,
@@ -89,6 +93,7 @@ def error_table_markdown(**kw: Any) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["ALIASES", "BF16Scheme", "E8M0BlockScheme", "FP8Scheme", "FieldSpec", "KiviScheme", "NVFP4Scheme",
-           "Quantized", "Scheme", "error_table", "error_table_markdown", "from_sglang_layout", "get",
-           "load_sglang_scales", "names", "outlier_tensor", "relative_rms", "to_kivi_layout", "to_sglang_layout"]
+__all__ = ["ALIASES", "BF16Scheme", "E8M0BlockScheme", "FP8Scheme", "FieldSpec", "HadamardRotation", "KiviScheme",
+           "NVFP4Scheme", "Quantized", "RotatedScheme", "Scheme", "error_table", "error_table_markdown",
+           "from_sglang_layout", "get", "load_sglang_scales", "names", "outlier_tensor", "relative_rms",
+           "to_kivi_layout", "to_sglang_layout"]
