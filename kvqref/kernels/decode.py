@@ -15,11 +15,13 @@ Cache tile kinds (``KIND_K``/``KIND_V``) and the fields they read (leading axes 
     5 INT-K    F0 as 4; F1 fp16 scale, F2 fp16 zero [D] per group of G slots (per channel, token groups)
 Tensor-level scales (FP8 per-tensor/per-head, NVFP4 global) are folded: K's into the softmax scale,
 V's into the output. Per-token FP8 scales multiply score columns and probabilities, never the
-elements, so dequantized FP8 tiles are exact in float16 and FP4 tiles exact in bfloat16 and go to the
-tensor cores as they are. Operands that are not exact in 16 bits (q in float32, the probabilities, KIVI
-tiles, the residual) are split into two or three 16-bit parts whose sum is the float32 value, so the
-products are those of float32 operands (docs/kernels.md). KIVI keys fold the group's per-channel scale
-and zero into q, so their integer codes go to the tensor cores exactly.
+elements, so dequantized FP8 tiles are exact in float16 and FP4 tiles exact in bfloat16 (NVFP4 also in
+float16) and go to the tensor cores as they are. KIVI keys fold the group's per-channel scale and zero
+into q, so their integer codes go to the tensor cores exactly. Operands that are not exact in 16 bits
+(q in float32, the probabilities, KIVI q x s and value tiles, the residual): ``precision="exact"`` splits
+them into two or three 16-bit parts whose sum is the float32 value (products of float32 operands);
+``precision="fast"`` (the default, constexpr ``FAST``) rounds q and p once to 16 bits and splits KIVI and
+residual tiles in two bfloat16 parts (docs/kernels.md, "Precision", derives both error bounds).
 """
 
 from __future__ import annotations
