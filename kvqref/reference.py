@@ -115,10 +115,10 @@ def fast_rounding(k_scheme: Any, v_scheme: Any, q_dtype: str) -> Rounding16:
 
     Scores: q goes to the tensor cores as bfloat16 (bf16 and KIVI-residual tiles) or, scaled by a power of
     two, as float16 (FP8 and NVFP4 tiles; NVFP4 tiles are float16 E2M1 * scale * 2**-14, exact; E8M0 FP4
-    tiles are bfloat16, exact); KIVI keys
-    fold the per-channel scale into q and ``q_d * s_d`` is split in two bfloat16 parts (not rounded once:
-    keys carry outlier channels, and one rounding would cost up to 2**-8 of each product, a bound that no
-    longer sees one code step); float32 tiles (the KIVI residual) are split in two bfloat16 parts.
+    tiles are bfloat16, exact); KIVI keys fold the per-channel scale into q and ``q_d * s_d`` is split in
+    two bfloat16 parts (not rounded once: keys carry outlier channels, and one rounding would cost up to
+    2**-8 of each product, a bound that no longer sees one code step); float32 tiles (the KIVI residual)
+    are split in two bfloat16 parts.
     Outputs: p is rounded to bfloat16, or (FP8 values with a tensor scale, NVFP4 values) ``p * 2**14`` to
     float16; KIVI value tiles and the residual are split in two bfloat16 parts.
     """

@@ -109,3 +109,23 @@ def test_fast_rounding_constants():
     assert (r.u_q, r.a_q, r.u_p, r.a_p) == (0.0, 0.0, reference.U_BF16, 0.0)
     r = reference.fast_rounding(kk, kv, "bfloat16")
     assert (r.u_q, r.u_qs, r.u_k, r.u_p, r.u_v) == (0.0, 2.0**-16, 2.0**-16, reference.U_BF16, 2.0**-16)
+
+
+def test_torch_backend_precision_picks_the_dtype_and_rejects_others():
+    """The unfused torch backend reflects the choice: bfloat16 SDPA for "fast", float32 for "exact"."""
+    import pytest
+
+    torch = pytest.importorskip("torch")
+    from kvqref.backends import torch_backend, triton_backend
+    from kvqref.paged import PagedKVCache
+
+    rng = np.random.default_rng(0)
+    cache = PagedKVCache(schemes.get("fp8_e4m3"), schemes.get("fp8_e4m3"), 4, 16, 2, 64, batch=1)
+    cache.append(0, rng.standard_normal((20, 2, 64)), rng.standard_normal((20, 2, 64)))
+    dc = triton_backend.DeviceCache.from_cache(cache, "cpu")
+    q = torch.from_numpy(rng.standard_normal((1, 4, 64)).astype(np.float32))
+    ref, _ = reference.decode_attention(q.numpy().astype(np.float64), cache)
+    err = {p: np.abs(torch_backend.decode(q, dc, precision=p)[0].numpy() - ref).max() for p in ("fast", "exact")}
+    assert err["exact"] < 1e-5 < err["fast"]  # float32 SDPA vs bfloat16 SDPA
+    with pytest.raises(ValueError, match="precision"):
+        torch_backend.decode(q, dc, precision="half")
