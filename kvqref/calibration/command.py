@@ -72,12 +72,12 @@ def collect(model_name: str, text: str, tokens: int, dtype: str = "bfloat16") ->
     if model_name == hf.SMOLLM2 and hf.missing_reason():
         raise CalibrationError(f"cannot load SmolLM2: {hf.missing_reason()}")
     t0 = time.perf_counter()
-    print(f"loading {model_name} ({dtype}) ...", file=sys.stderr)
-    model, tok = hf.load_model(model_name, dtype)
     try:
-        ids = hf.tokenize(tok, text, tokens)
+        ids = hf.tokenize(hf.load_tokenizer(model_name), text, tokens)
     except ValueError as e:
         raise CalibrationError(str(e)) from None
+    print(f"loading {model_name} ({dtype}) ...", file=sys.stderr)
+    model, _ = hf.load_model(model_name, dtype)
     kv = hf.collect_kv(model, ids, progress=_progress("prefill", -(-tokens // 512)))
     meta = {"model": model_name, "dtype": dtype, "tokens": tokens,
             "text_sha256": hashlib.sha256(text.encode()).hexdigest(), "collect_seconds": time.perf_counter() - t0}

@@ -20,7 +20,8 @@ so MSE never does worse than amax on the calibration data). The error of a candi
 ``profile``, e.g. SGLang's bfloat16 arithmetic and, without saturation, NaN on overflow, which makes the
 error infinite). FP8 quantization is elementwise, so the error is summed over the distinct values of
 ``x`` weighted by their counts (exact; bfloat16 activations have few distinct values). Ties go to the
-larger scale. Per-head scales are searched per head.
+candidate nearest ``s_amax``, then to the larger (an all-zero tensor keeps 1.0). Per-head scales are
+searched per head.
 """
 
 from __future__ import annotations
@@ -148,7 +149,8 @@ def _sse_nvfp4(x: np.ndarray, g: np.float32) -> float:
 
 
 def mse_search(sse: Callable[[np.float32], float], s_amax: np.float32) -> np.float32:
-    """The candidate scale (see the module docstring) with the least ``sse``; ties to the larger scale."""
+    """The candidate scale (see the module docstring) with the least ``sse``; ties to the one nearest
+    ``s_amax``, then to the larger."""
     tried: dict[float, float] = {}
 
     def ev(e: float) -> float:
@@ -156,10 +158,13 @@ def mse_search(sse: Callable[[np.float32], float], s_amax: np.float32) -> np.flo
             tried[e] = sse(np.float32(s_amax * np.float32(2.0**e)))
         return tried[e]
 
-    best = max(COARSE_STEPS, key=lambda e: (-ev(float(e)), e))
+    def key(e: float) -> tuple[float, float, float]:  # least error; ties: nearest amax, then larger
+        return (-ev(e), -abs(e), e)
+
+    best = max((float(e) for e in COARSE_STEPS), key=key)
     for d in FINE_STEPS:
-        ev(float(best + d))
-    e_best = max(tried, key=lambda e: (-tried[e], e))
+        ev(best + float(d))
+    e_best = max(tried, key=key)
     return np.float32(s_amax * np.float32(2.0**e_best))
 
 

@@ -4,9 +4,10 @@ Layout (https://huggingface.co/docs/safetensors, "Format"): 8 bytes little-endia
 ``N`` bytes of UTF-8 JSON header, then the tensor bytes. The header maps each tensor name to
 ``{"dtype", "shape", "data_offsets": [begin, end]}`` (offsets relative to the end of the header, byte
 buffers back to back, little-endian, C order) and may hold ``"__metadata__"``: a str -> str map. The
-writer pads the header with spaces to a multiple of 8 bytes and sorts the tensors by name, as the
-``safetensors`` package does, so the bytes equal that package's ``save_file`` output (tested; with two or
-more metadata entries only the order of those entries differs, as the package writes them in hash order).
+writer pads the header with spaces to a multiple of 8 bytes and lays the tensors out sorted by name. The
+``safetensors`` package sorts by dtype first, then by name, so for files of one dtype (kvqref writes
+float32 only) and at most one metadata entry (it writes those in hash order) the bytes equal its
+``save_file`` output (tested); any file either writes, the other reads.
 """
 
 from __future__ import annotations

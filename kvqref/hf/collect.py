@@ -12,6 +12,7 @@ in ``kvqref/hf/``.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 from collections.abc import Callable
 from pathlib import Path
@@ -43,25 +44,39 @@ def missing_reason() -> str | None:
     return None
 
 
-def load_model(name: str = SMOLLM2, dtype: str = "bfloat16") -> tuple[Any, Any]:
-    """(model in eval mode on the CPU, tokenizer). ``dtype``: the torch dtype the model runs in."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def _source(name: str) -> tuple[str, dict[str, Any]]:
+    if name != SMOLLM2:
+        return name, {}
+    why = missing_reason()
+    if why:
+        raise RuntimeError(f"cannot load SmolLM2: {why}")
+    gguf = smollm2_gguf()
+    assert gguf is not None
+    return str(gguf.parent), {"gguf_file": gguf.name}
 
-    tdtype = getattr(torch, dtype)
-    if name == SMOLLM2:
-        why = missing_reason()
-        if why:
-            raise RuntimeError(f"cannot load SmolLM2: {why}")
-        gguf = smollm2_gguf()
-        assert gguf is not None
-        kw: dict[str, Any] = {"gguf_file": gguf.name}
-        folder: str = str(gguf.parent)
-    else:
-        kw, folder = {}, name
-    tok = AutoTokenizer.from_pretrained(folder, **kw)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=tdtype, **kw)
-    return model.eval(), tok
+
+@functools.lru_cache(maxsize=2)
+def load_tokenizer(name: str = SMOLLM2) -> Any:
+    from transformers import AutoTokenizer
+
+    folder, kw = _source(name)
+    return AutoTokenizer.from_pretrained(folder, **kw)
+
+
+def load_model(name: str = SMOLLM2, dtype: str = "bfloat16") -> tuple[Any, Any]:
+    """(model in eval mode on the CPU, tokenizer), cached (the last one loaded). ``dtype``: the torch dtype
+    the model runs in."""
+    return _load_model(name, dtype)
+
+
+@functools.lru_cache(maxsize=1)
+def _load_model(name: str, dtype: str) -> tuple[Any, Any]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    folder, kw = _source(name)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype), **kw)
+    return model.eval(), load_tokenizer(name)
 
 
 def tokenize(tokenizer: Any, text: str, tokens: int) -> list[int]:
