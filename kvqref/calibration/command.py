@@ -69,8 +69,9 @@ def collect(model_name: str, text: str, tokens: int, dtype: str = "bfloat16") ->
     """(per-layer (K, V), meta) for ``tokens`` tokens of ``text``."""
     from kvqref.hf import collect as hf
 
-    if model_name == hf.SMOLLM2 and hf.missing_reason():
-        raise CalibrationError(f"cannot load SmolLM2: {hf.missing_reason()}")
+    why = hf.missing_reason(model_name)
+    if why:
+        raise CalibrationError(f"cannot load {model_name}: {why}")
     t0 = time.perf_counter()
     try:
         ids = hf.tokenize(hf.load_tokenizer(model_name), text, tokens)

