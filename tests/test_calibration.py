@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from kvqref import schemes
 from kvqref.calibration import ScaleSet, calibrate, calibrate_tensor, files, load, save, st_format
 from kvqref.calibration import compare as cmp
-from kvqref.calibration.scales import COARSE_STEPS, FINE_STEPS
+from kvqref.calibration.scales import COARSE_STEPS, FINE_STEPS, NVFP4_COARSE_STEPS
 from kvqref.paged import PagedKVCache
 
 
@@ -98,9 +98,13 @@ def test_mse_under_sglang_nonsaturating_never_picks_a_scale_that_makes_nan():
 
 
 def test_nvfp4_mse_beats_or_ties_amax():
-    x = kv(np.random.default_rng(6), 32, 2, 32)
+    x = kv(np.random.default_rng(6), 32, 2, 32)  # <= 512 tokens: the search sees every token
     g = calibrate_tensor(x, "nvfp4", "mse")
-    assert sse(schemes.get("nvfp4", global_scale=float(g)), x) <= sse(schemes.get("nvfp4"), x)
+    best = sse(schemes.get("nvfp4", global_scale=float(g)), x)
+    assert best <= sse(schemes.get("nvfp4"), x)
+    g0 = schemes.get("nvfp4").calibrate(x)["global_scale"]
+    for e in NVFP4_COARSE_STEPS:
+        assert best <= sse(schemes.get("nvfp4", global_scale=float(np.float32(g0 * np.float32(2.0**e)))), x)
 
 
 def test_zero_tensor_gives_scale_one():

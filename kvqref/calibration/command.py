@@ -79,9 +79,11 @@ def collect(model_name: str, text: str, tokens: int, dtype: str = "bfloat16") ->
         raise CalibrationError(str(e)) from None
     print(f"loading {model_name} ({dtype}) ...", file=sys.stderr)
     model, _ = hf.load_model(model_name, dtype)
+    t1 = time.perf_counter()
     kv = hf.collect_kv(model, ids, progress=_progress("prefill", -(-tokens // 512)))
     meta = {"model": model_name, "dtype": dtype, "tokens": tokens,
-            "text_sha256": hashlib.sha256(text.encode()).hexdigest(), "collect_seconds": time.perf_counter() - t0}
+            "text_sha256": hashlib.sha256(text.encode()).hexdigest(), "load_seconds": round(t1 - t0, 2),
+            "prefill_seconds": round(time.perf_counter() - t1, 2)}
     return kv, meta
 
 
@@ -97,15 +99,18 @@ def run(args: argparse.Namespace) -> int:
         raise CalibrationError(f"--percentile must be in (0, 100], got {args.percentile}")
     t0 = time.perf_counter()
     kv, meta = collect(args.model, calibration_text(args.text), args.tokens, args.dtype)
+    t1 = time.perf_counter()
     scales = calibrate(kv, args.scheme, args.method, args.granularity, percentile=args.percentile,
                        profile=args.profile, progress=_progress(f"calibrate {args.method}", len(kv)), meta=meta)
+    t_cal = time.perf_counter() - t1
     opts = {"tp_size": args.tp_size} if args.fmt == "sglang" else {}
     save(args.out, scales, args.fmt, **opts)
     k = [float(a.max()) for a in scales.k]
     v = [float(a.max()) for a in scales.v]
     print(f"wrote {args.out} ({args.fmt}): {scales.num_layers} layers, {args.scheme} {args.granularity} "
           f"{args.method}; K scales {min(k):.4g}..{max(k):.4g}, V scales {min(v):.4g}..{max(v):.4g}; "
-          f"{time.perf_counter() - t0:.1f} s")
+          f"{time.perf_counter() - t0:.1f} s (tokenizer + model load {meta['load_seconds']:.1f} s, prefill "
+          f"{meta['prefill_seconds']:.1f} s, calibration {t_cal:.1f} s)")
     if args.fmt == "vllm":
         from kvqref.calibration.files import vllm_config_fragment
 

@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import platform
 import sys
 import time
 import warnings
@@ -229,7 +230,8 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"Model {src} run in {a.dtype}: {len(calib)} layers, {H} KV heads, head_dim {D}. Calibration: "
               f"tokens [0, {a.calib_tokens}) of the text ({a.text or 'kvqref.minilm.corpus(): Python-bundled prose'}, "
               f"sha256 {hashlib.sha256(text.encode()).hexdigest()[:16]}); evaluation: tokens [{a.calib_tokens}, "
-              f"{a.calib_tokens + a.eval_tokens}) as a separate prompt (its own prefill). torch {torch.__version__}, "
+              f"{a.calib_tokens + a.eval_tokens}) as a separate prompt (its own prefill). Python "
+              f"{platform.python_version()} (the default text is its docstrings), torch {torch.__version__}, "
               f"transformers {transformers.__version__}, numpy {np.__version__}. "
               f"{time.perf_counter() - t0:.0f} s.\n\n"
               "Relative error = sqrt(sum err^2 / sum x^2) over all layers' evaluation K (or V); worst layer = the "

@@ -21,7 +21,10 @@ so MSE never does worse than amax on the calibration data). The error of a candi
 error infinite). FP8 quantization is elementwise, so the error is summed over the distinct values of
 ``x`` weighted by their counts (exact; bfloat16 activations have few distinct values). Ties go to the
 candidate nearest ``s_amax``, then to the larger (an all-zero tensor keeps 1.0). Per-head scales are
-searched per head.
+searched per head. NVFP4 is not elementwise (blocks of 16), so each candidate quantizes the tensor itself;
+to keep that fast the search runs on every ``ceil(T / 512)``-th token and its coarse grid spans +1/4 to -1
+only (12 evaluations): g scales every block's E4M3 scale alike, so beyond that range it only moves the
+largest block's scale into the 448 clamp or small blocks' into the 2**-6 floor.
 """
 
 from __future__ import annotations
@@ -41,7 +44,9 @@ SCHEMES = ("fp8_e4m3", "fp8_e5m2", "nvfp4")
 GRANULARITIES = ("tensor", "head")
 NVFP4_RANGE = 448.0 * 6.0  # E4M3 max * E2M1 max
 COARSE_STEPS = np.arange(1, -17, -1) / 4.0  # exponents +1/4 .. -4 (18 candidates)
+NVFP4_COARSE_STEPS = np.arange(1, -5, -1) / 4.0  # exponents +1/4 .. -1 (6 candidates)
 FINE_STEPS = np.array([-3, -2, -1, 1, 2, 3]) / 32.0  # around the best coarse exponent (6 more)
+NVFP4_MSE_TOKENS = 512  # the NVFP4 search quantizes every ceil(T / 512)-th token
 
 
 @dataclass
@@ -148,7 +153,8 @@ def _sse_nvfp4(x: np.ndarray, g: np.float32) -> float:
     return float(np.sum(err * err))
 
 
-def mse_search(sse: Callable[[np.float32], float], s_amax: np.float32) -> np.float32:
+def mse_search(sse: Callable[[np.float32], float], s_amax: np.float32,
+               coarse: np.ndarray = COARSE_STEPS) -> np.float32:
     """The candidate scale (see the module docstring) with the least ``sse``; ties to the one nearest
     ``s_amax``, then to the larger."""
     tried: dict[float, float] = {}
@@ -161,7 +167,7 @@ def mse_search(sse: Callable[[np.float32], float], s_amax: np.float32) -> np.flo
     def key(e: float) -> tuple[float, float, float]:  # least error; ties: nearest amax, then larger
         return (-ev(e), -abs(e), e)
 
-    best = max((float(e) for e in COARSE_STEPS), key=key)
+    best = max((float(e) for e in coarse), key=key)
     for d in FINE_STEPS:
         ev(best + float(d))
     e_best = max(tried, key=key)
@@ -194,7 +200,8 @@ def calibrate_tensor(x: Any, scheme: str = "fp8_e4m3", method: str = "amax", gra
     if method != "mse":
         return s0
     if scheme == "nvfp4":
-        return mse_search(lambda g: _sse_nvfp4(arr, g), s0)
+        sub = arr[:: -(-arr.shape[0] // NVFP4_MSE_TOKENS)]
+        return mse_search(lambda g: _sse_nvfp4(sub, g), s0, NVFP4_COARSE_STEPS)
     fp8 = _fp8(scheme, profile)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # sglang profile: overflow to NaN is expected for small candidates
