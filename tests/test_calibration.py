@@ -107,6 +107,17 @@ def test_nvfp4_mse_beats_or_ties_amax():
         assert best <= sse(schemes.get("nvfp4", global_scale=float(np.float32(g0 * np.float32(2.0**e)))), x)
 
 
+def test_margin_multiplies_in_float32():
+    x = kv(np.random.default_rng(8))
+    for g in ("tensor", "head"):
+        s = calibrate_tensor(x, granularity=g)
+        m = calibrate_tensor(x, granularity=g, margin=1.7)
+        assert m.dtype == np.float32 and np.array_equal(m, (s * np.float32(1.7)).astype(np.float32))
+    with pytest.raises(ValueError, match="margin must be positive"):
+        calibrate_tensor(x, margin=0.0)
+    assert calibrate([(x, x)], margin=2.0).meta["margin"] == 2.0
+
+
 def test_zero_tensor_gives_scale_one():
     z = np.zeros((4, 2, 16), np.float32)
     for m in ("amax", "percentile", "mse"):
@@ -397,6 +408,7 @@ def test_compare_counts_saturation_and_flushes():
     one = rows[("1.0 (no scales: engine default)", "tensor")]
     assert one["k"]["saturated"] == int(np.sum(np.abs(big) > 464.0)) > 0
     assert rows[("static amax", "tensor")]["k"]["saturated"] == 0
+    assert rows[("static amax x 2 (margin)", "head")]["k"]["saturated"] == 0
     assert rows[("per token (dynamic amax)", "token_head")]["k"]["saturated"] == 0
     assert rows[("static mse", "tensor")]["k"]["rel_err"] <= rows[("static amax", "tensor")]["k"]["rel_err"]
     assert one["k"]["rel_err"] > rows[("static amax", "tensor")]["k"]["rel_err"]
@@ -420,6 +432,7 @@ def test_saturation_edge_follows_rne():
     (["--format", "sglang", "--scheme", "fp8_e5m2"], "float8_e4m3fn factor"),
     (["--format", "sglang", "--granularity", "head"], "float8_e4m3fn factor"),
     (["--tokens", "0"], "--tokens must be positive"),
+    (["--margin", "-1"], "--margin must be positive"),
     (["--method", "percentile", "--percentile", "101"], "--percentile must be in"),
     (["--text", "/nonexistent/file.txt"], "cannot read --text"),
 ])

@@ -30,6 +30,9 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                                          "SGLang and vLLM load")
     c.add_argument("--method", choices=METHODS, default="amax")
     c.add_argument("--percentile", type=float, default=99.99, help="for --method percentile (default 99.99)")
+    c.add_argument("--margin", type=float, default=1.0,
+                   help="multiply every scale by this (headroom for activations larger than the calibration "
+                        "text's; e.g. 2; default 1)")
     c.add_argument("--scheme", choices=SCHEMES, default="fp8_e4m3")
     c.add_argument("--granularity", choices=GRANULARITIES, default="tensor")
     c.add_argument("--profile", choices=("vllm", "sglang"), default="vllm",
@@ -95,13 +98,16 @@ def run(args: argparse.Namespace) -> int:
     if args.fmt == "sglang" and (args.scheme != "fp8_e4m3" or args.granularity != "tensor"):
         raise CalibrationError("--format sglang holds one float8_e4m3fn factor per layer: use --scheme fp8_e4m3 "
                                "--granularity tensor (or --format vllm)")
+    if not (args.margin > 0 and args.margin < float("inf")):
+        raise CalibrationError(f"--margin must be positive and finite, got {args.margin}")
     if not 0 < args.percentile <= 100:
         raise CalibrationError(f"--percentile must be in (0, 100], got {args.percentile}")
     t0 = time.perf_counter()
     kv, meta = collect(args.model, calibration_text(args.text), args.tokens, args.dtype)
     t1 = time.perf_counter()
     scales = calibrate(kv, args.scheme, args.method, args.granularity, percentile=args.percentile,
-                       profile=args.profile, progress=_progress(f"calibrate {args.method}", len(kv)), meta=meta)
+                       profile=args.profile, margin=args.margin,
+                       progress=_progress(f"calibrate {args.method}", len(kv)), meta=meta)
     t_cal = time.perf_counter() - t1
     opts = {"tp_size": args.tp_size} if args.fmt == "sglang" else {}
     save(args.out, scales, args.fmt, **opts)

@@ -21,7 +21,7 @@ Choices (``granularity`` tensor unless said):
 * ``frozen first prefill (N)``: transformers' ``QuantizedCache(backend="fp8")`` (``Fp8QuantizedLayer``):
   ``amax(first prefill) / max_finite`` frozen for every later token; also per head;
 * ``static amax / percentile / mse``: :func:`kvqref.calibration.calibrate_tensor` on the calibration
-  prompt, per tensor and per head;
+  prompt, per tensor and per head; also static amax times 2 (``--margin 2``: headroom);
 * ``per token``: ``amax / max_finite`` per (token, head), stored with each token (vLLM's
   ``fp8_per_token_head``; 32 extra bits per head_dim elements).
 
@@ -51,6 +51,7 @@ from kvqref.schemes import FP8Scheme
 
 VLLM_K_SCALE_CONSTANT = 200.0
 VLLM_V_SCALE_CONSTANT = 100.0
+MARGIN = 2.0  # the headroom row: static amax times this (kvqref calibrate --margin)
 KV = Sequence[tuple[np.ndarray, np.ndarray]]
 
 
@@ -98,6 +99,9 @@ def choices(calib: KV, evals: KV, scheme: str = "fp8_e4m3", *, profile: str = "v
                 progress(f"static {method} {g}")
             label = f"static {method}" + (f" (p{percentile:g})" if method == "percentile" else "")
             out.append(Choice(label, g, lambda i, s, t=table: t[i][s]))
+            if method == "amax":
+                out.append(Choice(f"static amax x {MARGIN:g} (margin)", g,
+                                  lambda i, s, t=table: (t[i][s] * np.float32(MARGIN)).astype(np.float32)))
     out.append(Choice("per token (dynamic amax)", "token_head", None))
     return out
 
@@ -211,7 +215,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ids = hf.tokenize(tok, text, a.calib_tokens + a.eval_tokens)
     calib = hf.collect_kv(model, ids[:a.calib_tokens])
     evals = hf.collect_kv(model, ids[a.calib_tokens:])
-    prog = Progress(6 + 14, "compare")  # 6 static calibrations, 14 choices
+    prog = Progress(6 + 16, "compare")  # 6 static calibrations, 16 choices
     rows = compare(calib, evals, a.scheme, profile=a.profile, short=a.short, long=a.long,
                    percentile=a.percentile, progress=prog)
     cmd = "python -m kvqref.calibration.compare " + " ".join(sys.argv[1:] if argv is None else argv)

@@ -175,9 +175,21 @@ def mse_search(sse: Callable[[np.float32], float], s_amax: np.float32,
 
 
 def calibrate_tensor(x: Any, scheme: str = "fp8_e4m3", method: str = "amax", granularity: str = "tensor", *,
-                     percentile: float = 99.99, profile: str = "vllm") -> np.ndarray:
+                     percentile: float = 99.99, profile: str = "vllm", margin: float = 1.0) -> np.ndarray:
     """The static scale of one K or V tensor ``[tokens, kv_heads, head_dim]``: float32 scalar (tensor) or
-    float32 ``[kv_heads]`` (head)."""
+    float32 ``[kv_heads]`` (head), times ``margin`` (``f32(s * f32(margin))``: headroom for activations
+    larger than the calibration data's)."""
+    s = _calibrate(x, scheme, method, granularity, percentile, profile)
+    if not (np.isfinite(margin) and margin > 0):
+        raise ValueError(f"calibrate: margin must be positive and finite, got {margin}")
+    if margin == 1.0:
+        return s
+    out = (s * np.float32(margin)).astype(np.float32)
+    return out if out.ndim else np.float32(out)
+
+
+def _calibrate(x: Any, scheme: str, method: str, granularity: str, percentile: float,
+               profile: str) -> np.ndarray:
     if scheme not in SCHEMES:
         raise ValueError(f"calibrate: scheme must be one of {SCHEMES}, got {scheme!r}")
     if method not in METHODS:
@@ -216,14 +228,16 @@ def calibrate_tensor(x: Any, scheme: str = "fp8_e4m3", method: str = "amax", gra
 
 
 def calibrate(kv: Sequence[tuple[Any, Any]], scheme: str = "fp8_e4m3", method: str = "amax",
-              granularity: str = "tensor", *, percentile: float = 99.99, profile: str = "vllm",
+              granularity: str = "tensor", *, percentile: float = 99.99, profile: str = "vllm", margin: float = 1.0,
               progress: Callable[[int, int], None] | None = None, meta: dict[str, Any] | None = None) -> ScaleSet:
     """Scales of every layer from ``kv[layer] = (K, V)``; ``progress(done, total)`` after each layer."""
     ks, vs = [], []
+    opts = dict(percentile=percentile, profile=profile, margin=margin)
     for i, (k, v) in enumerate(kv):
-        ks.append(calibrate_tensor(k, scheme, method, granularity, percentile=percentile, profile=profile))
-        vs.append(calibrate_tensor(v, scheme, method, granularity, percentile=percentile, profile=profile))
+        ks.append(calibrate_tensor(k, scheme, method, granularity, **opts))
+        vs.append(calibrate_tensor(v, scheme, method, granularity, **opts))
         if progress:
             progress(i + 1, len(kv))
-    info = {"method": method, "profile": profile, **({"percentile": percentile} if method == "percentile" else {})}
+    info = {"method": method, "profile": profile, **({"percentile": percentile} if method == "percentile" else {}),
+            **({"margin": margin} if margin != 1.0 else {})}
     return ScaleSet(scheme, granularity, ks, vs, {**info, **(meta or {})})
