@@ -188,6 +188,9 @@ def test_sglang_writes_one_factor_per_layer_max_of_k_and_v(tmp_path):
     assert all(np.array_equal(a, b) and np.array_equal(a, c) for a, b, c in zip(back.k, back.v, want, strict=True))
     assert back.meta["model_type"] == "llama"
     assert schemes.load_sglang_scales(p, 1, 3) == float(want[3])  # the old entry point reads the same file
+    # as SGLang reads it (a Python float), the factor is exactly the float32 scale
+    assert all(json.loads(p.read_text())["kv_cache"]["scaling_factor"]["0"][str(i)] == float(w)
+               for i, w in enumerate(want))
 
 
 def test_sglang_refuses_what_its_schema_cannot_hold(tmp_path):

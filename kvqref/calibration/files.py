@@ -25,8 +25,9 @@
   Its ``BaseKVCacheMethod.process_weights_after_loading`` replaces missing scales by 1.0.
   For ``nvfp4`` the tensors carry the NVFP4 global (decode) scale ``amax / 2688``; which engine reads
   NVFP4 KV global scales from these names is not verified here.
-* ``kvqref``: JSON with every scale, its granularity and how it was made (lossless; float32 values written
-  as the shortest decimal that reads back to the same float32).
+* ``kvqref``: JSON with every scale, its granularity and how it was made (lossless).
+
+JSON numbers are the float32 values exactly (the shortest decimal of the value widened to a double).
 
 Every reader raises ValueError naming the layer or key at fault.
 """
@@ -62,9 +63,11 @@ def _positive(where: str, value: Any) -> np.ndarray:
 
 
 def _f32_text(x: np.ndarray) -> Any:
-    """float32 scalar or array as JSON numbers that read back to the same float32 (shortest repr)."""
+    """float32 scalar or array as JSON numbers equal to the float32 value exactly when read as doubles
+    (Python's shortest repr of the widened value): SGLang holds the factor as a Python float and takes
+    ``1 / s`` from it, so a shorter float32-only decimal would give it a slightly different number."""
     a = np.asarray(x, dtype=np.float32)
-    conv = [float(np.format_float_positional(v, unique=True, trim="-")) for v in a.ravel()]
+    conv = [float(v) for v in a.ravel()]
     return conv[0] if a.ndim == 0 else conv
 
 
