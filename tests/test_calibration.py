@@ -436,6 +436,7 @@ def test_saturation_edge_follows_rne():
     (["--format", "sglang", "--granularity", "head"], "float8_e4m3fn factor"),
     (["--tokens", "0"], "--tokens must be positive"),
     (["--margin", "-1"], "--margin must be positive"),
+    (["--threads", "0"], "--threads must be positive"),
     (["--method", "percentile", "--percentile", "101"], "--percentile must be in"),
     (["--text", "/nonexistent/file.txt"], "cannot read --text"),
 ])
@@ -475,7 +476,10 @@ def test_collect_kv_from_smollm2_cache(smollm2):
     from kvqref.calibration.command import calibration_text
 
     ids = hf.tokenize(tok, calibration_text(None), 96)
-    kv = hf.collect_kv(model, ids, chunk=32)
+    torch = pytest.importorskip("torch")
+    before = torch.get_num_threads()
+    kv = hf.collect_kv(model, ids, chunk=32, threads=1)
+    assert torch.get_num_threads() == before
     assert len(kv) == model.config.num_hidden_layers == 30
     k, v = kv[3]
     assert k.shape == v.shape == (96, 3, 64) and k.dtype == np.float32 and np.isfinite(k).all()

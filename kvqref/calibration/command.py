@@ -43,6 +43,9 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                                                      "transformers folder / hub id")
     c.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
                    help="the dtype the model runs and caches K/V in (default bfloat16, as engines serve)")
+    c.add_argument("--threads", type=int, default=1,
+                   help="torch CPU threads for the prefill (default 1: on a machine shared with other jobs, 2 threads "
+                        "were 10x slower than 1 for SmolLM2; raise it on a quiet many-core machine)")
     c.add_argument("--format", choices=FORMATS, default="kvqref", dest="fmt")
     c.add_argument("--tp-size", type=int, default=1, help="--format sglang: TP ranks to write (default 1)")
     c.add_argument("--out", required=True, help="output file")
@@ -68,7 +71,8 @@ def _progress(label: str, total: int):
     return lambda done, tot: p(f"{done}/{tot}")
 
 
-def collect(model_name: str, text: str, tokens: int, dtype: str = "bfloat16") -> tuple[list, dict[str, Any]]:
+def collect(model_name: str, text: str, tokens: int, dtype: str = "bfloat16",
+            threads: int | None = 1) -> tuple[list, dict[str, Any]]:
     """(per-layer (K, V), meta) for ``tokens`` tokens of ``text``."""
     from kvqref.hf import collect as hf
 
@@ -83,7 +87,7 @@ def collect(model_name: str, text: str, tokens: int, dtype: str = "bfloat16") ->
     print(f"loading {model_name} ({dtype}) ...", file=sys.stderr)
     model, _ = hf.load_model(model_name, dtype)
     t1 = time.perf_counter()
-    kv = hf.collect_kv(model, ids, progress=_progress("prefill", -(-tokens // 512)))
+    kv = hf.collect_kv(model, ids, threads=threads, progress=_progress("prefill", -(-tokens // 512)))
     meta = {"model": model_name, "dtype": dtype, "tokens": tokens,
             "text_sha256": hashlib.sha256(text.encode()).hexdigest(), "load_seconds": round(t1 - t0, 2),
             "prefill_seconds": round(time.perf_counter() - t1, 2)}
@@ -91,6 +95,8 @@ def collect(model_name: str, text: str, tokens: int, dtype: str = "bfloat16") ->
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.threads <= 0:
+        raise CalibrationError(f"--threads must be positive, got {args.threads}")
     if args.tokens <= 0:
         raise CalibrationError(f"--tokens must be positive, got {args.tokens}")
     if args.scheme == "nvfp4" and args.granularity != "tensor":
@@ -103,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
     if not 0 < args.percentile <= 100:
         raise CalibrationError(f"--percentile must be in (0, 100], got {args.percentile}")
     t0 = time.perf_counter()
-    kv, meta = collect(args.model, calibration_text(args.text), args.tokens, args.dtype)
+    kv, meta = collect(args.model, calibration_text(args.text), args.tokens, args.dtype, args.threads)
     t1 = time.perf_counter()
     scales = calibrate(kv, args.scheme, args.method, args.granularity, percentile=args.percentile,
                        profile=args.profile, margin=args.margin,

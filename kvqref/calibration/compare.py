@@ -195,6 +195,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--short", type=int, default=32, help="short first batch / prefill (tokens)")
     p.add_argument("--long", type=int, default=512, help="long first batch / prefill (tokens)")
     p.add_argument("--percentile", type=float, default=99.99)
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads for the prefill (see kvqref calibrate)")
     p.add_argument("--out", required=True, help="markdown file (a .json with every number is written beside it)")
     a = p.parse_args(argv)
     from kvqref.calibration.command import CalibrationError, calibration_text
@@ -213,8 +214,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     model, tok = hf.load_model(a.model, a.dtype)
     ids = hf.tokenize(tok, text, a.calib_tokens + a.eval_tokens)
-    calib = hf.collect_kv(model, ids[:a.calib_tokens])
-    evals = hf.collect_kv(model, ids[a.calib_tokens:])
+    calib = hf.collect_kv(model, ids[:a.calib_tokens], threads=a.threads)
+    evals = hf.collect_kv(model, ids[a.calib_tokens:], threads=a.threads)
     prog = Progress(6 + 16, "compare")  # 6 static calibrations, 16 choices
     rows = compare(calib, evals, a.scheme, profile=a.profile, short=a.short, long=a.long,
                    percentile=a.percentile, progress=prog)

@@ -93,10 +93,11 @@ def _layer_kv(cache: Any, i: int) -> tuple[Any, Any]:
     return cache.key_cache[i], cache.value_cache[i]
 
 
-def collect_kv(model: Any, ids: list[int], *, chunk: int = 512,
+def collect_kv(model: Any, ids: list[int], *, chunk: int = 512, threads: int | None = None,
                progress: Callable[[int, int], None] | None = None) -> list[tuple[np.ndarray, np.ndarray]]:
     """``[(K, V)]`` per layer, float32 ``[tokens, kv_heads, head_dim]``, for one sequence ``ids``. The
     prompt is prefilled in chunks of ``chunk`` tokens into one DynamicCache (the same keys as one pass);
+    ``threads``: torch CPU threads during the prefill (restored after; None keeps torch's setting);
     ``progress(done_tokens, total)`` after each chunk."""
     import torch
     from transformers import DynamicCache
@@ -105,11 +106,17 @@ def collect_kv(model: Any, ids: list[int], *, chunk: int = 512,
         raise ValueError("collect_kv: no tokens")
     cache = DynamicCache()
     x = torch.tensor([ids], dtype=torch.long)
-    with torch.inference_mode():
-        for a in range(0, len(ids), chunk):
-            model(input_ids=x[:, a:a + chunk], past_key_values=cache, use_cache=True)
-            if progress:
-                progress(min(a + chunk, len(ids)), len(ids))
+    before = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        with torch.inference_mode():
+            for a in range(0, len(ids), chunk):
+                model(input_ids=x[:, a:a + chunk], past_key_values=cache, use_cache=True)
+                if progress:
+                    progress(min(a + chunk, len(ids)), len(ids))
+    finally:
+        torch.set_num_threads(before)
     out = []
     for i in range(len(cache.layers) if hasattr(cache, "layers") else len(cache.key_cache)):
         k, v = _layer_kv(cache, i)
