@@ -8,6 +8,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from kvqref import formats
+from kvqref.calibration.command import CalibrationError
+from kvqref.calibration.command import add_parser as add_calibrate_parser
 
 
 def _bits_hex(codec: formats.MinifloatCodec, code: int) -> str:
@@ -173,6 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
     cp.add_argument("--schemes", help="comma-separated scheme names (default: a standard set)")
     cp.set_defaults(func=_cmd_capacity)
     sub.add_parser("formats", help="table of every element format").set_defaults(func=_cmd_formats)
+    add_calibrate_parser(sub)
     v = sub.add_parser("vectors", help="export the golden test vectors (JSON)")
     v.add_argument("--out", required=True, help="output folder")
     v.set_defaults(func=_cmd_vectors)
@@ -184,6 +187,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.func(args))
     except UsageError as e:
+        print(f"kvqref {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except CalibrationError as e:
         print(f"kvqref {args.command}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -48,20 +48,10 @@ def unavailable_reason() -> str | None:
 
 
 def read_safetensors(path: Path) -> dict[str, np.ndarray]:
-    """Every tensor of a .safetensors file (8-byte little-endian header length, JSON header, raw data)."""
-    dtypes = {"F32": np.float32, "F16": np.float16, "I64": np.int64, "I32": np.int32, "F64": np.float64}
-    raw = np.memmap(path, dtype=np.uint8, mode="r")
-    n = int(np.frombuffer(raw[:8].tobytes(), "<u8")[0])
-    header = json.loads(raw[8:8 + n].tobytes())
-    out = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        lo, hi = info["data_offsets"]
-        buf = raw[8 + n + lo: 8 + n + hi]
-        out[name] = np.frombuffer(buf.tobytes(), dtype=np.dtype(dtypes[info["dtype"]]).newbyteorder("<")
-                                  ).reshape(info["shape"])
-    return out
+    """Every tensor of a .safetensors file (the reader is :func:`kvqref.calibration.st_format.load`)."""
+    from kvqref.calibration.st_format import load
+
+    return load(path)[0]
 
 
 class WordPiece:

@@ -32,7 +32,6 @@ float16 and float32 models (``ENGINE_DTYPES``).
 
 from __future__ import annotations
 
-import json
 import os
 import warnings
 from typing import Any
@@ -57,23 +56,11 @@ ENGINE_DTYPES: dict[str, tuple[str, tuple[str, ...]]] = {
 
 def load_sglang_scales(path: str | os.PathLike, rank: int, layer: int) -> float:
     """The KV scale of ``layer`` on TP ``rank`` from SGLang's ``--quantization-param-path`` JSON:
-    ``{"kv_cache": {"dtype": ..., "scaling_factor": {rank: {layer: s}}}}`` (one scale for K and V)."""
-    with open(path) as f:
-        data = json.load(f)
-    try:
-        table = data["kv_cache"]["scaling_factor"]
-    except (KeyError, TypeError):
-        raise ValueError(f"{path}: expected {{'kv_cache': {{'scaling_factor': ...}}}}") from None
-    ranks = {str(k): v for k, v in table.items()}
-    if str(rank) not in ranks:
-        raise ValueError(f"{path}: no scales for TP rank {rank}; ranks present: {sorted(ranks)}")
-    layers = {str(k): v for k, v in ranks[str(rank)].items()}
-    if str(layer) not in layers:
-        raise ValueError(f"{path}: rank {rank} has no scale for layer {layer}")
-    s = float(layers[str(layer)])
-    if not (np.isfinite(s) and s > 0):
-        raise ValueError(f"{path}: rank {rank} layer {layer}: scale must be positive and finite, got {s}")
-    return s
+    ``{"kv_cache": {"dtype": ..., "scaling_factor": {rank: {layer: s}}}}`` (one scale for K and V).
+    Reading and writing that file live in :mod:`kvqref.calibration.files`."""
+    from kvqref.calibration.files import load_sglang_scales as load
+
+    return load(path, rank, layer)
 
 
 class FP8Scheme(Scheme):
