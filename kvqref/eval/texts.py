@@ -16,6 +16,7 @@ import hashlib
 import importlib
 import io
 
+PYTHON_DOCS_NAME = "Python's language reference (pydoc_data.topics, sorted by topic)"
 TEXT_MODULES = ("argparse", "json", "textwrap", "difflib", "heapq", "fractions", "shlex", "pickle", "logging",
                 "unittest", "email", "http")
 
