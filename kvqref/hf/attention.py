@@ -1,0 +1,158 @@
+"""The ``"kvqref"`` attention implementation (registered with transformers' ``AttentionInterface`` on import
+of :mod:`kvqref.hf`) and the prefill attention over a cache whose state changes while a prompt is written.
+
+Decode steps (one new token per sequence) call the backend's decode on the quantized cache itself.
+A chunk of ``m > 1`` tokens (a prompt) attends per query ``t`` over keys ``j <= t`` whose values are the
+quantized ones for ``j < thr(t)`` and the full-precision ones from there on, with ``thr`` by prefill mode:
+
+* ``as_decoded``: ``thr(t) = scheme.paged_tokens(t + 1)``: the cache as it stood when token ``t`` would have
+  been decoded (its own token written), so one forward over a text equals decoding it token by token;
+* ``full``: ``thr(t) = `` the tokens quantized before the chunk: the chunk itself in full precision;
+* ``dequantized``: ``thr(t) = `` the tokens quantized after the chunk: the final stored state.
+
+Keys and values have their own ``thr`` (their schemes' windows differ, e.g. KIVI's).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import numpy as np
+import torch
+
+
+@functools.lru_cache(maxsize=256)
+def _as_decoded(scheme: Any, start: int, m: int) -> np.ndarray:
+    return np.array([scheme.paged_tokens(t + 1) for t in range(start, start + m)], np.int64)
+
+
+def thresholds(scheme: Any, start: int, m: int, mode: str, before: int, after: int) -> np.ndarray:
+    """``thr(t)`` for the queries ``t = start .. start + m - 1`` (module docstring), clipped to ``t + 1``."""
+    if mode == "as_decoded":
+        thr = _as_decoded(scheme, start, m)
+    elif mode == "full":
+        thr = np.full(m, before, np.int64)
+    elif mode == "dequantized":
+        thr = np.full(m, after, np.int64)
+    else:
+        raise ValueError(f"unknown prefill mode {mode!r}")
+    return np.minimum(thr, np.arange(start + 1, start + m + 1))
+
+
+def _uniform(thr: np.ndarray, start: int) -> int | None:
+    """``c`` if ``thr(t) == min(c, t + 1)`` for every query (one key set serves all), else None."""
+    c = int(thr[-1])
+    return c if np.array_equal(thr, np.minimum(c, np.arange(start + 1, start + len(thr) + 1))) else None
+
+
+def _heads(x: torch.Tensor, q_heads: int) -> torch.Tensor:
+    """[T, Hkv, D] -> [Hq, T, D] (each KV head serving its group of query heads)."""
+    return x.transpose(0, 1).repeat_interleave(q_heads // x.shape[1], dim=0)
+
+
+def prefill_attention(q: torch.Tensor, kq: torch.Tensor, vq: torch.Tensor, ktail: torch.Tensor,
+                      vtail: torch.Tensor, kb: int, vb: int, kthr: np.ndarray, vthr: np.ndarray, scale: float,
+                      block: int = 256) -> torch.Tensor:
+    """Attention of one sequence's ``m`` new queries ``q`` ``[Hq, m, D]`` (positions ``N - m .. N - 1``).
+
+    ``kq``/``vq`` ``[N, Hkv, D]``: the stored state after the chunk, dequantized; ``ktail``/``vtail``: the
+    full-precision tokens ``kb..N-1`` / ``vb..N-1``; ``kthr``/``vthr`` from :func:`thresholds`. Returns
+    ``[m, Hq, D]`` in ``q``'s dtype. Softmax and products in ``q``'s dtype."""
+    Hq, m, _ = q.shape
+    N = kq.shape[0]
+    start = N - m
+    ck, cv = _uniform(kthr, start), _uniform(vthr, start)
+    t = torch.arange(start, N, device=q.device)
+    j = torch.arange(N, device=q.device)
+    if ck is not None and cv is not None:  # one key/value set for all queries: SDPA with a causal mask
+        k = torch.cat([kq[:ck], ktail[ck - kb:]]) if ck < N else kq
+        v = torch.cat([vq[:cv], vtail[cv - vb:]]) if cv < N else vq
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q, _heads(k, Hq), _heads(v, Hq), attn_mask=j[None, :] <= t[:, None], scale=scale)
+        return out.transpose(0, 1)
+    K, V = _heads(kq, Hq), _heads(vq, Hq)
+    Kf, dV = _heads(ktail, Hq), _heads(vtail, Hq) - V[:, vb:]
+    kthr_t = torch.from_numpy(kthr).to(q.device)
+    vthr_t = torch.from_numpy(vthr).to(q.device)
+    out = torch.empty(m, Hq, q.shape[2], dtype=q.dtype, device=q.device)
+    for a in range(0, m, block):
+        e = min(a + block, m)
+        T = start + e  # keys 0 .. T-1 cover the block's queries
+        qb = q[:, a:e]
+        s = qb @ K[:, :T].transpose(1, 2)
+        if T > kb:
+            sf = qb @ Kf[:, : T - kb].transpose(1, 2)
+            use_f = j[None, kb:T] >= kthr_t[a:e, None]
+            s[:, :, kb:T] = torch.where(use_f, sf, s[:, :, kb:T])
+        s = s * scale
+        s = s.masked_fill(j[None, :T] > t[a:e, None], float("-inf"))
+        p = torch.softmax(s, dim=-1)
+        o = p @ V[:, :T]
+        if T > vb:
+            use_f = (j[None, vb:T] >= vthr_t[a:e, None]).to(p.dtype)
+            o = o + (p[:, :, vb:T] * use_f) @ dV[:, : T - vb]
+        out[a:e] = o.transpose(0, 1)
+    return out
+
+
+def allowed_mask(mask: torch.Tensor | None, batch: int, n: int, kv_len: int, device: torch.device):
+    """transformers' 4D mask ``[B|1, 1, n, kv]`` (bool, True = attend, or additive float) as bool ``[B, n, kv]``."""
+    if mask is None:
+        return None
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 4:
+        raise ValueError(f"kvqref attention: expected a 4D attention mask, got {type(mask).__name__} "
+                         f"{tuple(getattr(mask, 'shape', ()))}")
+    allowed = mask[:, 0] if mask.dtype == torch.bool else mask[:, 0] > torch.finfo(mask.dtype).min / 2
+    if allowed.shape[-1] < kv_len:
+        raise ValueError(f"kvqref attention: the mask covers {allowed.shape[-1]} keys, the cache {kv_len}")
+    return allowed[..., :kv_len].expand(batch, n, kv_len).to(device)
+
+
+def check_prefill_mask(allowed: torch.Tensor, kept: torch.Tensor, past: int) -> None:
+    """The mask must be causal attention over the non-padding positions (``kept``), for every non-padding
+    query; other masks (packed sequences, bidirectional, sliding windows) are not supported."""
+    B, n, kv = allowed.shape
+    t = torch.arange(past, past + n, device=allowed.device)
+    expect = kept[:, None, :] & (torch.arange(kv, device=allowed.device)[None, None, :] <= t[None, :, None])
+    rows = kept[:, past:, None]
+    if not torch.equal(allowed & rows, expect & rows):
+        raise ValueError("kvqref attention supports causal attention with padding only; this mask is different "
+                         "(packed sequences, a sliding window or a custom mask)")
+
+
+def check_decode_mask(allowed: torch.Tensor, kept: torch.Tensor) -> None:
+    """A decode step must attend over exactly the stored (non-padding) positions."""
+    if not torch.equal(allowed[:, 0], kept):
+        raise ValueError("kvqref attention: the decode mask differs from the stored positions (padding in the "
+                         "middle of a sequence or a custom mask are not supported)")
+
+
+def kvqref_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                     **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers attention function ``"kvqref"``: attends over the :class:`~kvqref.hf.QuantizedKVCache`
+    layer that ``key`` came from (decode: the backend's decode kernel; prefill: :func:`prefill_attention`)."""
+    for name, what in (("sliding_window", "sliding-window attention"), ("softcap", "logit soft-capping"),
+                       ("s_aux", "attention sinks"), ("position_bias", "a position bias")):
+        if kwargs.get(name) is not None:
+            raise ValueError(f"kvqref attention: {what} ({name}) is not supported")
+    if dropout:
+        raise ValueError("kvqref attention: dropout is not supported (inference only)")
+    if getattr(module, "is_causal", True) is False:
+        raise ValueError("kvqref attention: only causal self-attention is supported (no encoder or cross-attention)")
+    layer = getattr(key, "_kvqref_layer", None)
+    if layer is None:
+        raise ValueError("kvqref attention needs past_key_values=kvqref.hf.QuantizedKVCache(...) (and use_cache=True): "
+                         "it attends over the quantized cache")
+    del key._kvqref_layer
+    return layer.attend(query, attention_mask, scaling), None
+
+
+def kvqref_mask(*args: Any, **kwargs: Any):
+    """The mask of the ``"kvqref"`` attention: transformers' SDPA boolean mask, never skipped, so padding is
+    always visible to the cache."""
+    from transformers.masking_utils import sdpa_mask
+
+    kwargs["allow_is_causal_skip"] = False
+    return sdpa_mask(*args, **kwargs)
