@@ -51,6 +51,21 @@ def _heads(x: torch.Tensor, q_heads: int) -> torch.Tensor:
     return x.transpose(0, 1).repeat_interleave(q_heads // x.shape[1], dim=0)
 
 
+def causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """SDPA of queries ``q`` ``[Hq, m, D]`` at the last ``m`` of the ``N`` positions of ``k``/``v``
+    ``[N, Hkv, D]``, causal: ``[Hq, m, D]``."""
+    m, N = q.shape[1], k.shape[0]
+    k, v = k.transpose(0, 1), v.transpose(0, 1)
+    group = q.shape[0] // k.shape[0]
+    if group > 1:
+        k, v = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)
+    if m == N:  # the fused causal kernel
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    t = torch.arange(N - m, N, device=q.device)
+    mask = torch.arange(N, device=q.device)[None, :] <= t[:, None]
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+
+
 def prefill_attention(q: torch.Tensor, kq: torch.Tensor, vq: torch.Tensor, ktail: torch.Tensor,
                       vtail: torch.Tensor, kb: int, vb: int, kthr: np.ndarray, vthr: np.ndarray, scale: float,
                       block: int = 256) -> torch.Tensor:
@@ -65,12 +80,10 @@ def prefill_attention(q: torch.Tensor, kq: torch.Tensor, vq: torch.Tensor, ktail
     ck, cv = _uniform(kthr, start), _uniform(vthr, start)
     t = torch.arange(start, N, device=q.device)
     j = torch.arange(N, device=q.device)
-    if ck is not None and cv is not None:  # one key/value set for all queries: SDPA with a causal mask
+    if ck is not None and cv is not None:  # one key/value set for all queries: causal SDPA
         k = torch.cat([kq[:ck], ktail[ck - kb:]]) if ck < N else kq
         v = torch.cat([vq[:cv], vtail[cv - vb:]]) if cv < N else vq
-        out = torch.nn.functional.scaled_dot_product_attention(
-            q, _heads(k, Hq), _heads(v, Hq), attn_mask=j[None, :] <= t[:, None], scale=scale)
-        return out.transpose(0, 1)
+        return causal_sdpa(q, k, v, scale).transpose(0, 1)
     K, V = _heads(kq, Hq), _heads(vq, Hq)
     Kf, dV = _heads(ktail, Hq), _heads(vtail, Hq) - V[:, vb:]
     kthr_t = torch.from_numpy(kthr).to(q.device)

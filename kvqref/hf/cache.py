@@ -194,11 +194,14 @@ class QuantizedKVLayer(CacheLayerMixin):
             raise ValueError(f"QuantizedKVCache.crop: cannot remove {-tokens_to_remove} of {self.positions} tokens")
         kept = self.kept[:, :keep_len]
         new_lens = kept.sum(1).cpu().numpy().astype(np.int64)
+        targets = []
         for s in (self.k, self.v):
             target = np.array([s.scheme.paged_tokens(int(n)) for n in new_lens])
-            if (target < s.paged).any():
+            if ((target < s.paged) & (target < new_lens)).any():  # would need full precision it no longer has
                 raise ValueError(f"QuantizedKVCache.crop: {s.scheme!r} ({s.label}) already quantized tokens that "
                                  f"a cache of {keep_len} positions would hold in full precision; cannot crop there")
+            targets.append(target)
+        self.k.paged, self.v.paged = np.minimum(self.k.paged, targets[0]), np.minimum(self.v.paged, targets[1])
         self.lens, self.kept, self.positions = new_lens, kept.contiguous(), keep_len
 
     # -- bytes --------------------------------------------------------------------------------------
@@ -233,7 +236,7 @@ class QuantizedKVLayer(CacheLayerMixin):
                 q = torch.cat([q[:, :pb], torch.stack(tails).to(self.dtype)], 1)
             elif mode == "as_decoded":
                 thr = attn.thresholds(side.scheme, L, n, "as_decoded", int(before[0]), int(side.paged[0]))
-                if (thr != int(side.paged[0])).any():
+                if not np.array_equal(thr, np.minimum(int(side.paged[0]), np.arange(L + 1, total + 1))):
                     raise ValueError(
                         f"QuantizedKVCache: prefill='as_decoded' with {side.scheme!r} needs each prompt token to see "
                         "a different cache state, which a standard attention cannot express: load the model with "
@@ -266,7 +269,7 @@ class QuantizedKVLayer(CacheLayerMixin):
             self.v.append_one(vs, self.lens)
             self.lens = self.lens + 1
             return self.decode(query[:, :, 0], scale)[:, None].to(query.dtype)
-        if allowed is not None:
+        if allowed is not None and self.layer_idx == 0:  # every layer gets the same mask
             attn.check_prefill_mask(allowed, kept, L)
         self.kept = kept
         keep_np = keep.cpu().numpy()

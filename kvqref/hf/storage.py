@@ -259,8 +259,9 @@ class SideStore:
             all_slots = self.dequantized_slots(dtype) if all_slots is None else all_slots
             idx = self.slots(np.full(n, b, np.int64), np.arange(n, dtype=np.int64))
             paged = all_slots[torch.from_numpy(idx).to(self.device)]
-        res = self.residual[b, : length - n].to(dtype)
-        return torch.cat([paged, res])
+        if length == n:
+            return paged
+        return torch.cat([paged, self.residual[b, : length - n].to(dtype)])
 
     def dequantized_slots(self, dtype: torch.dtype) -> torch.Tensor:
         """Every slot of the storage dequantized by the torch backend: ``[slots, kv_heads, head_dim]``."""
