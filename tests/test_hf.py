@@ -286,3 +286,54 @@ def test_kvqref_attention_needs_the_quantized_cache():
     model = _model()
     with pytest.raises(ValueError, match="QuantizedKVCache"), torch.no_grad():
         model(_ids(5))
+
+
+# -- SmolLM2-135M (integration) ---------------------------------------------------------------------------
+def _smollm2():
+    try:
+        H.smollm2_path()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    return _load_smollm2_once()
+
+
+_LOADED: list = []
+
+
+def _load_smollm2_once():
+    if not _LOADED:
+        _LOADED.append(H.load_smollm2(attn_implementation="kvqref"))
+    return _LOADED[0]
+
+
+def test_smollm2_paris_through_the_quantized_cache():
+    """"The capital of France is" -> " Paris" with a bf16 cache (kvqref attention, fused path on decode)
+    and with fp8_e4m3 (per-tensor, sdpa reading update()'s K/V)."""
+    model, tok = _smollm2()
+    ids = tok("The capital of France is", return_tensors="pt").input_ids
+    out = model.generate(ids, past_key_values=H.QuantizedKVCache(model.config, "bf16"), max_new_tokens=2,
+                         do_sample=False)
+    assert tok.decode(out[0, ids.shape[1]:]).startswith(" Paris")
+    H.set_attention(model, "sdpa")
+    try:
+        out = model.generate(ids, past_key_values=H.QuantizedKVCache(model.config, "fp8_e4m3"), max_new_tokens=2,
+                             do_sample=False)
+    finally:
+        H.set_attention(model, "kvqref")
+    assert tok.decode(out[0, ids.shape[1]:]).startswith(" Paris")
+
+
+def test_smollm2_int4_kivi_teacher_forced_close_to_bf16():
+    """A teacher-forced forward with prefill="as_decoded" over 160 tokens: int4 KIVI (R=32, so most keys are
+    quantized) keeps the top-1 next token of a bf16 cache on most positions and its logits finite."""
+    model, tok = _smollm2()
+    text = ("The quick brown fox jumps over the lazy dog. " * 3 + "Paris is the capital of France, and Berlin is "
+            "the capital of Germany. Rome is the capital of Italy. ") * 2
+    ids = tok(text, return_tensors="pt").input_ids[:, :160]
+    with torch.no_grad():
+        ref = model(ids, past_key_values=H.QuantizedKVCache(model.config, "bf16")).logits[0]
+        q = model(ids, past_key_values=H.QuantizedKVCache(model.config, "int4_kivi", k_options=KIVI,
+                                                          v_options=KIVI)).logits[0]
+    assert torch.isfinite(q).all()
+    agree = (q.argmax(-1) == ref.argmax(-1)).float().mean().item()
+    assert agree > 0.8, agree
