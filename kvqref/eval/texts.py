@@ -15,6 +15,7 @@ import contextlib
 import hashlib
 import importlib
 import io
+import platform
 
 PYTHON_DOCS_NAME = "Python's language reference (pydoc_data.topics, sorted by topic)"
 TEXT_MODULES = ("argparse", "json", "textwrap", "difflib", "heapq", "fractions", "shlex", "pickle", "logging",
@@ -44,6 +45,10 @@ def python_docs() -> str:
     from pydoc_data.topics import topics
 
     return "\n\n".join("\n".join(line.rstrip() for line in topics[k].strip().splitlines()) for k in sorted(topics))
+
+
+def python_docs_name() -> str:
+    return f"{PYTHON_DOCS_NAME}, Python {platform.python_version()}"
 
 
 def sha256(text: str) -> str:

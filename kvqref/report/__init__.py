@@ -10,6 +10,8 @@ section (:mod:`kvqref.report.section` says what a section is), run in the order 
    structure and, when the optional MiniLM-L6 weights are installed, on a real encoder's K/V;
 3. :mod:`~kvqref.report.conformance`: every available backend against the oracle;
 4. :mod:`~kvqref.report.speed`: only where torch sees a GPU, through ``bench/decode_bench.py`` (a short run);
+5. :mod:`~kvqref.report.llm`: a decoder LLM (SmolLM2-135M) reading each quantized cache, and transformers' own
+   quantized caches beside kvqref's, when the ``llm`` extra and the model are installed (:mod:`kvqref.eval.llm`);
 
 then :mod:`~kvqref.report.claims`, the statements of the source documents listed in papers/README.md.
 Writers: :mod:`kvqref.report.tables`; progress bar: :mod:`kvqref.report.progress`.
@@ -27,7 +29,7 @@ from typing import Any, TextIO
 import numpy as np
 
 from kvqref import __version__
-from kvqref.report import accuracy, claims, conformance, formats, speed
+from kvqref.report import accuracy, claims, conformance, formats, llm, speed
 from kvqref.report.formats import CAPACITY_SCHEMES, capacity_rows
 from kvqref.report.plotting import NO_MPL
 from kvqref.report.progress import Progress
@@ -38,7 +40,7 @@ __all__ = ["CAPACITY_SCHEMES", "SECTIONS", "Context", "Progress", "Section", "ca
            "run", "run_claims", "write_table"]
 
 #: the report's sections, in order: modules with ``TITLE`` and ``build(ctx) -> Section``
-SECTIONS = (formats, accuracy, conformance, speed, claims)
+SECTIONS = (formats, accuracy, conformance, speed, llm, claims)
 
 
 def run(out: Path, quick: bool = False, backends_: Sequence[str] | None = None, want_speed: bool | None = None,
