@@ -79,7 +79,7 @@ class Plan:
 
 QUICK = Plan(48, tuple(fp8_rows((1, 16))))
 REPORT = Plan(96, tuple(fp8_rows((1, 32))))
-FULL = Plan(512, tuple(fp8_rows((1, 64)) + int_rows(64)))
+FULL = Plan(256, tuple(fp8_rows((1, 64)) + int_rows(64)))
 
 
 def unavailable_reason() -> str | None:
