@@ -165,9 +165,11 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         Path(args.json).write_text(llm_section.to_json(res))
         print(f"wrote {args.json}", file=sys.stderr)
     if args.markdown:
-        Path(args.markdown).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.markdown).write_text(llm_section.markdown_document(res))
-        print(f"wrote {args.markdown}", file=sys.stderr)
+        md_path = Path(args.markdown)
+        md_path.parent.mkdir(parents=True, exist_ok=True)
+        pngs = llm_section.plot(md_path.parent, res["rows"], f"{md_path.stem}_kl.png")
+        md_path.write_text(llm_section.markdown_document(res, pngs))
+        print(f"wrote {args.markdown}" + "".join(f", {md_path.parent / p}" for p in pngs), file=sys.stderr)
     return 0
 
 

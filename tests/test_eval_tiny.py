@@ -141,3 +141,16 @@ def test_eval_cli_end_to_end(monkeypatch, tmp_path, tiny, capsys):
     assert [r["label"] for r in res["rows"]] == ["nvfp4", "int4_kivi R=128", "int4_kivi R=0"]
     assert res["text"] == "fox.txt (--text)" and res["command"].startswith("kvqref eval --text")
     assert "| nvfp4 |" in md.read_text() and "| nvfp4 |" in capsys.readouterr().out
+
+
+def test_claims_table_reads_the_llm_rows():
+    from kvqref.report import claims
+
+    acc = {"kivi": [], "synthetic": [], "minilm": None}
+    llm_res = {"tokens": 512, "rows": [{"label": "fp8_e4m3", "kl": 0.01, "top1": 0.97},
+                                       {"label": "fp8_e5m2", "kl": 0.03, "top1": 0.95}]}
+    row = [r for r in claims.claims(acc, None, llm_res) if "SmolLM2" in r["claim"]]
+    assert len(row) == 1 and row[0]["holds"] is True and "KL 0.01 vs 0.03" in row[0]["kvqref measures"]
+    llm_res["rows"][0]["kl"] = 0.05
+    assert [r for r in claims.claims(acc, None, llm_res) if "SmolLM2" in r["claim"]][0]["holds"] is False
+    assert not [r for r in claims.claims(acc, None, None) if "SmolLM2" in r["claim"]]

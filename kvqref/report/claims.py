@@ -17,8 +17,10 @@ TITLE = "Claims checked"
 CLAIM_COLUMNS = ("claim", "source", "kvqref measures", "holds", "command")
 
 
-def claims(acc: dict[str, Any], speed_rows: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
-    """The claims table: each source statement, what kvqref computes for it, and whether it holds."""
+def claims(acc: dict[str, Any], speed_rows: list[dict[str, Any]] | None = None,
+           llm: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """The claims table: each source statement, what kvqref computes for it, and whether it holds. ``llm``:
+    the LLM section's result (:func:`kvqref.eval.llm.evaluate`), when it ran."""
     fp4 = sglang_fp4_claim()
     rng = e4m3_range()
     rows = []
@@ -53,6 +55,13 @@ def claims(acc: dict[str, Any], speed_rows: list[dict[str, Any]] | None = None) 
         rows.append({"claim": f"E4M3 is more accurate than E5M2 ({data})", "source": "SGLang and vLLM docs",
                      "kvqref measures": "E4M3 vs E5M2: " + c["text"],
                      "holds": c["holds"], "command": "kvqref claims"})
+    by = {r["label"]: r for r in (llm or {}).get("rows", [])}
+    if "fp8_e4m3" in by and "fp8_e5m2" in by:
+        a, b = by["fp8_e4m3"], by["fp8_e5m2"]
+        rows.append({"claim": "E4M3 is more accurate than E5M2 (SmolLM2-135M)", "source": "SGLang and vLLM docs",
+                     "kvqref measures": f"per-tensor scales, {llm['tokens']} tokens: KL {a['kl']:.3g} vs "
+                                        f"{b['kl']:.3g} nats/token, top-1 {a['top1']:.4f} vs {b['top1']:.4f}",
+                     "holds": bool(a["kl"] < b["kl"] and a["top1"] >= b["top1"]), "command": "kvqref eval"})
     gap = fused_gap(speed_rows or [])
     src = "this run (GPU)"
     if not gap:
@@ -77,6 +86,6 @@ def claims(acc: dict[str, Any], speed_rows: list[dict[str, Any]] | None = None) 
 
 
 def build(ctx: Context) -> Section:
-    cl = claims(ctx.data["accuracy"], ctx.data.get("speed"))
+    cl = claims(ctx.data["accuracy"], ctx.data.get("speed"), ctx.data.get("llm"))
     return Section(TITLE, write_table(ctx.out, "claims", cl, CLAIM_COLUMNS, "Claims kvqref reproduces or checks"),
                    {"claims": cl})

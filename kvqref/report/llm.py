@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -75,10 +76,14 @@ def builtin_markdown(b: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
-def markdown_document(res: dict[str, Any]) -> str:
+def markdown_document(res: dict[str, Any], pngs: Sequence[str] = ()) -> str:
+    """``kvqref eval --markdown``: the command, timing and machine, the scope, the tables and plots."""
+    b = res.get("builtin") or {}
+    seconds = res["seconds"] + (b.get("seconds") or 0)
     return "\n".join(["# kvqref eval: SmolLM2-135M-Instruct with quantized KV caches", "",
-                      f"Command: `{res.get('command', 'kvqref eval')}` ({res['seconds']:.0f} s; "
-                      f"{res.get('machine', '')}).", "", SCOPE, "", markdown_tables(res), ""])
+                      f"Command: `{res.get('command', 'kvqref eval')}`: {seconds:.0f} s ({res['threads']} torch "
+                      f"thread(s); {res.get('machine', '')}).", "", SCOPE, "", markdown_tables(res), "",
+                      *[f"![{p}]({p})" for p in pngs], ""])
 
 
 def to_json(res: dict[str, Any]) -> str:
