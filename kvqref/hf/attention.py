@@ -59,11 +59,12 @@ def causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float)
     group = q.shape[0] // k.shape[0]
     if group > 1:
         k, v = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)
+    q, k, v = q[None], k[None], v[None]  # 4D: torch's CPU flash kernel takes no 3D input (10x slower math path)
     if m == N:  # the fused causal kernel
-        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)[0]
     t = torch.arange(N - m, N, device=q.device)
     mask = torch.arange(N, device=q.device)[None, :] <= t[:, None]
-    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)[0]
 
 
 def prefill_attention(q: torch.Tensor, kq: torch.Tensor, vq: torch.Tensor, ktail: torch.Tensor,
@@ -73,42 +74,64 @@ def prefill_attention(q: torch.Tensor, kq: torch.Tensor, vq: torch.Tensor, ktail
 
     ``kq``/``vq`` ``[N, Hkv, D]``: the stored state after the chunk, dequantized; ``ktail``/``vtail``: the
     full-precision tokens ``kb..N-1`` / ``vb..N-1``; ``kthr``/``vthr`` from :func:`thresholds`. Returns
-    ``[m, Hq, D]`` in ``q``'s dtype. Softmax and products in ``q``'s dtype."""
+    ``[m, Hq, D]`` in ``q``'s dtype.
+
+    Queries are taken in groups (at most ``block``) that share one key threshold, so one key set serves the
+    group. Value thresholds still differ inside a group, over a band ``[lo, hi)``: those positions appear
+    twice, with the full-precision value and with the quantized one, each copy masked to the queries that read
+    it (the two copies have the same key, so the softmax is exactly the per-query one); then one SDPA call
+    per group over a buffer updated in place as the thresholds grow."""
     Hq, m, _ = q.shape
     N = kq.shape[0]
     start = N - m
     ck, cv = _uniform(kthr, start), _uniform(vthr, start)
-    t = torch.arange(start, N, device=q.device)
-    j = torch.arange(N, device=q.device)
     if ck is not None and cv is not None:  # one key/value set for all queries: causal SDPA
         k = torch.cat([kq[:ck], ktail[ck - kb:]]) if ck < N else kq
         v = torch.cat([vq[:cv], vtail[cv - vb:]]) if cv < N else vq
         return causal_sdpa(q, k, v, scale).transpose(0, 1)
-    K, V = _heads(kq, Hq), _heads(vq, Hq)
-    Kf, dV = _heads(ktail, Hq), _heads(vtail, Hq) - V[:, vb:]
-    kthr_t = torch.from_numpy(kthr).to(q.device)
-    vthr_t = torch.from_numpy(vthr).to(q.device)
     out = torch.empty(m, Hq, q.shape[2], dtype=q.dtype, device=q.device)
-    for a in range(0, m, block):
-        e = min(a + block, m)
-        T = start + e  # keys 0 .. T-1 cover the block's queries
-        qb = q[:, a:e]
-        s = qb @ K[:, :T].transpose(1, 2)
-        lo = max(kb, int(kthr[a]))  # thresholds grow with t: keys below the block's first are quantized for all
-        if T > lo:
-            sf = qb @ Kf[:, lo - kb: T - kb].transpose(1, 2)
-            use_f = j[None, lo:T] >= kthr_t[a:e, None]
-            s[:, :, lo:T] = torch.where(use_f, sf, s[:, :, lo:T])
-        s = s * scale
-        s = s.masked_fill(j[None, :T] > t[a:e, None], float("-inf"))
-        p = torch.softmax(s, dim=-1)
-        o = p @ V[:, :T]
-        lo = max(vb, int(vthr[a]))
-        if T > lo:
-            use_f = (j[None, lo:T] >= vthr_t[a:e, None]).to(p.dtype)
-            o = o + (p[:, :, lo:T] * use_f) @ dV[:, lo - vb: T - vb]
-        out[a:e] = o.transpose(0, 1)
+    cuts = [0, *(np.flatnonzero(np.diff(kthr)) + 1).tolist(), m]
+    groups = [(a, min(a + block, e)) for s_, e in zip(cuts[:-1], cuts[1:], strict=True) for a in range(s_, e, block)]
+    W = max(int(vthr[e - 1] - vthr[a]) for a, e in groups)  # the widest value band
+    # [Hkv, W + N, D]: room for a group's duplicated band, then positions 0..N-1 holding the quantized values
+    # below the current thresholds and the full-precision ones above (thresholds only grow, group by group)
+    kbuf = torch.cat([kq[:W], kq[:kb], ktail]).transpose(0, 1).contiguous()
+    vbuf = torch.cat([vq[:W], vq[:vb], vtail]).transpose(0, 1).contiguous()
+    kdone, vdone = kb, vb
+    for a, e in groups:
+        T = start + e  # keys 0 .. T-1 cover the group's queries
+        c, lo, hi = int(kthr[a]), int(vthr[a]), int(vthr[e - 1])
+        if c > kdone:
+            kbuf[:, W + kdone: W + c] = kq[kdone:c].transpose(0, 1)
+            kdone = c
+        if lo > vdone:
+            vbuf[:, W + vdone: W + lo] = vq[vdone:lo].transpose(0, 1)
+            vdone = lo
+        w = hi - lo  # band: position j holds the full-precision value, its copy at W - w + (j - lo) the quantized
+        kbuf[:, W - w: W] = kbuf[:, W + lo: W + hi]
+        vbuf[:, W - w: W] = vq[lo:hi].transpose(0, 1)
+        # the mask in NumPy: ~50x faster than torch's broadcasting on a busy 2-core CPU
+        t = np.arange(start + a, start + e)[:, None]
+        j = np.arange(T)[None, :]
+        vt = vthr[a:e, None]
+        main = (j >= vt) & (j <= t)  # full-precision value (j >= thr(t)), causal ...
+        main[:, :lo] = True  # ... and below the band the quantized value, for every query of the group
+        mask = torch.from_numpy(np.concatenate([np.arange(lo, hi)[None, :] < vt, main], 1)).to(q.device)
+        o = _sdpa(q[None, :, a:e], kbuf[None, :, W - w: W + T], vbuf[None, :, W - w: W + T], mask, scale)
+        out[a:e] = o[0].transpose(0, 1)
     return out
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """SDPA with K/V heads shared by groups of query heads (``enable_gqa``; a copy on torch < 2.5)."""
+    if q.shape[1] == k.shape[1]:
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    try:
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    except TypeError:
+        g = q.shape[1] // k.shape[1]
+        return torch.nn.functional.scaled_dot_product_attention(
+            q, k.repeat_interleave(g, 1), v.repeat_interleave(g, 1), attn_mask=mask, scale=scale)
 
 
 def allowed_mask(mask: torch.Tensor | None, batch: int, n: int, kv_len: int, device: torch.device):
@@ -127,11 +150,11 @@ def allowed_mask(mask: torch.Tensor | None, batch: int, n: int, kv_len: int, dev
 def check_prefill_mask(allowed: torch.Tensor, kept: torch.Tensor, past: int) -> None:
     """The mask must be causal attention over the non-padding positions (``kept``), for every non-padding
     query; other masks (packed sequences, bidirectional, sliding windows) are not supported."""
-    B, n, kv = allowed.shape
-    t = torch.arange(past, past + n, device=allowed.device)
-    expect = kept[:, None, :] & (torch.arange(kv, device=allowed.device)[None, None, :] <= t[None, :, None])
-    rows = kept[:, past:, None]
-    if not torch.equal(allowed & rows, expect & rows):
+    a, k = allowed.cpu().numpy(), kept.cpu().numpy()  # NumPy: far faster than torch's broadcasting on a CPU
+    B, n, kv = a.shape
+    expect = k[:, None, :] & (np.arange(kv)[None, None, :] <= np.arange(past, past + n)[None, :, None])
+    rows = k[:, past:, None]
+    if not np.array_equal(a & rows, expect & rows):
         raise ValueError("kvqref attention supports causal attention with padding only; this mask is different "
                          "(packed sequences, a sliding window or a custom mask)")
 

@@ -18,7 +18,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvqref import backends
 from kvqref.hf import attention as attn
-from kvqref.hf.storage import SideStore, page_size_for
+from kvqref.hf.storage import DeviceIndex, SideStore, page_size_for
 from kvqref.schemes import KiviScheme, Scheme
 from kvqref.schemes import get as get_scheme
 
@@ -111,8 +111,9 @@ class QuantizedKVLayer(CacheLayerMixin):
                              "(different K and V head dims are not supported)")
         self.dtype, self.device = key_states.dtype, key_states.device
         P = page_size_for(c.k_scheme, c.v_scheme)
-        self.k = SideStore("K", c.k_scheme, B, H, D, P, self.device, self.writer)
-        self.v = SideStore("V", c.v_scheme, B, H, D, P, self.device, self.writer)
+        index = c.device_index(self.device)
+        self.k = SideStore("K", c.k_scheme, B, H, D, P, self.device, self.writer, index)
+        self.v = SideStore("V", c.v_scheme, B, H, D, P, self.device, self.writer, index)
         self.lens = np.zeros(B, np.int64)  # tokens stored per sequence (padding excluded with "kvqref" attention)
         self.kept = torch.zeros(B, 0, dtype=torch.bool, device=self.device)  # positions stored, per sequence
         self.mode = "kvqref" if c.attention_is_kvqref() else "standard"
@@ -150,6 +151,8 @@ class QuantizedKVLayer(CacheLayerMixin):
         return -1
 
     def reset(self) -> None:
+        if hasattr(self, "cache"):
+            self.cache.__dict__.pop("_keep_memo", None)
         self.is_initialized = False
         self.keys = self.values = None
         self.positions = 0
@@ -169,6 +172,7 @@ class QuantizedKVLayer(CacheLayerMixin):
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         if not self.is_initialized:
             return
+        self.cache.__dict__.pop("_keep_memo", None)
         idx = torch.as_tensor(indices, device=self.device)
         if idx.dtype == torch.bool:
             idx = idx.nonzero().flatten()
@@ -192,6 +196,7 @@ class QuantizedKVLayer(CacheLayerMixin):
             return
         if keep_len < 0:
             raise ValueError(f"QuantizedKVCache.crop: cannot remove {-tokens_to_remove} of {self.positions} tokens")
+        self.cache.__dict__.pop("_keep_memo", None)  # a later forward may reach the same length again
         kept = self.kept[:, :keep_len]
         new_lens = kept.sum(1).cpu().numpy().astype(np.int64)
         targets = []
@@ -257,8 +262,13 @@ class QuantizedKVLayer(CacheLayerMixin):
         allowed = attn.allowed_mask(attention_mask, B, n, self.positions, self.device)
         if allowed is None:
             keep = torch.ones(B, n, dtype=torch.bool, device=self.device)
-        else:
-            keep = allowed.any(dim=1)[:, L:]
+        else:  # the positions some query may read: the same for every layer of this forward, so computed once
+            key = (id(attention_mask), attention_mask.data_ptr(), tuple(attention_mask.shape), self.positions)
+            memo = self.cache.__dict__.setdefault("_keep_memo", {})
+            if key not in memo:
+                memo.clear()
+                memo[key] = allowed.any(dim=1)[:, L:]
+            keep = memo[key]
         kept = torch.cat([self.kept, keep], 1)
         if n == 1 and (allowed is None or self.layer_idx != 0 or bool(keep.all())):
             if allowed is not None and self.layer_idx == 0:
@@ -306,13 +316,13 @@ class QuantizedKVLayer(CacheLayerMixin):
         pages = max(self.k.max_pages, self.v.max_pages, -(-int(self.lens.max()) // self.k.page_size))
         self.k.grow(pages, exact=True)  # one block table for K and V: same pages on both sides
         self.v.grow(pages, exact=True)
-        seq = torch.from_numpy(self.lens.astype(np.int32)).to(dev)
+        seq = self.k.index("lens", self.lens.astype(np.int32))
         sides, res, lens = [], [], []
         for s in (self.k, self.v):
             sides.append(s.side())
             if s.W:
                 res.append(s.residual)
-                lens.append(torch.from_numpy(s.paged.astype(np.int32)).to(dev))
+                lens.append(s.index("paged", s.paged.astype(np.int32)))
             else:
                 res.append(torch.zeros(s.batch, 1, s.kv_heads, s.head_dim, dtype=torch.float32, device=dev))
                 lens.append(seq)
@@ -401,6 +411,13 @@ class QuantizedKVCache(Cache):
         except TypeError as e:
             raise RuntimeError("QuantizedKVCache needs a transformers version whose Cache takes layers= "
                                f"(>= 4.56): {e}") from None
+
+    def device_index(self, device: torch.device) -> DeviceIndex:
+        """The index tensors shared by this cache's layers on ``device``."""
+        memo = self.__dict__.setdefault("_device_index", {})
+        if str(device) not in memo:
+            memo[str(device)] = DeviceIndex(device)
+        return memo[str(device)]
 
     def attention_is_kvqref(self) -> bool:
         """Whether the model attends with the ``"kvqref"`` attention (from the config passed in)."""

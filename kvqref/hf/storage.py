@@ -43,6 +43,26 @@ def residual_capacity(scheme: Scheme) -> int:
     return max(1, scheme.residual_window, scheme.token_group)
 
 
+class DeviceIndex:
+    """Small host index arrays (slots, lengths, block tables) copied to the device once and shared by every
+    layer of a cache: each layer of a decode step asks for the same ones, and a host-to-device copy per layer
+    would stall the launch queue."""
+
+    def __init__(self, device: torch.device, keep: int = 32) -> None:
+        self.device, self.keep = device, keep
+        self._memo: dict[tuple, torch.Tensor] = {}
+
+    def __call__(self, tag: str, a: np.ndarray) -> torch.Tensor:
+        a = np.ascontiguousarray(a)
+        key = (tag, a.dtype.str, a.shape, a.tobytes())
+        t = self._memo.get(key)
+        if t is None:
+            if len(self._memo) >= self.keep:
+                self._memo.pop(next(iter(self._memo)))
+            t = self._memo[key] = torch.from_numpy(a).to(self.device)
+        return t
+
+
 def _to_torch(a: np.ndarray, spec_dtype: np.dtype) -> torch.Tensor:
     if spec_dtype == np.uint16:  # bfloat16 bit patterns
         return torch.from_numpy(np.ascontiguousarray(a).view(np.int16)).view(torch.bfloat16)
@@ -60,8 +80,9 @@ class SideStore:
     """K or V of one layer: fields, residual window, lengths and params (see the module docstring)."""
 
     def __init__(self, label: str, scheme: Scheme, batch: int, kv_heads: int, head_dim: int, page_size: int,
-                 device: torch.device, writer: str) -> None:
+                 device: torch.device, writer: str, index: DeviceIndex | None = None) -> None:
         self.label, self.scheme, self.writer = label, scheme, writer
+        self.index = index or DeviceIndex(device)
         self.batch, self.kv_heads, self.head_dim, self.page_size = batch, kv_heads, head_dim, page_size
         self.device = device
         self.specs = scheme.fields(kv_heads, head_dim)
@@ -93,9 +114,9 @@ class SideStore:
         return ((t // P) * self.batch + b) * (P // G) + (t % P) // G
 
     def block_table(self) -> torch.Tensor:
-        i = torch.arange(max(self.max_pages, 1), dtype=torch.int32, device=self.device)
-        b = torch.arange(self.batch, dtype=torch.int32, device=self.device)
-        return (i[None, :] * self.batch + b[:, None]).contiguous()
+        """int32 ``[batch, max_pages]``: page ``i`` of sequence ``b`` is ``i * batch + b``."""
+        i = np.arange(max(self.max_pages, 1), dtype=np.int32)
+        return self.index("block_table", i[None, :] * self.batch + np.arange(self.batch, dtype=np.int32)[:, None])
 
     def grow(self, pages: int, exact: bool = False) -> None:
         """Make room for ``pages`` pages per sequence (at least doubling unless ``exact``)."""
@@ -172,22 +193,22 @@ class SideStore:
         the vectorized decode step of :meth:`append`."""
         B = self.batch
         ar = np.arange(B, dtype=np.int64)
+        lens = np.asarray(lens, np.int64)
+        if not self.W:  # every token goes to the pages
+            self._write(new.to(torch.float32), ar, lens, validate)
+            self.paged = lens + 1
+            return
         target = np.array([self.scheme.paged_tokens(int(n) + 1) for n in lens], np.int64)
         c = target - self.paged
-        if not self.W:
-            self._write(new.to(torch.float32), ar, np.asarray(lens, np.int64), validate)
-            self.paged = target
-            return
-        rl = np.asarray(lens, np.int64) - self.paged
-        dev = self.device
-        self.residual[torch.from_numpy(ar).to(dev), torch.from_numpy(rl).to(dev)] = new.to(torch.float32)
+        rl = lens - self.paged
+        self.residual[self.index("seq", ar), self.index("rl", rl)] = new.to(torch.float32)
         flush = np.nonzero(c)[0]
         if len(flush):
             cs = set(c[flush].tolist())
             if len(cs) != 1:
                 raise AssertionError(f"{self.label}: flush sizes differ across sequences: {sorted(cs)}")
             n = cs.pop()
-            fi = torch.from_numpy(flush).to(dev)
+            fi = self.index("flush", flush)
             res = self.residual.index_select(0, fi)
             b = np.repeat(flush, n)
             t = (self.paged[flush][:, None] + np.arange(n)[None, :]).reshape(-1)
@@ -217,8 +238,7 @@ class SideStore:
             self.set_params(self.scheme.calibrate(x.detach().cpu().numpy()))
         slots = self.slots(b, t)
         if self.writer == "triton":
-            triton_backend.quantize_write(self.side(), x.contiguous(), torch.from_numpy(slots).to(self.device),
-                                          validate=validate)
+            triton_backend.quantize_write(self.side(), x.contiguous(), self.index("slots", slots), validate=validate)
             return
         q = self.scheme.quantize(x.detach().cpu().numpy(), params=self.params)
         for f, spec in self.specs.items():
