@@ -55,16 +55,12 @@ def causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float)
     """SDPA of queries ``q`` ``[Hq, m, D]`` at the last ``m`` of the ``N`` positions of ``k``/``v``
     ``[N, Hkv, D]``, causal: ``[Hq, m, D]``."""
     m, N = q.shape[1], k.shape[0]
-    k, v = k.transpose(0, 1), v.transpose(0, 1)
-    group = q.shape[0] // k.shape[0]
-    if group > 1:
-        k, v = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)
-    q, k, v = q[None], k[None], v[None]  # 4D: torch's CPU flash kernel takes no 3D input (10x slower math path)
+    # 4D: torch's CPU flash kernel takes no 3D input (a 10x slower math path)
+    q, k, v = q[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
     if m == N:  # the fused causal kernel
-        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)[0]
-    t = torch.arange(N - m, N, device=q.device)
-    mask = torch.arange(N, device=q.device)[None, :] <= t[:, None]
-    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)[0]
+        return _sdpa(q, k, v, None, scale, is_causal=True)[0]
+    mask = torch.from_numpy(np.arange(N)[None, :] <= np.arange(N - m, N)[:, None]).to(q.device)
+    return _sdpa(q, k, v, mask, scale)[0]
 
 
 def prefill_attention(q: torch.Tensor, kq: torch.Tensor, vq: torch.Tensor, ktail: torch.Tensor,
@@ -122,16 +118,18 @@ def prefill_attention(q: torch.Tensor, kq: torch.Tensor, vq: torch.Tensor, ktail
     return out
 
 
-def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+          is_causal: bool = False) -> torch.Tensor:
     """SDPA with K/V heads shared by groups of query heads (``enable_gqa``; a copy on torch < 2.5)."""
+    kw = dict(attn_mask=mask, scale=scale, is_causal=is_causal)
     if q.shape[1] == k.shape[1]:
-        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, **kw)
     try:
-        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True, **kw)
     except TypeError:
         g = q.shape[1] // k.shape[1]
-        return torch.nn.functional.scaled_dot_product_attention(
-            q, k.repeat_interleave(g, 1), v.repeat_interleave(g, 1), attn_mask=mask, scale=scale)
+        return torch.nn.functional.scaled_dot_product_attention(q, k.repeat_interleave(g, 1),
+                                                                v.repeat_interleave(g, 1), **kw)
 
 
 def allowed_mask(mask: torch.Tensor | None, batch: int, n: int, kv_len: int, device: torch.device):

@@ -284,10 +284,15 @@ class QuantizedKVLayer(CacheLayerMixin):
         self.kept = kept
         keep_np = keep.cpu().numpy()
         ks, vs = key_states.transpose(1, 2), value_states.transpose(1, 2)
+        every = keep_np.all(axis=1)
         idx = [torch.from_numpy(np.nonzero(keep_np[b])[0]).to(self.device) for b in range(B)]
+
+        def kept_rows(x: torch.Tensor, b: int, dim: int = 0) -> torch.Tensor:
+            return x[b] if every[b] else x[b].index_select(dim, idx[b])
+
         lens_before = self.lens.copy()
-        kb, ktails = self.k.append([ks[b].index_select(0, idx[b]) for b in range(B)], lens_before)
-        vb, vtails = self.v.append([vs[b].index_select(0, idx[b]) for b in range(B)], lens_before)
+        kb, ktails = self.k.append([kept_rows(ks, b) for b in range(B)], lens_before)
+        vb, vtails = self.v.append([kept_rows(vs, b) for b in range(B)], lens_before)
         self.lens = lens_before + np.array([len(i) for i in idx])
         out = torch.zeros(B, n, Hq, D, dtype=query.dtype, device=query.device)
         cdt = torch.float64 if self.cache.backend.name == "numpy" else torch.float32
@@ -300,12 +305,15 @@ class QuantizedKVLayer(CacheLayerMixin):
             N = int(self.lens[b])
             kq = self.k.dequantized(b, N, self.read_how, cdt, kdeq)
             vq = self.v.dequantized(b, N, self.read_how, cdt, vdeq)
-            q = query[b].index_select(1, idx[b]).to(cdt)  # [Hq, m, D]
+            q = kept_rows(query, b, 1).to(cdt)  # [Hq, m, D]
             kthr = attn.thresholds(self.k.scheme, N - m, m, self.cache.prefill, int(kb[b]), int(self.k.paged[b]))
             vthr = attn.thresholds(self.v.scheme, N - m, m, self.cache.prefill, int(vb[b]), int(self.v.paged[b]))
             o = attn.prefill_attention(q, kq, vq, ktails[b].to(cdt), vtails[b].to(cdt), int(kb[b]), int(vb[b]),
                                        kthr, vthr, scale)  # [m, Hq, D]
-            out[b].index_copy_(0, idx[b], o.to(query.dtype))
+            if every[b]:
+                out[b] = o.to(query.dtype)
+            else:
+                out[b].index_copy_(0, idx[b], o.to(query.dtype))
         return out
 
     def device_cache(self):

@@ -284,10 +284,13 @@ class SideStore:
         return torch.cat([paged, self.residual[b, : length - n].to(dtype)])
 
     def dequantized_slots(self, dtype: torch.dtype) -> torch.Tensor:
-        """Every slot of the storage dequantized by the torch backend: ``[slots, kv_heads, head_dim]``."""
+        """The slots of the pages in use, dequantized by the torch backend: ``[slots, kv_heads, head_dim]``
+        (pages are page-major, so the pages in use come first)."""
         from kvqref.backends.torch_backend import dequantize
 
-        return dequantize(self.side(), dtype)
+        pages = max(1, -(-int(self.paged.max()) // self.page_size)) * self.batch
+        fields = {f: t[: pages * self.rows(f)] for f, t in self.fields.items()}
+        return dequantize(triton_backend.Side(self.scheme, fields, self.tensor_scale, dict(self.params or {})), dtype)
 
     def dequantized_all(self, length: int, how: str, dtype: torch.dtype) -> torch.Tensor:
         """Every sequence, all of length ``length``: ``[batch, length, kv_heads, head_dim]``."""
