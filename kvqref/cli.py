@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -91,7 +92,8 @@ def _cmd_report(args: argparse.Namespace) -> int:
     if args.speed and _gpu_reason():
         raise UsageError(f"--speed needs a GPU, and this machine has none ({_gpu_reason()}); "
                          "leave it out to get every other section on the CPU")
-    report.run(Path(args.out), quick=args.quick, backends_=names, want_speed=False if args.no_speed else None)
+    report.run(Path(args.out), quick=args.quick, backends_=names, want_speed=False if args.no_speed else None,
+               llm=False if args.no_llm else None)
     return 0
 
 
@@ -99,6 +101,77 @@ def _cmd_claims(args: argparse.Namespace) -> int:
     from kvqref import report
 
     report.run_claims(Path(args.out), quick=args.quick)
+    return 0
+
+
+def _float_list(text: str, name: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise UsageError(f"{name} must be comma-separated numbers, got {text!r}") from None
+
+
+def _cmd_eval(args: argparse.Namespace) -> int:
+    from kvqref.eval import llm
+
+    try:
+        configs = llm.configs_named([n.strip() for n in args.schemes.split(",") if n.strip()]) if args.schemes \
+            else llm.configs_named(llm.QUICK_CONFIGS if args.quick else [c.label for c in llm.CONFIGS])
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    base = llm.QUICK if args.quick else llm.FULL
+    changes = {k: v for k, v in (("tokens", args.tokens), ("prompts", args.prompts), ("gen_tokens", args.gen_tokens),
+                                 ("passkey_tokens", args.passkey_tokens)) if v is not None}
+    if args.depths is not None:
+        changes["depths"] = _float_list(args.depths, "--depths")
+    if args.threads is not None and args.threads < 1:
+        raise UsageError(f"--threads must be >= 1, got {args.threads}")
+    try:
+        settings = llm.Settings(**{**base.__dict__, **changes})
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    text = text_name = None
+    if args.text:
+        path = Path(args.text)
+        try:
+            text = path.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            raise UsageError(f"--text: no such file: {path}") from None
+        except (OSError, UnicodeDecodeError) as e:
+            raise UsageError(f"--text: cannot read {path} as UTF-8 text: {e}") from None
+        text_name = f"{path.name} (--text)"
+    why = llm.unavailable_reason()
+    if why:
+        raise UsageError(why)
+    from kvqref.report import llm as llm_section
+    from kvqref.report.progress import Progress
+
+    print(f"loading SmolLM2-135M-Instruct ({len(configs)} configuration(s); {llm.describe(settings)})",
+          file=sys.stderr)
+    model, tok = llm.load_model()
+    try:
+        res = llm.evaluate(model, tok, configs, settings, text=text, text_name=text_name,
+                           progress=Progress(llm.steps(configs, settings), "eval"), threads=args.threads)
+    except llm.TextTooShort as e:
+        raise UsageError(str(e)) from None
+    if not args.no_builtin:
+        from kvqref.eval import builtin_caches
+
+        res["builtin"] = builtin_caches.compare(model, tok, builtin_caches.QUICK if args.quick else builtin_caches.FULL,
+                                                text=text, threads=args.threads)
+    res["command"] = "kvqref " + shlex.join(args.argv)
+    md = llm_section.markdown_tables(res)
+    print(md)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(llm_section.to_json(res))
+        print(f"wrote {args.json}", file=sys.stderr)
+    if args.markdown:
+        md_path = Path(args.markdown)
+        md_path.parent.mkdir(parents=True, exist_ok=True)
+        pngs = llm_section.plot(md_path.parent, res["rows"], f"{md_path.stem}_kl.png")
+        md_path.write_text(llm_section.markdown_document(res, pngs))
+        print(f"wrote {args.markdown}" + "".join(f", {md_path.parent / p}" for p in pngs), file=sys.stderr)
     return 0
 
 
@@ -156,11 +229,31 @@ def build_parser() -> argparse.ArgumentParser:
     sp = r.add_mutually_exclusive_group()
     sp.add_argument("--speed", action="store_true", help="require the speed section (GPU only)")
     sp.add_argument("--no-speed", action="store_true", help="skip the speed section even on a GPU")
+    r.add_argument("--no-llm", action="store_true", help="skip the decoder-LLM section (SmolLM2-135M)")
     r.set_defaults(func=_cmd_report)
     c = sub.add_parser("claims", help="regenerate the claims table of papers/README.md (markdown, CSV, JSON, LaTeX)")
     c.add_argument("--out", default="kvqref-report", help="output folder (default: ./kvqref-report)")
     c.add_argument("--quick", action="store_true", help="a reduced sample")
     c.set_defaults(func=_cmd_claims)
+    e = sub.add_parser("eval", help="a decoder LLM (SmolLM2-135M) reading each quantized cache: perplexity, KL, top-1 "
+                                    "and greedy agreement with the unquantized model, passkey retrieval")
+    e.add_argument("--text", metavar="FILE", help="UTF-8 text to score (default: Python's language reference, "
+                                                  "pydoc_data.topics, which ships with Python)")
+    e.add_argument("--tokens", type=int, help="teacher-forced positions scored (default 2048; --quick 128)")
+    e.add_argument("--schemes", metavar="LIST", help="comma-separated configuration labels or scheme names "
+                                                     "(default: every configuration; see docs/eval.md)")
+    e.add_argument("--json", metavar="OUT", help="write the rows and settings as JSON")
+    e.add_argument("--markdown", metavar="OUT", help="write the tables as markdown")
+    e.add_argument("--quick", action="store_true", help="a few configurations on short sequences (seconds)")
+    e.add_argument("--prompts", type=int, help="greedy-generation prompts (default: all 8; 0: none)")
+    e.add_argument("--gen-tokens", type=int, help="tokens generated per prompt (default 32)")
+    e.add_argument("--passkey-tokens", type=int, help="passkey prompt length in tokens (default 4096)")
+    e.add_argument("--depths", metavar="LIST", help="passkey depths in [0, 1], comma-separated (default "
+                                                    "0.1,0.3,0.5,0.7,0.9; empty: no passkey test)")
+    e.add_argument("--no-builtin", action="store_true",
+                   help="skip the side-by-side run of transformers' own QuantizedCache backends")
+    e.add_argument("--threads", type=int, help="torch threads (default: the cores not busy with other work)")
+    e.set_defaults(func=_cmd_eval)
     k = sub.add_parser("check", help="conformance of a backend against the oracle (bytes written, attention)")
     k.add_argument("--backend", required=True, help="numpy, torch or triton (triton without a GPU: "
                                                     "TRITON_INTERPRET=1)")
@@ -184,6 +277,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     try:
         return int(args.func(args))
     except UsageError as e:

@@ -162,7 +162,7 @@ def kv_tensors(tokens: Any = (1, 64), kv_heads: Any = (1, 4), head_dim: int | tu
                 chans = rng.choice(D, n, replace=False)
                 x[:, :, chans] *= rng.uniform(10, 100, n)
         if rope if rope is not None else draw(st.booleans()):
-            from kvqref.study import rope as apply_rope
+            from kvqref.eval.study import rope as apply_rope
 
             x = apply_rope(x, np.arange(T))
         if specials:

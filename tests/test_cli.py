@@ -18,10 +18,13 @@ GPU = torch.cuda.is_available()
 
 def test_report_quick_writes_every_output(tmp_path, capsys):
     out = tmp_path / "rep"
-    assert main(["report", "--quick", "--out", str(out)]) == 0
+    # the LLM section has its own tests (tests/test_eval_tiny.py, tests/test_eval_llm.py)
+    assert main(["report", "--quick", "--out", str(out), "--no-llm"]) == 0
     printed = capsys.readouterr().out
-    for title in ("1. Formats and schemes", "2. Accuracy", "3. Conformance", "4. Speed", "Claims checked"):
+    for title in ("1. Formats and schemes", "2. Accuracy", "3. Conformance", "4. Speed",
+                  "5. Decoder LLM (SmolLM2-135M)", "Claims checked"):
         assert f"== {title} ==" in printed
+    assert "skipped (--no-llm)" in printed
     assert "the claims hold" in printed and "3.5556x" in printed and "1.7778x" in printed
     for name in ("report.md", "report.json", "claims.csv", "claims.json", "claims.tex", "capacity.csv",
                  "formats.tex", "accuracy_synthetic.csv", "kivi_keys.tex", "conformance.csv"):
@@ -33,6 +36,7 @@ def test_report_quick_writes_every_output(tmp_path, capsys):
     assert {r["bits"] for r in kivi} == {4, 2} and all(r["per-channel better"] for r in kivi)
     assert all(v["failed"] == 0 for v in rep["conformance_summary"].values())
     assert "numpy" in rep["conformance_summary"] and "torch" in rep["conformance_summary"]
+    assert set(rep["section_seconds"]) >= {"1. Formats and schemes", "Claims checked"}
     md = (out / "report.md").read_text()
     if rep["plots"]:
         assert all((out / p).exists() for p in rep["plots"])

