@@ -72,7 +72,7 @@ def builtin_markdown(b: dict[str, Any]) -> str:
     if b.get("unavailable"):
         out += ["", "Not installed here: " + "; ".join(b["unavailable"]) + "."]
     if b.get("notes"):
-        out += ["", *b["notes"]]
+        out += ["", *[f"- {n}" for n in b["notes"]]]
     return "\n".join(out)
 
 
@@ -96,10 +96,16 @@ def plot(out: Path, rows: list[dict[str, Any]], name: str = "llm_kl.png") -> lis
     if plt is None or not rows:
         return []
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for r in rows:
-        kl = r["kl"] if r["kl"] > 0 else math.nan
-        ax.scatter(r["bits_per_element"], kl, s=18)
-        ax.annotate(r["label"], (r["bits_per_element"], kl), fontsize=6, xytext=(3, 2), textcoords="offset points")
+    colors = {}
+    placed: dict[float, int] = {}  # labels at one x go into a column to its right, ordered by KL
+    for r in sorted(rows, key=lambda r: -(r["kl"] or 0)):
+        kl = r["kl"] if r["kl"] and r["kl"] > 0 else math.nan
+        x = r["bits_per_element"]
+        c = colors.setdefault(r["scheme"], f"C{len(colors) % 10}")
+        ax.scatter(x, kl, s=18, color=c)
+        k = placed.get(x, 0)
+        placed[x] = k + 1
+        ax.annotate(r["label"], (x, kl), fontsize=6, color=c, xytext=(4, 2 - 7 * k), textcoords="offset points")
     ax.set_xlabel("bits per element (K and V mean, scales included)")
     ax.set_ylabel("KL divergence from the unquantized model (nats/token)")
     ax.set_yscale("log")
