@@ -379,3 +379,22 @@ def test_smollm2_int4_kivi_teacher_forced_close_to_bf16():
     assert torch.isfinite(q).all()
     agree = (q.argmax(-1) == ref.argmax(-1)).float().mean().item()
     assert agree > 0.8, agree
+
+
+def test_generate_bench_smoke(tmp_path):
+    """bench/hf_generate_bench.py runs end to end (CPU, tiny model) and writes its JSON, so the GPU run works
+    the first time."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "hf_generate_bench.py"
+    spec = importlib.util.spec_from_file_location("hf_generate_bench", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "r.json"
+    bench.main(["--device", "cpu", "--tiny", "--tokens", "2", "--prompt", "8", "--batches", "1,2",
+                "--schemes", "fp8_e4m3,int4_kivi", "--json", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert len(rows) == 6 and not [r for r in rows if "error" in r]
+    assert all(r["ms_per_token"] > 0 and r["tokens_per_s"] > 0 for r in rows)
