@@ -316,6 +316,10 @@ def test_errors_before_the_first_token():
         H.cache.check_model_config(SimpleNamespace(layer_types=["full_attention", "sliding_attention"]))
     with pytest.raises(ValueError, match="prefill"):
         H.QuantizedKVCache(cfg, "fp8_e4m3", prefill="lazy")
+    with pytest.raises(ValueError, match="tensor scales of 1"):
+        H.QuantizedKVCache(cfg, (schemes.get("fp8_e4m3"), schemes.get("int4_kivi", role="value")), backend="triton")
+    with pytest.raises(ValueError, match="role='key'"):
+        H.QuantizedKVCache(cfg, (schemes.get("int4_kivi", role="value"), schemes.get("int4_kivi", role="value")))
     with pytest.raises(KeyError, match="unknown KV cache scheme"):
         H.QuantizedKVCache(cfg, "int3")
     with pytest.raises(ValueError, match="encoder-decoder"):
