@@ -78,7 +78,7 @@ class Plan:
 
 
 QUICK = Plan(48, tuple(fp8_rows((1, 16))))
-REPORT = Plan(96, tuple(fp8_rows((1, 32))))
+REPORT = Plan(80, tuple(fp8_rows((1, 32))))
 FULL = Plan(256, tuple(fp8_rows((1, 64)) + int_rows(64)))
 
 

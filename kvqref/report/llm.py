@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,7 @@ COLUMNS = ("label", "bits_per_element", "cache_bits", "ppl", "kl", "top1", "gen_
            "engine")
 BUILTIN_COLUMNS = ("cache", "first prompt", "bits_per_element", "ppl", "kl", "top1", "what differs")
 #: the report's default: sized for <= 3 minutes on 2 CPU cores, model load included (measured: docs/eval.md)
-REPORT_SETTINGS = llm.Settings(tokens=512, prompts=4, gen_tokens=16, passkey_tokens=4096, depths=(0.5,))
+REPORT_SETTINGS = llm.Settings(tokens=384, prompts=3, gen_tokens=16, passkey_tokens=4096, depths=(0.5,))
 SCOPE = ("SmolLM2-135M-Instruct is a 135M-parameter model (30 layers, 9 query heads, 3 KV heads of 64: GQA "
          "group 3; RoPE; Q4_1 GGUF weights dequantized to float32). The weights are identical for every row, so "
          "the differences are the cache's alone. What this shows: how each scheme's rounding of a trained "
@@ -143,14 +144,20 @@ def build(ctx: Context) -> Section:
         return Section(TITLE, f"skipped: {why}", {"llm": None, "llm_reason": why})
     configs = llm.configs_named(llm.QUICK_CONFIGS if ctx.quick else llm.REPORT_CONFIGS)
     settings = llm.QUICK if ctx.quick else REPORT_SETTINGS
+    t0 = time.perf_counter()
     model, tok = ctx.options.get("llm_model") or llm.load_model()
+    load_seconds = time.perf_counter() - t0
     progress = Progress(llm.steps(configs, settings), "LLM", ctx.progress_stream)
     res = llm.evaluate(model, tok, configs, settings, progress=progress)
     from kvqref.eval import builtin_caches
 
     res["builtin"] = builtin_caches.compare(model, tok, quick=ctx.quick, progress_stream=ctx.progress_stream)
+    res["load_seconds"] = load_seconds
     md, pngs = write(ctx.out, res)
-    scope = (f"Default report: {len(configs)} configurations, {llm.describe(settings)}"
+    scope = (f"{'Quick report (--quick)' if ctx.quick else 'Default report'}: {len(configs)} configurations, "
+             f"{llm.describe(settings)}; model loaded in {load_seconds:.0f} s, evaluation {res['seconds']:.0f} s, "
+             f"comparison {res['builtin'].get('seconds', 0):.0f} s ({res['threads']} torch thread(s); "
+             f"{res['machine']})"
              + f"; every configuration with the full settings: `kvqref eval` ({len(llm.CONFIGS)} configurations, "
              f"{llm.describe(llm.FULL)}), results in bench/results/llm_eval.md.")
     return Section(TITLE, "\n\n".join([SCOPE, scope, md]), {"llm": res}, pngs)
