@@ -5,8 +5,9 @@ model; the 93 MB GGUF cannot travel to the GPU machine).
 For each batch size and scheme: a prompt of ``--prompt`` random tokens is prefilled, then ``--tokens`` greedy
 decode steps are timed (CUDA events after a warm-up run of the same configuration and an L2 flush; on the
 CPU, perf_counter). Reported per row: time per output token (one decode step of the whole batch), tokens/s
-(batch x steps / time), the cache bytes held at the end and the ratio to SDPA + DynamicCache in bf16 at the
-same batch. The JSON records the device, versions and shapes.
+(batch x steps / time), the cache bytes held at the end, the cache read rate (mean cache bytes / time per
+step: every step reads the whole cache once; the rest of the step is the model's weights) and the ratio to
+SDPA + DynamicCache in bf16 at the same batch. The JSON records the device, versions and shapes.
 
 GPU (the lead's command; about 2 minutes on an H100):
     python bench/hf_generate_bench.py --json bench/results/hf_generate_h100.json
@@ -144,6 +145,14 @@ def main(argv: list[str] | None = None) -> dict:
                        speedup_vs_sdpa_dynamic=(base_ms / per_tok) if base_ms else None)
             if hasattr(cache, "nbytes"):
                 row["cache_bytes"] = cache.nbytes()
+            else:  # DynamicCache: bf16 K and V of every layer
+                row["cache_bytes"] = sum(t.numel() * t.element_size() for layer in getattr(cache, "layers", [])
+                                         for t in (getattr(layer, "keys", None), getattr(layer, "values", None))
+                                         if isinstance(t, torch.Tensor))
+            # each step reads the whole cache once; its mean size over the timed steps, scaled from the end
+            total = args.prompt + args.tokens
+            mean_bytes = row["cache_bytes"] * (args.prompt + args.tokens / 2) / total
+            row["cache_read_GBps"] = mean_bytes / (per_tok * 1e-3) / 1e9
             result["rows"].append(row)
             print(f"batch {batch:3d} {label:22s} {per_tok:8.3f} ms/token  {row['tokens_per_s']:9.1f} tokens/s  "
                   f"x{row['speedup_vs_sdpa_dynamic'] or 1:.2f} vs SDPA", flush=True)

@@ -145,7 +145,7 @@ def _brute_prefill(q, kq, vq, kt, vt, kb, vb, kthr, vthr, scale):
     return out
 
 
-@pytest.mark.parametrize("R,N,m,kb,vb", [(32, 150, 150, 0, 0), (0, 150, 150, 0, 0), (32, 150, 50, 96, 68)])
+@pytest.mark.parametrize("R,N,m,kb,vb", [(32, 96, 96, 0, 0), (0, 96, 96, 0, 0), (32, 96, 40, 32, 24)])
 @pytest.mark.parametrize("mode", ["as_decoded", "full", "dequantized"])
 def test_prefill_attention_against_brute_force(R, N, m, kb, vb, mode):
     """The blocked prefill attention (bands of full-precision keys/values per query) equals building every
@@ -316,6 +316,10 @@ def test_errors_before_the_first_token():
         H.cache.check_model_config(SimpleNamespace(layer_types=["full_attention", "sliding_attention"]))
     with pytest.raises(ValueError, match="prefill"):
         H.QuantizedKVCache(cfg, "fp8_e4m3", prefill="lazy")
+    with pytest.raises(ValueError, match="tensor scales of 1"):
+        H.QuantizedKVCache(cfg, (schemes.get("fp8_e4m3"), schemes.get("int4_kivi", role="value")), backend="triton")
+    with pytest.raises(ValueError, match="role='key'"):
+        H.QuantizedKVCache(cfg, (schemes.get("int4_kivi", role="value"), schemes.get("int4_kivi", role="value")))
     with pytest.raises(KeyError, match="unknown KV cache scheme"):
         H.QuantizedKVCache(cfg, "int3")
     with pytest.raises(ValueError, match="encoder-decoder"):
@@ -379,3 +383,22 @@ def test_smollm2_int4_kivi_teacher_forced_close_to_bf16():
     assert torch.isfinite(q).all()
     agree = (q.argmax(-1) == ref.argmax(-1)).float().mean().item()
     assert agree > 0.8, agree
+
+
+def test_generate_bench_smoke(tmp_path):
+    """bench/hf_generate_bench.py runs end to end (CPU, tiny model) and writes its JSON, so the GPU run works
+    the first time."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "hf_generate_bench.py"
+    spec = importlib.util.spec_from_file_location("hf_generate_bench", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "r.json"
+    bench.main(["--device", "cpu", "--tiny", "--tokens", "2", "--prompt", "8", "--batches", "1,2",
+                "--schemes", "fp8_e4m3,int4_kivi", "--json", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert len(rows) == 6 and not [r for r in rows if "error" in r]
+    assert all(r["ms_per_token"] > 0 and r["tokens_per_s"] > 0 for r in rows)

@@ -416,6 +416,13 @@ class QuantizedKVCache(Cache):
 
             for s in (self.k_scheme, self.v_scheme):
                 kernel_config(s)
+            windowed = any(s.residual_window or s.token_group > 1 for s in (self.k_scheme, self.v_scheme))
+            scaled = [s for s in (self.k_scheme, self.v_scheme) if s.calibrate(np.zeros((1, self.kv_heads,
+                                                                                       self.head_dim)))]
+            if windowed and scaled:
+                raise ValueError(f"QuantizedKVCache: the triton decode kernel reads a residual window only with "
+                                 f"tensor scales of 1; {scaled[0]!r} has a tensor-level scale (pair it with a "
+                                 "scheme without a window, or use backend='torch')")
             if self.head_dim & (self.head_dim - 1):
                 raise ValueError(f"QuantizedKVCache: the triton backend needs a power-of-two head_dim, got "
                                  f"{self.head_dim}")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,7 @@ COLUMNS = ("label", "bits_per_element", "cache_bits", "ppl", "kl", "top1", "gen_
            "engine")
 BUILTIN_COLUMNS = ("cache", "first prompt", "bits_per_element", "ppl", "kl", "top1", "what differs")
 #: the report's default: sized for <= 3 minutes on 2 CPU cores, model load included (measured: docs/eval.md)
-REPORT_SETTINGS = llm.Settings(tokens=512, prompts=4, gen_tokens=16, passkey_tokens=4096, depths=(0.5,))
+REPORT_SETTINGS = llm.Settings(tokens=384, prompts=3, gen_tokens=16, passkey_tokens=4096, depths=(0.5,))
 SCOPE = ("SmolLM2-135M-Instruct is a 135M-parameter model (30 layers, 9 query heads, 3 KV heads of 64: GQA "
          "group 3; RoPE; Q4_1 GGUF weights dequantized to float32). The weights are identical for every row, so "
          "the differences are the cache's alone. What this shows: how each scheme's rounding of a trained "
@@ -57,6 +58,13 @@ def markdown_tables(res: dict[str, Any]) -> str:
               "window included); kl: nats per token from the unquantized model; gen_agree: tokens reproduced "
               "before the first different greedy pick (mean); gen_full: prompts reproduced to the end; passkey: "
               "pass rate (n/a: not run)."]
+    # a prompt has at most as many tokens as characters: an upper bound on prompt + continuation
+    longest = s["gen_tokens"] + max((len(p) for p in llm.PROMPTS[:s["prompts"]]), default=0)
+    windows = sorted({int(r["label"].split("R=")[1]) for r in res["rows"] if "R=" in r["label"]} - {0})
+    if s["prompts"] and windows and min(windows) > longest:
+        lines.append(f"KIVI rows with a residual window ({', '.join(map(str, windows))} tokens) longer than a prompt "
+                     "and its continuation never quantize in the greedy test: their gen_agree measures the window, "
+                     "not the format (the R=0 rows measure the format).")
     if res.get("builtin"):
         lines += ["", builtin_markdown(res["builtin"])]
     return "\n".join(lines)
@@ -72,7 +80,7 @@ def builtin_markdown(b: dict[str, Any]) -> str:
     if b.get("unavailable"):
         out += ["", "Not installed here: " + "; ".join(b["unavailable"]) + "."]
     if b.get("notes"):
-        out += ["", *b["notes"]]
+        out += ["", *[f"- {n}" for n in b["notes"]]]
     return "\n".join(out)
 
 
@@ -96,10 +104,16 @@ def plot(out: Path, rows: list[dict[str, Any]], name: str = "llm_kl.png") -> lis
     if plt is None or not rows:
         return []
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for r in rows:
-        kl = r["kl"] if r["kl"] > 0 else math.nan
-        ax.scatter(r["bits_per_element"], kl, s=18)
-        ax.annotate(r["label"], (r["bits_per_element"], kl), fontsize=6, xytext=(3, 2), textcoords="offset points")
+    colors = {}
+    placed: dict[float, int] = {}  # labels at one x go into a column to its right, ordered by KL
+    for r in sorted(rows, key=lambda r: -(r["kl"] or 0)):
+        kl = r["kl"] if r["kl"] and r["kl"] > 0 else math.nan
+        x = r["bits_per_element"]
+        c = colors.setdefault(r["scheme"], f"C{len(colors) % 10}")
+        ax.scatter(x, kl, s=18, color=c)
+        k = placed.get(x, 0)
+        placed[x] = k + 1
+        ax.annotate(r["label"], (x, kl), fontsize=6, color=c, xytext=(4, 2 - 7 * k), textcoords="offset points")
     ax.set_xlabel("bits per element (K and V mean, scales included)")
     ax.set_ylabel("KL divergence from the unquantized model (nats/token)")
     ax.set_yscale("log")
@@ -130,14 +144,20 @@ def build(ctx: Context) -> Section:
         return Section(TITLE, f"skipped: {why}", {"llm": None, "llm_reason": why})
     configs = llm.configs_named(llm.QUICK_CONFIGS if ctx.quick else llm.REPORT_CONFIGS)
     settings = llm.QUICK if ctx.quick else REPORT_SETTINGS
+    t0 = time.perf_counter()
     model, tok = ctx.options.get("llm_model") or llm.load_model()
+    load_seconds = time.perf_counter() - t0
     progress = Progress(llm.steps(configs, settings), "LLM", ctx.progress_stream)
     res = llm.evaluate(model, tok, configs, settings, progress=progress)
     from kvqref.eval import builtin_caches
 
     res["builtin"] = builtin_caches.compare(model, tok, quick=ctx.quick, progress_stream=ctx.progress_stream)
+    res["load_seconds"] = load_seconds
     md, pngs = write(ctx.out, res)
-    scope = (f"Default report: {len(configs)} configurations, {llm.describe(settings)}"
+    scope = (f"{'Quick report (--quick)' if ctx.quick else 'Default report'}: {len(configs)} configurations, "
+             f"{llm.describe(settings)}; model loaded in {load_seconds:.0f} s, evaluation {res['seconds']:.0f} s, "
+             f"comparison {res['builtin'].get('seconds', 0):.0f} s ({res['threads']} torch thread(s); "
+             f"{res['machine']})"
              + f"; every configuration with the full settings: `kvqref eval` ({len(llm.CONFIGS)} configurations, "
              f"{llm.describe(llm.FULL)}), results in bench/results/llm_eval.md.")
     return Section(TITLE, "\n\n".join([SCOPE, scope, md]), {"llm": res}, pngs)

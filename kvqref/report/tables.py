@@ -13,6 +13,8 @@ import numpy as np
 
 
 def _fmt(v: Any) -> str:
+    if v is None:  # NaN after a JSON round trip
+        return "n/a"
     if isinstance(v, bool):
         return "yes" if v else "no"
     if isinstance(v, (float, np.floating)):
