@@ -29,7 +29,7 @@ def test_teacher_forcing_reproduces_generation_through_the_quantized_cache(smoll
     config = llm.configs_named(["int4_kivi R=0"])[0]
     ids = torch.tensor([tok("The capital of France is", add_special_tokens=False)["input_ids"]])
     cache = hf.QuantizedKVCache(model.config, config.scheme, k_options=config.k_options,
-                                v_options=config.v_options, prefill="as_decoded")
+                                v_options=config.v_options, prefill="as_decoded", precision="exact")
     with llm.attention(model, "kvqref"):
         out = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=8,
                              min_new_tokens=8, do_sample=False, top_p=None, top_k=None, temperature=None)

@@ -111,7 +111,7 @@ def kvqref_logits(model: Any, ids: torch.Tensor, row: Row) -> tuple[torch.Tensor
     from kvqref import hf
 
     cache = hf.QuantizedKVCache(model.config, row.backend, k_options=row.options, v_options=row.options,
-                                prefill="full")
+                                prefill="full", precision="exact")
     p = row.first_prompt
     with attention(model, "kvqref"):
         first = model(ids[:, :p], past_key_values=cache, use_cache=True).logits[0]

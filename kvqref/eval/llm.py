@@ -251,7 +251,7 @@ def quantized_logits(model: Any, ids: torch.Tensor, config: LLMConfig, keep: int
     from kvqref import hf
 
     cache = hf.QuantizedKVCache(model.config, config.scheme, k_options=config.k_options,
-                                v_options=config.v_options, prefill="as_decoded")
+                                v_options=config.v_options, prefill="as_decoded", precision="exact")
     with attention(model, "kvqref"):
         out = model(ids, past_key_values=cache, use_cache=True, logits_to_keep=keep)
     return out.logits.float(), int(cache.nbytes())
@@ -362,7 +362,7 @@ class Runner:
         from kvqref import hf
 
         cache = hf.QuantizedKVCache(self.model.config, config.scheme, k_options=config.k_options,
-                                    v_options=config.v_options, prefill="full")
+                                    v_options=config.v_options, prefill="full", precision="exact")
         out = [pk.ref_logits[0]]  # the last prompt position: computed by the prefill, before any quantized read
         with attention(self.model, REFERENCE_ATTENTION):  # decode steps attend over the dequantized cache
             for i, (k, v) in enumerate(pk.states):
