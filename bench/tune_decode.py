@@ -1,7 +1,7 @@
 """Sweep decode-kernel launch parameters (BLOCK_N, warps, stages, splits) for a few schemes on the GPU.
 
     python3 bench/tune_decode.py [--shape B,Hq,Hkv,D,T] [--schemes all] [--precision fast,exact]
-        [--grid 32,64/2,4/2,3[/splits]]
+        [--grid 32,64/2,4/2,3[/splits]] [--ptx-unpack auto,0,1]
 Prints one line per configuration: scheme, precision, block_n, num_warps, num_stages, splits (None: the
 default choice), microseconds (median, L2 flushed), and per scheme and precision the best.
 """
@@ -31,6 +31,9 @@ def main() -> int:
     ap.add_argument("--grid", default="32,64,128/4,8/2,3,4",
                     help="block_n list / warps list / stages list [/ splits list [/ maxnreg list]]; 0: default")
     ap.add_argument("--precision", default="fast", help="comma-separated: fast, exact")
+    ap.add_argument("--ptx-unpack", default="auto",
+                    help="comma-separated auto/0/1: FP4 nibbles unpacked with inline PTX (auto: the kernel's "
+                         "default; printed last unless auto)")
     args = ap.parse_args()
     if args.schemes == "all":
         args.schemes = ",".join(s[0] for s in SCHEMES)
@@ -49,23 +52,26 @@ def main() -> int:
         q = torch.randn(shape[0], shape[1], shape[3], device="cuda").to(torch.bfloat16)
         for prec in args.precision.split(","):
             best = None
-            for bn, nw, ns, sp, mr in itertools.product(*grid):
+            for bn, nw, ns, sp, mr, pu in itertools.product(*grid, args.ptx_unpack.split(",")):
                 sp = sp or None
+                tag = () if pu == "auto" else (f"ptx={pu}",)
                 if label.endswith("kivi") and bn > 32:
                     continue
                 try:
                     ms = bench_ms(
-                        lambda q=q, dc=dc, bn=bn, nw=nw, ns=ns, sp=sp, prec=prec, mr=mr: tb.decode(
+                        lambda q=q, dc=dc, bn=bn, nw=nw, ns=ns, sp=sp, prec=prec, mr=mr, pu=pu: tb.decode(
                             q, dc, validate=False, max_seq_len=shape[4], block_n=bn, num_warps=nw,
                             num_stages=ns, num_splits=sp, precision=prec, maxnreg=mr or None,
+                            ptx_unpack=None if pu == "auto" else pu == "1",
                         )
                     )
                 except Exception as exc:  # noqa: BLE001 - report and go on (e.g. out of shared memory)
-                    print(label, prec, bn, nw, ns, sp, mr, "failed", type(exc).__name__, str(exc)[:80], flush=True)
+                    print(label, prec, bn, nw, ns, sp, mr, *tag, "failed", type(exc).__name__, str(exc)[:80],
+                          flush=True)
                     continue
                 if best is None or ms < best[0]:
-                    best = (ms, bn, nw, ns, sp, mr)
-                print(label, prec, bn, nw, ns, sp, mr, f"{ms * 1e3:.1f}", flush=True)
+                    best = (ms, bn, nw, ns, sp, mr, *tag)
+                print(label, prec, bn, nw, ns, sp, mr, *tag, f"{ms * 1e3:.1f}", flush=True)
             if best is not None:
                 print(label, prec, "best", f"{best[0] * 1e3:.1f}", "at", *best[1:], flush=True)
         del dc

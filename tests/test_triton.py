@@ -96,6 +96,25 @@ def test_decode_matches_oracle(pair, qdtype, precision):
     assert (np.abs(lse - ref_lse) <= tol_l).all(), f"lse error {np.abs(lse - ref_lse).max():.3g}"
 
 
+@pytest.mark.skipif(not GPU, reason="inline PTX runs on a CUDA device only (the interpreter takes the portable path)")
+@pytest.mark.parametrize("precision", ["fast", "exact"])
+@pytest.mark.parametrize("pair", [PAIRS[5], PAIRS[6], ("nvfp4", {}, "nvfp4", {})],
+                         ids=[IDS[5], IDS[6], "nvfp4/nvfp4"])
+def test_ptx_unpacking_equals_the_portable_one(pair, precision):
+    """``ptx_unpack=True`` (FP4 nibbles unpacked by inline PTX) builds the same E2M1 values as the portable
+    integer code, so the outputs are bit-identical, and within the tolerance of the oracle."""
+    if getattr(torch.version, "hip", None):
+        pytest.skip("CUDA only")
+    rng = np.random.default_rng(16)
+    cache, _ = build_cache(pair, BIG, rng)
+    q = torch.from_numpy(rng.standard_normal((BIG["batch"], BIG["q_heads"], BIG["head_dim"])).astype(np.float32))
+    out_int, lse_int, _ = _run_decode(cache, q, precision=precision, ptx_unpack=False)
+    out_ptx, lse_ptx, _ = _run_decode(cache, q, precision=precision, ptx_unpack=True)
+    assert np.array_equal(out_ptx, out_int) and np.array_equal(lse_ptx, lse_int)
+    ref_out, _, tol_o, _ = _oracle(cache, q.numpy().astype(np.float64), precision, "float32")
+    assert (np.abs(out_ptx - ref_out) <= tol_o).all()
+
+
 @pytest.mark.parametrize("precision", ["fast", "exact"])
 def test_tolerance_catches_a_planted_scale_exponent_off_by_one(precision):
     """An E8M0 block scale one power of two too large, in one block of one token: must fail the check."""

@@ -109,6 +109,11 @@ def _launches(target: str, cases: list | None = None, page: int = 16) -> list[tu
                                              hw_formats=_hw_formats(target), precision=precision)
                 out.append((f"decode[{label}]" if precision == "fast" else f"decode[{label},{precision}]",
                             launches[0]))
+            if target.startswith("cuda") and "fp4" in kn + vn:  # FP4 nibbles unpacked by inline PTX (ptx_unpack)
+                launches, _, _ = plan_decode(q, dc.k.tiles(), dc.v.tiles(), dc.block_table, dc.seq_lens, page,
+                                             max_seq_len=40, num_splits=2, hw_formats=_hw_formats(target),
+                                             ptx_unpack=True)
+                out.append((f"decode[{label},ptx]", launches[0]))
             if label == "bf16":  # the merge kernel does not depend on the scheme
                 out.append(("merge", launches[1]))
         for name, opts in WRITE_CASES:

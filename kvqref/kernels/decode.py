@@ -153,23 +153,66 @@ def _e2m1_f16(nib):
 
 
 @triton.jit
-def _e2m1_f32(nib):
-    """E2M1 code (low 4 bits of an int32) -> exact float32."""
-    return _e2m1_f16(nib).to(tl.float32) * 16384.0
+def _nvfp4_tile16(byte, scale_code, FMT: tl.constexpr, PTX: tl.constexpr):
+    """Fast-mode NVFP4 tile elements of the low and high nibbles of ``byte`` (uint8), as float16
+    E2M1 * scale * 2**-14 (``scale_code``: E4M3, broadcast): multiples of 2**-24 below 0.17 with at most 6
+    significant bits, so exact in float16 (subnormals included); the caller owes a factor 2**14.
+    ``FMT`` >= 8: E4M3FN converted in hardware; ``PTX``: see :func:`_e2m1_nibbles_f16`."""
+    if FMT >= 8 and not INTERPRET:  # the device converts E4M3FN to float16 in hardware (exact)
+        f = scale_code.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+    else:
+        f = decode_f32(scale_code, 0).to(tl.float16)  # E4M3 values are float16 values
+    lo, hi = _e2m1_nibbles_f16(byte, PTX)
+    return lo * f, hi * f
 
 
 @triton.jit
-def _nvfp4_tile16(byte, scale_code):
-    """Fast-mode NVFP4 tile elements of the low and high nibbles of ``byte`` (int32), as float16
-    E2M1 * scale * 2**-14 (``scale_code``: E4M3, broadcast): multiples of 2**-24 below 0.17 with at most 6
-    significant bits, so exact in float16 (subnormals included); the caller owes a factor 2**14."""
-    f = decode_f32(scale_code, 0).to(tl.float16)  # E4M3 values are float16 values
-    return _e2m1_f16(byte & 15) * f, _e2m1_f16(byte >> 4) * f
+def _e2m1_nibbles_f16(byte, PTX: tl.constexpr):
+    """The E2M1 codes of the low and high nibbles of ``byte`` (uint8) as float16 value * 2**-14 (exact):
+    with inline PTX (:func:`_e2m1_pairs_f16`) if ``PTX`` (CUDA), else with :func:`_e2m1_f16`."""
+    if PTX and not INTERPRET:
+        return _e2m1_pairs_f16(byte)
+    else:
+        b = byte.to(tl.int32)
+        return _e2m1_f16(b & 15), _e2m1_f16(b >> 4)
+
+
+def _e2m1_pairs_ptx() -> str:
+    """The PTX of :func:`_e2m1_pairs_f16`: input $4 (bytes 0-3), outputs $0, $1 (low nibbles of bytes 0,1 and
+    2,3) and $2, $3 (high nibbles). Per pair of bytes spread into the halves of y: float16 bits =
+    (y << shift & 0x0E00 per half: exponent and mantissa) | (y & sign bit) << sign shift."""
+    lines = [".reg .b32 z, y, t, v;", "mov.b32 z, 0;"]
+    for sel, lo_out, hi_out in (("0x4140", 0, 2), ("0x4342", 1, 3)):
+        lines.append(f"prmt.b32 y, $4, z, {sel};")
+        for out, shift, sign, sign_shift in ((lo_out, 9, "0x00080008", 12), (hi_out, 5, "0x00800080", 8)):
+            lines += [f"shl.b32 t, y, {shift};", f"and.b32 v, y, {sign};", f"shl.b32 v, v, {sign_shift};",
+                      f"lop3.b32 ${out}, t, v, 0x0E000E00, 0xEC;"]  # (t & 0x0E000E00) | v
+    return "{\n" + "\n".join(lines) + "\n}"
+
+
+E2M1_PAIRS_PTX = tl.constexpr(_e2m1_pairs_ptx())
+
+
+@triton.jit
+def _e2m1_pairs_f16(byte):
+    """CUDA: the E2M1 codes of the low and high nibbles of ``byte`` (uint8) as float16 value * 2**-14, exactly
+    as :func:`_e2m1_f16`, with packed 32-bit operations: 4 bytes per register, ``prmt`` spreads two bytes into
+    the halves of a word, then shift/and/``lop3`` build two float16 at once (2.25 instructions per element).
+    Element i of a call is byte i of the input register and half i % 2 of output register i // 2."""
+    return tl.inline_asm_elementwise(
+        E2M1_PAIRS_PTX,
+        "=r,=r,=r,=r,r",
+        [byte],
+        dtype=(tl.float16, tl.float16),
+        is_pure=True,
+        pack=4,
+    )
 
 
 @triton.jit
 def _fp4_scale(code, KIND: tl.constexpr):
-    """Block scale code -> float32: E8M0 (KIND 2) or E4M3FN (KIND 3, NVFP4)."""
+    """Block scale code -> float32: E8M0 (KIND 2) or E4M3FN (KIND 3, NVFP4), with integer operations (the
+    hardware E4M3 conversion measured 11% slower here in exact mode on the H100: bench/results/ANALYSIS.md)."""
     if KIND == 2:
         return e8m0_to_f32(code)
     else:
@@ -219,11 +262,7 @@ def _phase(
     elif KIND == 2 or KIND == 3:
         nib = (byte.to(tl.int32) >> (4 * P)) & 0xF
         sc = tl.load(F1 + slot * f1_s + kvh * f1_h + e // QB, mask=m, other=0)
-        if KIND == 2:
-            s = e8m0_to_f32(sc)
-        else:
-            s = decode_f32(sc, 0)
-        return decode_f32(nib, 4) * s
+        return decode_f32(nib, 4) * _fp4_scale(sc, KIND)
     else:
         f = ((byte.to(tl.int32) >> (P * BITS)) & ((1 << BITS) - 1)).to(tl.float32)
         if KIND == 4:
@@ -359,6 +398,7 @@ def decode_split_kernel(
     Q_SPLIT: tl.constexpr,
     KT: tl.constexpr = True,
     FAST: tl.constexpr = False,
+    PTX: tl.constexpr = False,
 ):
     """One (sequence, KV head, split): K tiles are read transposed [D/PACK, N] per phase (the elements
     sharing a byte position), V tiles [N, D/PACK]; no register transposes or interleaves."""
@@ -471,9 +511,8 @@ def decode_split_kernel(
                 jk4 = tl.arange(0, QB_K // 2)
                 koff4 = (bk4[:, None] * (QB_K // 2) + jk4[None, :])[:, :, None]
                 kb4 = tl.load(K0 + slot[None, None, :] * k0_s + kvh * k0_h + koff4, mask=tmask[None, None, :], other=0)
-                kb4 = kb4.to(tl.int32)
                 ksc4 = tl.load(K1 + slot[None, :] * k1_s + kvh * k1_h + bk4[:, None], mask=tmask[None, :], other=0)
-                k4lo, k4hi = _nvfp4_tile16(kb4, ksc4[:, None, :])
+                k4lo, k4hi = _nvfp4_tile16(kb4, ksc4[:, None, :], FMT_K, PTX)
                 s = _mm16(q4a, q4a, tl.reshape(k4lo, (DK, BLOCK_N)), 1)
                 s += _mm16(q4b, q4b, tl.reshape(k4hi, (DK, BLOCK_N)), 1)
             elif KIND_K == 2 or KIND_K == 3:
@@ -483,11 +522,11 @@ def decode_split_kernel(
                 jk = tl.arange(0, QB_K // 2)
                 koff = (bk[:, None] * (QB_K // 2) + jk[None, :])[:, :, None]
                 kb3 = tl.load(K0 + slot[None, None, :] * k0_s + kvh * k0_h + koff, mask=tmask[None, None, :], other=0)
-                kb3 = kb3.to(tl.int32)
                 ksc = tl.load(K1 + slot[None, :] * k1_s + kvh * k1_h + bk[:, None], mask=tmask[None, :], other=0)
                 ks3 = _fp4_scale(ksc, KIND_K)[:, None, :]
-                k_lo = tl.reshape(_e2m1_f32(kb3 & 15) * ks3, (DK, BLOCK_N))
-                k_hi = tl.reshape(_e2m1_f32(kb3 >> 4) * ks3, (DK, BLOCK_N))
+                k_lo16, k_hi16 = _e2m1_nibbles_f16(kb3, PTX)
+                k_lo = tl.reshape(k_lo16.to(tl.float32) * 16384.0 * ks3, (DK, BLOCK_N))
+                k_hi = tl.reshape(k_hi16.to(tl.float32) * 16384.0 * ks3, (DK, BLOCK_N))
                 s = _mm(q0h, q0m, q0l, k_lo, QP, 0) + _mm(q1h, q1m, q1l, k_hi, QP, 0)
             elif K_T:
                 # K as the left operand [N, D], loaded in its memory order (lets the compiler keep the
@@ -580,9 +619,8 @@ def decode_split_kernel(
                 jv4 = tl.arange(0, QB_V // 2)
                 voff4 = (bv4[:, None] * (QB_V // 2) + jv4[None, :])[None, :, :]
                 vb4 = tl.load(V0 + slot[:, None, None] * v0_s + kvh * v0_h + voff4, mask=tmask[:, None, None], other=0)
-                vb4 = vb4.to(tl.int32)
                 vsc4 = tl.load(V1 + slot[:, None] * v1_s + kvh * v1_h + bv4[None, :], mask=tmask[:, None], other=0)
-                v4lo, v4hi = _nvfp4_tile16(vb4, vsc4[:, :, None])
+                v4lo, v4hi = _nvfp4_tile16(vb4, vsc4[:, :, None], FMT_V, PTX)
                 acc0 = acc0 * alpha[:, None] + _mm16(p16h, p16l, tl.reshape(v4lo, (BLOCK_N, DV)), 1)
                 acc1 = acc1 * alpha[:, None] + _mm16(p16h, p16l, tl.reshape(v4hi, (BLOCK_N, DV)), 1)
             elif KIND_V == 2 or KIND_V == 3:
@@ -591,11 +629,11 @@ def decode_split_kernel(
                 jv = tl.arange(0, QB_V // 2)
                 voff = (bv[:, None] * (QB_V // 2) + jv[None, :])[None, :, :]
                 vb3 = tl.load(V0 + slot[:, None, None] * v0_s + kvh * v0_h + voff, mask=tmask[:, None, None], other=0)
-                vb3 = vb3.to(tl.int32)
                 vsc = tl.load(V1 + slot[:, None] * v1_s + kvh * v1_h + bv[None, :], mask=tmask[:, None], other=0)
                 vs3 = _fp4_scale(vsc, KIND_V)[:, :, None]
-                v_lo = tl.reshape(_e2m1_f32(vb3 & 15) * vs3, (BLOCK_N, DV))
-                v_hi = tl.reshape(_e2m1_f32(vb3 >> 4) * vs3, (BLOCK_N, DV))
+                v_lo16, v_hi16 = _e2m1_nibbles_f16(vb3, PTX)
+                v_lo = tl.reshape(v_lo16.to(tl.float32) * 16384.0 * vs3, (BLOCK_N, DV))
+                v_hi = tl.reshape(v_hi16.to(tl.float32) * 16384.0 * vs3, (BLOCK_N, DV))
                 acc0 = acc0 * alpha[:, None] + _mm(ph, pm, pl, v_lo, PP, 0)
                 acc1 = acc1 * alpha[:, None] + _mm(ph, pm, pl, v_hi, PP, 0)
             else:
@@ -803,14 +841,22 @@ def plan_decode(
     k_transposed: bool = True,
     precision: str = "fast",
     maxnreg: int | None = None,
+    ptx_unpack: bool | None = None,
 ):
     """The launches of decode attention (see :func:`paged_decode`), with their output tensors.
     ``hw_formats``: FP8 format ids converted in hardware (default: what ``q``'s device has); ``maxnreg``:
-    a register cap per thread (CUDA only; for tuning occupancy)."""
+    a register cap per thread (CUDA only; for tuning occupancy); ``ptx_unpack``: FP4 nibbles unpacked with
+    inline PTX (CUDA only); default (None): where it measured faster on the H100, fast-mode MXFP4 keys
+    (E8M0 blocks of 32) on CUDA (bench/results/ANALYSIS.md)."""
     import torch
 
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    if ptx_unpack and getattr(torch.version, "hip", None):
+        raise ValueError("ptx_unpack=True needs CUDA (inline PTX); ROCm uses the portable unpacking")
+    if ptx_unpack is None:
+        ptx_unpack = (q.is_cuda and not getattr(torch.version, "hip", None) and precision == "fast"
+                      and k.kind == "mxfp4" and k.block == 32)
 
     batch, q_heads, head_dim = q.shape
     kv_heads = k.fields[0].shape[1]
@@ -889,13 +935,13 @@ def plan_decode(
         PAGE=page_size,
         BLOCK_N=block_n,
         KIND_K=KIND_IDS[k.kind],
-        FMT_K=k.fmt + 8 * (k.kind == "fp8" and k.fmt in hw),
+        FMT_K=k.fmt + 8 * (k.kind in ("fp8", "nvfp4") and k.fmt in hw),
         TSC_K=k.token_scale,
         QB_K=k.block,
         G_K=k.group,
         BITS_K=k.bits,
         KIND_V=KIND_IDS[v.kind],
-        FMT_V=v.fmt + 8 * (v.kind == "fp8" and v.fmt in hw),
+        FMT_V=v.fmt + 8 * (v.kind in ("fp8", "nvfp4") and v.fmt in hw),
         TSC_V=v.token_scale,
         QB_V=v.block,
         G_V=v.group,
@@ -904,6 +950,7 @@ def plan_decode(
         Q_SPLIT=q.dtype != torch.bfloat16,
         KT=k_transposed,
         FAST=precision == "fast",
+        PTX=ptx_unpack,
     )
     out = torch.empty(batch, q_heads, head_dim, dtype=torch.float32, device=q.device)
     lse = torch.empty(batch, q_heads, dtype=torch.float32, device=q.device)

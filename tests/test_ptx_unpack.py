@@ -1,0 +1,99 @@
+"""The inline PTX of the NVFP4 nibble unpacking (kvqref.kernels.decode._e2m1_pairs_f16), executed on the CPU by
+a small emulator of the instructions it uses, against the portable rule (``_e2m1_f16``: E2M1 bits placed in
+float16's, value x 2**-14) on every byte value in every position of the packed register. The GPU test
+tests/test_triton.py::test_ptx_unpacking_equals_the_portable_one runs the real thing on a device."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytest.importorskip("triton")
+
+from kvqref import formats  # noqa: E402
+from kvqref.kernels import decode  # noqa: E402
+
+MASK = 0xFFFFFFFF
+
+
+def _asm_text() -> str:
+    return decode.E2M1_PAIRS_PTX.value.strip().removeprefix("{").removesuffix("}")
+
+
+def _num(tok: str, regs: dict) -> int:
+    tok = tok.strip()
+    return regs[tok] if tok in regs else int(tok, 0)
+
+
+def run_ptx(asm: str, inputs: dict[str, int]) -> dict[str, int]:
+    """Execute the straight-line b32 subset used (mov, prmt, shl, and, lop3) on 32-bit integers."""
+    regs = dict(inputs)
+    for line in asm.split(";"):
+        line = line.strip()
+        if not line or line.startswith(".reg"):
+            continue
+        op, rest = line.split(None, 1)
+        d, *a = [t.strip() for t in rest.split(",")]
+        x = [_num(t, regs) for t in a]
+        if op == "mov.b32":
+            r = x[0]
+        elif op == "shl.b32":
+            r = (x[0] << x[1]) & MASK
+        elif op == "and.b32":
+            r = x[0] & x[1]
+        elif op == "prmt.b32":  # default mode: selector nibble k (low 3 bits) picks byte k of {b, a}
+            pool = [(x[0] >> 8 * i) & 255 for i in range(4)] + [(x[1] >> 8 * i) & 255 for i in range(4)]
+            assert all((x[2] >> 4 * i) & 8 == 0 for i in range(4)), "sign-replicate mode is not emulated"
+            r = sum(pool[(x[2] >> 4 * i) & 7] << 8 * i for i in range(4))
+        elif op == "lop3.b32":  # bit i of the result: bit (4a + 2b + c) of the LUT
+            r = 0
+            for i in range(32):
+                r |= ((x[3] >> (((x[0] >> i) & 1) << 2 | ((x[1] >> i) & 1) << 1 | ((x[2] >> i) & 1))) & 1) << i
+        else:
+            raise AssertionError(f"instruction {op} not emulated")
+        regs[d] = r
+    return regs
+
+
+def _portable(nibble: int) -> int:
+    return ((nibble & 7) << 9) | ((nibble & 8) << 12)
+
+
+def test_ptx_unpacking_matches_the_portable_rule_on_every_byte():
+    asm = _asm_text()
+    rng = np.random.default_rng(0)
+    for pos in range(4):
+        for byte in range(256):
+            bs = [int(v) for v in rng.integers(0, 256, 4)]
+            bs[pos] = byte
+            regs = run_ptx(asm, {"$4": sum(v << 8 * i for i, v in enumerate(bs))})
+            lo = [(regs[f"${i // 2}"] >> 16 * (i % 2)) & 0xFFFF for i in range(4)]
+            hi = [(regs[f"${2 + i // 2}"] >> 16 * (i % 2)) & 0xFFFF for i in range(4)]
+            assert lo == [_portable(v & 15) for v in bs] and hi == [_portable(v >> 4) for v in bs], (pos, byte)
+
+
+def test_the_portable_rule_is_e2m1_times_2_to_the_minus_14():
+    """_portable's float16 bits, read as float16, are the oracle's E2M1 values x 2**-14 (all 16 codes)."""
+    vals = np.array([_portable(c) for c in range(16)], np.uint16).view(np.float16).astype(np.float64) * 2.0**14
+    want = np.asarray(formats.get("float4_e2m1fn").decode(np.arange(16, dtype=np.uint8)), np.float64)
+    assert np.array_equal(vals, want) and np.array_equal(np.signbit(vals), np.signbit(want))
+
+
+def test_a_planted_lut_error_is_caught():
+    asm = _asm_text().replace("0xEC", "0xEA", 1)
+    regs = run_ptx(asm, {"$4": 0x0000000F})  # code 15 = -6: needs the sign from the second operand
+    assert regs["$0"] & 0xFFFF != _portable(15)
+
+
+def test_ptx_unpacking_is_refused_on_rocm(monkeypatch):
+    """Inline PTX cannot run on ROCm: asking for it there is an error before launch, not a silent fallback."""
+    torch = pytest.importorskip("torch")
+    from kvqref import conformance
+    from kvqref.backends import triton_backend as tb
+
+    shape = dict(batch=1, kv_heads=2, q_heads=4, head_dim=64, page_size=16, lens=(20,))
+    cache, _ = conformance.build_cache(("", "mxfp4", {}, "mxfp4", {}), shape, np.random.default_rng(1), 1)
+    dc = tb.DeviceCache.from_cache(cache, "cpu")
+    monkeypatch.setattr(torch.version, "hip", "6.2", raising=False)
+    with pytest.raises(ValueError, match="ptx_unpack"):
+        tb.decode(torch.zeros(1, 4, 64), dc, ptx_unpack=True)
