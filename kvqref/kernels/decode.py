@@ -847,7 +847,7 @@ def plan_decode(
     ``hw_formats``: FP8 format ids converted in hardware (default: what ``q``'s device has); ``maxnreg``:
     a register cap per thread (CUDA only; for tuning occupancy); ``ptx_unpack``: FP4 nibbles unpacked with
     inline PTX (CUDA only); default (None): where it measured faster on the H100, fast-mode MXFP4 keys
-    (E8M0 blocks of 32) on CUDA (bench/results/ANALYSIS.md)."""
+    (E8M0 blocks of 32) and NVFP4 keys on CUDA (bench/results/ANALYSIS.md)."""
     import torch
 
     if precision not in PRECISIONS:
@@ -856,7 +856,7 @@ def plan_decode(
         raise ValueError("ptx_unpack=True needs CUDA (inline PTX); ROCm uses the portable unpacking")
     if ptx_unpack is None:
         ptx_unpack = (q.is_cuda and not getattr(torch.version, "hip", None) and precision == "fast"
-                      and k.kind == "mxfp4" and k.block == 32)
+                      and (k.kind == "mxfp4" and k.block == 32 or k.kind == "nvfp4"))
 
     batch, q_heads, head_dim = q.shape
     kv_heads = k.fields[0].shape[1]
@@ -866,10 +866,12 @@ def plan_decode(
         sm_scale = head_dim**-0.5
     # defaults tuned on the H100 (bench/tune_decode.py; logs in bench/results/history/tune-h100-*.log): the
     # kernel's occupancy is limited by registers, so small programs (2 warps, 32-token tiles) win, except in
-    # fast mode for bf16 (64-token tiles) and E8M0 FP4 (64-token tiles, 4 warps)
+    # fast mode for bf16 (64-token tiles), E8M0 FP4 (64-token tiles, 4 warps) and NVFP4 unpacked by PTX
+    # (64-token tiles: bench/results/history/tune-h100-fp4-ptx.log)
     fast_e8m0 = precision == "fast" and k.kind == "mxfp4"
+    fast_nvfp4_ptx = precision == "fast" and k.kind == "nvfp4" and ptx_unpack
     if block_n is None:
-        block_n = 64 if precision == "fast" and (fast_e8m0 or k.kind == "bf16") else 32
+        block_n = 64 if precision == "fast" and (fast_e8m0 or fast_nvfp4_ptx or k.kind == "bf16") else 32
     if num_warps is None:
         num_warps = 4 if fast_e8m0 else 2
     if k.kind == "int_k":  # a tile must lie inside one KIVI token group
@@ -877,7 +879,8 @@ def plan_decode(
         if k.group % block_n:
             raise ValueError(f"block_n {block_n} must divide the KIVI key group size {k.group}")
     if num_stages is None:
-        num_stages = 3 if k.kind in ("fp8", "int_k") or (precision == "fast" and k.kind == "nvfp4") else 2
+        num_stages = 3 if k.kind in ("fp8", "int_k") or (precision == "fast" and k.kind == "nvfp4"
+                                                          and not ptx_unpack) else 2
     has_res = residual is not None
     if has_res:
         rk, rv, kl, vl = residual
