@@ -20,7 +20,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 import kvqref.hf as H  # noqa: E402
-from kvqref import schemes  # noqa: E402
+from kvqref import backends, schemes  # noqa: E402
 
 KIVI = {"residual": 32}
 #: (scheme, options for K and V) covering every scheme name
@@ -96,8 +96,9 @@ def test_stored_bytes_are_the_oracles(scheme, opts):
 def test_triton_writes_the_oracles_bytes_and_decodes(scheme, opts):
     """backend="triton" (interpreter): the fused write kernel's bytes equal the oracle writer's, and a
     decode step over them matches the torch backend (both with float32 products: precision="exact")."""
-    model = _model(num_hidden_layers=1)
-    ids = _ids(40)
+    dev = backends.get("triton").device()  # the interpreter's CPU, or the GPU the kernels run on
+    model = _model(num_hidden_layers=1).to(dev)
+    ids = _ids(40).to(dev)
     outs, caches = [], []
     for backend in ("torch", "triton"):
         cache = _cache(model, scheme, opts, backend=backend, precision="exact")
@@ -111,6 +112,13 @@ def test_triton_writes_the_oracles_bytes_and_decodes(scheme, opts):
         for f in qa.fields:
             np.testing.assert_array_equal(qa.fields[f], qb.fields[f], err_msg=f"{sa.label} {f}")
     torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: a CPU model with the GPU's fused kernels")
+def test_triton_backend_names_a_model_on_the_wrong_device():
+    model = _model(num_hidden_layers=1)  # on the CPU, while the kernels run on the GPU
+    with pytest.raises(ValueError, match="move the model there"):
+        model(_ids(8), past_key_values=_cache(model, "fp8_e4m3", {}, backend="triton"))
 
 
 # -- prefill modes ----------------------------------------------------------------------------------

@@ -365,6 +365,14 @@ class TritonQuantizedKVLayer(QuantizedKVLayer):
 
     writer = "triton"
 
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        want = torch.device(self.cache.backend.device())
+        if key_states.device.type != want.type:
+            raise ValueError(f"QuantizedKVCache(backend='triton'): the fused kernels run on {want.type}, but the "
+                             f"model's K/V are on {key_states.device.type}: move the model there "
+                             f"(model.to('{want.type}')) or use backend='torch'")
+        super().lazy_initialization(key_states, value_states)
+
     def _fused_decode(self, q: torch.Tensor, scale: float) -> torch.Tensor:
         from kvqref.backends.triton_backend import decode
 
