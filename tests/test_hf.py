@@ -199,7 +199,7 @@ def test_given_params_errors_name_the_layer():
     bad[1] = {"scale": float("nan")}
     with pytest.raises(ValueError, match="k_params of layer 1"):
         H.QuantizedKVCache(cfg, "fp8_e4m3", k_params=bad)
-    with pytest.raises(ValueError, match=r"k_params of layer 0: .*shape \(%d,\)" % kvh):
+    with pytest.raises(ValueError, match=rf"k_params of layer 0: .*shape \({kvh},\)"):
         H.QuantizedKVCache(cfg, "fp8_e4m3", k_options={"granularity": "head"}, k_params={"scale": [0.1] * (kvh + 1)})
     with pytest.raises(ValueError, match="k_params of layer 0: .*global_scale"):
         H.QuantizedKVCache(cfg, "nvfp4", k_params={"scale": 0.1})

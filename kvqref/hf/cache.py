@@ -17,9 +17,9 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvqref import backends
+from kvqref.calibration.scales import ScaleSet
 from kvqref.hf import attention as attn
 from kvqref.hf.storage import DeviceIndex, SideStore, page_size_for
-from kvqref.calibration.scales import ScaleSet
 from kvqref.schemes import KiviScheme, Scheme
 from kvqref.schemes import get as get_scheme
 
