@@ -31,7 +31,8 @@ def test_rows_on_a_tiny_model(tiny_result):
     res, steps = tiny_result
     assert len(steps) == scales.steps()
     rows = {(r["choice"], r["granularity"]): r for r in res["rows"]}
-    assert len(rows) == len(res["rows"]) == 17
+    assert len(rows) == len(res["rows"]) == 20
+    assert ("1.0 x 1.01 (noise floor)", "tensor") in rows
     for name in ("1.0 (no scales: engine default)", scales.CACHE_DEFAULT, "vLLM first batch (8 tokens)",
                  "vLLM first batch (32 tokens)", "static amax", "static mse", "static percentile (p99.99)"):
         assert (name, "tensor") in rows, name
@@ -53,7 +54,7 @@ def test_rows_on_a_tiny_model(tiny_result):
     assert rows[("frozen first prefill (8 tokens)", "tensor")]["k"]["saturated"] > 0
     assert rows[(scales.CACHE_DEFAULT, "tensor")]["k"]["saturated"] == 0
     table = scales.markdown(res)
-    assert table.count("\n") == 2 + 17 and "unquantized model (reference)" in table
+    assert table.count("\n") == 2 + 20 and "unquantized model (reference)" in table
 
 
 def test_given_scales_reach_the_cache(monkeypatch):
@@ -75,6 +76,7 @@ def test_given_scales_reach_the_cache(monkeypatch):
     got = {label: (k, v) for label, k, v in seen}
     k, v = got["1.0 (no scales: engine default)"]
     assert len(k) == model.config.num_hidden_layers and all(p["scale"] == np.float32(1.0) for p in k + v)
+    assert all(p["scale"] == np.float32(1.01) for p in got["1.0 x 1.01 (noise floor)"][0])
     assert got[scales.CACHE_DEFAULT] == (None, None) and got["per token (dynamic amax)"] == (None, None)
     k, _ = got["vLLM first batch (4 tokens)"]
     assert all(p["scale"].shape == () and p["scale"] != 1.0 for p in k)
@@ -114,7 +116,7 @@ def test_smollm2_end_to_end(tmp_path, capsys):
     assert f"Command: `python -m kvqref.eval.scales {' '.join(argv)}`" in md
     assert "evaluation: tokens [128, 192)" in md and "Short / long first prompt: 32 / 32 tokens" in md
     res = json.loads(out.with_suffix(".json").read_text())
-    assert res["layers"] == 30 and len(res["rows"]) == 17 and res["eval_tokens"] == 64
+    assert res["layers"] == 30 and len(res["rows"]) == 20 and res["eval_tokens"] == 64
     for r in res["rows"]:
         assert math.isfinite(r["kl"]) and r["kl"] > 0 and r["tokens"] == 63
     assert "static mse" in capsys.readouterr().out

@@ -11,7 +11,10 @@ first-batch dynamic scale (``amax / 200`` for K, ``/ 100`` for V) from a short a
 first ``short`` / ``long`` evaluation tokens); the frozen first-prefill amax of a short and a long first
 prefill, per tensor and per head; static scales by amax (and amax x 2), percentile and MSE calibrated by
 :mod:`kvqref.calibration` on the calibration prompt, per tensor and per head; and per-(token, head) scales for
-reference. One more row is the cache's own default, run with no params: ``QuantizedKVCache`` freezes the
+reference. Three rows scale 1.0 by 0.97, 1.01 and 1.03 (:data:`NOISE_FACTORS`): the spread of their
+metrics is the noise floor (a slightly different scale rounds different elements the other way, and over 30
+layers that moves perplexity and KL by a few percent), against which the other rows' differences must be
+read. One more row is the cache's own default, run with no params: ``QuantizedKVCache`` freezes the
 amax of its first quantized chunk, here the whole evaluation prompt (so it has seen every value it stores).
 
 Each choice becomes per-layer ``k_params``/``v_params`` of :class:`kvqref.hf.QuantizedKVCache`
@@ -46,6 +49,9 @@ from kvqref.eval import llm
 from kvqref.eval.metrics import LogitStats
 
 CACHE_DEFAULT = "cache default: first chunk's amax (the whole prompt)"
+#: the noise-floor rows: scale 1.0 times these, choices that change no saturation and the error by well under
+#: 1% (on SmolLM2), so their spread is how much the metrics move without a meaningful change of scale
+NOISE_FACTORS = (0.97, 1.01, 1.03)
 
 
 def _params(choice: compare.Choice, layers: int, side: int) -> list[dict[str, Any]] | None:
@@ -81,7 +87,8 @@ def evaluate(model: Any, calib_ids: Sequence[int], eval_ids: Sequence[int], *, s
     runs = [(c, False) for c in compare.choices(calib, evals, scheme, profile=profile, short=short, long=long,
                                                 percentile=percentile, progress=progress)]
     whole = compare.frozen_first_prefill(evals, len(eval_ids), "tensor", scheme)
-    runs.insert(1, (compare.Choice(CACHE_DEFAULT, "tensor", whole.scale), True))
+    runs[1:1] = [(compare.Choice(f"1.0 x {f:g} (noise floor)", "tensor", lambda i, s, f=f: np.float32(f)), False)
+                 for f in NOISE_FACTORS] + [(compare.Choice(CACHE_DEFAULT, "tensor", whole.scale), True)]
     rows = []
     for choice, cache_default in runs:
         t0 = time.perf_counter()
@@ -105,8 +112,8 @@ def evaluate(model: Any, calib_ids: Sequence[int], eval_ids: Sequence[int], *, s
 
 
 def steps() -> int:
-    """Progress steps of :func:`evaluate`: K/V, 6 static calibrations, 17 runs."""
-    return 1 + 6 + 17
+    """Progress steps of :func:`evaluate`: K/V, 6 static calibrations, 20 runs."""
+    return 1 + 6 + 20
 
 
 def markdown(res: dict[str, Any]) -> str:
