@@ -111,7 +111,28 @@ def _float_list(text: str, name: str) -> tuple[float, ...]:
         raise UsageError(f"{name} must be comma-separated numbers, got {text!r}") from None
 
 
+def _cmd_eval_scales(args: argparse.Namespace) -> int:
+    """``kvqref eval --scales``: :mod:`kvqref.eval.scales` (its own options: python -m kvqref.eval.scales)."""
+    from kvqref.eval import scales
+
+    other = [f"--{k.replace('_', '-')}" for k in ("schemes", "json", "prompts", "gen_tokens", "passkey_tokens",
+                                                   "depths") if getattr(args, k) is not None]
+    other += [f"--{k}" for k in ("quick", "no_builtin") if getattr(args, k)]
+    if other:
+        raise UsageError(f"{', '.join(other)}: not used with --scales (it writes --markdown OUT and a .json "
+                         "beside it; more options: python -m kvqref.eval.scales --help)")
+    if not args.markdown:
+        raise UsageError("--scales needs --markdown OUT (the results file; a .json is written beside it)")
+    argv = ["--out", args.markdown]
+    for opt, val in (("--text", args.text), ("--eval-tokens", args.tokens), ("--threads", args.threads)):
+        if val is not None:
+            argv += [opt, str(val)]
+    return scales.main(argv, command="kvqref " + shlex.join(args.argv))
+
+
 def _cmd_eval(args: argparse.Namespace) -> int:
+    if args.scales:
+        return _cmd_eval_scales(args)
     from kvqref.eval import llm
 
     try:
@@ -253,6 +274,10 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--no-builtin", action="store_true",
                    help="skip the side-by-side run of transformers' own QuantizedCache backends")
     e.add_argument("--threads", type=int, help="torch threads (default: the cores not busy with other work)")
+    e.add_argument("--scales", action="store_true",
+                   help="instead: what each choice of FP8 K/V scale (1.0, vLLM first batch, frozen first prefill, "
+                        "calibrated static, per token) costs in perplexity/KL/top-1 and saturation; with --markdown "
+                        "OUT, --text, --tokens (evaluation tokens, default 1024), --threads (kvqref/eval/scales.py)")
     e.set_defaults(func=_cmd_eval)
     k = sub.add_parser("check", help="conformance of a backend against the oracle (bytes written, attention)")
     k.add_argument("--backend", required=True, help="numpy, torch or triton (triton without a GPU: "

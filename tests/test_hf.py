@@ -68,6 +68,12 @@ def test_stored_bytes_are_the_oracles(scheme, opts):
     chunk; batch of 2, prompt then two decode steps."""
     model = _model("sdpa")
     cache = _cache(model, scheme, opts, prefill="dequantized")
+    _assert_stored_is_oracle(model, cache)
+
+
+def _assert_stored_is_oracle(model, cache) -> None:
+    """Run a batch-2 prompt of 40 tokens and two decode steps; every layer's stored fields must be
+    ``scheme.quantize(K after RoPE, params=the layer's params)`` (and V), the rest the float32 residual."""
     seen = _capture_kv(cache)
     ids = _ids(40, batch=2)
     with torch.no_grad():
@@ -119,6 +125,116 @@ def test_triton_backend_names_a_model_on_the_wrong_device():
     model = _model(num_hidden_layers=1)  # on the CPU, while the kernels run on the GPU
     with pytest.raises(ValueError, match="move the model there"):
         model(_ids(8), past_key_values=_cache(model, "fp8_e4m3", {}, backend="triton"))
+
+
+# -- given (calibrated) tensor-level params --------------------------------------------------------------
+def _layer_scales(n_layers: int, shape: tuple[int, ...], seed: int, scale: float) -> list[np.ndarray]:
+    """Distinct float32 scales per layer, ``scale`` times 0.5 to 2: near the tiny model's amax / 448 (K/V
+    amax ~5-6), so with FP8 some layers saturate and others waste range."""
+    rng = np.random.default_rng(seed)
+    return [(scale * rng.uniform(0.5, 2.0, shape)).astype(np.float32) for _ in range(n_layers)]
+
+
+GIVEN = [("fp8_e4m3", {}, "scale", ()), ("fp8_e4m3", {"granularity": "head"}, "scale", (2,)),
+         ("fp8_e5m2", {}, "scale", ()), ("nvfp4", {}, "global_scale", ())]
+
+
+@pytest.mark.parametrize("backend", ["numpy", "torch"])
+@pytest.mark.parametrize("scheme,opts,param,shape", GIVEN, ids=[f"{g[0]}-{g[3]}" for g in GIVEN])
+def test_given_params_are_stored_and_used(scheme, opts, param, shape, backend):
+    """k_params/v_params as one dict per layer: each layer stores and quantizes with exactly its given
+    params (bytes equal the oracle's quantize with them), not the first chunk's amax."""
+    model = _model("kvqref" if backend == "numpy" else "sdpa")
+    n, kvh = model.config.num_hidden_layers, model.config.num_key_value_heads
+    assert shape in ((), (kvh,))
+    base = 0.004 if param == "global_scale" else 0.01
+    ks, vs = _layer_scales(n, shape, 1, base), _layer_scales(n, shape, 2, base)
+    k_params = [{param: k if shape else np.float32(k)} for k in ks]
+    v_params = [{param: v if shape else np.float32(v)} for v in vs]
+    cache = _cache(model, scheme, opts, backend=backend, k_params=k_params, v_params=v_params,
+                   **({} if backend == "numpy" else {"prefill": "dequantized"}))
+    _assert_stored_is_oracle(model, cache)
+    for li, layer in enumerate(cache.layers):
+        for side, want in ((layer.k, ks[li]), (layer.v, vs[li])):
+            np.testing.assert_array_equal(side.params[param], want)
+
+
+def test_given_params_one_dict_or_scale_set_and_logits_change():
+    """One dict for every layer, and a kvqref.calibration ScaleSet, are applied per layer; a scale that
+    saturates changes the logits relative to the first-chunk calibration."""
+    from kvqref.calibration import ScaleSet
+
+    model = _model("sdpa")
+    n = model.config.num_hidden_layers
+    ids = _ids(24)
+    ss = ScaleSet("fp8_e4m3", "tensor", [np.float32(0.001 * (i + 1)) for i in range(n)],
+                  [np.float32(0.002 * (i + 1)) for i in range(n)])
+    logits = {}
+    for name, kw in (("first chunk", {}), ("one dict", {"k_params": {"scale": 0.003}, "v_params": {"scale": 0.003}}),
+                     ("scale set", {"k_params": ss, "v_params": ss})):
+        cache = _cache(model, "fp8_e4m3", {}, prefill="dequantized", **kw)
+        with torch.no_grad():
+            logits[name] = model(ids, past_key_values=cache).logits
+        for li, layer in enumerate(cache.layers):
+            if name == "one dict":
+                assert layer.k.params["scale"] == np.float32(0.003) == layer.v.params["scale"]
+            elif name == "scale set":
+                assert layer.k.params["scale"] == ss.k[li] and layer.v.params["scale"] == ss.v[li]
+    assert not torch.allclose(logits["one dict"], logits["first chunk"])
+    assert not torch.allclose(logits["scale set"], logits["first chunk"])
+
+
+def test_given_params_errors_name_the_layer():
+    from kvqref.calibration import ScaleSet
+
+    cfg = H.tiny_config()
+    n, kvh = cfg.num_hidden_layers, cfg.num_key_value_heads
+    good = [{"scale": 0.01}] * n
+    with pytest.raises(ValueError, match=f"k_params has {n - 1} entries, the model has {n} layers"):
+        H.QuantizedKVCache(cfg, "fp8_e4m3", k_params=good[:-1])
+    bad = list(good)
+    bad[1] = {"scale": -1.0}
+    with pytest.raises(ValueError, match="v_params of layer 1: .*positive and finite"):
+        H.QuantizedKVCache(cfg, "fp8_e4m3", v_params=bad)
+    bad[1] = {"scale": float("nan")}
+    with pytest.raises(ValueError, match="k_params of layer 1"):
+        H.QuantizedKVCache(cfg, "fp8_e4m3", k_params=bad)
+    with pytest.raises(ValueError, match=rf"k_params of layer 0: .*shape \({kvh},\)"):
+        H.QuantizedKVCache(cfg, "fp8_e4m3", k_options={"granularity": "head"}, k_params={"scale": [0.1] * (kvh + 1)})
+    with pytest.raises(ValueError, match="k_params of layer 0: .*global_scale"):
+        H.QuantizedKVCache(cfg, "nvfp4", k_params={"scale": 0.1})
+    with pytest.raises(ValueError, match="k_params of layer 0: .*no tensor-level params"):
+        H.QuantizedKVCache(cfg, "fp8_e4m3", k_options={"granularity": "token_head"}, k_params={"scale": 0.1})
+    with pytest.raises(TypeError, match="k_params of layer 1 must be a params dict"):
+        H.QuantizedKVCache(cfg, "fp8_e4m3", k_params=good[:1] + [0.01])
+    with pytest.raises(TypeError, match="ScaleSet"):
+        H.QuantizedKVCache(cfg, "fp8_e4m3", k_params=0.01)
+    ss = ScaleSet("fp8_e5m2", "tensor", [np.float32(1)] * n, [np.float32(1)] * n)
+    with pytest.raises(ValueError, match="fp8_e5m2 scales, but the K scheme is fp8_e4m3"):
+        H.QuantizedKVCache(cfg, "fp8_e4m3", k_params=ss)
+    ss = ScaleSet("fp8_e4m3", "tensor", [np.float32(1)] * (n + 1), [np.float32(1)] * (n + 1))
+    with pytest.raises(ValueError, match=f"covers {n + 1} layers"):
+        H.QuantizedKVCache(cfg, "fp8_e4m3", v_params=ss)
+
+
+@pytest.mark.interpret
+def test_triton_writes_given_params_bit_exactly():
+    """backend="triton" (interpreter) with given per-head FP8 scales that saturate some values: the fused
+    write kernel's bytes equal the torch backend's (the oracle's) and both keep the given scales."""
+    dev = backends.get("triton").device()
+    model = _model(num_hidden_layers=1).to(dev)
+    kvh = model.config.num_key_value_heads
+    ks, vs = _layer_scales(1, (kvh,), 3, 0.01)[0], _layer_scales(1, (kvh,), 4, 0.01)[0]
+    caches = []
+    for backend in ("torch", "triton"):
+        cache = _cache(model, "fp8_e4m3", {"granularity": "head"}, backend=backend, precision="exact",
+                       k_params={"scale": ks}, v_params={"scale": vs})
+        with torch.no_grad():
+            model(_ids(40).to(dev), past_key_values=cache)
+        caches.append(cache.layers[0])
+    for sa, sb, want in ((caches[0].k, caches[1].k, ks), (caches[0].v, caches[1].v, vs)):
+        np.testing.assert_array_equal(sb.params["scale"], want)
+        np.testing.assert_array_equal(sa.quantized(0).fields["codes"], sb.quantized(0).fields["codes"])
 
 
 # -- prefill modes ----------------------------------------------------------------------------------

@@ -75,11 +75,17 @@ def _div(stat: np.ndarray, by: float) -> np.ndarray:
     return np.where(stat == 0, np.float32(1.0), s).astype(np.float32)
 
 
+def frozen_first_prefill(evals: KV, n: int, granularity: str, scheme: str = "fp8_e4m3") -> Choice:
+    """``amax(first n tokens of each layer's evaluation K or V) / max_finite`` (per tensor or per head)."""
+    fmax = float(FP8Scheme(scheme).codec.max_finite)
+    return Choice(f"frozen first prefill ({n} tokens)", granularity,
+                  lambda i, s: _div(_amax(evals[i][s][:n], granularity), fmax))
+
+
 def choices(calib: KV, evals: KV, scheme: str = "fp8_e4m3", *, profile: str = "vllm", short: int = 32,
             long: int = 512, percentile: float = 99.99,
             progress: Callable[[str], None] | None = None) -> list[Choice]:
     """The choices of the module docstring; static ones are calibrated here on ``calib``."""
-    fmax = float(FP8Scheme(scheme).codec.max_finite)
     out = [Choice("1.0 (no scales: engine default)", "tensor", lambda i, s: np.float32(1.0))]
     for n in (short, long):
         out.append(Choice(f"vLLM first batch ({n} tokens)", "tensor",
@@ -87,8 +93,7 @@ def choices(calib: KV, evals: KV, scheme: str = "fp8_e4m3", *, profile: str = "v
                                                  VLLM_K_SCALE_CONSTANT if s == 0 else VLLM_V_SCALE_CONSTANT)))
     for n in (short, long):
         for g in ("tensor", "head"):
-            out.append(Choice(f"frozen first prefill ({n} tokens)", g,
-                              lambda i, s, n=n, g=g: _div(_amax(evals[i][s][:n], g), fmax)))
+            out.append(frozen_first_prefill(evals, n, g, scheme))
     for method in ("amax", "percentile", "mse"):
         for g in ("tensor", "head"):
             table = []

@@ -245,13 +245,16 @@ def reference_greedy(model: Any, ids: torch.Tensor, new_tokens: int) -> torch.Te
 
 
 @torch.no_grad()
-def quantized_logits(model: Any, ids: torch.Tensor, config: LLMConfig, keep: int = 0) -> tuple[torch.Tensor, int]:
+def quantized_logits(model: Any, ids: torch.Tensor, config: LLMConfig, keep: int = 0, *, k_params: Any = None,
+                     v_params: Any = None) -> tuple[torch.Tensor, int]:
     """Logits ``[B, T or keep, V]`` of ``ids`` decoded through a fresh :class:`kvqref.hf.QuantizedKVCache` of
-    ``config`` (``prefill="as_decoded"``, ``"kvqref"`` attention), and the bytes the cache holds after it."""
+    ``config`` (``prefill="as_decoded"``, ``"kvqref"`` attention; ``k_params``/``v_params``: given tensor-level
+    scales, see the cache), and the bytes the cache holds after it."""
     from kvqref import hf
 
     cache = hf.QuantizedKVCache(model.config, config.scheme, k_options=config.k_options,
-                                v_options=config.v_options, prefill="as_decoded", precision="exact")
+                                v_options=config.v_options, prefill="as_decoded", precision="exact",
+                                k_params=k_params, v_params=v_params)
     with attention(model, "kvqref"):
         out = model(ids, past_key_values=cache, use_cache=True, logits_to_keep=keep)
     return out.logits.float(), int(cache.nbytes())

@@ -17,6 +17,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvqref import backends
+from kvqref.calibration.scales import ScaleSet
 from kvqref.hf import attention as attn
 from kvqref.hf.storage import DeviceIndex, SideStore, page_size_for
 from kvqref.schemes import KiviScheme, Scheme
@@ -76,6 +77,42 @@ def build_schemes(scheme: str | tuple[Scheme, Scheme], k_options: dict | None,
     raise TypeError(f"QuantizedKVCache: scheme must be a scheme name or a (K, V) pair of Schemes, got {scheme!r}")
 
 
+def layer_params(name: str, given: Any, scheme: Scheme, side: str, num_layers: int,
+                 kv_heads: int) -> list[dict[str, Any] | None]:
+    """Per-layer tensor-level params from ``given`` (``k_params``/``v_params`` of :class:`QuantizedKVCache`):
+    ``None`` (every layer calibrates on its first quantized chunk), one params dict for every layer, a list
+    of one dict per layer, or a :class:`kvqref.calibration.ScaleSet` (its ``params(layer, side)``). Each
+    layer's params are checked by ``scheme.check_params(params, kv_heads)``; ValueError names the layer."""
+    if given is None:
+        return [None] * num_layers
+    if isinstance(given, ScaleSet):
+        if given.scheme != scheme.name:
+            raise ValueError(f"QuantizedKVCache: {name} holds {given.scheme} scales, but the {side.upper()} "
+                             f"scheme is {scheme.name}")
+        if given.num_layers != num_layers:
+            raise ValueError(f"QuantizedKVCache: {name} covers {given.num_layers} layers, the model has {num_layers}")
+        per_layer = [given.params(i, side) for i in range(num_layers)]
+    elif isinstance(given, dict):
+        per_layer = [given] * num_layers
+    elif isinstance(given, (list, tuple)):
+        if len(given) != num_layers:
+            raise ValueError(f"QuantizedKVCache: {name} has {len(given)} entries, the model has {num_layers} layers "
+                             "(give one params dict per layer, or one dict for all)")
+        per_layer = list(given)
+    else:
+        raise TypeError(f"QuantizedKVCache: {name} must be a params dict, a list of one dict per layer or a "
+                        f"kvqref.calibration.ScaleSet, got {type(given).__name__}")
+    out = []
+    for i, p in enumerate(per_layer):
+        if not isinstance(p, dict):
+            raise TypeError(f"QuantizedKVCache: {name} of layer {i} must be a params dict, got {type(p).__name__}")
+        try:
+            out.append(scheme.check_params(p, kv_heads))
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"QuantizedKVCache: {name} of layer {i}: {e}") from None
+    return out
+
+
 class QuantizedKVLayer(CacheLayerMixin):
     """One attention layer's K and V in a scheme's stored form, written by the NumPy oracle.
 
@@ -112,8 +149,9 @@ class QuantizedKVLayer(CacheLayerMixin):
         self.dtype, self.device = key_states.dtype, key_states.device
         P = page_size_for(c.k_scheme, c.v_scheme)
         index = c.device_index(self.device)
-        self.k = SideStore("K", c.k_scheme, B, H, D, P, self.device, self.writer, index)
-        self.v = SideStore("V", c.v_scheme, B, H, D, P, self.device, self.writer, index)
+        i = self.layer_idx
+        self.k = SideStore("K", c.k_scheme, B, H, D, P, self.device, self.writer, index, c.k_params[i])
+        self.v = SideStore("V", c.v_scheme, B, H, D, P, self.device, self.writer, index, c.v_params[i])
         self.lens = np.zeros(B, np.int64)  # tokens stored per sequence (padding excluded with "kvqref" attention)
         self.kept = torch.zeros(B, 0, dtype=torch.bool, device=self.device)  # positions stored, per sequence
         self.mode = "kvqref" if c.attention_is_kvqref() else "standard"
@@ -393,14 +431,17 @@ class QuantizedKVCache(Cache):
     ``"torch"`` (oracle writes, torch dequantize + SDPA) or ``"triton"`` (fused write and decode kernels).
     ``prefill``: how a chunk of more than one token attends (``"as_decoded"``, ``"full"``, ``"dequantized"``;
     docs/hf.md). Tensor-level scales (FP8 per tensor/head, NVFP4's global scale) are calibrated per layer on
-    the first chunk that is quantized (all sequences of the batch) and then frozen. ``precision``: the decode
+    the first chunk that is quantized (all sequences of the batch) and then frozen, unless ``k_params`` /
+    ``v_params`` give them: one params dict for every layer (FP8 ``{"scale": scalar or [kv_heads]}``, NVFP4
+    ``{"global_scale": g}``), a list of one dict per layer, or a :class:`kvqref.calibration.ScaleSet`
+    (``kvqref calibrate``); they are checked here, before the first token. ``precision``: the decode
     step's arithmetic (docs/kernels.md, "Precision"): ``"fast"`` (default; the fused kernel's 16-bit operands,
     float32 accumulation; the torch backend's bfloat16 SDPA) or ``"exact"`` (float32 products; float32 SDPA).
     """
 
     def __init__(self, config: Any, scheme: str | tuple[Scheme, Scheme], *, backend: str = "torch",
                  k_options: dict | None = None, v_options: dict | None = None, prefill: str = "as_decoded",
-                 precision: str = "fast") -> None:
+                 precision: str = "fast", k_params: Any = None, v_params: Any = None) -> None:
         if prefill not in PREFILL_MODES:
             raise ValueError(f"QuantizedKVCache: prefill must be one of {PREFILL_MODES}, got {prefill!r}")
         if precision not in ("fast", "exact"):
@@ -418,6 +459,8 @@ class QuantizedKVCache(Cache):
             except ValueError as e:
                 raise ValueError(f"QuantizedKVCache: the {label} scheme does not fit this model "
                                  f"({self.kv_heads} KV heads x head_dim {self.head_dim}): {e}") from None
+        self.k_params = layer_params("k_params", k_params, self.k_scheme, "k", self.num_layers, self.kv_heads)
+        self.v_params = layer_params("v_params", v_params, self.v_scheme, "v", self.num_layers, self.kv_heads)
         self.backend = backends.get(backend)
         if backend == "triton":
             from kvqref.backends.triton_backend import kernel_config

@@ -4,7 +4,8 @@ One :class:`SideStore` holds K or V of one attention layer for ``batch`` sequenc
 flattened to slots exactly as :class:`kvqref.paged.PagedKVCache` and
 :func:`kvqref.backends.triton_backend.empty_device_cache` lay them out (``[slots, kv_heads, *field]``, group
 fields ``[slot groups, kv_heads, *field]``), a float32 residual window ``[batch, W, kv_heads, head_dim]`` and
-the tensor-level params, frozen at the first quantized chunk. Pages are page-major: page ``i`` of sequence
+the tensor-level params: given to the store (calibrated offline) or computed from the first quantized chunk,
+then frozen. Pages are page-major: page ``i`` of sequence
 ``b`` is ``i * batch + b``, so growing appends pages and a beam reorder is an ``index_select`` on the batch
 axis of the ``[max_pages, batch, rows, ...]`` view.
 
@@ -80,7 +81,8 @@ class SideStore:
     """K or V of one layer: fields, residual window, lengths and params (see the module docstring)."""
 
     def __init__(self, label: str, scheme: Scheme, batch: int, kv_heads: int, head_dim: int, page_size: int,
-                 device: torch.device, writer: str, index: DeviceIndex | None = None) -> None:
+                 device: torch.device, writer: str, index: DeviceIndex | None = None,
+                 params: dict[str, Any] | None = None) -> None:
         self.label, self.scheme, self.writer = label, scheme, writer
         self.index = index or DeviceIndex(device)
         self.batch, self.kv_heads, self.head_dim, self.page_size = batch, kv_heads, head_dim, page_size
@@ -97,6 +99,8 @@ class SideStore:
         self.paged = np.zeros(batch, np.int64)  # tokens of each sequence in pages
         self.params: dict[str, Any] | None = None
         self.tensor_scale = torch.ones(kv_heads, dtype=torch.float32, device=device)
+        if params is not None:  # given (calibrated) params; otherwise _write calibrates on the first chunk
+            self.set_params(scheme.check_params(params, kv_heads))
         self.grow(1)  # the backends' gathers index page 0 even while every token is in the residual
 
     # -- addressing -----------------------------------------------------------------------------
