@@ -120,3 +120,16 @@ def test_smollm2_end_to_end(tmp_path, capsys):
     for r in res["rows"]:
         assert math.isfinite(r["kl"]) and r["kl"] > 0 and r["tokens"] == 63
     assert "static mse" in capsys.readouterr().out
+
+
+def test_report_section_is_wired_and_skips_without_the_llm(tmp_path):
+    """Section 7 sits between the rotation study and the claims, and says why it did not run."""
+    from kvqref import report
+    from kvqref.report import scales as section
+    from kvqref.report.section import Context
+
+    names = [m.__name__ for m in report.SECTIONS]
+    assert names.index("kvqref.report.scales") == names.index("kvqref.report.rotation") + 1
+    assert section.build(Context(tmp_path, options={"llm": False})).body == "skipped (--no-llm)"
+    assert "--quick" in section.build(Context(tmp_path, quick=True)).body or "skipped:" in \
+        section.build(Context(tmp_path, quick=True)).body

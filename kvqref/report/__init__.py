@@ -14,6 +14,8 @@ section (:mod:`kvqref.report.section` says what a section is), run in the order 
    quantized caches beside kvqref's, when the ``llm`` extra and the model are installed (:mod:`kvqref.eval.llm`);
 6. :mod:`~kvqref.report.rotation`: every configuration with and without the Hadamard rotation on synthetic caches
    (:mod:`kvqref.eval.rotation`);
+7. :mod:`~kvqref.report.scales`: what each choice of FP8 scale costs SmolLM2 (:mod:`kvqref.eval.scales`; not in
+   ``--quick``);
 
 then :mod:`~kvqref.report.claims`, the statements of the source documents listed in papers/README.md.
 Writers: :mod:`kvqref.report.tables`; progress bar: :mod:`kvqref.report.progress`.
@@ -31,7 +33,7 @@ from typing import Any, TextIO
 import numpy as np
 
 from kvqref import __version__
-from kvqref.report import accuracy, claims, conformance, formats, llm, rotation, speed
+from kvqref.report import accuracy, claims, conformance, formats, llm, rotation, scales, speed
 from kvqref.report.formats import CAPACITY_SCHEMES, capacity_rows
 from kvqref.report.plotting import NO_MPL
 from kvqref.report.progress import Progress
@@ -42,7 +44,7 @@ __all__ = ["CAPACITY_SCHEMES", "SECTIONS", "Context", "Progress", "Section", "ca
            "run", "run_claims", "write_table"]
 
 #: the report's sections, in order: modules with ``TITLE`` and ``build(ctx) -> Section``
-SECTIONS = (formats, accuracy, conformance, speed, llm, rotation, claims)
+SECTIONS = (formats, accuracy, conformance, speed, llm, rotation, scales, claims)
 
 
 def run(out: Path, quick: bool = False, backends_: Sequence[str] | None = None, want_speed: bool | None = None,

@@ -146,6 +146,7 @@ def build(ctx: Context) -> Section:
     settings = llm.QUICK if ctx.quick else REPORT_SETTINGS
     t0 = time.perf_counter()
     model, tok = ctx.options.get("llm_model") or llm.load_model()
+    ctx.options["llm_model"] = (model, tok)  # later sections (scale choices) reuse the loaded model
     load_seconds = time.perf_counter() - t0
     progress = Progress(llm.steps(configs, settings), "LLM", ctx.progress_stream)
     res = llm.evaluate(model, tok, configs, settings, progress=progress)
