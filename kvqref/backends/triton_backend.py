@@ -89,6 +89,16 @@ def _tensor_scale(scheme: Scheme, params: dict[str, Any], kv_heads: int) -> np.n
     return np.ones(kv_heads, np.float32)
 
 
+def field_tensor(a: np.ndarray):
+    """A stored field as a CPU torch tensor of the kernels' dtype: uint16 fields are bfloat16 bit patterns (the
+    ``bf16`` scheme), every other dtype is taken as it is."""
+    torch = _torch()
+    a = np.ascontiguousarray(a)
+    if a.dtype == np.uint16:
+        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(a)
+
+
 @dataclass
 class DeviceCache:
     """A :class:`kvqref.paged.PagedKVCache` copied to torch tensors on one device."""
@@ -112,11 +122,7 @@ class DeviceCache:
         for tag, side in (("k", cache.k), ("v", cache.v)):
             fields = {}
             for f in side.specs:
-                arr = ex[f"{tag}_{f}"]
-                t = torch.from_numpy(arr.view(np.int16) if arr.dtype == np.uint16 else arr).to(device)
-                if isinstance(side.scheme, BF16Scheme):
-                    t = t.view(torch.bfloat16)
-                fields[f] = _flat(t)
+                fields[f] = _flat(field_tensor(ex[f"{tag}_{f}"]).to(device))
             params = {p[len(tag) + 7:]: ex[p] for p in ex if p.startswith(f"{tag}_param_")}
             ts = torch.from_numpy(_tensor_scale(side.scheme, params, cache.kv_heads)).to(device)
             sides.append(Side(side.scheme, fields, ts, params))

@@ -64,12 +64,6 @@ class DeviceIndex:
         return t
 
 
-def _to_torch(a: np.ndarray, spec_dtype: np.dtype) -> torch.Tensor:
-    if spec_dtype == np.uint16:  # bfloat16 bit patterns
-        return torch.from_numpy(np.ascontiguousarray(a).view(np.int16)).view(torch.bfloat16)
-    return torch.from_numpy(np.ascontiguousarray(a))
-
-
 def _to_numpy(t: torch.Tensor, spec_dtype: np.dtype) -> np.ndarray:
     t = t.detach().cpu()
     if spec_dtype == np.uint16:
@@ -246,7 +240,7 @@ class SideStore:
             return
         q = self.scheme.quantize(x.detach().cpu().numpy(), params=self.params)
         for f, spec in self.specs.items():
-            val = _to_torch(q.fields[f], spec.dtype).to(self.device)
+            val = triton_backend.field_tensor(q.fields[f]).to(self.device)
             if spec.per == "token":
                 idx = slots
             else:  # one entry per group of G tokens (whole, aligned groups: the scheme's paged_tokens rule)
