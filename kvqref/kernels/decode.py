@@ -210,6 +210,27 @@ def _e2m1_pairs_f16(byte):
 
 
 @triton.jit
+def _block_scales(F1, slot, kvh, f1_s, f1_h, m, NB: tl.constexpr, WIDE: tl.constexpr, TOKENS_LAST: tl.constexpr):
+    """The NB block-scale codes of each token in ``slot`` [N] (mask ``m``), as int32 [NB, N] if ``TOKENS_LAST``
+    else [N, NB]. ``WIDE``: the NB bytes of a (slot, head) are contiguous and NB-aligned (NB 4 or 8), so they
+    are read as one 32/64-bit word per token (little-endian: block b is byte b), which the compiler can
+    prefetch with the code tiles (one-byte loads are not pipelined and stall every tile: ANALYSIS.md)."""
+    b = tl.arange(0, NB)
+    if WIDE:
+        WT: tl.constexpr = tl.int64 if NB == 8 else tl.int32
+        w = tl.load((F1 + slot * f1_s + kvh * f1_h).to(tl.pointer_type(WT)), mask=m, other=0)
+        if TOKENS_LAST:
+            return ((w[None, :] >> (8 * b[:, None]).to(WT)) & 0xFF).to(tl.uint8)
+        else:
+            return ((w[:, None] >> (8 * b[None, :]).to(WT)) & 0xFF).to(tl.uint8)
+    else:
+        if TOKENS_LAST:
+            return tl.load(F1 + slot[None, :] * f1_s + kvh * f1_h + b[:, None], mask=m[None, :], other=0)
+        else:
+            return tl.load(F1 + slot[:, None] * f1_s + kvh * f1_h + b[None, :], mask=m[:, None], other=0)
+
+
+@triton.jit
 def _fp4_scale(code, KIND: tl.constexpr):
     """Block scale code -> float32: E8M0 (KIND 2) or E4M3FN (KIND 3, NVFP4), with integer operations (the
     hardware E4M3 conversion measured 11% slower here in exact mode on the H100: bench/results/ANALYSIS.md)."""
@@ -399,6 +420,8 @@ def decode_split_kernel(
     KT: tl.constexpr = True,
     FAST: tl.constexpr = False,
     PTX: tl.constexpr = False,
+    WSC_K: tl.constexpr = False,
+    WSC_V: tl.constexpr = False,
 ):
     """One (sequence, KV head, split): K tiles are read transposed [D/PACK, N] per phase (the elements
     sharing a byte position), V tiles [N, D/PACK]; no register transposes or interleaves."""
@@ -511,7 +534,7 @@ def decode_split_kernel(
                 jk4 = tl.arange(0, QB_K // 2)
                 koff4 = (bk4[:, None] * (QB_K // 2) + jk4[None, :])[:, :, None]
                 kb4 = tl.load(K0 + slot[None, None, :] * k0_s + kvh * k0_h + koff4, mask=tmask[None, None, :], other=0)
-                ksc4 = tl.load(K1 + slot[None, :] * k1_s + kvh * k1_h + bk4[:, None], mask=tmask[None, :], other=0)
+                ksc4 = _block_scales(K1, slot, kvh, k1_s, k1_h, tmask, NBK4, WSC_K, True)
                 k4lo, k4hi = _nvfp4_tile16(kb4, ksc4[:, None, :], FMT_K, PTX)
                 s = _mm16(q4a, q4a, tl.reshape(k4lo, (DK, BLOCK_N)), 1)
                 s += _mm16(q4b, q4b, tl.reshape(k4hi, (DK, BLOCK_N)), 1)
@@ -522,7 +545,7 @@ def decode_split_kernel(
                 jk = tl.arange(0, QB_K // 2)
                 koff = (bk[:, None] * (QB_K // 2) + jk[None, :])[:, :, None]
                 kb3 = tl.load(K0 + slot[None, None, :] * k0_s + kvh * k0_h + koff, mask=tmask[None, None, :], other=0)
-                ksc = tl.load(K1 + slot[None, :] * k1_s + kvh * k1_h + bk[:, None], mask=tmask[None, :], other=0)
+                ksc = _block_scales(K1, slot, kvh, k1_s, k1_h, tmask, NBK, WSC_K, True)
                 ks3 = _fp4_scale(ksc, KIND_K)[:, None, :]
                 k_lo16, k_hi16 = _e2m1_nibbles_f16(kb3, PTX)
                 k_lo = tl.reshape(k_lo16.to(tl.float32) * 16384.0 * ks3, (DK, BLOCK_N))
@@ -619,7 +642,7 @@ def decode_split_kernel(
                 jv4 = tl.arange(0, QB_V // 2)
                 voff4 = (bv4[:, None] * (QB_V // 2) + jv4[None, :])[None, :, :]
                 vb4 = tl.load(V0 + slot[:, None, None] * v0_s + kvh * v0_h + voff4, mask=tmask[:, None, None], other=0)
-                vsc4 = tl.load(V1 + slot[:, None] * v1_s + kvh * v1_h + bv4[None, :], mask=tmask[:, None], other=0)
+                vsc4 = _block_scales(V1, slot, kvh, v1_s, v1_h, tmask, NBV4, WSC_V, False)
                 v4lo, v4hi = _nvfp4_tile16(vb4, vsc4[:, :, None], FMT_V, PTX)
                 acc0 = acc0 * alpha[:, None] + _mm16(p16h, p16l, tl.reshape(v4lo, (BLOCK_N, DV)), 1)
                 acc1 = acc1 * alpha[:, None] + _mm16(p16h, p16l, tl.reshape(v4hi, (BLOCK_N, DV)), 1)
@@ -629,7 +652,7 @@ def decode_split_kernel(
                 jv = tl.arange(0, QB_V // 2)
                 voff = (bv[:, None] * (QB_V // 2) + jv[None, :])[None, :, :]
                 vb3 = tl.load(V0 + slot[:, None, None] * v0_s + kvh * v0_h + voff, mask=tmask[:, None, None], other=0)
-                vsc = tl.load(V1 + slot[:, None] * v1_s + kvh * v1_h + bv[None, :], mask=tmask[:, None], other=0)
+                vsc = _block_scales(V1, slot, kvh, v1_s, v1_h, tmask, NBV, WSC_V, False)
                 vs3 = _fp4_scale(vsc, KIND_V)[:, :, None]
                 v_lo16, v_hi16 = _e2m1_nibbles_f16(vb3, PTX)
                 v_lo = tl.reshape(v_lo16.to(tl.float32) * 16384.0 * vs3, (BLOCK_N, DV))
@@ -811,6 +834,17 @@ class CacheTiles:
         return out
 
 
+def wide_scales(t: CacheTiles) -> bool:
+    """Whether an FP4 side's block scales can be read as one 32- or 64-bit word per (slot, head): D / block of
+    4 or 8 one-byte codes, contiguous per (slot, head), every row start aligned to the word."""
+    if t.kind not in ("mxfp4", "nvfp4"):
+        return False
+    f1 = t.fields[1]
+    nb = f1.shape[-1] if f1.dim() == 3 else 0
+    return (nb in (4, 8) and f1.element_size() == 1 and f1.stride(2) == 1 and f1.stride(1) % nb == 0
+            and f1.stride(0) % nb == 0 and f1.data_ptr() % nb == 0)
+
+
 def choose_splits(batch: int, kv_heads: int, max_len: int, block_n: int, num_sms: int) -> tuple[int, int]:
     """(splits, tokens per split): about 16 programs per multiprocessor (measured best on the H100 for
     batch x kv_heads = 256), each split a whole number of tiles and at least 4 tiles long."""
@@ -842,12 +876,15 @@ def plan_decode(
     precision: str = "fast",
     maxnreg: int | None = None,
     ptx_unpack: bool | None = None,
+    wide_scale_loads: bool | None = None,
 ):
     """The launches of decode attention (see :func:`paged_decode`), with their output tensors.
     ``hw_formats``: FP8 format ids converted in hardware (default: what ``q``'s device has); ``maxnreg``:
     a register cap per thread (CUDA only; for tuning occupancy); ``ptx_unpack``: FP4 nibbles unpacked with
     inline PTX (CUDA only); default (None): where it measured faster on the H100, fast-mode MXFP4 keys
-    (E8M0 blocks of 32) and NVFP4 keys on CUDA (bench/results/ANALYSIS.md)."""
+    (E8M0 blocks of 32) and NVFP4 keys on CUDA (bench/results/ANALYSIS.md); ``wide_scale_loads``: FP4 block
+    scales read as one word per token where the layout allows (:func:`wide_scales`); default (None): where it
+    measured faster (NVFP4, MXFP4 with blocks of 32); False: bytewise."""
     import torch
 
     if precision not in PRECISIONS:
@@ -864,23 +901,31 @@ def plan_decode(
     block_h = max(16, triton.next_power_of_2(qpk))
     if sm_scale is None:
         sm_scale = head_dim**-0.5
+    # FP4 block scales as one word per token (pipelined with the code tiles): where it measured faster
+    # (H200, bench/results/history/ab-h200-fp4-wide.log: NVFP4 -7%, MXFP4 with 64/2/3 tiles -12%; the E8M0
+    # blocks of 16 of fp4_e2m1 lost 9%, so they stay bytewise)
+    wide_k = wide_scales(k) and (k.kind == "nvfp4" or k.block == 32) if wide_scale_loads is None else (
+        wide_scale_loads and wide_scales(k))
+    wide_v = wide_scales(v) and (v.kind == "nvfp4" or v.block == 32) if wide_scale_loads is None else (
+        wide_scale_loads and wide_scales(v))
     # defaults tuned on the H100 (bench/tune_decode.py; logs in bench/results/history/tune-h100-*.log): the
     # kernel's occupancy is limited by registers, so small programs (2 warps, 32-token tiles) win, except in
-    # fast mode for bf16 (64-token tiles), E8M0 FP4 (64-token tiles, 4 warps) and NVFP4 unpacked by PTX
-    # (64-token tiles: bench/results/history/tune-h100-fp4-ptx.log)
+    # fast mode for bf16 (64-token tiles), E8M0 FP4 (64-token tiles, 4 warps; MXFP4 with word-wide scales:
+    # 2 warps, 3 stages) and NVFP4 unpacked by PTX (64-token tiles: bench/results/history/tune-h100-fp4-ptx.log)
     fast_e8m0 = precision == "fast" and k.kind == "mxfp4"
+    fast_mx32 = fast_e8m0 and k.block == 32 and wide_k
     fast_nvfp4_ptx = precision == "fast" and k.kind == "nvfp4" and ptx_unpack
     if block_n is None:
         block_n = 64 if precision == "fast" and (fast_e8m0 or fast_nvfp4_ptx or k.kind == "bf16") else 32
     if num_warps is None:
-        num_warps = 4 if fast_e8m0 else 2
+        num_warps = 4 if fast_e8m0 and not fast_mx32 else 2
     if k.kind == "int_k":  # a tile must lie inside one KIVI token group
         block_n = min(block_n, k.group)
         if k.group % block_n:
             raise ValueError(f"block_n {block_n} must divide the KIVI key group size {k.group}")
     if num_stages is None:
-        num_stages = 3 if k.kind in ("fp8", "int_k") or (precision == "fast" and k.kind == "nvfp4"
-                                                          and not ptx_unpack) else 2
+        num_stages = 3 if k.kind in ("fp8", "int_k") or fast_mx32 or (precision == "fast" and k.kind == "nvfp4"
+                                                                       and not ptx_unpack) else 2
     has_res = residual is not None
     if has_res:
         rk, rv, kl, vl = residual
@@ -954,6 +999,8 @@ def plan_decode(
         KT=k_transposed,
         FAST=precision == "fast",
         PTX=ptx_unpack,
+        WSC_K=wide_k,
+        WSC_V=wide_v,
     )
     out = torch.empty(batch, q_heads, head_dim, dtype=torch.float32, device=q.device)
     lse = torch.empty(batch, q_heads, dtype=torch.float32, device=q.device)

@@ -1,0 +1,117 @@
+"""A/B of decode-kernel variants on one GPU, timed as bench/decode_bench.py times (CUDA events, L2 flushed,
+median), with SDPA over dense BF16 and the bandwidth ceiling measured in the same run.
+
+    git show HEAD~1:kvqref/kernels/decode.py > bench/_ab_base_decode.py
+    python3 bench/ab_decode.py --base bench/_ab_base_decode.py --schemes nvfp4,mxfp4 \
+        --variants "base; cur; cur bn=64 w=2 s=3; cur wide=0" --out ab.json
+
+A variant is a module (``base``: the file given by ``--base``; ``cur``: kvqref/kernels/decode.py) and
+launch options: ``bn`` (BLOCK_N), ``w`` (warps), ``s`` (stages), ``sp`` (splits), ``ptx`` (0/1: inline-PTX
+unpacking), ``wide`` (0/1: FP4 block scales read as one word per token), ``p`` (precision: fast/exact).
+Every variant is launched through its module's ``plan_decode`` on the same cache and q; its output is
+compared with the first variant's (max abs difference printed); rounds alternate the variants.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from decode_bench import (  # noqa: E402
+    bandwidth_ceiling_gbs,
+    bench_ms,
+    environment,
+    make_cache,
+    sdpa_case,
+    side_bytes_per_token,
+)
+
+KEYS = {"bn": ("block_n", int), "w": ("num_warps", int), "s": ("num_stages", int), "sp": ("num_splits", int),
+        "ptx": ("ptx_unpack", lambda v: v == "1"), "wide": ("wide_scale_loads", lambda v: v == "1"),
+        "p": ("precision", str)}
+
+
+def parse_variant(text: str) -> tuple[str, str, dict]:
+    words = text.split()
+    mod, kw = words[0], {}
+    for w in words[1:]:
+        k, v = w.split("=")
+        name, conv = KEYS[k]
+        kw[name] = conv(v)
+    return " ".join(words), mod, kw
+
+
+def main() -> int:
+    import torch
+
+    from kvqref.kernels import decode as cur
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--base", help="path of the baseline decode module")
+    ap.add_argument("--schemes", default="nvfp4,mxfp4,fp4_e2m1")
+    ap.add_argument("--variants", default="base; cur")
+    ap.add_argument("--shape", default="32,32,8,128,8192")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    mods = {"cur": cur}
+    if args.base:
+        spec = importlib.util.spec_from_file_location("base_decode", args.base)
+        mods["base"] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mods["base"])
+    variants = [parse_variant(v) for v in args.variants.split(";") if v.strip()]
+    shape = tuple(int(v) for v in args.shape.split(","))
+    batch, q_heads, kv_heads, head_dim, tokens = shape
+    doc = {"command": " ".join(sys.argv), "environment": environment(), "shape": shape,
+           "ceiling_gbs": bandwidth_ceiling_gbs(), "sdpa_bf16_us": sdpa_case(shape)["time_us"], "rows": []}
+    print("ceiling", round(doc["ceiling_gbs"]), "GB/s; sdpa", round(doc["sdpa_bf16_us"], 1), "us", flush=True)
+    for label in args.schemes.split(","):
+        dc, ks, vs = make_cache(label, shape, 16)
+        nbytes = batch * tokens * (side_bytes_per_token(ks, kv_heads, head_dim)
+                                   + side_bytes_per_token(vs, kv_heads, head_dim)) + 4 * batch * q_heads * head_dim
+        q = torch.randn(batch, q_heads, head_dim, device="cuda").to(torch.bfloat16)
+        calls, ref = {}, None
+        for name, mod, kw in variants:
+            try:
+                launches, out, _ = mods[mod].plan_decode(q, dc.k.tiles(), dc.v.tiles(), dc.block_table, dc.seq_lens,
+                                                         dc.page_size, max_seq_len=tokens, **kw)
+                for launch in launches:
+                    launch()
+                torch.cuda.synchronize()
+            except Exception as exc:  # noqa: BLE001 - report and go on (e.g. shared memory, unknown option)
+                print(label, name, "failed:", type(exc).__name__, str(exc)[:120], flush=True)
+                continue
+            diff = 0.0 if ref is None else float((out - ref).abs().max())
+            ref = out.clone() if ref is None else ref
+            calls[name] = (lambda launches=launches: [launch() for launch in launches], diff)
+        times: dict[str, list[float]] = {n: [] for n in calls}
+        for _ in range(args.rounds):
+            for name, (fn, _diff) in calls.items():
+                times[name].append(bench_ms(fn) * 1e3)
+        for name, (_fn, diff) in calls.items():
+            us = statistics.median(times[name])
+            row = {"scheme": label, "variant": name, "times_us": times[name], "time_us": us,
+                   "gbs": nbytes / (us * 1e-6) / 1e9, "vs_sdpa": doc["sdpa_bf16_us"] / us,
+                   "max_abs_diff_vs_first": diff}
+            row["ceiling_fraction"] = row["gbs"] / doc["ceiling_gbs"]
+            doc["rows"].append(row)
+            Path(args.out).write_text(json.dumps(doc, indent=1))
+        del dc
+        torch.cuda.empty_cache()
+    print("| scheme | variant | us (rounds) | x SDPA | % ceiling | max diff |\n|---|---|---|---|---|---|")
+    for row in doc["rows"]:
+        ts = " / ".join(f"{t:.0f}" for t in row["times_us"])
+        print(f"| {row['scheme']} | {row['variant']} | {row['time_us']:.1f} ({ts}) | {row['vs_sdpa']:.2f} | "
+              f"{100 * row['ceiling_fraction']:.0f}% | {row['max_abs_diff_vs_first']:.2e} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

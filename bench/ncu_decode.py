@@ -1,0 +1,40 @@
+"""Profile one decode launch per scheme with Nsight Compute (default configuration, batch 32 x 8,192).
+
+    python3 bench/ncu_decode.py --scheme nvfp4            # the process ncu wraps: warm-up, then one launch
+    bash bench/ncu_decode.sh OUTDIR nvfp4 mxfp4 ...       # ncu reports + per-SASS-instruction stall CSVs
+
+The wrapped process runs the decode twice (compile + warm-up, then the profiled call); ncu profiles the
+second ``decode_split_kernel`` launch only (``--launch-skip 1 --launch-count 1``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from decode_bench import decode_setup  # noqa: E402
+
+
+def main() -> int:
+    import torch
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--scheme", required=True)
+    ap.add_argument("--shape", default="32,32,8,128,8192")
+    ap.add_argument("--precision", default="fast")
+    args = ap.parse_args()
+    shape = tuple(int(v) for v in args.shape.split(","))
+    fn, _ = decode_setup(args.scheme, shape, 16, precision=args.precision)
+    fn()
+    torch.cuda.synchronize()
+    fn()
+    torch.cuda.synchronize()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
