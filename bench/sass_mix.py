@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     print("| kernel | regs | loop instr. | " + " | ".join(cols) + " |")
     print("|---|---|---|" + "---|" * len(cols))
     # the benchmark's configurations (bench/decode_bench.py): KIVI with G = 32 in pages of 32
-    cases = [c for c in DECODE_CASES if "kivi" not in c[0]] + [("nvfp4", "nvfp4", {}, "nvfp4", {})]
+    cases = [c for c in DECODE_CASES if "kivi" not in c[0]] + [(n, n, {}, n, {}) for n in ("nvfp4", "mxfp4")]
     kv = {"group_size": 32, "residual": 0}
     cases += [(n, n, {"role": "key", **kv}, n, {"role": "value", **kv}) for n in ("int4_kivi", "int2_kivi")]
     for name, launch in _launches("cuda:90", cases, page=32):

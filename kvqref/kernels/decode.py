@@ -177,20 +177,24 @@ def _e2m1_nibbles_f16(byte, PTX: tl.constexpr):
         return _e2m1_f16(b & 15), _e2m1_f16(b >> 4)
 
 
-def _e2m1_pairs_ptx() -> str:
-    """The PTX of :func:`_e2m1_pairs_f16`: input $4 (bytes 0-3), outputs $0, $1 (low nibbles of bytes 0,1 and
-    2,3) and $2, $3 (high nibbles). Per pair of bytes spread into the halves of y: float16 bits =
-    (y << shift & 0x0E00 per half: exponent and mantissa) | (y & sign bit) << sign shift."""
+def _e2m1_pairs_ptx(lo_shift: int = 9, hi_shift: int = 5, field: int = 0x0E00) -> str:
+    """The PTX of :func:`_e2m1_pairs_f16` (defaults: float16) and :func:`_e2m1_pairs_bf16` (shifts 6 and 2,
+    field 0x01C0): input $4 (bytes 0-3), outputs $0, $1 (low nibbles of bytes 0,1 and 2,3) and $2, $3 (high
+    nibbles). Per pair of bytes spread into the halves of y: 16-bit float bits = (y << shift & field per
+    half: the code's exponent and mantissa bits in the float's lowest exponent bits and highest mantissa
+    bit) | (y & sign bit) << sign shift."""
     lines = [".reg .b32 z, y, t, v;", "mov.b32 z, 0;"]
+    mask = f"0x{field:04X}{field:04X}"
     for sel, lo_out, hi_out in (("0x4140", 0, 2), ("0x4342", 1, 3)):
         lines.append(f"prmt.b32 y, $4, z, {sel};")
-        for out, shift, sign, sign_shift in ((lo_out, 9, "0x00080008", 12), (hi_out, 5, "0x00800080", 8)):
+        for out, shift, sign, sign_shift in ((lo_out, lo_shift, "0x00080008", 12), (hi_out, hi_shift, "0x00800080", 8)):
             lines += [f"shl.b32 t, y, {shift};", f"and.b32 v, y, {sign};", f"shl.b32 v, v, {sign_shift};",
-                      f"lop3.b32 ${out}, t, v, 0x0E000E00, 0xEC;"]  # (t & 0x0E000E00) | v
+                      f"lop3.b32 ${out}, t, v, {mask}, 0xEC;"]  # (t & field) | v
     return "{\n" + "\n".join(lines) + "\n}"
 
 
 E2M1_PAIRS_PTX = tl.constexpr(_e2m1_pairs_ptx())
+E2M1_PAIRS_BF16_PTX = tl.constexpr(_e2m1_pairs_ptx(6, 2, 0x01C0))
 
 
 @triton.jit
@@ -207,6 +211,36 @@ def _e2m1_pairs_f16(byte):
         is_pure=True,
         pack=4,
     )
+
+
+
+@triton.jit
+def _e2m1_pairs_bf16(byte):
+    """CUDA: the E2M1 codes of the low and high nibbles of ``byte`` (uint8) as bfloat16 value * 2**-126 (exact:
+    E2M1 0.5 becomes the bfloat16 subnormal 2**-127), packed as :func:`_e2m1_pairs_f16`."""
+    return tl.inline_asm_elementwise(
+        E2M1_PAIRS_BF16_PTX,
+        "=r,=r,=r,=r,r",
+        [byte],
+        dtype=(tl.bfloat16, tl.bfloat16),
+        is_pure=True,
+        pack=4,
+    )
+
+
+@triton.jit
+def _mx_tile_bf16(byte, code):
+    """CUDA, fast mode: MXFP4 tile elements of the low and high nibbles of ``byte`` (uint8) times their E8M0
+    block scale ``code`` (broadcast), as bfloat16, with no float32 step: the PTX unpacking gives E2M1 * 2**-126
+    and two packed bfloat16 multiplies by powers of two 2**a, 2**b (a + b = code - 1, both in [-1, 127]) give
+    E2M1 * 2**(code - 127): exact wherever the float32 route is finite (bfloat16 has float32's exponent
+    range; subnormal results included); code 0xFF gives NaN as the float32 route does."""
+    e = code.to(tl.int32) - 1
+    a = e >> 1
+    fa = ((a + 127) << 7).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    fb = tl.where(code == 255, 0x7FC0, (e - a + 127) << 7).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    lo, hi = _e2m1_pairs_bf16(byte)
+    return lo * fa * fb, hi * fa * fb
 
 
 @triton.jit
@@ -458,6 +492,8 @@ def decode_split_kernel(
     # (E8M0 tiles in float16, relative to the largest block scale of the token or tile, measured slower on
     # the H100 than the bfloat16 tiles: bench/results/ANALYSIS.md)
     F4K: tl.constexpr = FAST and KIND_K == 3
+    MXB_K: tl.constexpr = FAST and KIND_K == 2 and PTX and not INTERPRET
+    MXB_V: tl.constexpr = FAST and KIND_V == 2 and PTX and not INTERPRET
     F4V: tl.constexpr = FAST and KIND_V == 3
     F16K: tl.constexpr = KIND_K == 1
     F16V: tl.constexpr = (KIND_V == 1 and not TSC_V) or F4V
@@ -546,10 +582,15 @@ def decode_split_kernel(
                 koff = (bk[:, None] * (QB_K // 2) + jk[None, :])[:, :, None]
                 kb3 = tl.load(K0 + slot[None, None, :] * k0_s + kvh * k0_h + koff, mask=tmask[None, None, :], other=0)
                 ksc = _block_scales(K1, slot, kvh, k1_s, k1_h, tmask, NBK, WSC_K, True)
-                ks3 = _fp4_scale(ksc, KIND_K)[:, None, :]
-                k_lo16, k_hi16 = _e2m1_nibbles_f16(kb3, PTX)
-                k_lo = tl.reshape(k_lo16.to(tl.float32) * 16384.0 * ks3, (DK, BLOCK_N))
-                k_hi = tl.reshape(k_hi16.to(tl.float32) * 16384.0 * ks3, (DK, BLOCK_N))
+                if MXB_K:  # E8M0 tiles built in bfloat16 (CUDA, fast mode, PTX)
+                    k_lo, k_hi = _mx_tile_bf16(kb3, ksc[:, None, :])
+                    k_lo = tl.reshape(k_lo, (DK, BLOCK_N))
+                    k_hi = tl.reshape(k_hi, (DK, BLOCK_N))
+                else:
+                    ks3 = _fp4_scale(ksc, KIND_K)[:, None, :]
+                    k_lo16, k_hi16 = _e2m1_nibbles_f16(kb3, PTX)
+                    k_lo = tl.reshape(k_lo16.to(tl.float32) * 16384.0 * ks3, (DK, BLOCK_N))
+                    k_hi = tl.reshape(k_hi16.to(tl.float32) * 16384.0 * ks3, (DK, BLOCK_N))
                 s = _mm(q0h, q0m, q0l, k_lo, QP, 0) + _mm(q1h, q1m, q1l, k_hi, QP, 0)
             elif K_T:
                 # K as the left operand [N, D], loaded in its memory order (lets the compiler keep the
@@ -653,10 +694,15 @@ def decode_split_kernel(
                 voff = (bv[:, None] * (QB_V // 2) + jv[None, :])[None, :, :]
                 vb3 = tl.load(V0 + slot[:, None, None] * v0_s + kvh * v0_h + voff, mask=tmask[:, None, None], other=0)
                 vsc = _block_scales(V1, slot, kvh, v1_s, v1_h, tmask, NBV, WSC_V, False)
-                vs3 = _fp4_scale(vsc, KIND_V)[:, :, None]
-                v_lo16, v_hi16 = _e2m1_nibbles_f16(vb3, PTX)
-                v_lo = tl.reshape(v_lo16.to(tl.float32) * 16384.0 * vs3, (BLOCK_N, DV))
-                v_hi = tl.reshape(v_hi16.to(tl.float32) * 16384.0 * vs3, (BLOCK_N, DV))
+                if MXB_V:
+                    v_lo, v_hi = _mx_tile_bf16(vb3, vsc[:, :, None])
+                    v_lo = tl.reshape(v_lo, (BLOCK_N, DV))
+                    v_hi = tl.reshape(v_hi, (BLOCK_N, DV))
+                else:
+                    vs3 = _fp4_scale(vsc, KIND_V)[:, :, None]
+                    v_lo16, v_hi16 = _e2m1_nibbles_f16(vb3, PTX)
+                    v_lo = tl.reshape(v_lo16.to(tl.float32) * 16384.0 * vs3, (BLOCK_N, DV))
+                    v_hi = tl.reshape(v_hi16.to(tl.float32) * 16384.0 * vs3, (BLOCK_N, DV))
                 acc0 = acc0 * alpha[:, None] + _mm(ph, pm, pl, v_lo, PP, 0)
                 acc1 = acc1 * alpha[:, None] + _mm(ph, pm, pl, v_hi, PP, 0)
             else:
@@ -881,10 +927,10 @@ def plan_decode(
     """The launches of decode attention (see :func:`paged_decode`), with their output tensors.
     ``hw_formats``: FP8 format ids converted in hardware (default: what ``q``'s device has); ``maxnreg``:
     a register cap per thread (CUDA only; for tuning occupancy); ``ptx_unpack``: FP4 nibbles unpacked with
-    inline PTX (CUDA only); default (None): where it measured faster on the H100, fast-mode MXFP4 keys
-    (E8M0 blocks of 32) and NVFP4 keys on CUDA (bench/results/ANALYSIS.md); ``wide_scale_loads``: FP4 block
+    inline PTX (CUDA only); default (None): where it measured faster on the H100, fast-mode E8M0 (MXFP4,
+    fp4_e2m1) and NVFP4 keys on CUDA (bench/results/ANALYSIS.md); ``wide_scale_loads``: FP4 block
     scales read as one word per token where the layout allows (:func:`wide_scales`); default (None): where it
-    measured faster (NVFP4, MXFP4 with blocks of 32); False: bytewise."""
+    measured faster (NVFP4; E8M0 blocks of 32, or of any size with PTX unpacking); False: bytewise."""
     import torch
 
     if precision not in PRECISIONS:
@@ -893,7 +939,7 @@ def plan_decode(
         raise ValueError("ptx_unpack=True needs CUDA (inline PTX); ROCm uses the portable unpacking")
     if ptx_unpack is None:
         ptx_unpack = (q.is_cuda and not getattr(torch.version, "hip", None) and precision == "fast"
-                      and (k.kind == "mxfp4" and k.block == 32 or k.kind == "nvfp4"))
+                      and k.kind in ("mxfp4", "nvfp4"))
 
     batch, q_heads, head_dim = q.shape
     kv_heads = k.fields[0].shape[1]
@@ -901,30 +947,31 @@ def plan_decode(
     block_h = max(16, triton.next_power_of_2(qpk))
     if sm_scale is None:
         sm_scale = head_dim**-0.5
-    # FP4 block scales as one word per token (pipelined with the code tiles): where it measured faster
-    # (H200, bench/results/history/ab-h200-fp4-wide.log: NVFP4 -7%, MXFP4 with 64/2/3 tiles -12%; the E8M0
-    # blocks of 16 of fp4_e2m1 lost 9%, so they stay bytewise)
-    wide_k = wide_scales(k) and (k.kind == "nvfp4" or k.block == 32) if wide_scale_loads is None else (
-        wide_scale_loads and wide_scales(k))
-    wide_v = wide_scales(v) and (v.kind == "nvfp4" or v.block == 32) if wide_scale_loads is None else (
-        wide_scale_loads and wide_scales(v))
+    # FP4 block scales as one word per token (pipelined with the code tiles) where it measured faster:
+    # NVFP4 -7%, MXFP4 with 64/2/3 tiles -12% (H200, bench/results/history/ab-h200-fp4-wide.log); E8M0 blocks
+    # of 16 lost 9% without the PTX/bfloat16 tiles and won 26% with them (H100, history/ab-h100-mx-bf16.log)
+    wide_k = wide_scales(k) and (k.kind == "nvfp4" or k.block == 32 or bool(ptx_unpack)) if (
+        wide_scale_loads is None) else wide_scale_loads and wide_scales(k)
+    wide_v = wide_scales(v) and (v.kind == "nvfp4" or v.block == 32 or bool(ptx_unpack)) if (
+        wide_scale_loads is None) else wide_scale_loads and wide_scales(v)
     # defaults tuned on the H100 (bench/tune_decode.py; logs in bench/results/history/tune-h100-*.log): the
     # kernel's occupancy is limited by registers, so small programs (2 warps, 32-token tiles) win, except in
-    # fast mode for bf16 (64-token tiles), E8M0 FP4 (64-token tiles, 4 warps; MXFP4 with word-wide scales:
-    # 2 warps, 3 stages) and NVFP4 unpacked by PTX (64-token tiles: bench/results/history/tune-h100-fp4-ptx.log)
+    # fast mode for bf16 (64-token tiles), E8M0 FP4 (64-token tiles, 4 warps; with PTX-unpacked bfloat16 tiles
+    # and word-wide scales: 2 warps, 3 stages, history/ab-h100-mx-bf16.log) and NVFP4 unpacked by PTX (64-token
+    # tiles: bench/results/history/tune-h100-fp4-ptx.log)
     fast_e8m0 = precision == "fast" and k.kind == "mxfp4"
-    fast_mx32 = fast_e8m0 and k.block == 32 and wide_k
+    fast_mx_ptx = fast_e8m0 and wide_k and bool(ptx_unpack)
     fast_nvfp4_ptx = precision == "fast" and k.kind == "nvfp4" and ptx_unpack
     if block_n is None:
         block_n = 64 if precision == "fast" and (fast_e8m0 or fast_nvfp4_ptx or k.kind == "bf16") else 32
     if num_warps is None:
-        num_warps = 4 if fast_e8m0 and not fast_mx32 else 2
+        num_warps = 4 if fast_e8m0 and not fast_mx_ptx else 2
     if k.kind == "int_k":  # a tile must lie inside one KIVI token group
         block_n = min(block_n, k.group)
         if k.group % block_n:
             raise ValueError(f"block_n {block_n} must divide the KIVI key group size {k.group}")
     if num_stages is None:
-        num_stages = 3 if k.kind in ("fp8", "int_k") or fast_mx32 or (precision == "fast" and k.kind == "nvfp4"
+        num_stages = 3 if k.kind in ("fp8", "int_k") or fast_mx_ptx or (precision == "fast" and k.kind == "nvfp4"
                                                                        and not ptx_unpack) else 2
     has_res = residual is not None
     if has_res:
