@@ -8,6 +8,10 @@ rounds (bfloat16/float16 arithmetic emulated in float32 is exact: 24 >= 2p + 2).
 Kinds (as the decode kernel): 0 BF16, 1 FP8, 2 MX block (E8M0 scales), 3 NVFP4, 4 INT value (KIVI,
 per token over channel groups), 5 INT key (KIVI, per channel over a group of G tokens: one program
 quantizes one whole token group, whose slots must be consecutive and G-aligned).
+
+``ROTATE`` (a rotated scheme, docs/rotation.md): each (token, head) vector is rotated right after the load,
+``z = f32(butterflies(x * signs) * C_D)`` (``codecs.hadamard_rows``), then rounded to an explicit model dtype
+(``RDT``) and quantized as above; the host launches it without FP contraction.
 """
 
 from __future__ import annotations
