@@ -4,11 +4,18 @@ Used by ``bench/test_bench.py`` (pytest-benchmark) and runnable on its own on th
 no package index:
 
     python3 bench/decode_bench.py --out bench/results/h100.json
+    python3 bench/decode_bench.py --rotation --out bench/results/rotation_h100.json   # issue 13's rows
 
 Each result records the device, driver, torch and triton versions, the shape, scheme, bytes moved,
 achieved GB/s and the fraction of a bandwidth ceiling measured in the same run (a large device
 reduction: bytes read / time). Times are medians of ``triton.testing.do_bench`` (which flushes L2
 between rounds).
+
+``--rotation``: issue 13's comparison in one run: for fp8_e4m3, fp4_e2m1, nvfp4 and int4_kivi, decode at
+batch 32 x 8192 (fast precision) and quantize-on-write, each unrotated and with the randomized Hadamard
+rotation fused into the kernels (K seed 1, V seed 2; the write kernel with its default token block and with
+16 tokens per program), timed alternately over two rounds, beside SDPA and the ceiling; the summary rows
+(``op: "rotation_ratio"``) give rotated / unrotated time per scheme (targets: decode <= 1.05, write <= 1.10).
 """
 
 from __future__ import annotations
@@ -47,6 +54,12 @@ SCHEMES: list[tuple[str, str, dict[str, Any], dict[str, Any]]] = [
     ("int4_kivi", "int4_kivi", {"role": "key", "residual": 0}, {"role": "value", "residual": 0}),
     ("int2_kivi", "int2_kivi", {"role": "key", "residual": 0}, {"role": "value", "residual": 0}),
 ]
+
+
+#: issue 13's rotated rows: the schemes, and the rotation of K and V (different seeds)
+ROTATION_LABELS = ("fp8_e4m3", "fp4_e2m1", "nvfp4", "int4_kivi")
+ROTATION_K = {"rotation": "hadamard", "rotation_seed": 1}
+ROTATION_V = {"rotation": "hadamard", "rotation_seed": 2}
 
 
 def environment() -> dict[str, Any]:
@@ -101,8 +114,9 @@ def side_bytes_per_token(scheme, kv_heads: int, head_dim: int) -> float:
     return total
 
 
-def make_cache(label: str, shape, page_size: int, seed: int = 0):
-    """A device cache of random K/V (keys with outlier channels) written by the Triton write kernel."""
+def make_cache(label: str, shape, page_size: int, seed: int = 0, rotation: bool = False):
+    """A device cache of random K/V (keys with outlier channels) written by the Triton write kernel;
+    ``rotation``: K and V rotated (``ROTATION_K``, ``ROTATION_V``), the rotation fused into the write."""
     import torch
 
     from kvqref import schemes
@@ -114,7 +128,8 @@ def make_cache(label: str, shape, page_size: int, seed: int = 0):
         page_size = max(page_size, 32)  # KIVI key groups (G=32 tokens) live inside one page
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        ks, vs = schemes.get(name, **kopt), schemes.get(name, **vopt)
+        ks = schemes.get(name, **kopt, **(ROTATION_K if rotation else {}))
+        vs = schemes.get(name, **vopt, **(ROTATION_V if rotation else {}))
     pages_per_seq = -(-tokens // page_size)
     num_pages = batch * pages_per_seq
     g = torch.Generator(device="cuda").manual_seed(seed)
@@ -150,20 +165,23 @@ def timed(fn, record: dict[str, Any]) -> dict[str, Any]:
     return {**record, "time_us": ms * 1e3, "gbs": record["bytes"] / (ms * 1e-3) / 1e9}
 
 
-def decode_case(label: str, shape, page_size: int, backend: str = "triton", precision: str = "fast") -> dict[str, Any]:
+def decode_case(label: str, shape, page_size: int, backend: str = "triton", precision: str = "fast",
+                rotation: bool = False) -> dict[str, Any]:
     """One timed decode row (page_size is the one asked for; KIVI runs with pages of 32)."""
-    return timed(*decode_setup(label, shape, page_size, backend, precision))
+    return timed(*decode_setup(label, shape, page_size, backend, precision, rotation))
 
 
-def decode_setup(label: str, shape, page_size: int, backend: str = "triton", precision: str = "fast"):
+def decode_setup(label: str, shape, page_size: int, backend: str = "triton", precision: str = "fast",
+                 rotation: bool = False):
     """(the decode call to time, its record without times): a device cache written by the kernel;
-    ``precision``: the triton kernel's ("fast" or "exact"; the torch backend's bfloat16 or float32)."""
+    ``precision``: the triton kernel's ("fast" or "exact"; the torch backend's bfloat16 or float32);
+    ``rotation``: a rotated cache (q rotated and the output un-rotated by the kernels)."""
     import torch
 
     from kvqref.backends import torch_backend, triton_backend
 
     batch, q_heads, kv_heads, head_dim, tokens = shape
-    dc, ks, vs = make_cache(label, shape, page_size)
+    dc, ks, vs = make_cache(label, shape, page_size, rotation=rotation)
     q = torch.randn(batch, q_heads, head_dim, device="cuda").to(torch.bfloat16)
     if backend == "triton":
         triton_backend.validate_decode(q, dc)  # once, outside the timed region (it synchronizes)
@@ -182,6 +200,7 @@ def decode_setup(label: str, shape, page_size: int, backend: str = "triton", pre
         "backend": backend,
         "precision": precision,
         "scheme": label,
+        "rotation": rotation_label(rotation),
         "batch": batch,
         "q_heads": q_heads,
         "kv_heads": kv_heads,
@@ -218,19 +237,27 @@ def sdpa_case(shape) -> dict[str, Any]:
     }
 
 
-def write_case(label: str, tokens: int = 65536, kv_heads: int = 8, head_dim: int = 128) -> dict[str, Any]:
+def write_case(label: str, tokens: int = 65536, kv_heads: int = 8, head_dim: int = 128, rotation: bool = False,
+               block_t: int | None = None) -> dict[str, Any]:
     """One timed quantize-on-write row."""
-    return timed(*write_setup(label, tokens, kv_heads, head_dim))
+    return timed(*write_setup(label, tokens, kv_heads, head_dim, rotation, block_t))
 
 
-def write_setup(label: str, tokens: int = 65536, kv_heads: int = 8, head_dim: int = 128):
-    """(the write call to time, its record without times): pages in random order, bf16 input."""
+def rotation_label(rotation: bool) -> str | None:
+    return f"K {ROTATION_K}, V {ROTATION_V}" if rotation else None
+
+
+def write_setup(label: str, tokens: int = 65536, kv_heads: int = 8, head_dim: int = 128, rotation: bool = False,
+                block_t: int | None = None):
+    """(the write call to time, its record without times): pages in random order, bf16 input; ``rotation``:
+    K rotated (the rotation fused into the write kernel); ``block_t``: tokens per program (default: the
+    kernel's)."""
     import torch
 
     from kvqref.backends import triton_backend as tb
 
     shape = (1, kv_heads, kv_heads, head_dim, tokens)
-    dc, ks, _ = make_cache(label, shape, 32)
+    dc, ks, _ = make_cache(label, shape, 32, rotation=rotation)
     x = torch.randn(tokens, kv_heads, head_dim, device="cuda").to(torch.bfloat16)
     slots = (
         torch.randperm(tokens // 32, device="cuda").repeat_interleave(32) * 32
@@ -240,13 +267,17 @@ def write_setup(label: str, tokens: int = 65536, kv_heads: int = 8, head_dim: in
         slots = torch.arange(tokens, device="cuda")
     nbytes = x.numel() * 2 + slots.numel() * 8 + tokens * side_bytes_per_token(ks, kv_heads, head_dim)
 
+    kw = {} if block_t is None else {"block_t": block_t}
+
     def fn():
-        tb.quantize_write(dc.k, x, slots, validate=False)
+        tb.quantize_write(dc.k, x, slots, validate=False, **kw)
 
     return fn, {
         "op": "write",
         "backend": "triton",
         "scheme": label,
+        "rotation": rotation_label(rotation),
+        "block_t": block_t,
         "tokens": tokens,
         "kv_heads": kv_heads,
         "head_dim": head_dim,
@@ -295,13 +326,61 @@ def run(quick: bool = False, out: Path | None = None) -> dict[str, Any]:
     return {"environment": env, "ceiling_gbs": ceiling, "results": results}
 
 
+def run_rotation(out: Path | None = None, rounds: int = 2) -> dict[str, Any]:
+    """Issue 13's rows (module docstring, ``--rotation``): unrotated and rotated decode and write of
+    ``ROTATION_LABELS``, alternately over ``rounds`` rounds, then the ratios of the median times."""
+    import torch
+
+    env = environment()
+    ceiling = bandwidth_ceiling_gbs()
+    results: list[dict[str, Any]] = []
+
+    def emit(r: dict[str, Any]) -> None:
+        if "gbs" in r:
+            r["ceiling_gbs"] = ceiling
+            r["fraction_of_ceiling"] = r["gbs"] / ceiling
+        results.append(r)
+        print(json.dumps(r), flush=True)
+        if out is not None:
+            doc = {"environment": env, "ceiling_gbs": ceiling, "results": results, "partial": True,
+                   "command": " ".join(["python3", *sys.argv])}
+            out.write_text(json.dumps(doc, indent=1) + "\n")
+
+    shape = SHAPES[0]
+    sdpa = sdpa_case(shape)
+    emit(sdpa)
+    for label in ROTATION_LABELS:
+        variants = {"decode": [decode_setup(label, shape, 16, rotation=r) for r in (False, True)]}
+        writes = [(False, None), (True, None)] + ([] if label.endswith("kivi") else [(True, 16)])  # KIVI keys: G
+        variants["write"] = [write_setup(label, rotation=r, block_t=bt) for r, bt in writes]
+        times: dict[tuple[str, int], list[float]] = {}
+        for rnd in range(rounds):
+            for op, setups in variants.items():
+                for i, (fn, rec) in enumerate(setups):
+                    row = timed(fn, {**rec, "round": rnd})
+                    row["ratio_to_sdpa"] = row["time_us"] / sdpa["time_us"] if op == "decode" else None
+                    times.setdefault((op, i), []).append(row["time_us"])
+                    emit(row)
+        for op, setups in variants.items():
+            base = float(np.median(times[(op, 0)]))
+            for i in range(1, len(setups)):
+                rot = float(np.median(times[(op, i)]))
+                emit({"op": "rotation_ratio", "of": op, "scheme": label, "block_t": setups[i][1].get("block_t"),
+                      "unrotated_us": base, "rotated_us": rot, "ratio": rot / base,
+                      "target": 1.05 if op == "decode" else 1.10})
+        del variants
+        torch.cuda.empty_cache()
+    return {"environment": env, "ceiling_gbs": ceiling, "results": results}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--rotation", action="store_true", help="issue 13's rotated vs unrotated rows only")
     args = ap.parse_args()
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    doc = run(args.quick, args.out)
+    doc = run_rotation(args.out) if args.rotation else run(args.quick, args.out)
     doc["command"] = " ".join(["python3", *sys.argv])
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(doc, indent=1) + "\n")

@@ -121,6 +121,24 @@ def build_cache(pair, shape: dict[str, Any], rng: np.random.Generator, chunks: i
     return cache, whole
 
 
+def kivi_key_round(cache: PagedKVCache, Ks):
+    """For KIVI keys, the magnitudes whose product with q a fast-mode kernel rounds (``K_round`` of
+    :func:`kvqref.reference.kernel_tolerance`): ``K - Z = s * code`` on the paged tokens (Z: the group's zero
+    point), K on the residual tokens; None for other schemes. ``Ks``: the values the kernel reads (the stored
+    domain of ``cache``: pass ``cache.storage_view()``'s for a rotated cache)."""
+    from kvqref.schemes.rotation import storage_scheme
+
+    codec = storage_scheme(cache.k.scheme)
+    if not isinstance(codec, schemes.KiviScheme):
+        return None
+    out = []
+    for b, K in enumerate(Ks):
+        qz = cache.quantized(b, "k")
+        z = np.repeat(qz.fields["zero"].astype(np.float64), codec.group_size, axis=0)
+        out.append(K - np.concatenate([z, np.zeros((K.shape[0] - z.shape[0], *K.shape[1:]))]))
+    return out
+
+
 def _oracle_attention(cache: PagedKVCache, q64: np.ndarray):
     Ks, Vs = zip(*(cache.dequantized(b) for b in range(cache.batch)), strict=True)
     out, lse = reference.attention(q64, Ks, Vs)
@@ -238,12 +256,14 @@ def _triton_attention(cache: PagedKVCache, q: np.ndarray) -> tuple[bool, str]:
 
 
 def triton_write_matches(name: str, opts: dict[str, Any], x: np.ndarray, page_size: int,
-                  rng: np.random.Generator) -> tuple[bool, str]:
+                         rng: np.random.Generator, dtype: str = "float32") -> tuple[bool, str]:
     """Quantize ``x`` into a shuffled paged cache with the oracle and with the triton write kernel; compare
-    every stored byte as integers. Returns (all equal, what differed)."""
+    every stored byte as integers. Returns (all equal, what differed). ``dtype``: the input is given to both
+    as that dtype (``x`` must hold values of it: bfloat16, float16 or float32)."""
     import torch
 
     from kvqref.backends import triton_backend as tb
+    from kvqref.schemes.rotation import storage_scheme
 
     dev = _device()
     with warnings.catch_warnings():
@@ -254,12 +274,20 @@ def triton_write_matches(name: str, opts: dict[str, Any], x: np.ndarray, page_si
     is_key = getattr(scheme, "role", None) == "key"
     dummy = schemes.get("bf16")
     if getattr(scheme, "residual_window", 0):
-        scheme.residual_window = 0
+        scheme.residual_window = storage_scheme(scheme).residual_window = 0
     cache = PagedKVCache(scheme if is_key else dummy, dummy if is_key else scheme, npages, page_size, H, D,
                          free_pages=[int(p) for p in rng.permutation(npages)])
+    if dtype == "bfloat16":
+        import ml_dtypes  # only here: the conformance command itself needs no ml_dtypes
+
+        xin = x.astype(ml_dtypes.bfloat16)
+    else:
+        xin = x.astype({"float16": np.float16, "float32": np.float32}[dtype])
+    if not np.array_equal(xin.astype(np.float64), x.astype(np.float64)):
+        raise ValueError(f"triton_write_matches: x holds values that are not {dtype} values")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        cache.append(0, x, x)
+        cache.append(0, xin, xin)
     side_np = cache.k if is_key else cache.v
     n = int(side_np.paged[0])
     dc = tb.DeviceCache.from_cache(cache, dev)
@@ -267,7 +295,8 @@ def triton_write_matches(name: str, opts: dict[str, Any], x: np.ndarray, page_si
     for t in side.fields.values():
         t.zero_()
     slots = torch.from_numpy(cache.slot_mapping(0, 0, n)).to(dev)
-    tb.quantize_write(side, torch.from_numpy(x[:n]).to(dev), slots)
+    tb.quantize_write(side, torch.from_numpy(np.ascontiguousarray(x[:n], np.float32)).to(getattr(torch, dtype))
+                      .to(dev), slots)
     differ = total = 0
     for f, store in side_np.storage.items():
         got = side.fields[f].cpu()

@@ -194,8 +194,9 @@ class PagedKVCache:
             params = side.params
             quant = None
             if len(chunk):
-                if model_dtype is not None:
+                if model_dtype is not None and side.rotation is None:
                     chunk = chunk.astype(model_dtype)  # exact: the values came from that dtype
+                # (rotated values are float32, quantized as float32 input, as RotatedScheme.quantize does)
                 if params is None:
                     params = side.codec.calibrate(chunk)
                 quant = side.codec.quantize(chunk, params=params)

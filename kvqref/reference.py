@@ -9,6 +9,7 @@ derived in docs/schemes.md ("Tolerance for kernels") and implemented by :func:`k
 Rotated caches (docs/rotation.md): :func:`decode_attention` works in the stored domain as a kernel does:
 ``q`` is rotated by the K rotation (``rotate_query``, float64), attention runs over the stored (rotated)
 K and V values, and the output is un-rotated by the V rotation (``unrotate``); ``lse`` needs nothing.
+:func:`rotated_kernel_tolerance` bounds a float32 kernel that does the same (docs/rotation.md).
 """
 
 from __future__ import annotations
@@ -123,7 +124,9 @@ def fast_rounding(k_scheme: Any, v_scheme: Any, q_dtype: str) -> Rounding16:
     float16; KIVI value tiles and the residual are split in two bfloat16 parts.
     """
     from kvqref.schemes import FP8Scheme, KiviScheme, NVFP4Scheme
+    from kvqref.schemes.rotation import storage_scheme
 
+    k_scheme, v_scheme = storage_scheme(k_scheme), storage_scheme(v_scheme)  # a rotated side: its stored values
     if q_dtype not in ("bfloat16", "float16", "float32"):
         raise ValueError(f"q_dtype must be bfloat16, float16 or float32, got {q_dtype!r}")
     kivi_k, kivi_v = isinstance(k_scheme, KiviScheme), isinstance(v_scheme, KiviScheme)
@@ -204,3 +207,39 @@ def kernel_tolerance(q: Any, K_list: Sequence[Any], V_list: Sequence[Any], sm_sc
             out_tol[b] += (fast.u_p + fast.u_v + fast.u_p * fast.u_v) * pv
             out_tol[b] += fast.a_p * np.abs(Vq).sum(axis=0)
     return out_tol, lse_tol
+
+
+def rotated_kernel_tolerance(q: Any, cache: Any, sm_scale: float | None = None, *, fast: Rounding16 | None = None,
+                             K_round: Sequence[Any] | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray,
+                                                                             np.ndarray]:
+    """``(out, lse, out_tol, lse_tol)``: :func:`decode_attention` of ``q`` over ``cache`` and the bounds a float32
+    kernel reading the cache in its stored domain must meet (docs/rotation.md, "Where each step runs"):
+    ``out_tol`` [B, Hq] bounds the 2-norm of each output row's error, ``lse_tol`` [B, Hq] the lse error.
+
+    The kernel rotates q in float32 butterflies and folds ``1 / (D C_D)`` into ``sm_scale`` (one float32
+    rounding), and un-rotates the output in float32 butterflies times ``f32(signs / (D C_D))``: each a relative
+    2-norm error of at most ``r = (n + 2) 2**-24`` (n = log2 D butterfly stages, each relative ``2**-24`` in
+    2-norm; one rounding of the constant; one of the product). With ``q'`` the exact rotated query and
+    :func:`kernel_tolerance` ``(t_o, t_l)`` of ``q'`` over the stored values (``fast``, ``K_round`` as there):
+    scores move by at most ``e_q = sm_scale r ||q'|| max_j ||k_j||`` (K rotated), the output by
+    ``expm1(2 e_q) max_j ||v_j||`` (the softmax weights by a factor within ``e**(+-2 e_q)``), the un-rotation adds
+    ``r ||out||`` (V rotated) and maps the stored-domain error ``||t_o||`` through an orthonormal matrix (norm
+    ``1 + 2**-23`` at most). So ``out_tol = (1 + 2**-20) ||t_o|| + expm1(2 e_q) max||v|| + r ||out||`` and
+    ``lse_tol = t_l + e_q``."""
+    qa = _check_q(q)
+    out, lse = decode_attention(qa, cache, sm_scale)
+    k_rot, v_rot = cache.k.rotation, cache.v.rotation
+    stored = cache.storage_view()
+    Ks, Vs = zip(*(stored.dequantized(b) for b in range(cache.batch)), strict=True)
+    qs = qa if k_rot is None else k_rot.rotate_query(qa)
+    t_o, t_l = kernel_tolerance(qs, Ks, Vs, sm_scale, fast=fast, K_round=K_round)
+    D = qa.shape[2]
+    r = (D.bit_length() - 1 + 2) * EPS32
+    scale = 1.0 / math.sqrt(D) if sm_scale is None else float(sm_scale)
+    kmax = np.array([np.linalg.norm(K, axis=-1).max(initial=0.0) for K in Ks])[:, None]
+    vmax = np.array([np.linalg.norm(V, axis=-1).max(initial=0.0) for V in Vs])[:, None]
+    e_q = scale * r * np.linalg.norm(qs, axis=-1) * kmax if k_rot is not None else np.zeros(lse.shape)
+    out_tol = (1 + 2.0**-20) * np.linalg.norm(t_o, axis=-1) + np.expm1(2 * e_q) * vmax
+    if v_rot is not None:
+        out_tol = out_tol + r * np.linalg.norm(out, axis=-1)
+    return out, lse, out_tol, t_l + e_q

@@ -24,7 +24,7 @@ def _run(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_every_kernel_compiles_for_rocm_and_cuda_targets():
-    from kvqref.kernels.aot import DECODE_CASES, TARGETS, WRITE_CASES
+    from kvqref.kernels.aot import DECODE_CASES, SHARED_KERNELS, TARGETS, WRITE_CASES
 
     proc = _run("--json")
     assert proc.stdout, proc.stderr[-2000:]
@@ -33,9 +33,11 @@ def test_every_kernel_compiles_for_rocm_and_cuda_targets():
     assert not failed, failed[:3]
     per_target = {t: [r for r in results if r["target"] == t] for t in TARGETS}
     for t, rows in per_target.items():
-        # 2 precisions; + the merge kernel; on CUDA + the inline-PTX FP4 unpacking of each FP4 case (``ptx_unpack``)
+        # 2 precisions; + the merge kernel, q's rotation and the rotated merge; on CUDA + the inline-PTX FP4
+        # unpacking of each FP4 case (``ptx_unpack``)
         ptx = sum("fp4" in c[1] + c[3] for c in DECODE_CASES) if t.startswith("cuda") else 0
-        assert len(rows) == 2 * len(DECODE_CASES) + 1 + len(WRITE_CASES) + ptx, t
+        assert len(rows) == 2 * len(DECODE_CASES) + len(SHARED_KERNELS) + len(WRITE_CASES) + ptx, t
+        assert {r["kernel"] for r in rows} >= {*SHARED_KERNELS, "decode[fp8_e4m3+H]", "write[fp4_e2m1-hadamard-5]"}
         assert all(r["code_bytes"] > 1000 for r in rows)
     assert proc.returncode == 0
 

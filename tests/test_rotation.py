@@ -251,7 +251,7 @@ def test_rotated_paged_cache_stores_the_rotated_domain(pair):
 
 
 @pytest.mark.parametrize("pair", PAIRS, ids=[p[0] + "/" + p[2] for p in PAIRS])
-def test_torch_backend_reads_rotated_caches_and_triton_refuses(pair):
+def test_torch_backend_reads_rotated_caches(pair):
     torch = pytest.importorskip("torch")
     from kvqref.backends.torch_backend import RotatedDeviceCache, dequantize, gather
     from kvqref.backends.torch_backend import decode as torch_decode
@@ -283,17 +283,20 @@ def test_torch_backend_reads_rotated_caches_and_triton_refuses(pair):
     assert (err <= bound).all(), (err / bound).max()
     out, _ = tb.decode(torch.from_numpy(q).to(tb.device()), dc)  # bfloat16 SDPA: a smoke bound
     assert np.abs(out.cpu().numpy() - ref).max() <= 5e-2 * np.abs(ref).max()
-    tr = backends.TritonBackend()
-    with pytest.raises(ValueError, match="rotation is not yet fused into the Triton kernels"):
-        tr.prepare(cache)
-    with pytest.raises(ValueError, match="rotation is not yet fused into the Triton kernels"):
-        tr.decode(torch.from_numpy(q), dc)
 
 
 def test_one_rotated_side_is_enough_to_be_refused():
+    """A backend that cannot rotate queries refuses a cache with one rotated side (every registered backend
+    rotates: the triton kernels too, tests/test_triton_rotation.py)."""
+
+    class NoRotation(backends.Backend):
+        name = "plain"
+
     cache = PagedKVCache("bf16", schemes.get("bf16", rotation="hadamard", rotation_seed=1), 4, 16, 1, 64)
-    with pytest.raises(ValueError, match=r"V: hadamard\(seed=1\).*not yet fused"):
-        backends.TritonBackend().prepare(cache)
+    with pytest.raises(ValueError, match=r"V: hadamard\(seed=1\).*cannot rotate queries"):
+        NoRotation().prepare(cache)
+    assert all(backends.get(n).rotates_queries for n in ("numpy", "torch"))
+    assert backends.TritonBackend.rotates_queries
 
 
 # -- rotated attention == unrotated attention up to quantization error --------------------------------------
@@ -414,3 +417,34 @@ def test_input_is_read_exactly_and_rounded_to_float32_once():
     for dt in (ml_dtypes.bfloat16, np.float16):
         xn = x64.astype(dt)
         assert np.array_equal(bits(rot.rotate(xn)), bits(rot.rotate(xn.astype(np.float32))))
+
+
+@pytest.mark.parametrize("name,opts", [("fp8_e4m3", {"profile": "sglang", "scale": 0.05}), ("fp4_e2m1", {}),
+                                       ("int4_kivi", {"role": "value", "residual": 0})])
+def test_paged_cache_of_16_bit_input_stores_rotated_float32_values(name, opts):
+    """A 16-bit model's tokens: the cache quantizes the float32 rotated values (not rounded back to the model
+    dtype), so its bytes equal ``RotatedScheme.quantize`` of the same array, as for float32 input."""
+    import ml_dtypes
+
+    s = schemes.get(name, rotation="hadamard", rotation_seed=2, **opts)
+    x = np.random.default_rng(0).standard_normal((32, 2, 64)).astype(ml_dtypes.bfloat16)
+    c = PagedKVCache("bf16", s, 4, 16, 2, 64)
+    c.append(0, x[:13], x[:13])
+    c.append(0, x[13:], x[13:])
+    want = s.quantize(x, params=c.v_params)
+    got = c.quantized(0, "v")
+    for f in want.fields:
+        assert np.array_equal(got.fields[f].view(np.uint8), want.fields[f].view(np.uint8)), f
+
+
+def test_static_params_of_a_rotated_scheme_are_the_inner_schemes():
+    """``check_params`` of a rotated scheme is its inner scheme's (a static FP8 scale applies to rotated values),
+    so a paged cache takes them at creation."""
+    s = schemes.get("fp8_e4m3", rotation="hadamard", rotation_seed=1)
+    assert s.check_params({"scale": 0.5}, 2) == {"scale": np.float32(0.5)}
+    with pytest.raises(ValueError, match="params"):
+        s.check_params({"bogus": 1.0}, 2)
+    c = PagedKVCache(s, s, 4, 16, 2, 64, k_params={"scale": 0.5}, v_params={"scale": 0.25})
+    x = np.random.default_rng(1).standard_normal((5, 2, 64)).astype(np.float32)
+    c.append(0, x, x)
+    assert np.array_equal(c.quantized(0, "k").fields["codes"], s.quantize(x, params={"scale": 0.5}).fields["codes"])

@@ -56,25 +56,12 @@ def _run_decode(cache, q, **kw):
     return out.cpu().numpy().astype(np.float64), lse.cpu().numpy().astype(np.float64), dc
 
 
-def _key_round(cache, Ks):
-    """For KIVI keys, the magnitudes whose product with q is rounded in fast mode: (K - Z) = s * code on
-    the paged tokens (Z: the group's zero point), K on the residual tokens; None for other schemes."""
-    if not isinstance(cache.k.scheme, schemes.KiviScheme):
-        return None
-    out = []
-    for b, K in enumerate(Ks):
-        qz = cache.quantized(b, "k")
-        z = np.repeat(qz.fields["zero"].astype(np.float64), cache.k.scheme.group_size, axis=0)
-        out.append(K - np.concatenate([z, np.zeros((K.shape[0] - z.shape[0], *K.shape[1:]))]))
-    return out
-
-
 def _oracle(cache, q64, precision="fast", qdtype="bfloat16"):
     """Oracle attention and the tolerance of ``precision`` (docs/kernels.md, "Precision")."""
     Ks, Vs = zip(*(cache.dequantized(b) for b in range(cache.batch)), strict=True)
     out, lse = reference.attention(q64, Ks, Vs)
     fast = reference.fast_rounding(cache.k.scheme, cache.v.scheme, qdtype) if precision == "fast" else None
-    tol_o, tol_l = reference.kernel_tolerance(q64, Ks, Vs, fast=fast, K_round=_key_round(cache, Ks))
+    tol_o, tol_l = reference.kernel_tolerance(q64, Ks, Vs, fast=fast, K_round=conformance.kivi_key_round(cache, Ks))
     return out, lse, tol_o, tol_l
 
 

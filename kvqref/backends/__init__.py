@@ -8,8 +8,9 @@
 A backend that cannot run here says why (``unavailable_reason``); ``get`` raises with that reason.
 
 Rotated caches (docs/rotation.md): a backend reads one only if it rotates queries and un-rotates outputs
-(``rotates_queries``: numpy and torch). The others refuse a rotated cache in ``prepare`` and ``decode`` with
-ValueError: rotated keys must never meet an unrotated query.
+(``rotates_queries``: numpy, torch and triton, whose kernels rotate q and un-rotate the output). Any other
+would refuse a rotated cache in ``prepare`` and ``decode`` with ValueError: rotated keys must never meet an
+unrotated query.
 """
 
 from __future__ import annotations
@@ -62,10 +63,8 @@ class Backend:
             rotations = {"K": rotation_of(state.k.scheme), "V": rotation_of(state.v.scheme)}
         rotated = [f"{side}: {rot}" for side, rot in rotations.items() if rot is not None]
         if rotated and not self.rotates_queries:
-            why = ("rotation is not yet fused into the Triton kernels" if self.name == "triton"
-                   else "it cannot rotate queries")
-            raise ValueError(f"backend {self.name!r} cannot read a rotated cache ({', '.join(rotated)}): {why}; "
-                             "use the numpy or torch backend")
+            raise ValueError(f"backend {self.name!r} cannot read a rotated cache ({', '.join(rotated)}): it cannot "
+                             "rotate queries; use the numpy, torch or triton backend")
 
     def decode(self, q: Any, state: Any, sm_scale: float | None = None) -> tuple[Any, Any]:
         raise NotImplementedError
@@ -110,6 +109,7 @@ class TorchBackend(Backend):
 class TritonBackend(Backend):
     name = "triton"
     description = "fused Triton kernels (quantize-on-write, split-KV paged decode)"
+    rotates_queries = True
 
     def unavailable_reason(self) -> str | None:
         if importlib.util.find_spec("triton") is None:
@@ -125,8 +125,12 @@ class TritonBackend(Backend):
         return "cuda" if _gpu()[0] else "cpu"
 
     def decode(self, q: Any, state: Any, sm_scale: float | None = None, **kw: Any) -> tuple[Any, Any]:
+        from kvqref.backends.torch_backend import RotatedDeviceCache
         from kvqref.backends.triton_backend import decode
 
+        if isinstance(state, RotatedDeviceCache):
+            raise ValueError("backend 'triton' got a torch-backend RotatedDeviceCache; prepare the cache with the "
+                             "triton backend (its device cache keeps the rotated schemes, so the kernels rotate)")
         self.check_rotation(state)
         return decode(q, state, sm_scale, **kw)
 

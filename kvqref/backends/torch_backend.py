@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvqref.backends.triton_backend import DeviceCache, Side, kernel_config
-from kvqref.schemes.rotation import HadamardRotation, norm_f32
+from kvqref.schemes.rotation import HadamardRotation, norm_f32, rotation_of
 
 
 def _torch():
@@ -137,16 +137,18 @@ def decode(q, dc: DeviceCache | RotatedDeviceCache, sm_scale: float | None = Non
            precision: str = "fast", **_: Any):
     """Unfused decode: dequantize everything to ``dtype``, SDPA; (out, None). ``dtype`` defaults to the
     ``precision``: bfloat16 for ``"fast"`` (the default), float32 for ``"exact"``.
-    A :class:`RotatedDeviceCache`: ``q`` rotated before, the output un-rotated after (float32)."""
+    A :class:`RotatedDeviceCache` (or a device cache whose sides keep rotated schemes, as the triton backend's
+    do): ``q`` rotated before, the output un-rotated after (float32)."""
     torch = _torch()
     if precision not in ("fast", "exact"):
         raise ValueError(f"precision must be 'fast' or 'exact', got {precision!r}")
     dtype = dtype or (torch.bfloat16 if precision == "fast" else torch.float32)
-    k_rot = v_rot = None
     if isinstance(dc, RotatedDeviceCache):
         k_rot, v_rot, dc = dc.k_rotation, dc.v_rotation, dc.storage
-        if k_rot is not None:
-            q = rotate_query(q, k_rot)
+    else:
+        k_rot, v_rot = rotation_of(dc.k.scheme), rotation_of(dc.v.scheme)
+    if k_rot is not None:
+        q = rotate_query(q, k_rot)
     k, v, valid = gather(dc, dequantize(dc.k, dtype), dequantize(dc.v, dtype))
     out = torch.nn.functional.scaled_dot_product_attention(
         q.to(dtype)[:, :, None, :], k, v, attn_mask=valid[:, None, None, :], scale=sm_scale, enable_gqa=True)

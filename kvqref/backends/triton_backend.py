@@ -1,6 +1,12 @@
 """The ``triton`` backend: fused quantize-on-write and decode attention over the quantized paged cache.
 
 Same kernel source on NVIDIA (CUDA) and AMD (ROCm); on a CPU it runs under ``TRITON_INTERPRET=1``.
+
+Rotated schemes (docs/rotation.md): a :class:`Side` keeps its scheme as given (a ``RotatedScheme``), so the
+rotation travels with the stored fields; ``Side.codec`` is the scheme that encodes the stored (rotated)
+values. :func:`quantize_write` rotates in the write kernel; :func:`decode` rotates q and un-rotates the
+output (``kvqref.kernels.decode.plan_decode`` reads the rotations from the :class:`CacheTiles`), so rotated
+keys never meet an unrotated query.
 """
 
 from __future__ import annotations
@@ -10,7 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from kvqref.schemes import BF16Scheme, E8M0BlockScheme, FP8Scheme, KiviScheme, NVFP4Scheme, Scheme
+from kvqref.schemes import BF16Scheme, E8M0BlockScheme, FP8Scheme, KiviScheme, NVFP4Scheme, RotatedScheme, Scheme
+from kvqref.schemes.rotation import norm_f32, rotation_of, storage_scheme
 
 TILE_KINDS = {BF16Scheme: "bf16", FP8Scheme: "fp8", E8M0BlockScheme: "mxfp4", NVFP4Scheme: "nvfp4"}
 #: the scheme fields each kernel kind reads, in the order of its F0, F1, F2 arguments
@@ -26,9 +33,12 @@ def _torch():
 
 
 def kernel_config(scheme: Scheme) -> dict[str, Any]:
-    """The decode/write kernel constexprs of ``scheme`` (raises ValueError if the backend lacks it)."""
+    """The decode/write kernel constexprs of ``scheme`` (raises ValueError if the backend lacks it); a rotated
+    scheme has its inner scheme's plus ``rotation`` (a ``HadamardRotation``)."""
     from kvqref.kernels.codecs import FMT_IDS
 
+    if isinstance(scheme, RotatedScheme):
+        return {**kernel_config(scheme.inner), "rotation": scheme.rotation}
     if isinstance(scheme, KiviScheme):
         return {"kind": "int_k" if scheme.role == "key" else "int_v", "group": scheme.group_size,
                 "bits": scheme.bits}
@@ -60,10 +70,15 @@ def _flat(t):
 class Side:
     """K or V of a device cache: the scheme, its field tensors (flattened to slots) and tensor scale."""
 
-    scheme: Scheme
+    scheme: Scheme  # as given: a RotatedScheme for a rotated side
     fields: dict[str, Any]
     tensor_scale: Any  # float32 [kv_heads]
     params: dict[str, Any]
+
+    @property
+    def codec(self) -> Scheme:
+        """The scheme that encodes the stored values (the inner scheme of a rotated one)."""
+        return storage_scheme(self.scheme)
 
     def tiles(self):
         from kvqref.kernels.decode import CacheTiles
@@ -72,12 +87,13 @@ class Side:
         fields = [self.fields[f] for f in FIELD_ORDER[cfg["kind"]] if f in self.fields]
         return CacheTiles(cfg["kind"], fields, self.tensor_scale, fmt=cfg.get("fmt", 0),
                           token_scale=cfg.get("token_scale", False), block=cfg.get("block", 16),
-                          group=cfg.get("group", 1), bits=cfg.get("bits", 8))
+                          group=cfg.get("group", 1), bits=cfg.get("bits", 8), rotation=cfg.get("rotation"))
 
 
 def _tensor_scale(scheme: Scheme, params: dict[str, Any], kv_heads: int) -> np.ndarray:
     """The float32 [kv_heads] scale folded into the kernels (1 where the scheme has none, or where the cache
-    is still empty and its params are not set yet)."""
+    is still empty and its params are not set yet); the params of a rotated scheme are its inner scheme's."""
+    scheme = storage_scheme(scheme)
     if not params:
         return np.ones(kv_heads, np.float32)
     params = scheme.check_params(params, kv_heads)
@@ -116,8 +132,11 @@ class DeviceCache:
 
     @classmethod
     def from_cache(cls, cache, device: str = "cpu") -> DeviceCache:
+        """``cache`` (a :class:`kvqref.paged.PagedKVCache`) on ``device``: its stored domain (pages and residual
+        windows rotated for a rotated side: ``export()`` is ``storage_view().export()``), its schemes as they
+        are (a rotated side keeps its ``RotatedScheme``, hence its rotation)."""
         torch = _torch()
-        ex = cache.export()
+        ex = cache.storage_view().export()
         sides = []
         for tag, side in (("k", cache.k), ("v", cache.v)):
             fields = {}
@@ -126,7 +145,7 @@ class DeviceCache:
             params = {p[len(tag) + 7:]: ex[p] for p in ex if p.startswith(f"{tag}_param_")}
             ts = torch.from_numpy(_tensor_scale(side.scheme, params, cache.kv_heads)).to(device)
             sides.append(Side(side.scheme, fields, ts, params))
-        has_res = any(isinstance(s.scheme, KiviScheme) for s in sides)
+        has_res = any(isinstance(s.codec, KiviScheme) for s in sides)
 
         def t32(name: str):
             return torch.from_numpy(ex[name].astype(np.int32)).to(device)
@@ -141,7 +160,7 @@ def empty_device_cache(k_scheme: Scheme, v_scheme: Scheme, num_pages: int, page_
                        v_params: dict[str, Any] | None = None, device: str = "cuda") -> DeviceCache:
     """A zeroed device cache laid out as :class:`kvqref.paged.PagedKVCache` stores it, to be filled by
     :func:`quantize_write` (used by the benchmarks, whose caches are too large for the NumPy oracle).
-    KIVI residuals are empty (every token in pages)."""
+    KIVI residuals are empty (every token in pages). Rotated schemes store rotated values (as the paged cache)."""
     torch = _torch()
     sides = []
     for scheme, params in ((k_scheme, k_params or {}), (v_scheme, v_params or {})):
@@ -153,7 +172,7 @@ def empty_device_cache(k_scheme: Scheme, v_scheme: Scheme, num_pages: int, page_
             fields[f] = torch.zeros(num_pages * rows, kv_heads, *spec.shape, dtype=tdt, device=device)
         ts = torch.from_numpy(_tensor_scale(scheme, params, kv_heads)).to(device)
         sides.append(Side(scheme, fields, ts, params))
-    has_res = any(isinstance(s.scheme, KiviScheme) for s in sides)
+    has_res = any(isinstance(s.codec, KiviScheme) for s in sides)
     bt = block_table.to(device=device, dtype=torch.int32)
     sl = seq_lens.to(device=device, dtype=torch.int32)
     empty = torch.zeros(bt.shape[0], 1, kv_heads, head_dim, dtype=torch.float32, device=device)
@@ -168,7 +187,9 @@ def decode(q, dc: DeviceCache, sm_scale: float | None = None, validate: bool = T
     16 bits, float32 softmax and accumulation); ``"exact"``: float32 products (docs/kernels.md gives both
     error bounds; :func:`kvqref.reference.kernel_tolerance` implements them). ``validate=False`` skips the
     host-side checks (they synchronize with the device); a serving loop validates once and passes
-    ``max_seq_len`` too."""
+    ``max_seq_len`` too. A rotated side (docs/rotation.md): q is rotated by K's rotation before the split kernel
+    (one small launch) and the output un-rotated by V's in the merge kernel; ``out`` is in the original domain,
+    ``lse`` needs nothing."""
     from kvqref.kernels.decode import PRECISIONS, paged_decode
 
     if precision not in PRECISIONS:
@@ -231,6 +252,45 @@ def _model_input(scheme: Scheme, x):
     return x, QDT_IDS[scheme.quotient_dtype(md)]
 
 
+def _rotated_dtypes(codec: Scheme) -> tuple[int, int]:
+    """(RDT, QDT) of a rotated write: the inner scheme quantizes the float32 rotated values as a float32 input
+    (``RotatedScheme.quantize``), so its model dtype is what it resolves for float32 input (an explicit
+    ``model_dtype``: the rotated values are rounded to it in the kernel, RDT)."""
+    resolve = getattr(codec, "resolve_model_dtype", None)
+    md = resolve("float32") if resolve is not None else "float32"
+    qdt = QDT_IDS[codec.quotient_dtype(md)] if isinstance(codec, FP8Scheme) else 0
+    return QDT_IDS[md], qdt
+
+
+def rotation_signs(rotation, head_dim: int, device):
+    """The float32 [D] signs of ``rotation`` on ``device`` (made once per rotation, D and device)."""
+    from kvqref.kernels.decode import rotation_vectors
+
+    return rotation_vectors(rotation.seed, head_dim, device)[0]
+
+
+def _check_rotated_input(side: Side, x, rdt: int) -> None:
+    """The oracle's errors for a rotated write (``HadamardRotation.rotate``, the inner scheme's model dtype):
+    NaN/Inf input, and rotated values (or butterfly sums) that overflow float32 or the model dtype. Exact and
+    cheap: only if ``max|x| * D`` (a bound of every butterfly sum) comes near the limit are the rotated values
+    computed (by ``torch_backend.hadamard``, bit-identical to the kernel's butterflies) and checked."""
+    torch = _torch()
+    rotation = rotation_of(side.scheme)
+    D = x.shape[-1]
+    if not torch.isfinite(x).all():
+        raise ValueError(f"{side.scheme.name}: input holds NaN or Inf, which a rotation spreads over the head")
+    limit = 65504.0 if rdt == QDT_IDS["float16"] else 3.0e38
+    if x.numel() == 0 or float(x.abs().max()) * D * 1.01 < limit:
+        return
+    from kvqref.backends.torch_backend import hadamard
+
+    y = hadamard(x.float() * rotation_signs(rotation, D, x.device))
+    z = y * float(norm_f32(D))
+    md = {v: k for k, v in QDT_IDS.items()}[rdt]
+    if not (torch.isfinite(y).all() and torch.isfinite(z.to(getattr(torch, md))).all()):
+        raise ValueError(f"{side.scheme.name}: the rotated values overflow {md}")
+
+
 def plan_write(side: Side, x, slot_mapping, *, block_t: int = 32):
     """The launch of :func:`quantize_write` (checked on the host first)."""
     import triton
@@ -245,7 +305,12 @@ def plan_write(side: Side, x, slot_mapping, *, block_t: int = 32):
         raise ValueError(f"slot_mapping must have one entry per token ({x.shape[0]}), got {tuple(slot_mapping.shape)}")
     if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"x must be bfloat16, float16 or float32, got {x.dtype}")
-    x, qdt = _model_input(side.scheme, x)
+    rotation = rotation_of(side.scheme)
+    rdt = 0
+    if rotation is None:
+        x, qdt = _model_input(side.scheme, x)
+    else:
+        rdt, qdt = _rotated_dtypes(side.codec)
     cfg = kernel_config(side.scheme)
     n, kv_heads, head_dim = x.shape
     if x.device != slot_mapping.device or x.device != next(iter(side.fields.values())).device:
@@ -264,21 +329,31 @@ def plan_write(side: Side, x, slot_mapping, *, block_t: int = 32):
     sc = side.tensor_scale
     if cfg.get("sglang") == 2:  # torch's x * (1 / s): the reciprocal rounded to float32 once, on the host
         sc = (1.0 / sc.double()).float()
-    args = [x, slot_mapping, *fields, sc, n, x.stride(0), x.stride(1), *strides]
+    signs, c_d = sc, 1.0  # unused without rotation (any float32 pointer)
+    if rotation is not None:
+        signs, c_d = rotation_signs(rotation, head_dim, x.device), float(norm_f32(head_dim))
+    args = [x, slot_mapping, *fields, sc, n, x.stride(0), x.stride(1), *strides, signs, c_d]
     cx = dict(KIND=KIND_IDS[cfg["kind"]], FMT=cfg.get("fmt", 0), SGLANG=int(cfg.get("sglang", 0)), QDT=qdt,
               SATURATE=bool(cfg.get("saturate", True)),
               TOKEN_SCALE=cfg.get("token_scale", False), QB=cfg.get("block", 16), G=cfg.get("group", 1),
-              BITS=cfg.get("bits", 8), D=head_dim, BLOCK_T=block_t)
-    return Launch(quantize_write_kernel, (triton.cdiv(n, block_t), kv_heads), args, cx, {})
+              BITS=cfg.get("bits", 8), D=head_dim, BLOCK_T=block_t, ROTATE=rotation is not None, RDT=rdt)
+    # rotated: no FP contraction anywhere in the kernel, so the float32 rotation is the oracle's bit for bit
+    # whatever consumes it (docs/rotation.md; the butterflies themselves hold no multiply to contract)
+    options = {"enable_fp_fusion": False} if rotation is not None else {}
+    return Launch(quantize_write_kernel, (triton.cdiv(n, block_t), kv_heads), args, cx, options)
 
 
 def quantize_write(side: Side, x, slot_mapping, *, block_t: int = 32, validate: bool = True) -> None:
     """Quantize ``x`` [tokens, kv_heads, D] into ``side``'s fields at ``slot_mapping`` [tokens] (int64;
     -1 skips a token), in place, with the scheme's exact rounding (bytes equal the oracle's). KIVI keys:
     tokens come in whole, slot-consecutive groups of G. E2M1 and KIVI schemes reject NaN/Inf input;
-    ``validate=False`` skips that check (a reduction and a device sync) in a serving loop."""
+    ``validate=False`` skips that check (a reduction and a device sync) in a serving loop. A rotated scheme:
+    the kernel rotates each (token, head) vector first (the bytes of ``RotatedScheme.quantize``); NaN/Inf
+    input and rotated values that overflow are rejected as the oracle rejects them."""
     torch = _torch()
-    needs_finite = isinstance(side.scheme, (E8M0BlockScheme, NVFP4Scheme, KiviScheme))
+    needs_finite = isinstance(side.codec, (E8M0BlockScheme, NVFP4Scheme, KiviScheme))
+    if validate and rotation_of(side.scheme) is not None and x.dim() == 3:
+        _check_rotated_input(side, x, _rotated_dtypes(side.codec)[0])
     if validate and needs_finite and not torch.isfinite(x).all():
         raise ValueError(f"{side.scheme.name}: input holds NaN or Inf")
     if validate and side.params:  # the scales the kernel divides by: once per call, on the host

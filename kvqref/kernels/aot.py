@@ -33,7 +33,14 @@ DECODE_CASES: list[tuple[str, str, dict, str, dict]] = [
      "int4_kivi", {"role": "value", "group_size": 16, "residual": 16}),
     ("int2_kivi", "int2_kivi", {"role": "key", "group_size": 16, "residual": 16},
      "int2_kivi", {"role": "value", "group_size": 16, "residual": 16}),
+    # rotated caches (docs/rotation.md): float32 q from the rotate_q launch, un-rotation in the merge kernel
+    ("fp8_e4m3+H", "fp8_e4m3", {"rotation": "hadamard", "rotation_seed": 1},
+     "fp8_e4m3", {"rotation": "hadamard", "rotation_seed": 2}),
+    ("int4_kivi+H", "int4_kivi", {"role": "key", "group_size": 16, "residual": 16, "rotation": "hadamard"},
+     "int4_kivi", {"role": "value", "group_size": 16, "residual": 16, "rotation": "hadamard", "rotation_seed": 3}),
 ]
+#: kernels compiled once, whatever the scheme: the merge kernel, q's rotation, the merge kernel un-rotating
+SHARED_KERNELS = ("merge", "rotate_q", "merge[rotated]")
 WRITE_CASES: list[tuple[str, dict]] = [
     ("bf16", {}), ("fp8_e4m3", {}), ("fp8_e4m3", {"granularity": "token_head"}),
     ("fp8_e4m3", {"profile": "sglang", "scale": 1.0}), ("fp8_e4m3", {"profile": "rocm"}),
@@ -44,6 +51,10 @@ WRITE_CASES: list[tuple[str, dict]] = [
     ("fp4_e2m1", {"profile": "sglang", "model_dtype": "float16"}),
     ("mxfp4", {}), ("nvfp4", {}),
     ("int4_kivi", {"role": "value", "group_size": 16}), ("int2_kivi", {"role": "key", "group_size": 16}),
+    # rotated writes (ROTATE; RDT: rotated values rounded to an explicit model dtype)
+    *[(n, {**o, "rotation": "hadamard", "rotation_seed": 5}) for n, o in (
+        ("bf16", {}), ("fp8_e4m3", {"profile": "sglang", "scale": 1.0, "model_dtype": "float16"}),
+        ("fp4_e2m1", {}), ("nvfp4", {}), ("int2_kivi", {"role": "key", "group_size": 16}))],
 ]
 
 
@@ -89,10 +100,14 @@ def _launches(target: str, cases: list | None = None, page: int = 16) -> list[tu
 
     from kvqref import schemes
     from kvqref.backends import triton_backend as tb
-    from kvqref.kernels.decode import PRECISIONS, plan_decode
+    from kvqref.kernels.decode import PRECISIONS, decode_split_kernel, merge_kernel, plan_decode, rotate_q_kernel
     from kvqref.paged import PagedKVCache
 
+    def split(launches):
+        return next(launch for launch in launches if launch.kernel is decode_split_kernel)
+
     out = []
+    shared: dict[str, Any] = {}
     rng = np.random.default_rng(0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -108,14 +123,17 @@ def _launches(target: str, cases: list | None = None, page: int = 16) -> list[tu
                                              residual=residual, max_seq_len=40, num_splits=2,
                                              hw_formats=_hw_formats(target), precision=precision)
                 out.append((f"decode[{label}]" if precision == "fast" else f"decode[{label},{precision}]",
-                            launches[0]))
+                            split(launches)))
             if target.startswith("cuda") and "fp4" in kn + vn:  # FP4 nibbles unpacked by inline PTX (ptx_unpack)
                 launches, _, _ = plan_decode(q, dc.k.tiles(), dc.v.tiles(), dc.block_table, dc.seq_lens, page,
                                              max_seq_len=40, num_splits=2, hw_formats=_hw_formats(target),
                                              ptx_unpack=True)
-                out.append((f"decode[{label},ptx]", launches[0]))
-            if label == "bf16":  # the merge kernel does not depend on the scheme
-                out.append(("merge", launches[1]))
+                out.append((f"decode[{label},ptx]", split(launches)))
+            for launch in launches:  # the merge kernel does not depend on the scheme, nor rotate_q
+                name = ("rotate_q" if launch.kernel is rotate_q_kernel else None if launch.kernel is not merge_kernel
+                        else "merge[rotated]" if launch.constexprs["ROT_V"] else "merge")
+                if name is not None:
+                    shared.setdefault(name, launch)
         for name, opts in WRITE_CASES:
             scheme = schemes.get(name, **opts)
             cache = PagedKVCache(scheme if opts.get("role") == "key" else schemes.get("bf16"),
@@ -125,7 +143,7 @@ def _launches(target: str, cases: list | None = None, page: int = 16) -> list[tu
             x = torch.zeros(16, 2, 128, dtype=getattr(torch, opts.get("model_dtype", "bfloat16")))  # QDT, X type
             label = name + "".join(f"-{v}" for v in opts.values())
             out.append((f"write[{label}]", tb.plan_write(side, x, torch.arange(16))))
-    return out
+    return out + [(name, shared[name]) for name in SHARED_KERNELS if name in shared]
 
 
 def compile_launch(launch, tgt):

@@ -176,3 +176,19 @@ def rint_small(y):
     half = r * 0.5
     odd = half != tl.floor(half)
     return tl.where(tie & odd, r - 1.0, r)
+
+
+@triton.jit
+def hadamard_rows(x, ROWS: tl.constexpr, D: tl.constexpr):
+    """``x @ H`` for every row of a float32 ``[ROWS, D]`` tensor (``H`` the D x D Sylvester Hadamard matrix,
+    D a power of two <= 2**15), by the butterfly stages of docs/rotation.md in their fixed order h = 1, 2, ...,
+    D/2: for every ``j`` with ``j & h == 0``, ``(x[j], x[j + h]) <- (x[j] + x[j + h], x[j] - x[j + h])``, each an
+    IEEE float32 add or subtract (no multiply is involved, so FP contraction cannot fuse them), bit-identical
+    to :func:`kvqref.schemes.rotation.butterflies`. Stage ``h = 1 << s`` views a row as ``[D / 2h, 2, h]``:
+    ``a = [:, 0, :]`` (elements j), ``b = [:, 1, :]`` (elements j + h)."""
+    for s in tl.static_range(15):  # stage sizes inline: compiled Triton rejects a constexpr reassigned here
+        if (2 << s) <= D:
+            x4 = tl.permute(tl.reshape(x, (ROWS, D // (2 << s), 2, 1 << s)), (0, 1, 3, 2))
+            a, b = tl.split(x4)
+            x = tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 1, 3, 2)), (ROWS, D))
+    return x

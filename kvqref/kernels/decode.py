@@ -26,10 +26,21 @@ residual tiles in two bfloat16 parts (docs/kernels.md, "Precision", derives both
 
 from __future__ import annotations
 
+import functools
+
 import triton
 import triton.language as tl
 
-from kvqref.kernels.codecs import INTERPRET, decode_f32, e8m0_to_f32, f32_to_bf16_bits, floor_log2_f32, pow2_f32
+from kvqref.kernels.codecs import (
+    INTERPRET,
+    bf16_bits_to_f32,
+    decode_f32,
+    e8m0_to_f32,
+    f32_to_bf16_bits,
+    floor_log2_f32,
+    hadamard_rows,
+    pow2_f32,
+)
 
 
 @triton.jit
@@ -795,10 +806,31 @@ def decode_split_kernel(
 
 
 @triton.jit
+def rotate_q_kernel(Q, SIGNS, QR, q_heads, stride_qb, stride_qh, D: tl.constexpr, ROWS: tl.constexpr):
+    """Rotated queries of a rotated K (docs/rotation.md): ``QR[b, h] = butterflies(q[b, h] * signs)`` in float32
+    (``QR`` contiguous [B, Hq, D]); the factor ``1 / (D * C_D)`` is folded into the softmax scale. One program:
+    ``ROWS`` query heads of one sequence."""
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
+    d = tl.arange(0, D)
+    m = (h < q_heads)[:, None]
+    qr = tl.load(Q + b * stride_qb + h[:, None].to(tl.int64) * stride_qh + d[None, :], mask=m, other=0.0)
+    if Q.dtype.element_ty == tl.bfloat16:  # widen from the bits (the interpreter flushes bf16 subnormals)
+        q = bf16_bits_to_f32(qr.to(tl.int16, bitcast=True))
+    else:
+        q = qr.to(tl.float32)
+    q = hadamard_rows(q * tl.load(SIGNS + d)[None, :], ROWS, D)
+    tl.store(QR + (b * q_heads + h[:, None]) * D + d[None, :], q, mask=m)
+
+
+@triton.jit
 def merge_kernel(
-    OP, LP, O, LSE, n_splits, op_b, op_h, op_s, lp_b, lp_h, o_b, o_h, lse_b, D: tl.constexpr, S_PAD: tl.constexpr
+    OP, LP, O, LSE, n_splits, op_b, op_h, op_s, lp_b, lp_h, o_b, o_h, lse_b, VSQ, D: tl.constexpr,
+    S_PAD: tl.constexpr, ROT_V: tl.constexpr = False,
 ):
-    """Merge split outputs by log-sum-exp; writes out [D] and the natural-log LSE of one (seq, head)."""
+    """Merge split outputs by log-sum-exp; writes out [D] and the natural-log LSE of one (seq, head).
+    ``ROT_V``: V is stored rotated: ``out = butterflies(out) * VSQ`` (``VSQ = v_signs / (D * C_D)``, float32
+    [D]), the float32 form of ``HadamardRotation.unrotate``."""
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     s = tl.arange(0, S_PAD)
@@ -811,6 +843,8 @@ def merge_kernel(
     o = tl.load(OP + b * op_b + h * op_h + s[:, None] * op_s + d[None, :], mask=smask[:, None], other=0.0)
     wsum = tl.sum(w, 0)
     out = tl.sum(o * w[:, None], 0) / tl.where(wsum > 0, wsum, 1.0)
+    if ROT_V:
+        out = tl.reshape(hadamard_rows(tl.reshape(out, (1, D)), 1, D), (D,)) * tl.load(VSQ + d)
     tl.store(O + b * o_b + h * o_h + d, out)
     lse_nat = tl.where(wsum > 0, (m_use + tl.log2(wsum)) * 0.6931471805599453, float("-inf"))
     tl.store(LSE + b * lse_b + h, lse_nat)
@@ -849,7 +883,9 @@ class CacheTiles:
     """How one of K or V is stored, as the kernel reads it: kind, constexprs, field tensors, scales.
 
     ``fields`` are up to three tensors whose first two axes are [slot (or slot group), kv_head];
-    ``tensor_scale`` is a float32 [kv_heads] tensor folded into the softmax scale (K) or the output (V).
+    ``tensor_scale`` is a float32 [kv_heads] tensor folded into the softmax scale (K) or the output (V);
+    ``rotation``: the ``HadamardRotation`` of stored values (None: unrotated), which :func:`plan_decode` applies
+    to q (K's) and undoes on the output (V's).
     """
 
     def __init__(
@@ -863,11 +899,13 @@ class CacheTiles:
         block: int = 16,
         group: int = 1,
         bits: int = 8,
+        rotation=None,
     ) -> None:
         if kind not in KIND_IDS:
             raise ValueError(f"unknown tile kind {kind!r}; known: {sorted(KIND_IDS)}")
         self.kind, self.fields, self.tensor_scale = kind, list(fields), tensor_scale
         self.fmt, self.token_scale, self.block, self.group, self.bits = fmt, token_scale, block, group, bits
+        self.rotation = rotation  # a kvqref.schemes.rotation.HadamardRotation: the tiles hold rotated values
 
     def field_args(self) -> list:
         f = self.fields + [self.fields[0]] * (3 - len(self.fields))  # unused slots get a valid pointer
@@ -889,6 +927,26 @@ def wide_scales(t: CacheTiles) -> bool:
     nb = f1.shape[-1] if f1.dim() == 3 else 0
     return (nb in (4, 8) and f1.element_size() == 1 and f1.stride(2) == 1 and f1.stride(1) % nb == 0
             and f1.stride(0) % nb == 0 and f1.data_ptr() % nb == 0)
+
+
+@functools.lru_cache(maxsize=256)
+def _rotation_vectors(seed: int, head_dim: int, device: str):
+    import numpy as np
+    import torch
+
+    from kvqref.schemes.rotation import HadamardRotation, check_head_dim, norm_f32
+
+    D = check_head_dim(head_dim, "decode of a rotated cache")
+    signs = HadamardRotation(seed).signs(D)
+    inv = 1.0 / (D * float(norm_f32(D)))
+    return (torch.from_numpy(signs).to(device), torch.from_numpy(signs * np.float32(inv)).to(device), inv)
+
+
+def rotation_vectors(seed: int, head_dim: int, device):
+    """The rotation of ``seed`` as the kernels take it, made once per (seed, D, device): (signs float32 [D],
+    signs / (D C_D) rounded once to float32 [D] (the merge kernel's un-rotation), 1 / (D C_D) as a float
+    (float64; folded into the softmax scale, rounded to float32 once with it))."""
+    return _rotation_vectors(int(seed), int(head_dim), str(device))
 
 
 def choose_splits(batch: int, kv_heads: int, max_len: int, block_n: int, num_sms: int) -> tuple[int, int]:
@@ -954,6 +1012,14 @@ def plan_decode(
         wide_scale_loads is None) else wide_scale_loads and wide_scales(k)
     wide_v = wide_scales(v) and (v.kind == "nvfp4" or v.block == 32 or bool(ptx_unpack)) if (
         wide_scale_loads is None) else wide_scale_loads and wide_scales(v)
+    rotate_q = []
+    if k.rotation is not None:  # q' = butterflies(q * signs) in float32; 1 / (D C_D) goes into the softmax scale
+        signs, _, inv = rotation_vectors(k.rotation.seed, head_dim, q.device)
+        qr = torch.empty(batch, q_heads, head_dim, dtype=torch.float32, device=q.device)
+        rows = min(8, triton.next_power_of_2(q_heads))
+        rotate_q.append(Launch(rotate_q_kernel, (batch, triton.cdiv(q_heads, rows)),
+                               [q, signs, qr, q_heads, q.stride(0), q.stride(1)], dict(D=head_dim, ROWS=rows), {}))
+        q, sm_scale = qr, sm_scale * inv
     # defaults tuned on the H100 (bench/tune_decode.py; logs in bench/results/history/tune-h100-*.log): the
     # kernel's occupancy is limited by registers, so small programs (2 warps, 32-token tiles) win, except in
     # fast mode for bf16 (64-token tiles), E8M0 FP4 (64-token tiles, 4 warps; with PTX-unpacked bfloat16 tiles
@@ -1065,9 +1131,11 @@ def plan_decode(
         out.stride(0),
         out.stride(1),
         lse.stride(0),
+        lp if v.rotation is None else rotation_vectors(v.rotation.seed, head_dim, q.device)[1],
     ]
-    merge_cx = dict(D=head_dim, S_PAD=max(2, triton.next_power_of_2(total)))
+    merge_cx = dict(D=head_dim, S_PAD=max(2, triton.next_power_of_2(total)), ROT_V=v.rotation is not None)
     launches = [
+        *rotate_q,
         Launch(decode_split_kernel, grid, split_args, split_cx,
                {"num_warps": num_warps, "num_stages": num_stages, **({"maxnreg": maxnreg} if maxnreg else {})}),
         Launch(merge_kernel, (batch, q_heads), merge_args, merge_cx, {}),

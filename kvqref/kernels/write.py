@@ -8,6 +8,10 @@ rounds (bfloat16/float16 arithmetic emulated in float32 is exact: 24 >= 2p + 2).
 Kinds (as the decode kernel): 0 BF16, 1 FP8, 2 MX block (E8M0 scales), 3 NVFP4, 4 INT value (KIVI,
 per token over channel groups), 5 INT key (KIVI, per channel over a group of G tokens: one program
 quantizes one whole token group, whose slots must be consecutive and G-aligned).
+
+``ROTATE`` (a rotated scheme, docs/rotation.md): each (token, head) vector is rotated right after the load,
+``z = f32(butterflies(x * signs) * C_D)`` (``codecs.hadamard_rows``), then rounded to an explicit model dtype
+(``RDT``) and quantized as above; the host launches it without FP contraction.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from kvqref.kernels.codecs import (
     encode_f32,
     f32_to_bf16_bits,
     floor_log2_f32,
+    hadamard_rows,
     pow2_f32,
     rint_small,
 )
@@ -95,9 +100,11 @@ def _kivi_quant(x16, mn, mx, MAXINT: tl.constexpr):
 def quantize_write_kernel(
     X, SLOT, F0, F1, F2, SC, n_tokens,
     x_t, x_h, f0_s, f0_h, f1_s, f1_h, f2_s, f2_h,
+    SIGNS, c_d,
     KIND: tl.constexpr, FMT: tl.constexpr, SGLANG: tl.constexpr, QDT: tl.constexpr, TOKEN_SCALE: tl.constexpr,
     SATURATE: tl.constexpr,
     QB: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr,
+    ROTATE: tl.constexpr = False, RDT: tl.constexpr = 0,
 ):
     pid = tl.program_id(0)
     h = tl.program_id(1)
@@ -112,6 +119,8 @@ def quantize_write_kernel(
         x = bf16_bits_to_f32(xr.to(tl.int16, bitcast=True))
     else:
         x = xr.to(tl.float32)
+    if ROTATE:  # docs/rotation.md: z = f32(butterflies(x * signs) * C_D), then (RDT) an explicit model dtype
+        x = _round_dt(hadamard_rows(x * tl.load(SIGNS + d)[None, :], BLOCK_T, D) * c_d, RDT)
     if KIND == 0:
         bits = f32_to_bf16_bits(x).to(tl.int16)
         tl.store(F0 + slot[:, None] * f0_s + h * f0_h + d[None, :], bits.to(tl.bfloat16, bitcast=True), mask=m2)

@@ -184,6 +184,10 @@ class RotatedScheme(Scheme):
         check_head_dim(head_dim, self.name)
         return self.inner.fields(kv_heads, head_dim)
 
+    def check_params(self, params: dict[str, Any] | None, kv_heads: int | None = None) -> dict[str, Any]:
+        """The inner scheme's check (tensor-level params belong to the rotated values)."""
+        return self.inner.check_params(params, kv_heads)
+
     def rotate_input(self, x: Any) -> np.ndarray:
         """The float32 values the inner scheme stores: ``rotation.rotate(x)`` of ``[tokens, kv_heads, D]``."""
         arr = self.check_input(x)

@@ -1,0 +1,323 @@
+"""Rotation fused into the Triton kernels (docs/rotation.md): the butterfly helper and the write kernel bit for
+bit against the oracle's float32 rule, decode of rotated caches within the derived bound, and the errors.
+
+Without a GPU these run under ``TRITON_INTERPRET=1`` on CPU tensors (marker ``interpret``, small shapes); on a
+GPU the same tests run on the device (marker ``gpu``): ``pytest tests/test_triton_rotation.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvqref import backends, conformance, reference, schemes
+from kvqref.paged import PagedKVCache
+from kvqref.schemes.rotation import HadamardRotation, norm_f32
+
+torch = pytest.importorskip("torch")
+triton = pytest.importorskip("triton")
+tl = pytest.importorskip("triton.language")
+
+from kvqref.backends import triton_backend as tb  # noqa: E402
+from kvqref.kernels.codecs import hadamard_rows  # noqa: E402
+
+GPU = torch.cuda.is_available()
+DEVICE = "cuda" if GPU else "cpu"
+pytestmark = pytest.mark.gpu if GPU else pytest.mark.interpret
+GOLDEN = Path(__file__).parent / "golden" / "golden_vectors.json"
+
+
+def rot(seed: int) -> dict:
+    return {"rotation": "hadamard", "rotation_seed": seed}
+
+
+# -- the butterfly helper ----------------------------------------------------------------------------------
+@triton.jit
+def _reversed_butterflies(x, ROWS: tl.constexpr, D: tl.constexpr):
+    """A planted bug: the stages in the wrong order (h = D/2, ..., 1): the same matrix, other roundings."""
+    for s in tl.static_range(15):
+        if (2 << (14 - s)) <= D:
+            x4 = tl.permute(tl.reshape(x, (ROWS, D // (2 << (14 - s)), 2, 1 << (14 - s))), (0, 1, 3, 2))
+            a, b = tl.split(x4)
+            x = tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 1, 3, 2)), (ROWS, D))
+    return x
+
+
+@triton.jit
+def _rotate_rows_kernel(X, Y, SIGNS, c, n, ROWS: tl.constexpr, D: tl.constexpr, REVERSED: tl.constexpr):
+    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    d = tl.arange(0, D)
+    m = (r < n)[:, None]
+    x = tl.load(X + r[:, None] * D + d[None, :], mask=m, other=0.0) * tl.load(SIGNS + d)[None, :]
+    if REVERSED:
+        y = _reversed_butterflies(x, ROWS, D)
+    else:
+        y = hadamard_rows(x, ROWS, D)
+    tl.store(Y + r[:, None] * D + d[None, :], y * c, mask=m)
+
+
+def _kernel_rotate(x: np.ndarray, seed: int, reversed_order: bool = False) -> np.ndarray:
+    n, D = x.shape
+    xt = torch.from_numpy(np.ascontiguousarray(x, np.float32)).to(DEVICE)
+    yt = torch.empty_like(xt)
+    st = torch.from_numpy(HadamardRotation(seed).signs(D)).to(DEVICE)
+    _rotate_rows_kernel[(triton.cdiv(n, 4),)](xt, yt, st, float(norm_f32(D)), n, ROWS=4, D=D,
+                                              REVERSED=reversed_order)
+    return yt.cpu().numpy()
+
+
+def test_butterfly_helper_is_the_oracle_rule_bit_for_bit():
+    """``hadamard_rows`` (then ``* C_D``) reproduces the golden float32 rotations (D = 2 ... 256, two seeds each,
+    subnormal inputs included) and ``HadamardRotation.rotate`` on random rows with spread exponents, as
+    integers; the stages in the reverse order (a planted bug) do not."""
+    doc = json.loads(GOLDEN.read_text())["rotations"]
+    for case in doc["cases"]:
+        D = case["head_dim"]
+        x = np.array([int(h, 16) for h in case["inputs"].split()], np.uint32).view(np.float32).reshape(-1, D)
+        want = np.array([int(h, 16) for h in case["outputs"].split()], np.uint32)
+        got = _kernel_rotate(x, int(case["seed"])).view(np.uint32).ravel()
+        assert np.array_equal(got, want), (D, case["seed"], int((got != want).sum()))
+    rng = np.random.default_rng(0)
+    for D in (16, 128):
+        x = (rng.standard_normal((64, D)) * np.exp2(rng.integers(-30, 30, (64, D)))).astype(np.float32)
+        x[:8] = (x[:8].astype(np.float64) * 2.0**-120).astype(np.float32)  # subnormal results
+        want = HadamardRotation(11).rotate(x).view(np.uint32)
+        assert np.array_equal(_kernel_rotate(x, 11).view(np.uint32), want), D
+        planted = _kernel_rotate(x, 11, reversed_order=True).view(np.uint32)
+        assert (planted != want).sum() > 0.05 * want.size, D  # the order is part of the rule: it is seen
+
+
+# -- the write kernel --------------------------------------------------------------------------------------
+#: every scheme kind and engine profile, rotated (KIVI: no residual window, so every token is written)
+WRITE_CASES = [
+    ("bf16", {}), ("fp8_e4m3", {}), ("fp8_e5m2", {"granularity": "head"}),
+    ("fp8_e4m3", {"granularity": "token_head"}), ("fp8_e4m3", {"profile": "rocm", "scale": 0.03}),
+    ("fp8_e5m2", {"profile": "rocm"}), ("fp8_e4m3", {"profile": "sglang", "scale": 0.004}),
+    ("fp8_e4m3", {"profile": "sglang", "scale": 0.3, "sglang_scale": "float"}),
+    ("fp8_e5m2", {"profile": "sglang", "scale": 0.003, "saturate": True}),
+    ("fp8_e4m3", {"profile": "sglang", "scale": 0.05, "model_dtype": "float16"}),
+    ("fp8_e4m3", {"profile": "rocm", "scale": 0.05, "model_dtype": "float16"}),
+    ("fp4_e2m1", {}), ("fp4_e2m1", {"profile": "sglang"}),
+    ("fp4_e2m1", {"profile": "sglang", "model_dtype": "bfloat16"}),
+    ("mxfp4", {}), ("nvfp4", {}),
+    ("int4_kivi", {"role": "value", "group_size": 32, "residual": 0}),
+    ("int2_kivi", {"role": "value", "group_size": 16, "residual": 0}),
+    ("int4_kivi", {"role": "key", "group_size": 16, "residual": 0}),
+    ("int2_kivi", {"role": "key", "group_size": 32, "residual": 0}),
+]
+WRITE_IDS = [f"{n}-{'-'.join(map(str, o.values()))}" for n, o in WRITE_CASES]
+
+
+def _write_input(rng: np.random.Generator, tokens: int, subnormal: bool = True) -> np.ndarray:
+    """Write-check tokens (an all-zero token, E2M1 ties, deep underflow) plus a token with a 1e4 outlier and
+    (``subnormal``) one whose rotated values are float32 subnormals. KIVI cases leave the latter out: its float16
+    group is all +-0, whose min (the stored ``zero``) has no defined sign in the oracle (numpy's ``min``) nor the
+    kernel (``tl.min``), rotated or not."""
+    x = conformance.write_input(rng, tokens)
+    if subnormal:
+        x[11, 1] = (x[11, 1].astype(np.float64) * 2.0**-128).astype(np.float32)
+    x[12, 0, 7] = 1e4
+    return x
+
+
+def _seed(label: str) -> int:
+    return zlib.crc32(label.encode())
+
+
+@pytest.mark.parametrize("name,opts", WRITE_CASES, ids=WRITE_IDS)
+def test_rotated_write_bytes_equal_oracle(name, opts):
+    """The write kernel's bytes equal ``RotatedScheme.quantize`` (through the paged cache) for every scheme,
+    float32 input, compared as integers."""
+    rng = np.random.default_rng(_seed(WRITE_IDS[WRITE_CASES.index((name, opts))]))
+    x = _write_input(rng, 256 if GPU else 64, subnormal="kivi" not in name)
+    ok, detail = conformance.triton_write_matches(name, {**opts, **rot(5)}, x, max(16, opts.get("group_size", 1)),
+                                                  rng)
+    assert ok, f"{name} {opts}: {detail}"
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("name,opts", [WRITE_CASES[i] for i in (1, 3, 6, 11, 12, 15, 16)],
+                         ids=[WRITE_IDS[i] for i in (1, 3, 6, 11, 12, 15, 16)])
+def test_rotated_write_of_16_bit_inputs(name, opts, dtype):
+    """16-bit input tensors: the kernel widens them exactly, rotates in float32 and quantizes the float32 rotated
+    values as ``RotatedScheme.quantize`` does (the model dtype does not round rotated values)."""
+    from kvqref.conformance import to_dtype_values
+
+    rng = np.random.default_rng(len(name) + len(dtype))
+    x = to_dtype_values(_write_input(rng, 64 if GPU else 32, "kivi" not in name), dtype).astype(np.float32)
+    ok, detail = conformance.triton_write_matches(name, {**opts, **rot(6)}, x, max(16, opts.get("group_size", 1)),
+                                                  rng, dtype=dtype)
+    assert ok, f"{name} {opts} {dtype}: {detail}"
+
+
+def test_rotated_write_golden_scheme_vectors():
+    """The golden ``rotations.schemes`` fields (12 rotated scheme cases) written by the kernel, as integers."""
+    doc = json.loads(GOLDEN.read_text())["rotations"]
+    for case in doc["schemes"]:
+        T, H, D = case["shape"]
+        s = schemes.get(case["scheme"], **case["options"], **rot(case["rotation_seed"]))
+        x = np.array([int(h, 16) for h in case["inputs"].split()], np.uint32).view(np.float32).reshape(T, H, D)
+        params = {p: np.array([int(h, 16) for h in v.split()], np.uint32).view(np.float32).reshape(())
+                  for p, v in case["params"].items()}
+        dc = tb.empty_device_cache(s, s, 2, 16, H, D, torch.zeros(1, 2, dtype=torch.int32),
+                                   torch.zeros(1, dtype=torch.int32), k_params=params, device=DEVICE)
+        key = getattr(s, "role", None) == "key"  # KIVI keys: one whole group in consecutive slots
+        slots = torch.arange(4, 4 + T, dtype=torch.int64) if key else torch.tensor([9, 2, 30, 17])
+        tb.quantize_write(dc.k, torch.from_numpy(x).to(DEVICE), slots.to(DEVICE))
+        specs = s.fields(H, D)
+        for f, hexes in case["fields"].items():
+            rows = slots if specs[f].per == "token" else (slots // s.token_group).unique()
+            got = dc.k.fields[f][rows.to(DEVICE)].cpu().contiguous().view(torch.uint8).numpy()
+            want = np.array([int(h, 16) for h in hexes.split()], {2: np.uint8, 4: np.uint16, 8: np.uint32}[
+                len(hexes.split()[0])]).view(np.uint8)
+            assert np.array_equal(got.ravel(), want), (case["scheme"], case["options"], f)
+
+
+def test_planted_dropped_sign_fails_the_write_check(monkeypatch):
+    """Negative control: one sign of the rotation dropped (forced to +1) on the kernel side only: the bytes
+    differ from the oracle's for every scheme kind tried."""
+    real = tb.rotation_signs
+
+    def dropped(rotation, head_dim, device):
+        s = real(rotation, head_dim, device).clone()
+        s[int(torch.nonzero(s < 0)[0])] = 1.0
+        return s
+
+    monkeypatch.setattr(tb, "rotation_signs", dropped)
+    rng = np.random.default_rng(8)
+    x = _write_input(rng, 32, subnormal=False)
+    for name, opts in (WRITE_CASES[1], WRITE_CASES[11], WRITE_CASES[16]):
+        ok, detail = conformance.triton_write_matches(name, {**opts, **rot(5)}, x, 16, rng)
+        assert not ok, (name, detail)
+
+
+def test_rotated_write_rejects_what_the_oracle_rejects():
+    """NaN/Inf input, rotated values beyond float32, beyond an explicit float16 model dtype: ValueError, as
+    ``RotatedScheme.quantize``; values near the limit that do not overflow are written."""
+    bt, sl = torch.zeros(1, 2, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
+    slots = torch.arange(2, dtype=torch.int64, device=DEVICE)
+    bf = schemes.get("bf16", **rot(1))
+    dc = tb.empty_device_cache(bf, bf, 2, 16, 1, 16, bt, sl, device=DEVICE)
+    for bad, match in ((float("nan"), "NaN or Inf"), (float("inf"), "NaN or Inf"), (3e38, "overflow float32")):
+        x = np.ones((2, 1, 16), np.float32)
+        x[1, 0, 3] = bad
+        x[1, 0, 4] = bad
+        with pytest.raises(ValueError, match="NaN or Inf|overflow"):
+            bf.quantize(x)
+        with pytest.raises(ValueError, match=match):
+            tb.quantize_write(dc.k, torch.from_numpy(x).to(DEVICE), slots)
+    x = np.ones((2, 1, 16), np.float32)  # near the limit, but every butterfly sum stays below 3.4e38: written
+    x[:, 0, 0] = 1e38
+    tb.quantize_write(dc.k, torch.from_numpy(x).to(DEVICE), slots)
+    want = bf.quantize(x).fields["data"]
+    assert np.array_equal(dc.k.fields["data"][:2].cpu().view(torch.int16).numpy().view(np.uint16), want)
+    f16 = schemes.get("fp8_e4m3", profile="sglang", scale=1.0, model_dtype="float16", **rot(1))
+    dc = tb.empty_device_cache(f16, f16, 2, 16, 1, 16, bt, sl, k_params={"scale": 1.0}, device=DEVICE)
+    x = np.zeros((2, 1, 16), np.float32)
+    x[1, 0, :] = 20000.0 * HadamardRotation(1).signs(16)  # z[0] = 16 * 20000 * C_16 = 80000 > float16's max
+    with pytest.raises(ValueError, match="overflow"):
+        f16.quantize(x, params={"scale": 1.0})
+    with pytest.raises(ValueError, match="overflow float16"):
+        tb.quantize_write(dc.k, torch.from_numpy(x).to(DEVICE), slots)
+
+
+# -- decode ------------------------------------------------------------------------------------------------
+SMALL = dict(batch=3, kv_heads=2, q_heads=4, head_dim=64, page_size=16, lens=(1, 37, 70))
+BIG = dict(batch=4, kv_heads=8, q_heads=32, head_dim=128, page_size=16, lens=(1, 300, 1000, 2500))
+#: (label, K scheme, K options, V scheme, V options): both sides (different seeds), K only, V only, every kind
+PAIRS = [
+    ("bf16 K1/V2", "bf16", rot(1), "bf16", rot(2)),
+    ("fp8 K only", "fp8_e4m3", rot(3), "fp8_e4m3", {}),
+    ("fp8 V only, token scales", "fp8_e4m3", {"granularity": "head"}, "fp8_e5m2",
+     {"granularity": "token_head", **rot(4)}),
+    ("fp4_e2m1 K1/V1", "fp4_e2m1", rot(1), "fp4_e2m1", {"profile": "sglang", **rot(1)}),
+    ("mxfp4/nvfp4 K5/V6", "mxfp4", rot(5), "nvfp4", rot(6)),
+    ("nvfp4 K only", "nvfp4", rot(2), "nvfp4", {}),
+    ("int4_kivi K7/V8 + residual", "int4_kivi", {"role": "key", "group_size": 16, "residual": 32, **rot(7)},
+     "int4_kivi", {"role": "value", "group_size": 16, "residual": 32, **rot(8)}),
+    ("int2_kivi V only + residual", "int2_kivi", {"role": "key", "group_size": 16, "residual": 16},
+     "int2_kivi", {"role": "value", "group_size": 32, "residual": 16, **rot(9)}),
+]
+IDS = [p[0].replace(" ", "_").replace(",", "") for p in PAIRS]
+
+
+def _rotated_decode(pair, precision: str, qdtype: str, seed: int, shape=None, plant=None):
+    """(max over rows of |err| / bound for out, the same for lse) of the triton decode of a rotated cache."""
+    shape = shape or (BIG if GPU else SMALL)
+    rng = np.random.default_rng(seed)
+    cache, _ = conformance.build_cache(pair, shape, rng)
+    q = torch.from_numpy(rng.standard_normal((shape["batch"], shape["q_heads"], shape["head_dim"]))
+                         .astype(np.float32)).to(getattr(torch, qdtype))
+    q64 = q.float().numpy().astype(np.float64)
+    stored = cache.storage_view()
+    Ks = [stored.dequantized(b)[0] for b in range(cache.batch)]
+    fast = None
+    if precision == "fast":  # the kernel's q is float32 once rotated
+        fast = reference.fast_rounding(cache.k.scheme, cache.v.scheme,
+                                       "float32" if cache.k.rotation is not None else qdtype)
+    ref, ref_lse, tol_o, tol_l = reference.rotated_kernel_tolerance(
+        q64, cache, fast=fast, K_round=conformance.kivi_key_round(cache, Ks))
+    be = backends.get("triton")
+    dc = be.prepare(cache)
+    if plant is not None:
+        plant(dc)
+    out, lse = be.decode(q.to(dc.block_table.device), dc, precision=precision)
+    out, lse = out.cpu().numpy().astype(np.float64), lse.cpu().numpy().astype(np.float64)
+    assert np.isfinite(out).all() and np.isfinite(lse).all()
+    err = np.linalg.norm(out - ref, axis=-1)
+    return (err / tol_o).max(), (np.abs(lse - ref_lse) / tol_l).max()
+
+
+@pytest.mark.parametrize("precision", ["fast", "exact"])
+@pytest.mark.parametrize("i", range(len(PAIRS)), ids=IDS)
+def test_rotated_decode_matches_oracle(i, precision):
+    """Decode of a rotated cache (q rotated by a launch before the split kernel, the output un-rotated in the merge
+    kernel) against the oracle's rotated attention, within ``reference.rotated_kernel_tolerance``; q in bfloat16
+    and float32 (alternating over the cases)."""
+    r_out, r_lse = _rotated_decode(("", *PAIRS[i][1:]), precision, "bfloat16" if i % 2 else "float32", seed=i)
+    assert r_out <= 1 and r_lse <= 1, (r_out, r_lse)
+
+
+@pytest.mark.parametrize("precision", ["fast", "exact"])
+def test_rotated_decode_planted_bugs_are_seen(precision):
+    """Negative controls, kernel side only: the K (or V) rotation of the device cache replaced by another seed's
+    (q rotated wrongly / the output un-rotated wrongly), must fail the bound."""
+    pair = ("", "fp8_e4m3", rot(1), "fp8_e4m3", rot(2))
+    assert max(_rotated_decode(pair, precision, "float32", seed=3)) <= 1
+
+    def swap(side_name):
+        def plant(dc):
+            side = getattr(dc, side_name)
+            side.scheme = schemes.get("fp8_e4m3", **rot(99))
+        return plant
+
+    r_out, r_lse = _rotated_decode(pair, precision, "float32", seed=3, plant=swap("k"))
+    assert r_out > 1 and r_lse > 1
+    r_out, r_lse = _rotated_decode(pair, precision, "float32", seed=3, plant=swap("v"))
+    assert r_out > 1 and r_lse <= 1
+
+
+def test_rotated_decode_head_dim_256_and_mqa():
+    for over in (dict(head_dim=256), dict(kv_heads=1, q_heads=8)):
+        shape = dict(BIG if GPU else SMALL, **over)
+        r_out, r_lse = _rotated_decode(("", "fp4_e2m1", rot(1), "nvfp4", rot(2)), "fast", "bfloat16", 4, shape)
+        assert r_out <= 1 and r_lse <= 1, over
+
+
+def test_rotated_decode_errors():
+    """A torch-backend cache (stored values + rotations) is not a triton device cache: ValueError; head_dim must
+    be a power of two; ``kernel_config`` of a rotated scheme is the inner one's plus the rotation."""
+    cache = PagedKVCache("bf16", schemes.get("bf16", **rot(1)), 4, 16, 1, 64)
+    cache.append(0, np.ones((3, 1, 64), np.float32), np.ones((3, 1, 64), np.float32))
+    q = torch.zeros(1, 1, 64)
+    with pytest.raises(ValueError, match="RotatedDeviceCache"):
+        backends.get("triton").decode(q, backends.get("torch").prepare(cache))
+    with pytest.raises(ValueError, match="power of two"):
+        tb.empty_device_cache(schemes.get("bf16", **rot(1)), schemes.get("bf16"), 2, 16, 1, 48,
+                              torch.zeros(1, 2, dtype=torch.int32), torch.zeros(1, dtype=torch.int32), device=DEVICE)
+    cfg = tb.kernel_config(schemes.get("nvfp4", **rot(3)))
+    assert cfg["kind"] == "nvfp4" and cfg["rotation"] == HadamardRotation(3)
