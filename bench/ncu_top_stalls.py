@@ -1,21 +1,41 @@
-import csv, sys
-fn = sys.argv[1]
-rows = list(csv.reader(open(fn)))
-hdr = rows[1]; data = rows[2:]
-ia = hdr.index("Source"); isamp = hdr.index("Warp Stall Sampling (All Samples)"); iexe = hdr.index("Instructions Executed")
-stall_cols = [i for i,h in enumerate(hdr) if h.startswith("stall_") and "Not Issued" not in h]
-tot = sum(int(r[isamp]) for r in data if r[isamp].isdigit())
-# totals per reason
+"""The SASS instructions with the most warp-stall samples in an Nsight Compute source export.
+
+    python3 bench/ncu_top_stalls.py SCHEME-sass.csv [N]     # from bench/ncu_decode.sh
+
+Prints the kernel's stall-reason shares, then the N (default 25) instructions with the most samples: samples,
+times executed, the instruction and its three largest stall reasons.
+"""
+
+from __future__ import annotations
+
+import csv
+import sys
 from collections import Counter
-c = Counter()
-for r in data:
-    for i in stall_cols:
-        try: c[hdr[i]] += int(r[i])
-        except: pass
-print("total samples", tot, {k: round(v/tot,3) for k,v in c.most_common(8)})
-# loop region: instructions executed most (top by executed count)
-data2 = [(int(r[isamp]) if r[isamp].isdigit() else 0, r) for r in data]
-data2.sort(key=lambda x: -x[0])
-for s, r in data2[:int(sys.argv[2]) if len(sys.argv)>2 else 25]:
-    reasons = sorted(((int(r[i]) if r[i].isdigit() else 0, hdr[i][6:]) for i in stall_cols), reverse=True)[:3]
-    print(f"{s:6d} {r[iexe]:>8} {r[ia].strip()[:70]:70s} {reasons}")
+
+
+def main(argv: list[str]) -> int:
+    rows = list(csv.reader(open(argv[0])))
+    hdr, data = rows[1], rows[2:]
+    i_src = hdr.index("Source")
+    i_samples = hdr.index("Warp Stall Sampling (All Samples)")
+    i_exec = hdr.index("Instructions Executed")
+    stall_cols = [i for i, h in enumerate(hdr) if h.startswith("stall_") and "Not Issued" not in h]
+
+    def num(text: str) -> int:
+        return int(text) if text.isdigit() else 0
+
+    total = sum(num(r[i_samples]) for r in data)
+    reasons: Counter = Counter()
+    for r in data:
+        for i in stall_cols:
+            reasons[hdr[i]] += num(r[i])
+    print("total samples", total, {k: round(v / max(total, 1), 3) for k, v in reasons.most_common(8)})
+    ranked = sorted(data, key=lambda r: -num(r[i_samples]))
+    for r in ranked[: int(argv[1]) if len(argv) > 1 else 25]:
+        top = sorted(((num(r[i]), hdr[i][6:]) for i in stall_cols), reverse=True)[:3]
+        print(f"{num(r[i_samples]):6d} {r[i_exec]:>8} {r[i_src].strip()[:70]:70s} {top}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -99,6 +99,11 @@ class Rounding16:
     * ``u_p``, ``a_p``: relative and absolute (float16 underflow) error of each probability ``p_j <= 1``
       rounded to 16 bits before the P @ V product;
     * ``u_v``: relative error of the V tile (two-part split: 2**-16).
+
+    The output term ``(u_p + u_v + u_p u_v) sum_j p_j |v_jd|`` is taken against the ``V_round`` magnitudes
+    given to :func:`kernel_tolerance` when there are any (fast-mode KIVI values fold the token's group scale
+    into p: ``p * s`` rounded once against the exact codes, so the rounding is relative to ``|V - Z| = s *
+    code``; the residual tokens keep ``|V|``).
     """
 
     u_q: float = 0.0
@@ -121,7 +126,9 @@ def fast_rounding(k_scheme: Any, v_scheme: Any, q_dtype: str) -> Rounding16:
     2**-8 of each product, a bound that no longer sees one code step); float32 tiles (the KIVI residual)
     are split in two bfloat16 parts.
     Outputs: p is rounded to bfloat16, or (FP8 values with a tensor scale, NVFP4 values) ``p * 2**14`` to
-    float16; KIVI value tiles and the residual are split in two bfloat16 parts.
+    float16; the residual tiles are split in two bfloat16 parts; KIVI values fold the token's group scale into
+    p (``p * s`` rounded once to bfloat16 against the exact integer codes, the zero term ``p * z`` in float32):
+    pass ``V_round = V - Z`` (paged tokens) to :func:`kernel_tolerance`.
     """
     from kvqref.schemes import FP8Scheme, KiviScheme, NVFP4Scheme
     from kvqref.schemes.rotation import storage_scheme
@@ -140,7 +147,7 @@ def fast_rounding(k_scheme: Any, v_scheme: Any, q_dtype: str) -> Rounding16:
     return Rounding16(
         u_q=u_q,
         a_q=a_q,
-        u_qs=2.0**-16 if kivi_k else 0.0,
+        u_qs=2.0**-16 * (1 + u_q) if kivi_k else 0.0,  # q * s from the rounded q (|q~| <= (1 + u_q) |q|)
         u_k=2.0**-16 if kivi_k else 0.0,
         u_p=U_F16 if fp16_v else U_BF16,
         a_p=2.0**-39 if fp16_v else 0.0,
@@ -150,7 +157,8 @@ def fast_rounding(k_scheme: Any, v_scheme: Any, q_dtype: str) -> Rounding16:
 
 def kernel_tolerance(q: Any, K_list: Sequence[Any], V_list: Sequence[Any], sm_scale: float | None = None,
                      c: float = 4.0, model: str = "probabilistic", *, fast: Rounding16 | None = None,
-                     K_round: Sequence[Any] | None = None) -> tuple[np.ndarray, np.ndarray]:
+                     K_round: Sequence[Any] | None = None,
+                     V_round: Sequence[Any] | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Per-element bounds ``(out_tol [B, Hq, D], lse_tol [B, Hq])`` for a float32-accumulating kernel run on
     the same dequantized values (docs/schemes.md, "Tolerance for kernels"). With ``g(n) = c * sqrt(n) * eps32``
     (``model="probabilistic"``: Higham & Mary's bound for sums of n rounded terms, holding with probability
@@ -164,8 +172,10 @@ def kernel_tolerance(q: Any, K_list: Sequence[Any], V_list: Sequence[Any], sm_sc
 
     ``fast``: the 16-bit roundings of a fast-mode kernel (:func:`fast_rounding`) are added:
     ``e_j += sm_scale * sum_d |q_d| ((u_q + u_k (1 + u_q)) |k_jd| + u_qs kr_jd) + sm_scale a_q max|q|
-    sum_d |k_jd|`` and ``|d out_d| += (u_p + u_v + u_p u_v) sum_j p_j |v_jd| + a_p sum_j |v_jd|``
-    (``kr = K_round`` or ``|K|``).
+    sum_d |k_jd|`` and ``|d out_d| += (u_p + u_v + u_p u_v) sum_j p_j vr_jd + a_p sum_j |v_jd|``
+    (``kr = K_round`` or ``|K|``; ``vr = |V_round|`` or ``|V|``). With ``V_round`` (KIVI values in fast mode:
+    the codes' part ``sum p s c`` and the zero part ``sum p z`` are accumulated apart in float32, and
+    ``|z| <= |v| + |s c|``), ``|d out_d| += 2 g(T + 7) sum_j p_j vr_jd`` too.
     """
     if model not in ("probabilistic", "worst"):
         raise ValueError(f"model must be 'probabilistic' or 'worst', got {model!r}")
@@ -204,7 +214,11 @@ def kernel_tolerance(q: Any, K_list: Sequence[Any], V_list: Sequence[Any], sm_sc
         pv = np.einsum("ht,thd->hd", p, np.abs(Vq))
         out_tol[b] = (2 * emax + g(T + 6))[:, None] * pv
         if fast is not None:
-            out_tol[b] += (fast.u_p + fast.u_v + fast.u_p * fast.u_v) * pv
+            pvr = pv if V_round is None else np.einsum(
+                "ht,thd->hd", p, np.abs(np.asarray(V_round[b], dtype=np.float64))[:, kv_of, :])
+            out_tol[b] += (fast.u_p + fast.u_v + fast.u_p * fast.u_v) * pvr
+            if V_round is not None:
+                out_tol[b] += 2 * g(T + 7) * pvr
             out_tol[b] += fast.a_p * np.abs(Vq).sum(axis=0)
     return out_tol, lse_tol
 

@@ -56,12 +56,28 @@ def _run_decode(cache, q, **kw):
     return out.cpu().numpy().astype(np.float64), lse.cpu().numpy().astype(np.float64), dc
 
 
-def _oracle(cache, q64, precision="fast", qdtype="bfloat16"):
-    """Oracle attention and the tolerance of ``precision`` (docs/kernels.md, "Precision")."""
+def _value_round(cache, Vs):
+    """For KIVI values in fast mode (the group's scale folded into p), the magnitudes whose product with p is
+    rounded: (V - Z) = s * code on the paged tokens (Z: the token's group zero), V on the residual tokens;
+    None for other schemes."""
+    if not isinstance(cache.v.scheme, schemes.KiviScheme):
+        return None
+    out = []
+    for b, V in enumerate(Vs):
+        z = np.repeat(cache.quantized(b, "v").fields["zero"].astype(np.float64), cache.v.scheme.group_size, axis=2)
+        out.append(V - np.concatenate([z, np.zeros((V.shape[0] - z.shape[0], *V.shape[1:]))]))
+    return out
+
+
+def _oracle(cache, q64, precision="fast", qdtype="bfloat16", value_rows=True):
+    """Oracle attention and the tolerance of ``precision`` (docs/kernels.md, "Precision"); ``value_rows``: the
+    kernel folds KIVI value scales into p (the fast default), so the bound is taken against ``V - Z``."""
     Ks, Vs = zip(*(cache.dequantized(b) for b in range(cache.batch)), strict=True)
     out, lse = reference.attention(q64, Ks, Vs)
     fast = reference.fast_rounding(cache.k.scheme, cache.v.scheme, qdtype) if precision == "fast" else None
-    tol_o, tol_l = reference.kernel_tolerance(q64, Ks, Vs, fast=fast, K_round=conformance.kivi_key_round(cache, Ks))
+    vr = _value_round(cache, Vs) if precision == "fast" and value_rows else None
+    tol_o, tol_l = reference.kernel_tolerance(q64, Ks, Vs, fast=fast, K_round=conformance.kivi_key_round(cache, Ks),
+                                              V_round=vr)
     return out, lse, tol_o, tol_l
 
 
@@ -81,6 +97,25 @@ def test_decode_matches_oracle(pair, qdtype, precision):
     bad = np.abs(out - ref_out) > tol_o
     assert not bad.any(), f"{bad.sum()} outputs beyond tolerance; worst {np.abs(out - ref_out).max():.3g}"
     assert (np.abs(lse - ref_lse) <= tol_l).all(), f"lse error {np.abs(lse - ref_lse).max():.3g}"
+
+
+@pytest.mark.parametrize("pair", PAIRS[7:9], ids=IDS[7:9])
+def test_kivi_values_without_rows_by_group(pair):
+    """``value_rows=False``: fast-mode KIVI values dequantized in float32 and split in two bfloat16 parts
+    (the path before rows by group), within the bound taken against |V|; and the default (rows by group)
+    agrees with it within the sum of both bounds."""
+    rng = np.random.default_rng(21)
+    cache, _ = build_cache(pair, SMALL, rng)
+    q = torch.from_numpy(rng.standard_normal((3, 4, 64)).astype(np.float32)).to(torch.bfloat16)
+    q64 = q.float().numpy().astype(np.float64)
+    out, lse, _ = _run_decode(cache, q, precision="fast", value_rows=False)
+    ref_out, ref_lse, tol_o, tol_l = _oracle(cache, q64, "fast", value_rows=False)
+    assert (np.abs(out - ref_out) <= tol_o).all() and (np.abs(lse - ref_lse) <= tol_l).all()
+    rows, _, _ = _run_decode(cache, q, precision="fast")
+    _, _, tol_rows, _ = _oracle(cache, q64, "fast")
+    assert (np.abs(rows - out) <= tol_o + tol_rows).all()
+    with pytest.raises(ValueError, match="value_rows"):
+        _run_decode(cache, q, precision="exact", value_rows=True)
 
 
 @pytest.mark.skipif(not GPU, reason="inline PTX runs on a CUDA device only (the interpreter takes the portable path)")

@@ -346,13 +346,16 @@ def _phase(
 def _res_mm(
     a_hi, a_mid, a_lo, A_PARTS: tl.constexpr, byte, slot, e0, m, paged, kvh, F1, F2, f1_s, f1_h, f2_s, f2_h, R, roff,
     P: tl.constexpr, KIND: tl.constexpr, FMT: tl.constexpr, QB: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr,
-    BS: tl.constexpr,
+    BS: tl.constexpr, CODES: tl.constexpr = False,
 ):
     """Residual-window tiles: ``a @ x`` where ``x`` is phase ``P`` (elements ``e0 + P``) dequantized as in
-    :func:`_phase` where ``paged``, else the float32 residual at ``R + roff + e0 + P``; ``x`` is split in
-    ``BS`` bfloat16 parts (:func:`_mm`)."""
+    :func:`_phase` where ``paged`` (``CODES``, KIVI values: the integer codes alone), else the float32
+    residual at ``R + roff + e0 + P``; ``x`` is split in ``BS`` bfloat16 parts (:func:`_mm`)."""
     e = e0 + P
-    x = _phase(byte, slot, e, paged, kvh, F1, F2, f1_s, f1_h, f2_s, f2_h, P, KIND, FMT, QB, G, BITS)
+    if KIND == 4 and CODES:  # KIVI values with rows by group: scale and zero are applied to p
+        x = ((byte.to(tl.int32) >> (P * BITS)) & ((1 << BITS) - 1)).to(tl.float32)
+    else:
+        x = _phase(byte, slot, e, paged, kvh, F1, F2, f1_s, f1_h, f2_s, f2_h, P, KIND, FMT, QB, G, BITS)
     r = tl.load(R + roff + e, mask=m & (paged == 0), other=0.0)
     return _mm(a_hi, a_mid, a_lo, tl.where(paged, x.to(tl.float32), r), A_PARTS, BS)
 
@@ -370,21 +373,85 @@ def _load_qf(Q, base, hmask, P: tl.constexpr, PACK: tl.constexpr, DP: tl.constex
 
 
 @triton.jit
+def _int_codes16(byte, P: tl.constexpr, BITS: tl.constexpr):
+    """The ``BITS``-bit integer codes at bit ``P * BITS`` of ``byte`` as bfloat16 (exact: small integers), through
+    the bfloat16 magic number: bits ``0x4300 | c`` are 128 + c, minus 128 in bfloat16 (exact), so no int-to-float
+    conversion instruction; the interpreter (which cannot bitcast to bfloat16) gets the same values in float32."""
+    c = (byte.to(tl.int32) >> (P * BITS)) & ((1 << BITS) - 1)
+    if INTERPRET:
+        return c.to(tl.float32)
+    else:
+        return (c | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True) - 128.0
+
+
+@triton.jit
+def _dot_acc(a, b, acc):
+    """``acc + a @ b`` with 16-bit operands whose products are exact, float32 accumulation (the tensor cores'
+    own accumulator); interpreter: one float32 dot of the same values."""
+    if INTERPRET:
+        return acc + tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc)
+
+
+@triton.jit
 def _kivi_key_phase(
-    qf, kb, K1, K2, grp, kvh, k1_s, k1_h, k2_s, k2_h, ik, P: tl.constexpr, PK: tl.constexpr, BITS: tl.constexpr,
-    FAST: tl.constexpr,
+    qf, kb, K1, K2, grp, kvh, k1_s, k1_h, k2_s, k2_h, ik, acc, P: tl.constexpr, PK: tl.constexpr,
+    BITS: tl.constexpr, FAST: tl.constexpr,
 ):
     """KIVI keys, one byte phase, for a tile inside one token group: scores q . (code * s + z) computed as
     (q * s) . code + q . z, with the per-channel s, z of the group folded into q (codes are exact);
-    ``FAST``: q * s split in two bfloat16 parts (about 16 bits; keys have outlier channels, so one rounding
-    would hide a code step), else in three (exact)."""
-    AP: tl.constexpr = 2 if FAST else 3
+    ``FAST``: q is the bfloat16 q (rounded once), q * s (exact in float32) split in two bfloat16 parts
+    (about 16 bits; keys have outlier channels, so one rounding would hide a code step) and the codes built
+    by :func:`_int_codes16`; else q * s in three parts (exact).
+    Returns ``acc`` plus the phase's (q * s) . code, and the elementwise q * z of the phase (the caller sums
+    the phases' products, then reduces once)."""
     e = ik * PK + P
     sc = tl.load(K1 + grp * k1_s + kvh * k1_h + e).to(tl.float32)
     z = tl.load(K2 + grp * k2_s + kvh * k2_h + e).to(tl.float32)
+    qf = qf.to(tl.float32)
     qh, qm, ql = _split(qf * sc[None, :], not FAST)
-    codes = ((kb.to(tl.int32) >> (P * BITS)) & ((1 << BITS) - 1)).to(tl.float32)
-    return _mm(qh, qm, ql, codes, AP, 0), tl.sum(qf * z[None, :], 1)
+    if FAST:
+        codes = _int_codes16(kb, P, BITS)
+        if INTERPRET:  # the interpreter's parts each hold their sum (``_split``)
+            acc = _dot_acc(qh, codes, acc)
+        else:
+            acc = tl.dot(qh, codes, tl.dot(qm, codes, acc))
+    else:
+        codes = ((kb.to(tl.int32) >> (P * BITS)) & ((1 << BITS) - 1)).to(tl.float32)
+        acc += _mm(qh, qm, ql, codes, 3, 0)
+    return acc, qf * z[None, :]
+
+
+@triton.jit
+def _kivi_value_rows(V1, V2, slot, m, kvh, v1_s, v1_h, v2_s, v2_h, HV: tl.constexpr, M: tl.constexpr,
+                     NG: tl.constexpr):
+    """KIVI values with rows by group (``HV`` > 0): the scale and zero of channel group ``r // HV`` of token j,
+    as float32 [M, N] tiles in the layout of the scores (0 where ``m[j]`` is false or the group does not exist)."""
+    g = tl.arange(0, M) // HV
+    mm = m[None, :] & (g < NG)[:, None]
+    sr = tl.load(V1 + slot[None, :] * v1_s + kvh * v1_h + g[:, None], mask=mm, other=0.0).to(tl.float32)
+    zr = tl.load(V2 + slot[None, :] * v2_s + kvh * v2_h + g[:, None], mask=mm, other=0.0).to(tl.float32)
+    return sr, zr
+
+
+@triton.jit
+def _value_rows_to_heads(x, zs, P: tl.constexpr, PV: tl.constexpr, G: tl.constexpr, HV: tl.constexpr,
+                         M: tl.constexpr, DV: tl.constexpr):
+    """Rows by group -> rows by head: column i of phase ``P`` (element i * PV + P) of head h is row
+    ``g * HV + h`` of ``x`` [M, DV] plus ``zs[g * HV + h]`` (the zero-point term), g = (i * PV + P) // G."""
+    GR: tl.constexpr = M // HV
+    x3 = tl.reshape(x + zs[:, None], (GR, HV, DV))
+    sel = tl.arange(0, GR)[:, None, None] == ((tl.arange(0, DV) * PV + P) // G)[None, None, :]
+    return tl.sum(tl.where(sel, x3, 0.0), 0)
+
+
+@triton.jit
+def _row_group0(x, HV: tl.constexpr, M: tl.constexpr):
+    """Rows by group -> rows by head for a per-row value equal in every group (m, l): group 0's."""
+    GR: tl.constexpr = M // HV
+    x2 = tl.reshape(x, (GR, HV))
+    return tl.sum(tl.where(tl.arange(0, GR)[:, None] == 0, x2, 0.0), 0)
 
 
 @triton.jit
@@ -467,6 +534,7 @@ def decode_split_kernel(
     PTX: tl.constexpr = False,
     WSC_K: tl.constexpr = False,
     WSC_V: tl.constexpr = False,
+    HV: tl.constexpr = 0,
 ):
     """One (sequence, KV head, split): K tiles are read transposed [D/PACK, N] per phase (the elements
     sharing a byte position), V tiles [N, D/PACK]; no register transposes or interleaves."""
@@ -486,13 +554,18 @@ def decode_split_kernel(
     split = tl.program_id(2)
     hh = tl.arange(0, BLOCK_H)
     hmask = hh < QPK
+    if HV > 0:  # fast KIVI values: row r is query head r % HV for value channel group r // HV (rows replicate q)
+        hmask = (hh % HV < QPK) & (hh < (D // G_V) * HV)
+        hh = hh % HV
     qh = kvh * QPK + hh
     qbase = b * stride_qb + qh[:, None].to(tl.int64) * stride_qh
     q0h, q0m, q0l = _load_q(Q, qbase, hmask, 0, PK, DK, FAST)
     q1h, q1m, q1l = _load_q(Q, qbase, hmask, 1 % PK, PK, DK, FAST)
     q2h, q2m, q2l = _load_q(Q, qbase, hmask, 2 % PK, PK, DK, FAST)
     q3h, q3m, q3l = _load_q(Q, qbase, hmask, 3 % PK, PK, DK, FAST)
-    if KIND_K == 5:
+    if KIND_K == 5 and FAST:  # KIVI keys, fast: q rounded once to bfloat16, so q * s is exact in float32
+        qf0, qf1, qf2, qf3 = q0h, q1h, q2h, q3h
+    elif KIND_K == 5:
         qf0 = _load_qf(Q, qbase, hmask, 0, PK, DK)
         qf1 = _load_qf(Q, qbase, hmask, 1 % PK, PK, DK)
         qf2 = _load_qf(Q, qbase, hmask, 2 % PK, PK, DK)
@@ -528,6 +601,8 @@ def decode_split_kernel(
     acc1 = tl.zeros((BLOCK_H, DV), tl.float32)
     acc2 = tl.zeros((BLOCK_H, DV), tl.float32)
     acc3 = tl.zeros((BLOCK_H, DV), tl.float32)
+    if HV > 0:
+        zacc = tl.zeros((BLOCK_H, BLOCK_N), tl.float32)  # KIVI values' zero term p * z per (row, token)
     ik = tl.arange(0, DK)
     iv = tl.arange(0, DV)
     K_T: tl.constexpr = KT and PK == 1 and KIND_K <= 1
@@ -557,23 +632,23 @@ def decode_split_kernel(
             sk = slot[None, :]
             mk = tmask[None, :]
             if KIND_K == 5:
-                # KIVI keys: the tile lies inside one token group (BLOCK_N divides G, G divides PAGE)
-                grp = tl.min(tl.where(tmask, slot, 2**62), 0) // G_K
+                # KIVI keys: the tile lies inside one token group (BLOCK_N divides G, G divides PAGE), the group
+                # of its first token t0 (always in range)
+                grp = (tl.load(BT + b * stride_btb + t0 // PAGE).to(tl.int64) * PAGE + t0 % PAGE) // G_K
                 kb = tl.load(K0 + slot[None, :] * k0_s + kvh * k0_h + ik[:, None], mask=tmask[None, :], other=0)
-                s, bias = _kivi_key_phase(qf0, kb, K1, K2, grp, kvh, k1_s, k1_h, k2_s, k2_h, ik, 0, PK, BITS_K,
+                s = tl.zeros((BLOCK_H, BLOCK_N), tl.float32)
+                s, qz = _kivi_key_phase(qf0, kb, K1, K2, grp, kvh, k1_s, k1_h, k2_s, k2_h, ik, s, 0, PK, BITS_K,
+                                        FAST)
+                s, qz_1 = _kivi_key_phase(qf1, kb, K1, K2, grp, kvh, k1_s, k1_h, k2_s, k2_h, ik, s, 1, PK, BITS_K,
                                           FAST)
-                s_1, b_1 = _kivi_key_phase(qf1, kb, K1, K2, grp, kvh, k1_s, k1_h, k2_s, k2_h, ik, 1, PK, BITS_K,
-                                           FAST)
-                s += s_1
-                bias += b_1
+                qz += qz_1
                 if PK == 4:
-                    s_2, b_2 = _kivi_key_phase(qf2, kb, K1, K2, grp, kvh, k1_s, k1_h, k2_s, k2_h, ik, 2, PK, BITS_K,
-                                               FAST)
-                    s_3, b_3 = _kivi_key_phase(qf3, kb, K1, K2, grp, kvh, k1_s, k1_h, k2_s, k2_h, ik, 3, PK, BITS_K,
-                                               FAST)
-                    s += s_2 + s_3
-                    bias += b_2 + b_3
-                s += bias[:, None]
+                    s, qz_2 = _kivi_key_phase(qf2, kb, K1, K2, grp, kvh, k1_s, k1_h, k2_s, k2_h, ik, s, 2, PK, BITS_K,
+                                              FAST)
+                    s, qz_3 = _kivi_key_phase(qf3, kb, K1, K2, grp, kvh, k1_s, k1_h, k2_s, k2_h, ik, s, 3, PK, BITS_K,
+                                              FAST)
+                    qz += qz_2 + qz_3
+                s += tl.sum(qz, 1)[:, None]  # q . z: the phases' products summed, then one reduction
             elif F4K:
                 # fast NVFP4 keys: float16 tiles (``_nvfp4_tile16``), q in float16
                 NBK4: tl.constexpr = D // QB_K
@@ -665,7 +740,20 @@ def decode_split_kernel(
                 p16h, p16l = _split16(p * 16384.0, FAST)  # p <= 1: scaled into float16's normal range
             else:
                 ph, pm, pl = _split(p, True, FAST)
-            if KIND_V == 4:
+            if KIND_V == 4 and HV > 0:
+                # fast KIVI values, rows by group (row r: query head r % HV, channel group r // HV): the group's
+                # scale folded into p (p * s rounded once to bfloat16) against the exact integer codes, the zero
+                # term p * z summed in float32 per (row, token) and reduced once after the loop
+                vbq = tl.load(V0 + slot[:, None] * v0_s + kvh * v0_h + iv[None, :], mask=tmask[:, None], other=0)
+                srow, zrow = _kivi_value_rows(V1, V2, slot, tmask, kvh, v1_s, v1_h, v2_s, v2_h, HV, BLOCK_H, D // G_V)
+                pa, _, _ = _split(p * srow, True, True)
+                zacc = zacc * alpha[:, None] + p * zrow
+                acc0 = _dot_acc(pa, _int_codes16(vbq, 0, BITS_V), acc0 * alpha[:, None])
+                acc1 = _dot_acc(pa, _int_codes16(vbq, 1, BITS_V), acc1 * alpha[:, None])
+                if PV == 4:
+                    acc2 = _dot_acc(pa, _int_codes16(vbq, 2, BITS_V), acc2 * alpha[:, None])
+                    acc3 = _dot_acc(pa, _int_codes16(vbq, 3, BITS_V), acc3 * alpha[:, None])
+            elif KIND_V == 4:
                 # KIVI values: bytes as [N, groups, G/PACK], one scale and zero per (token, group)
                 NGV: tl.constexpr = D // G_V
                 gv = tl.arange(0, NGV)
@@ -780,16 +868,37 @@ def decode_split_kernel(
             rvo = b * r_b + (t - vl)[:, None].to(tl.int64) * r_t + kvh * r_h
             vb = tl.load(V0 + sv * v0_s + kvh * v0_h + iv[None, :], mask=pv, other=0)
             ev = iv[None, :] * PV
+            if KIND_V == 4 and HV > 0:
+                # rows by group, as in the paged loop: paged tokens p * s against exact codes (+ the zero term),
+                # residual tokens p (rounded once) against the residual split in two bfloat16 parts
+                pvt = tmask & (t < vl)
+                srow, zrow = _kivi_value_rows(V1, V2, slot, pvt, kvh, v1_s, v1_h, v2_s, v2_h, HV, BLOCK_H, D // G_V)
+                pa, _, _ = _split(p * tl.where(pvt[None, :], srow, 1.0), True, True)
+                zacc = zacc * alpha[:, None] + p * zrow
+                ph, pm, pl = pa, pa, pa
             acc0 = acc0 * alpha[:, None] + _res_mm(ph, pm, pl, PP, vb, sv, ev, mv, pv, kvh, V1, V2, v1_s, v1_h, v2_s,
-                                                   v2_h, RV, rvo, 0, KIND_V, FMT_V, QB_V, G_V, BITS_V, RBS)
+                                                   v2_h, RV, rvo, 0, KIND_V, FMT_V, QB_V, G_V, BITS_V, RBS, HV > 0)
             if PV >= 2:
                 acc1 = acc1 * alpha[:, None] + _res_mm(ph, pm, pl, PP, vb, sv, ev, mv, pv, kvh, V1, V2, v1_s, v1_h,
-                                                       v2_s, v2_h, RV, rvo, 1, KIND_V, FMT_V, QB_V, G_V, BITS_V, RBS)
+                                                       v2_s, v2_h, RV, rvo, 1, KIND_V, FMT_V, QB_V, G_V, BITS_V, RBS,
+                                                       HV > 0)
             if PV == 4:
                 acc2 = acc2 * alpha[:, None] + _res_mm(ph, pm, pl, PP, vb, sv, ev, mv, pv, kvh, V1, V2, v1_s, v1_h,
-                                                       v2_s, v2_h, RV, rvo, 2, KIND_V, FMT_V, QB_V, G_V, BITS_V, RBS)
+                                                       v2_s, v2_h, RV, rvo, 2, KIND_V, FMT_V, QB_V, G_V, BITS_V, RBS,
+                                                       HV > 0)
                 acc3 = acc3 * alpha[:, None] + _res_mm(ph, pm, pl, PP, vb, sv, ev, mv, pv, kvh, V1, V2, v1_s, v1_h,
-                                                       v2_s, v2_h, RV, rvo, 3, KIND_V, FMT_V, QB_V, G_V, BITS_V, RBS)
+                                                       v2_s, v2_h, RV, rvo, 3, KIND_V, FMT_V, QB_V, G_V, BITS_V, RBS,
+                                                       HV > 0)
+    if HV > 0:  # rows by group -> rows by head, the zero term added (``_value_rows_to_heads``)
+        zs = tl.sum(zacc, 1)
+        acc0 = _value_rows_to_heads(acc0, zs, 0, PV, G_V, HV, BLOCK_H, DV)
+        acc1 = _value_rows_to_heads(acc1, zs, 1 % PV, PV, G_V, HV, BLOCK_H, DV)
+        acc2 = _value_rows_to_heads(acc2, zs, 2 % PV, PV, G_V, HV, BLOCK_H, DV)
+        acc3 = _value_rows_to_heads(acc3, zs, 3 % PV, PV, G_V, HV, BLOCK_H, DV)
+        m_i = _row_group0(m_i, HV, BLOCK_H)
+        l_i = _row_group0(l_i, HV, BLOCK_H)
+        qh = kvh * QPK + tl.arange(0, HV)
+        hmask = tl.arange(0, HV) < QPK
     safe_l = tl.where(l_i > 0, l_i, 1.0)
     if KIND_V == 1 and F16V:
         acc0 = acc0 * (1.0 / 16384.0)
@@ -981,6 +1090,7 @@ def plan_decode(
     maxnreg: int | None = None,
     ptx_unpack: bool | None = None,
     wide_scale_loads: bool | None = None,
+    value_rows: bool | None = None,
 ):
     """The launches of decode attention (see :func:`paged_decode`), with their output tensors.
     ``hw_formats``: FP8 format ids converted in hardware (default: what ``q``'s device has); ``maxnreg``:
@@ -988,7 +1098,9 @@ def plan_decode(
     inline PTX (CUDA only); default (None): where it measured faster on the H100, fast-mode E8M0 (MXFP4,
     fp4_e2m1) and NVFP4 keys on CUDA (bench/results/ANALYSIS.md); ``wide_scale_loads``: FP4 block
     scales read as one word per token where the layout allows (:func:`wide_scales`); default (None): where it
-    measured faster (NVFP4; E8M0 blocks of 32, or of any size with PTX unpacking); False: bytewise."""
+    measured faster (NVFP4; E8M0 blocks of 32, or of any size with PTX unpacking); False: bytewise;
+    ``value_rows``: fast-mode KIVI values with the score rows laid out by (channel group, query head) so the
+    group's scale folds into p (default: on for fast-mode KIVI values; docs/kernels.md, "Precision")."""
     import torch
 
     if precision not in PRECISIONS:
@@ -1003,6 +1115,13 @@ def plan_decode(
     kv_heads = k.fields[0].shape[1]
     qpk = q_heads // kv_heads
     block_h = max(16, triton.next_power_of_2(qpk))
+    if value_rows is None:
+        value_rows = precision == "fast" and v.kind == "int_v"
+    if value_rows and (precision != "fast" or v.kind != "int_v"):
+        raise ValueError("value_rows needs KIVI values (int_v) and precision='fast'")
+    hv = triton.next_power_of_2(qpk) if value_rows else 0  # rows per value group (0: rows are query heads)
+    if value_rows:
+        block_h = max(16, hv * (head_dim // v.group))
     if sm_scale is None:
         sm_scale = head_dim**-0.5
     # FP4 block scales as one word per token (pipelined with the code tiles) where it measured faster:
@@ -1114,6 +1233,7 @@ def plan_decode(
         PTX=ptx_unpack,
         WSC_K=wide_k,
         WSC_V=wide_v,
+        HV=hv,
     )
     out = torch.empty(batch, q_heads, head_dim, dtype=torch.float32, device=q.device)
     lse = torch.empty(batch, q_heads, dtype=torch.float32, device=q.device)
