@@ -414,3 +414,26 @@ def test_input_is_read_exactly_and_rounded_to_float32_once():
     for dt in (ml_dtypes.bfloat16, np.float16):
         xn = x64.astype(dt)
         assert np.array_equal(bits(rot.rotate(xn)), bits(rot.rotate(xn.astype(np.float32))))
+
+
+def test_given_params_are_the_inner_schemes_applied_to_rotated_values():
+    """A rotated scheme checks given tensor-level params as its inner scheme does (a static FP8 scale, NVFP4's
+    global scale) and applies them to rotate(x): the paged cache stores the inner scheme's bytes of rotate(x)."""
+    from kvqref.paged import PagedKVCache
+
+    x = schemes.outlier_tensor(40, 2, 64, seed=3, outliers=((3, 10.0), (37, 30.0)))
+    for name, params in (("fp8_e4m3", {"scale": 0.05}), ("nvfp4", {"global_scale": 0.002})):
+        s = schemes.get(name, rotation="hadamard", rotation_seed=11)
+        assert s.check_params(params, 2) == s.inner.check_params(params, 2)
+        with pytest.raises(ValueError):
+            s.check_params({"scale": -1.0, "global_scale": -1.0}, 2)
+        cache = PagedKVCache(s, s, num_pages=2, page_size=32, kv_heads=2, head_dim=64, k_params=params,
+                             v_params=params)
+        cache.append(0, x[:25], x[:25])
+        cache.append(0, x[25:], x[25:])
+        want = s.inner.quantize(s.rotation.rotate(x), params=params)
+        got = cache.quantized(0, "k")
+        for f in want.fields:
+            np.testing.assert_array_equal(got.fields[f], want.fields[f])
+    with pytest.raises(ValueError, match="no tensor-level params"):
+        schemes.get("mxfp4", rotation="hadamard").check_params({"scale": 1.0})

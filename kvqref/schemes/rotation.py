@@ -204,6 +204,11 @@ class RotatedScheme(Scheme):
     def paged_tokens(self, total: int) -> int:
         return self.inner.paged_tokens(total)
 
+    def check_params(self, params: dict[str, Any] | None, kv_heads: int | None = None) -> dict[str, Any]:
+        """The inner scheme's check: given tensor-level params (a static FP8 scale, NVFP4's global scale) are
+        the inner scheme's, applied to the rotated values."""
+        return self.inner.check_params(params, kv_heads)
+
     def dequantize(self, q: Quantized) -> np.ndarray:
         """float64 original-domain values; ValueError for a container another scheme (or seed) produced."""
         if q.scheme != self.name:
