@@ -437,3 +437,18 @@ def test_given_params_are_the_inner_schemes_applied_to_rotated_values():
             np.testing.assert_array_equal(got.fields[f], want.fields[f])
     with pytest.raises(ValueError, match="no tensor-level params"):
         schemes.get("mxfp4", rotation="hadamard").check_params({"scale": 1.0})
+
+
+def test_rotation_study_covers_every_scheme_with_and_without():
+    """The synthetic study (issue 13, item 4) pairs every configuration with its rotated twin, and its
+    configurations cover every scheme name (K and V)."""
+    from kvqref.eval import rotation as rotation_study
+    from kvqref.eval import study
+
+    assert {c.k[0] for c in study.CONFIGS} == {c.v[0] for c in study.CONFIGS} == set(schemes.names())
+    for c in study.CONFIGS:
+        r = rotation_study.rotated(c)
+        assert r.label == c.label + " +H"
+        assert r.k[1]["rotation"] == r.v[1]["rotation"] == "hadamard"
+        assert (r.k[1]["rotation_seed"], r.v[1]["rotation_seed"]) == (rotation_study.K_SEED, rotation_study.V_SEED)
+        assert {k: v for k, v in r.k[1].items() if not k.startswith("rotation")} == c.k[1]
