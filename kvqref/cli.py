@@ -135,9 +135,12 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         return _cmd_eval_scales(args)
     from kvqref.eval import llm
 
+    default = llm.QUICK_CONFIGS if args.quick else (
+        llm.ROTATION_CONFIGS if args.rotation != "none" else [c.label for c in llm.CONFIGS])
     try:
         configs = llm.configs_named([n.strip() for n in args.schemes.split(",") if n.strip()]) if args.schemes \
-            else llm.configs_named(llm.QUICK_CONFIGS if args.quick else [c.label for c in llm.CONFIGS])
+            else llm.configs_named(default)
+        configs = llm.with_rotation(configs, args.rotation)
     except ValueError as e:
         raise UsageError(str(e)) from None
     base = llm.QUICK if args.quick else llm.FULL
@@ -191,8 +194,14 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         md_path = Path(args.markdown)
         md_path.parent.mkdir(parents=True, exist_ok=True)
         pngs = llm_section.plot(md_path.parent, res["rows"], f"{md_path.stem}_kl.png")
+        tables = []
+        if args.rotation == "both":  # the with/without table as CSV/JSON/LaTeX too, and its plot first
+            from kvqref.report import llm_rotation
+
+            pngs = llm_rotation.write(md_path.parent, res, f"{md_path.stem}_table", f"{md_path.stem}.png")[1] + pngs
+            tables = [f"{md_path.stem}_table.{ext}" for ext in ("csv", "json", "tex")]
         md_path.write_text(llm_section.markdown_document(res, pngs))
-        print(f"wrote {args.markdown}" + "".join(f", {md_path.parent / p}" for p in pngs), file=sys.stderr)
+        print(f"wrote {args.markdown}" + "".join(f", {md_path.parent / p}" for p in pngs + tables), file=sys.stderr)
     return 0
 
 
@@ -274,6 +283,11 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--no-builtin", action="store_true",
                    help="skip the side-by-side run of transformers' own QuantizedCache backends")
     e.add_argument("--threads", type=int, help="torch threads (default: the cores not busy with other work)")
+    e.add_argument("--rotation", choices=("none", "hadamard", "both"), default="none",
+                   help="Hadamard-rotated K/V (docs/rotation.md): 'hadamard' rotates every configuration, 'both' "
+                        "runs each without and with rotation and adds the with/without table (markdown, CSV, "
+                        "JSON, LaTeX beside --markdown) and its plot (default configurations with a rotation: "
+                        "one per format and granularity, see docs/eval.md)")
     e.add_argument("--scales", action="store_true",
                    help="instead: what each choice of FP8 K/V scale (1.0, vLLM first batch, frozen first prefill, "
                         "calibrated static, per token) costs in perplexity/KL/top-1 and saturation; with --markdown "

@@ -65,3 +65,44 @@ def test_frozen_fp8_scale_matches_transformers(smollm2):
     a, b = by[("transformers fp8", 1)]["kl"], by[("kvqref fp8_e4m3", 1)]["kl"]
     assert 0.5 < a / b < 2
     assert res["saturation"]["1"]["V saturated"] > 0.01 > res["saturation"]["16"]["V saturated"]
+
+
+def test_with_rotation_pairs_each_configuration_with_its_rotated_twin():
+    base = llm.configs_named(["fp8_e4m3", "int4_kivi R=0"])
+    assert llm.with_rotation(base, "none") == base
+    both = llm.with_rotation(base, "both")
+    assert [c.label for c in both] == ["fp8_e4m3", "fp8_e4m3 +H", "int4_kivi R=0", "int4_kivi R=0 +H"]
+    rot = both[3]
+    assert rot.k_options == {"role": "key", "residual": 0, "rotation": "hadamard",
+                             "rotation_seed": llm.ROTATION_K_SEED}
+    assert rot.v_options["rotation_seed"] == llm.ROTATION_V_SEED and llm.is_rotated(rot)
+    assert rot.bits_per_element(64, 3) == base[1].bits_per_element(64, 3)
+    assert [c.label for c in llm.with_rotation(base, "hadamard")] == ["fp8_e4m3 +H", "int4_kivi R=0 +H"]
+    with pytest.raises(ValueError, match="rotation must be one of"):
+        llm.with_rotation(base, "yes")
+    with pytest.raises(ValueError, match="already rotated"):
+        llm.rotated(rot)
+    assert {c.label for c in llm.configs_named(llm.ROTATION_CONFIGS)} == set(llm.ROTATION_CONFIGS)
+
+
+def test_rotated_evaluation_rows_table_and_files(smollm2, tmp_path):
+    """fp4_e2m1 with and without rotation on SmolLM2 (text only): both rows, their pair in the with/without
+    table, the files; rotation changes the logits (a rotated cache that stored the unrotated bytes would not)."""
+    from kvqref.report import llm_rotation
+
+    model, tok = smollm2
+    configs = llm.with_rotation(llm.configs_named(["fp4_e2m1"]), "both")
+    res = llm.evaluate(model, tok, configs, llm.Settings(tokens=96, prompts=0, depths=()))
+    plain, rot = res["rows"]
+    assert (plain["rotated"], rot["rotated"]) == (False, True) and rot["base"] == plain["label"] == "fp4_e2m1"
+    assert rot["cache_bits"] == plain["cache_bits"] and rot["bits_per_element"] == plain["bits_per_element"]
+    assert rot["kl"] != plain["kl"] and 0 < rot["kl"] < 1 and 0 < plain["kl"] < 1
+    (pair,) = llm_rotation.pair_rows(res["rows"])
+    assert pair["kl"] == plain["kl"] and pair["kl +H"] == rot["kl"]
+    assert pair["kl +H/plain"] == pytest.approx(rot["kl"] / plain["kl"])
+    assert "gen_agree" not in pair  # not run
+    md, pngs = llm_rotation.write(tmp_path, res)
+    assert "| fp4_e2m1 |" in md and "kl +H/plain" in md
+    for ext in ("csv", "json", "tex"):
+        assert (tmp_path / f"llm_rotation.{ext}").stat().st_size > 0
+    assert all((tmp_path / p).exists() for p in pngs)

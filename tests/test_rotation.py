@@ -448,3 +448,58 @@ def test_static_params_of_a_rotated_scheme_are_the_inner_schemes():
     x = np.random.default_rng(1).standard_normal((5, 2, 64)).astype(np.float32)
     c.append(0, x, x)
     assert np.array_equal(c.quantized(0, "k").fields["codes"], s.quantize(x, params={"scale": 0.5}).fields["codes"])
+
+
+def test_given_params_are_the_inner_schemes_applied_to_rotated_values():
+    """A rotated scheme checks given tensor-level params as its inner scheme does (a static FP8 scale, NVFP4's
+    global scale) and applies them to rotate(x): the paged cache stores the inner scheme's bytes of rotate(x)."""
+    from kvqref.paged import PagedKVCache
+
+    x = schemes.outlier_tensor(40, 2, 64, seed=3, outliers=((3, 10.0), (37, 30.0)))
+    for name, params in (("fp8_e4m3", {"scale": 0.05}), ("nvfp4", {"global_scale": 0.002})):
+        s = schemes.get(name, rotation="hadamard", rotation_seed=11)
+        assert s.check_params(params, 2) == s.inner.check_params(params, 2)
+        with pytest.raises(ValueError):
+            s.check_params({"scale": -1.0, "global_scale": -1.0}, 2)
+        cache = PagedKVCache(s, s, num_pages=2, page_size=32, kv_heads=2, head_dim=64, k_params=params,
+                             v_params=params)
+        cache.append(0, x[:25], x[:25])
+        cache.append(0, x[25:], x[25:])
+        want = s.inner.quantize(s.rotation.rotate(x), params=params)
+        got = cache.quantized(0, "k")
+        for f in want.fields:
+            np.testing.assert_array_equal(got.fields[f], want.fields[f])
+    with pytest.raises(ValueError, match="no tensor-level params"):
+        schemes.get("mxfp4", rotation="hadamard").check_params({"scale": 1.0})
+
+
+def test_rotation_study_covers_every_scheme_with_and_without():
+    """The synthetic study (issue 13, item 4) pairs every configuration with its rotated twin, and its
+    configurations cover every scheme name (K and V)."""
+    from kvqref.eval import rotation as rotation_study
+    from kvqref.eval import study
+
+    assert {c.k[0] for c in study.CONFIGS} == {c.v[0] for c in study.CONFIGS} == set(schemes.names())
+    for c in study.CONFIGS:
+        r = rotation_study.rotated(c)
+        assert r.label == c.label + " +H"
+        assert r.k[1]["rotation"] == r.v[1]["rotation"] == "hadamard"
+        assert (r.k[1]["rotation_seed"], r.v[1]["rotation_seed"]) == (rotation_study.K_SEED, rotation_study.V_SEED)
+        assert {k: v for k, v in r.k[1].items() if not k.startswith("rotation")} == c.k[1]
+
+
+def test_channel_structure_statistics():
+    """kvqref.eval.channels on KIVI-structured synthetic keys: the rotation flattens the channel ranges
+    (range_spread falls to near 1) but keeps the energy in per-channel means (an orthogonal map of the mean
+    vector), and per-channel KIVI keys stay better than per-token ones either way."""
+    from kvqref.eval import channels, study
+
+    k = study.kivi_synthetic(256, 2, 64, 4, 2, seed=0).k
+    rows = channels.measure([k[:, :1], k[:, 1:]], seed=3)
+    assert len(rows) == 2 * 1 * 2 and {r["rotated"] for r in rows} == {False, True}
+    plain, rot = channels.summary(rows)
+    assert plain["range_spread median"] > 3 and rot["range_spread median"] < 0.5 * plain["range_spread median"]
+    assert rot["offset_share median"] == pytest.approx(plain["offset_share median"], rel=1e-5)
+    for s in (plain, rot):
+        assert s["int4 per-channel rel RMS"] < s["int4 per-token rel RMS"]
+    assert "| keys |" in channels.markdown(rows)

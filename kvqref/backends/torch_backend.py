@@ -121,6 +121,15 @@ def _signs(rot: HadamardRotation, D: int, device):
     return _torch().from_numpy(rot.signs(D)).to(device)
 
 
+def rotate(x, rot: HadamardRotation):
+    """float32 ``x @ M = f32(butterflies(x * signs) * C_D)``: the stored values of a rotated scheme, the float32
+    rule of :meth:`kvqref.schemes.rotation.HadamardRotation.rotate` bit for bit (no finiteness check here)."""
+    torch = _torch()
+    D = x.shape[-1]
+    c = torch.tensor(float(norm_f32(D)), dtype=torch.float32, device=x.device)
+    return hadamard(x.float() * _signs(rot, D, x.device)) * c
+
+
 def rotate_query(q, rot: HadamardRotation):
     """float32 ``q @ M^-T = ((q * signs) @ H) / (D * C_D)``."""
     D = q.shape[-1]

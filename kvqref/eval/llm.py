@@ -24,6 +24,11 @@ differences are the cache's alone.
   cache. A depth passes when greedy decoding starts with the key (checked by feeding the key's tokens: each
   must be the argmax). ``passkey``: the pass rate.
 
+**Rotation** (docs/rotation.md; ``kvqref eval --rotation both``): :func:`with_rotation` pairs each configuration
+with its rotated twin (label + `` +H``: ``rotation="hadamard"``, seed :data:`ROTATION_K_SEED` for K and
+:data:`ROTATION_V_SEED` for V, the synthetic study's seeds); rows carry ``base`` (the unrotated label) and
+``rotated``. :data:`ROTATION_CONFIGS` is ``--rotation``'s default list.
+
 ``bits_per_element``: the scheme's stored bits per element (K and V mean, scales counted, residual window
 not counted); ``cache_bits``: the bits the cache actually held after the text, per K/V element
 (``cache.nbytes()``: a KIVI residual window holds full-precision tokens).
@@ -108,6 +113,44 @@ QUICK_CONFIGS = ("fp8_e4m3", "nvfp4", "int2_kivi R=0")
 #: the report's default, one configuration per scheme (fits its time budget; ``kvqref eval`` runs :data:`CONFIGS`;
 #: the report's transformers comparison adds fp8_e4m3 per (token, head))
 REPORT_CONFIGS = ("bf16", "fp8_e4m3", "fp8_e5m2", "fp4_e2m1", "mxfp4", "nvfp4", "int4_kivi R=128", "int2_kivi R=0")
+
+#: ``--rotation``'s default: one configuration per format and scale granularity that matters (the engine
+#: profiles' variants behave as their format's default row); KIVI as the report's LLM section runs it (int4 with
+#: its 128-token window, int2 without: the format itself). Add others with ``--schemes``.
+ROTATION_CONFIGS = ("bf16", "fp8_e4m3", "fp8_e4m3 token_head", "fp8_e5m2", "fp4_e2m1", "mxfp4", "nvfp4",
+                    "int4_kivi R=128", "int2_kivi R=0")
+#: the rotated twin's seeds (those of :mod:`kvqref.eval.rotation`: independent sign vectors for K and V)
+ROTATION_K_SEED, ROTATION_V_SEED = 1, 2
+ROTATION_MODES = ("none", "hadamard", "both")
+ROTATED_SUFFIX = " +H"
+
+
+def rotated(config: LLMConfig) -> LLMConfig:
+    """``config`` with K and V rotated (``rotation="hadamard"``, seeds :data:`ROTATION_K_SEED` /
+    :data:`ROTATION_V_SEED`; label + `` +H``); ValueError for a configuration that is already rotated."""
+    if config.k_options.get("rotation") or config.v_options.get("rotation"):
+        raise ValueError(f"configuration {config.label!r} is already rotated")
+    return LLMConfig(config.label + ROTATED_SUFFIX, config.scheme,
+                     {**config.k_options, "rotation": "hadamard", "rotation_seed": ROTATION_K_SEED},
+                     {**config.v_options, "rotation": "hadamard", "rotation_seed": ROTATION_V_SEED},
+                     config.engine)
+
+
+def with_rotation(configs: Sequence[LLMConfig], mode: str) -> list[LLMConfig]:
+    """``mode`` ``"none"``: ``configs``; ``"hadamard"``: their rotated twins; ``"both"``: each followed by its
+    twin. ValueError for another mode."""
+    if mode not in ROTATION_MODES:
+        raise ValueError(f"rotation must be one of {ROTATION_MODES}, got {mode!r}")
+    if mode == "none":
+        return list(configs)
+    if mode == "hadamard":
+        return [rotated(c) for c in configs]
+    return [x for c in configs for x in (c, rotated(c))]
+
+
+def is_rotated(config: LLMConfig) -> bool:
+    return bool(config.k_options.get("rotation") or config.v_options.get("rotation"))
+
 
 PROMPTS: tuple[str, ...] = (
     "The capital of France is",
@@ -385,8 +428,10 @@ class Runner:
     def row(self, config: LLMConfig, progress: Callable[[str], None] | None = None,
             passkey: bool = True) -> dict[str, Any]:
         t0 = time.perf_counter()
+        rot = is_rotated(config)
         r: dict[str, Any] = {"label": config.label, "scheme": config.scheme, "options": config.options_text(),
-                             "engine": config.engine,
+                             "engine": config.engine, "rotated": rot,
+                             "base": config.label.removesuffix(ROTATED_SUFFIX) if rot else config.label,
                              "bits_per_element": config.bits_per_element(self.head_dim, self.kv_heads)}
         r.update(self.text_row(config))
         if progress:

@@ -10,6 +10,7 @@ modes and limits: docs/hf.md.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -22,6 +23,7 @@ from kvqref.hf import attention as attn
 from kvqref.hf.storage import DeviceIndex, SideStore, page_size_for
 from kvqref.schemes import KiviScheme, Scheme
 from kvqref.schemes import get as get_scheme
+from kvqref.schemes.rotation import rotation_of, storage_scheme
 
 PREFILL_MODES = ("as_decoded", "full", "dequantized")
 
@@ -62,17 +64,28 @@ def check_model_config(config: Any) -> tuple[int, int, int, int]:
 
 
 def build_schemes(scheme: str | tuple[Scheme, Scheme], k_options: dict | None,
-                  v_options: dict | None) -> tuple[Scheme, Scheme]:
-    """(K scheme, V scheme) from a scheme name (+ per-side options; KIVI gets role="key"/"value") or a pair."""
+                  v_options: dict | None, rotation: str | None = None,
+                  rotation_seed: Any = None) -> tuple[Scheme, Scheme]:
+    """(K scheme, V scheme) from a scheme name (+ per-side options; KIVI gets role="key"/"value"; ``rotation`` /
+    ``rotation_seed``: both sides rotated, the same seed) or a pair of Schemes (rotated ones included)."""
+    both = {k: v for k, v in (("rotation", rotation), ("rotation_seed", rotation_seed)) if v is not None}
     if isinstance(scheme, str):
         ko, vo = dict(k_options or {}), dict(v_options or {})
+        for label, o in (("k_options", ko), ("v_options", vo)):
+            clash = sorted(set(both) & set(o))
+            if clash:
+                raise ValueError(f"QuantizedKVCache: {clash[0]} given both as an argument and in {label}; give it "
+                                 "once (the argument applies to K and V, the options to one side)")
+            o.update(both)
         if get_scheme(scheme, **({"role": "value"} if "kivi" in scheme else {})).__class__ is KiviScheme:
             ko.setdefault("role", "key")
             vo.setdefault("role", "value")
         return get_scheme(scheme, **ko), get_scheme(scheme, **vo)
     if isinstance(scheme, (tuple, list)) and len(scheme) == 2 and all(isinstance(s, Scheme) for s in scheme):
-        if k_options or v_options:
-            raise ValueError("QuantizedKVCache: k_options/v_options apply to a scheme name, not to Scheme objects")
+        if k_options or v_options or both:
+            raise ValueError("QuantizedKVCache: k_options/v_options/rotation/rotation_seed apply to a scheme name, "
+                             "not to Scheme objects (build rotated ones with kvqref.schemes.get(name, "
+                             "rotation='hadamard', rotation_seed=S))")
         return scheme[0], scheme[1]
     raise TypeError(f"QuantizedKVCache: scheme must be a scheme name or a (K, V) pair of Schemes, got {scheme!r}")
 
@@ -86,6 +99,11 @@ def layer_params(name: str, given: Any, scheme: Scheme, side: str, num_layers: i
     if given is None:
         return [None] * num_layers
     if isinstance(given, ScaleSet):
+        if rotation_of(scheme) is not None:
+            raise ValueError(f"QuantizedKVCache: {name} is a ScaleSet of {given.scheme} scales for unrotated K/V, but "
+                             f"the {side.upper()} scheme is rotated ({scheme.name}): its static scale applies to the "
+                             "rotated values (docs/rotation.md); give params calibrated on rotated K/V as a dict or "
+                             "a list of one dict per layer")
         if given.scheme != scheme.name:
             raise ValueError(f"QuantizedKVCache: {name} holds {given.scheme} scales, but the {side.upper()} "
                              f"scheme is {scheme.name}")
@@ -264,8 +282,12 @@ class QuantizedKVLayer(CacheLayerMixin):
         ks, vs = key_states.transpose(1, 2), value_states.transpose(1, 2)
         outs = []
         for side, new in ((self.k, ks), (self.v, vs)):
-            before, tails = side.append(list(new.unbind(0)), self.lens, validate=True) if side.W else \
-                (np.full(side.batch, side.append_uniform(new, L)), list(new.to(torch.float32).unbind(0)))
+            if side.W:  # the tails come back in the stored domain: un-rotated for a standard attention
+                before, tails = side.append(list(new.unbind(0)), self.lens, validate=True)
+                work = torch.float64 if self.read_how == "oracle" else torch.float32
+                tails = [side.to_original(t.to(work)) for t in tails]
+            else:
+                before, tails = np.full(side.batch, side.append_uniform(new, L)), list(new.to(torch.float32).unbind(0))
             outs.append((side, before, tails))
         self.lens = self.lens + n
         self.kept = torch.cat([self.kept, torch.ones(self.k.batch, n, dtype=torch.bool, device=self.device)], 1)
@@ -295,6 +317,7 @@ class QuantizedKVLayer(CacheLayerMixin):
         key_states, value_states = self.pending
         self.pending = None
         B, Hq, n, D = query.shape
+        dtype = query.dtype
         scale = D**-0.5 if scaling is None else float(scaling)
         L = self.positions - n
         allowed = attn.allowed_mask(attention_mask, B, n, self.positions, self.device)
@@ -332,8 +355,10 @@ class QuantizedKVLayer(CacheLayerMixin):
         kb, ktails = self.k.append([kept_rows(ks, b) for b in range(B)], lens_before)
         vb, vtails = self.v.append([kept_rows(vs, b) for b in range(B)], lens_before)
         self.lens = lens_before + np.array([len(i) for i in idx])
-        out = torch.zeros(B, n, Hq, D, dtype=query.dtype, device=query.device)
         cdt = torch.float64 if self.cache.backend.name == "numpy" else torch.float32
+        rotated = self.k.rotation is not None or self.v.rotation is not None
+        query = self.rotate_query(query.to(cdt)) if rotated else query  # stored-domain attention, as decode
+        out = torch.zeros(B, n, Hq, D, dtype=cdt if rotated else query.dtype, device=query.device)
         kdeq = None if self.read_how == "oracle" else self.k.dequantized_slots(cdt)
         vdeq = None if self.read_how == "oracle" else self.v.dequantized_slots(cdt)
         for b in range(B):
@@ -349,13 +374,26 @@ class QuantizedKVLayer(CacheLayerMixin):
             o = attn.prefill_attention(q, kq, vq, ktails[b].to(cdt), vtails[b].to(cdt), int(kb[b]), int(vb[b]),
                                        kthr, vthr, scale)  # [m, Hq, D]
             if every[b]:
-                out[b] = o.to(query.dtype)
+                out[b] = o.to(out.dtype)
             else:
-                out[b].index_copy_(0, idx[b], o.to(query.dtype))
-        return out
+                out[b].index_copy_(0, idx[b], o.to(out.dtype))
+        return self.v.to_original(out).to(dtype) if rotated else out
 
-    def device_cache(self):
-        """This layer as the backends' :class:`~kvqref.backends.triton_backend.DeviceCache`."""
+    def rotate_query(self, q: torch.Tensor) -> torch.Tensor:
+        """``q`` (float64 or float32) in the stored domain of K: ``rotate_query`` of K's rotation (float64 by the
+        oracle, float32 butterflies by the torch backend's), unchanged for unrotated keys."""
+        rot = self.k.rotation
+        if rot is None:
+            return q
+        if q.dtype == torch.float64:
+            return torch.from_numpy(rot.rotate_query(q.detach().cpu().numpy())).to(q.device)
+        from kvqref.backends.torch_backend import rotate_query
+
+        return rotate_query(q, rot)
+
+    def device_cache(self, rotated: bool = False):
+        """This layer as the backends' :class:`~kvqref.backends.triton_backend.DeviceCache` (``rotated``: its
+        sides carry the rotated schemes, as the Triton kernels read a rotated cache)."""
         from kvqref.backends.triton_backend import DeviceCache
 
         dev = self.device
@@ -365,7 +403,7 @@ class QuantizedKVLayer(CacheLayerMixin):
         seq = self.k.index("lens", self.lens.astype(np.int32))
         sides, res, lens = [], [], []
         for s in (self.k, self.v):
-            sides.append(s.side())
+            sides.append(s.side(rotated))
             if s.W:
                 res.append(s.residual)
                 lens.append(s.index("paged", s.paged.astype(np.int32)))
@@ -376,20 +414,33 @@ class QuantizedKVLayer(CacheLayerMixin):
         return DeviceCache(sides[0], sides[1], self.k.page_size, self.k.block_table(), seq, lens[0], lens[1],
                            res[0], res[1], has_res)
 
+    def decode_state(self):
+        """What the backend's ``decode`` reads: :meth:`device_cache` (the stored values), wrapped with the K and V
+        rotations in a :class:`~kvqref.backends.torch_backend.RotatedDeviceCache` when a side is rotated (the form
+        the torch backend's ``prepare`` gives a rotated paged cache)."""
+        from kvqref.backends.torch_backend import RotatedDeviceCache
+
+        dc = self.device_cache()
+        if self.k.rotation is None and self.v.rotation is None:
+            return dc
+        return RotatedDeviceCache(dc, self.k.rotation, self.v.rotation)
+
     def decode(self, q: torch.Tensor, scale: float) -> torch.Tensor:
         """Decode attention of ``q`` ``[batch, q_heads, head_dim]`` over the stored cache (float32 out)."""
         name = self.cache.backend.name
         if name == "numpy":
             from kvqref.reference import attention
 
+            # the stored domain (rotated keys and values: q rotated, the output un-rotated, as the oracle's
+            # decode_attention reads a rotated paged cache)
             Ks = [self.k.dequantized(b, int(n), "oracle", torch.float64).cpu().numpy() for b, n in enumerate(self.lens)]
             Vs = [self.v.dequantized(b, int(n), "oracle", torch.float64).cpu().numpy() for b, n in enumerate(self.lens)]
-            out, _ = attention(q.detach().double().cpu().numpy(), Ks, Vs, scale)
-            return torch.from_numpy(out).to(q.device)
+            out, _ = attention(self.rotate_query(q.detach().double()).cpu().numpy(), Ks, Vs, scale)
+            return self.v.to_original(torch.from_numpy(out)).to(q.device)
         if name == "torch":
             from kvqref.backends.torch_backend import decode
 
-            return decode(q, self.device_cache(), scale, precision=self.cache.precision)[0]
+            return decode(q, self.decode_state(), scale, precision=self.cache.precision)[0]
         return self._fused_decode(q, scale)
 
     def _fused_decode(self, q: torch.Tensor, scale: float) -> torch.Tensor:
@@ -412,13 +463,12 @@ class TritonQuantizedKVLayer(QuantizedKVLayer):
         super().lazy_initialization(key_states, value_states)
 
     def _fused_decode(self, q: torch.Tensor, scale: float) -> torch.Tensor:
-        from kvqref.backends.triton_backend import decode
-
         first = not getattr(self, "_validated", False)
         self._validated = True
         q = q if q.dtype in (torch.float32, torch.bfloat16, torch.float16) else q.float()  # the kernel's q dtypes
-        out, _ = decode(q, self.device_cache(), scale, validate=first, max_seq_len=int(self.lens.max()),
-                        precision=self.cache.precision)
+        # through the backend: its kernels rotate q and un-rotate the output of a rotated side (docs/rotation.md)
+        out, _ = self.cache.backend.decode(q, self.device_cache(rotated=True), scale, validate=first,
+                                           max_seq_len=int(self.lens.max()), precision=self.cache.precision)
         return out
 
 
@@ -437,11 +487,17 @@ class QuantizedKVCache(Cache):
     (``kvqref calibrate``); they are checked here, before the first token. ``precision``: the decode
     step's arithmetic (docs/kernels.md, "Precision"): ``"fast"`` (default; the fused kernel's 16-bit operands,
     float32 accumulation; the torch backend's bfloat16 SDPA) or ``"exact"`` (float32 products; float32 SDPA).
+    ``rotation="hadamard"`` (+ ``rotation_seed``, an int, default 0): K and V of a scheme name stored rotated
+    (docs/rotation.md; per side: ``k_options={"rotation": ...}``; or pass rotated Scheme objects); the stored
+    bytes are the rotated scheme's, queries are rotated and outputs un-rotated by the backend (numpy, torch,
+    triton), ``nbytes()`` is unchanged, and given ``k_params``/``v_params`` scale the
+    rotated values.
     """
 
     def __init__(self, config: Any, scheme: str | tuple[Scheme, Scheme], *, backend: str = "torch",
                  k_options: dict | None = None, v_options: dict | None = None, prefill: str = "as_decoded",
-                 precision: str = "fast", k_params: Any = None, v_params: Any = None) -> None:
+                 precision: str = "fast", k_params: Any = None, v_params: Any = None, rotation: str | None = None,
+                 rotation_seed: Any = None) -> None:
         if prefill not in PREFILL_MODES:
             raise ValueError(f"QuantizedKVCache: prefill must be one of {PREFILL_MODES}, got {prefill!r}")
         if precision not in ("fast", "exact"):
@@ -450,7 +506,7 @@ class QuantizedKVCache(Cache):
         self.config = config
         text = _text_config(config)
         self.num_layers, self.q_heads, self.kv_heads, self.head_dim = check_model_config(text)
-        self.k_scheme, self.v_scheme = build_schemes(scheme, k_options, v_options)
+        self.k_scheme, self.v_scheme = build_schemes(scheme, k_options, v_options, rotation, rotation_seed)
         if getattr(self.k_scheme, "role", "key") != "key" or getattr(self.v_scheme, "role", "value") != "value":
             raise ValueError("QuantizedKVCache: KIVI schemes need role='key' for K and role='value' for V")
         for label, s in (("K", self.k_scheme), ("V", self.v_scheme)):
@@ -462,11 +518,16 @@ class QuantizedKVCache(Cache):
         self.k_params = layer_params("k_params", k_params, self.k_scheme, "k", self.num_layers, self.kv_heads)
         self.v_params = layer_params("v_params", v_params, self.v_scheme, "v", self.num_layers, self.kv_heads)
         self.backend = backends.get(backend)
+        try:  # the backend's own refusal of a rotated cache it cannot read, before the first token
+            self.backend.check_rotation(SimpleNamespace(k=SimpleNamespace(scheme=self.k_scheme),
+                                                        v=SimpleNamespace(scheme=self.v_scheme)))
+        except ValueError as e:
+            raise ValueError(f"QuantizedKVCache: {e}") from None
         if backend == "triton":
             from kvqref.backends.triton_backend import kernel_config
 
             for s in (self.k_scheme, self.v_scheme):
-                kernel_config(s)
+                kernel_config(storage_scheme(s))  # the stored values' kernels (rotated tokens arrive rotated)
             windowed = any(s.residual_window or s.token_group > 1 for s in (self.k_scheme, self.v_scheme))
             scaled = [s for s in (self.k_scheme, self.v_scheme) if s.calibrate(np.zeros((1, self.kv_heads,
                                                                                        self.head_dim)))]

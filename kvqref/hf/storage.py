@@ -9,6 +9,14 @@ then frozen. Pages are page-major: page ``i`` of sequence
 ``b`` is ``i * batch + b``, so growing appends pages and a beam reorder is an ``index_select`` on the batch
 axis of the ``[max_pages, batch, rows, ...]`` view.
 
+Rotated schemes (docs/rotation.md): the store holds the rotated domain everywhere, as
+:class:`kvqref.paged.PagedKVCache` does: a token is rotated once, when it arrives (:meth:`SideStore.to_storage`:
+the float32 rule of :meth:`kvqref.schemes.rotation.HadamardRotation.rotate`, bit for bit), the fields are the
+inner scheme's (``codec``) of the rotated values and the residual window holds the rotated float32 values, so
+the backends' decode reads one domain (:class:`kvqref.backends.torch_backend.RotatedDeviceCache`). Readers
+ask for ``domain="stored"`` (rotated; the attention rotates queries and un-rotates outputs) or
+``"original"`` (un-rotated: what a standard attention reads).
+
 Writing (:meth:`SideStore.append`) follows the scheme's ``paged_tokens`` rule per sequence: the tokens that
 leave the residual window are quantized, either by the NumPy oracle (``writer="oracle"``: the bytes are the
 oracle's by construction) or by the fused Triton kernel (``writer="triton"``,
@@ -22,8 +30,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvqref.backends import triton_backend
+from kvqref.backends import torch_backend, triton_backend
 from kvqref.schemes import Quantized, Scheme
+from kvqref.schemes.rotation import rotation_of, storage_scheme
 
 _TORCH_OF = {np.dtype(np.uint8): torch.uint8, np.dtype(np.float16): torch.float16,
              np.dtype(np.float32): torch.float32, np.dtype(np.uint16): torch.bfloat16}
@@ -78,6 +87,8 @@ class SideStore:
                  device: torch.device, writer: str, index: DeviceIndex | None = None,
                  params: dict[str, Any] | None = None) -> None:
         self.label, self.scheme, self.writer = label, scheme, writer
+        #: the rotation (None: unrotated) and the scheme that encodes the stored values (the inner one if rotated)
+        self.rotation, self.codec = rotation_of(scheme), storage_scheme(scheme)
         self.index = index or DeviceIndex(device)
         self.batch, self.kv_heads, self.head_dim, self.page_size = batch, kv_heads, head_dim, page_size
         self.device = device
@@ -142,22 +153,50 @@ class SideStore:
     # -- writing --------------------------------------------------------------------------------
     def set_params(self, params: dict[str, Any]) -> None:
         self.params = params
-        dc = triton_backend.empty_device_cache(self.scheme, self.scheme, 1, self.page_size, self.kv_heads,
+        dc = triton_backend.empty_device_cache(self.codec, self.codec, 1, self.page_size, self.kv_heads,
                                                self.head_dim, torch.zeros(1, 1, dtype=torch.int32),
                                                torch.zeros(1, dtype=torch.int32), k_params=params,
                                                device=str(self.device))
         self.tensor_scale = dc.k.tensor_scale
 
-    def side(self) -> triton_backend.Side:
-        """This store as the backends' :class:`~kvqref.backends.triton_backend.Side`."""
-        return triton_backend.Side(self.scheme, self.fields, self.tensor_scale, dict(self.params or {}))
+    def side(self, rotated: bool = False) -> triton_backend.Side:
+        """This store as the backends' :class:`~kvqref.backends.triton_backend.Side`: the stored values (the
+        codec's fields) with the codec as its scheme, or with ``rotated`` the store's scheme (a rotated one
+        carries its rotation, so the fused decode rotates queries and un-rotates outputs)."""
+        return triton_backend.Side(self.scheme if rotated else self.codec, self.fields, self.tensor_scale,
+                                   dict(self.params or {}))
+
+    def to_storage(self, x: torch.Tensor, validate: bool = True) -> torch.Tensor:
+        """float32 ``x`` in the stored domain: unchanged, or rotated by the exact float32 rule (ValueError for
+        NaN/Inf input or an overflowing result, as the oracle's ``rotate``; the triton writer skips the check,
+        a device synchronization, when ``validate`` is False)."""
+        x = x.to(torch.float32)
+        if self.rotation is None:
+            return x
+        check = validate or self.writer == "oracle"
+        if check and not bool(torch.isfinite(x).all()):
+            raise ValueError(f"{self.scheme.name} ({self.label}): input holds NaN or Inf, which a rotation spreads "
+                             "over the head")
+        z = torch_backend.rotate(x, self.rotation)
+        if check and not bool(torch.isfinite(z).all()):
+            raise ValueError(f"{self.scheme.name} ({self.label}): the rotated values overflow float32")
+        return z
+
+    def to_original(self, z: torch.Tensor) -> torch.Tensor:
+        """Stored-domain values in the original domain (un-rotated: float64 by the oracle's ``unrotate`` for
+        float64 input, float32 butterflies otherwise); unchanged for an unrotated store."""
+        if self.rotation is None:
+            return z
+        if z.dtype == torch.float64:
+            return torch.from_numpy(self.rotation.unrotate(z.detach().cpu().numpy())).to(z.device)
+        return torch_backend.unrotate(z, self.rotation).to(z.dtype)
 
     def append(self, new: list[torch.Tensor], lens: np.ndarray,
                validate: bool = True) -> tuple[np.ndarray, list[torch.Tensor]]:
         """Append ``new[b]`` (``[m_b, kv_heads, head_dim]``, any float dtype) to sequence ``b`` whose length is
         ``lens[b]``. Tokens that leave the residual window are quantized and written; the rest stay in the
         float32 residual. Returns the paged counts before the append and, per sequence, the full-precision
-        tokens from there on (float32 ``[lens[b] + m_b - before[b], kv_heads, head_dim]``)."""
+        tokens from there on (float32 ``[lens[b] + m_b - before[b], kv_heads, head_dim]``, stored domain)."""
         before = self.paged.copy()
         tails = []
         x_parts, b_parts, t_parts = [], [], []
@@ -167,9 +206,9 @@ class SideStore:
             now = int(self.paged[b])
             rl = int(lens[b]) - now
             if self.W:
-                pending = torch.cat([self.residual[b, :rl], nb.to(torch.float32)])
+                pending = torch.cat([self.residual[b, :rl], self.to_storage(nb, validate)])
             else:
-                pending = nb.to(torch.float32)
+                pending = self.to_storage(nb, validate)
             tails.append(pending)
             c = target - now
             if c:
@@ -192,14 +231,15 @@ class SideStore:
         B = self.batch
         ar = np.arange(B, dtype=np.int64)
         lens = np.asarray(lens, np.int64)
+        new = self.to_storage(new, validate)
         if not self.W:  # every token goes to the pages
-            self._write(new.to(torch.float32), ar, lens, validate)
+            self._write(new, ar, lens, validate)
             self.paged = lens + 1
             return
         target = np.array([self.scheme.paged_tokens(int(n) + 1) for n in lens], np.int64)
         c = target - self.paged
         rl = lens - self.paged
-        self.residual[self.index("seq", ar), self.index("rl", rl)] = new.to(torch.float32)
+        self.residual[self.index("seq", ar), self.index("rl", rl)] = new
         flush = np.nonzero(c)[0]
         if len(flush):
             cs = set(c[flush].tolist())
@@ -225,20 +265,20 @@ class SideStore:
         now = int(self.paged[0])
         b = np.repeat(np.arange(B, dtype=np.int64), n)
         t = np.tile(np.arange(now, now + n, dtype=np.int64), B)
-        self._write(new.reshape(B * n, *new.shape[2:]).to(torch.float32), b, t, validate)
+        self._write(self.to_storage(new.reshape(B * n, *new.shape[2:]), validate), b, t, validate)
         self.paged[:] = now + n
         return now
 
     def _write(self, x: torch.Tensor, b: np.ndarray, t: np.ndarray, validate: bool) -> None:
-        """Quantize ``x`` [N, H, D] float32 into token ``t[i]`` of sequence ``b[i]``."""
+        """Quantize ``x`` [N, H, D] float32 (stored domain) into token ``t[i]`` of sequence ``b[i]`` by the codec."""
         self.grow(int(t.max()) // self.page_size + 1)
         if self.params is None:
-            self.set_params(self.scheme.calibrate(x.detach().cpu().numpy()))
+            self.set_params(self.codec.calibrate(x.detach().cpu().numpy()))
         slots = self.slots(b, t)
         if self.writer == "triton":
             triton_backend.quantize_write(self.side(), x.contiguous(), self.index("slots", slots), validate=validate)
             return
-        q = self.scheme.quantize(x.detach().cpu().numpy(), params=self.params)
+        q = self.codec.quantize(x.detach().cpu().numpy(), params=self.params)
         for f, spec in self.specs.items():
             val = triton_backend.field_tensor(q.fields[f]).to(self.device)
             if spec.per == "token":
@@ -249,8 +289,10 @@ class SideStore:
             self.fields[f][torch.from_numpy(idx).to(self.device)] = val
 
     # -- reading --------------------------------------------------------------------------------
-    def quantized(self, b: int) -> Quantized:
-        """The paged part of sequence ``b`` gathered into the oracle's container."""
+    def quantized(self, b: int, stored: bool = False) -> Quantized:
+        """The paged part of sequence ``b`` gathered into the oracle's container: of the store's scheme
+        (``scheme.dequantize`` gives original-domain values), or with ``stored=True`` of the codec (the
+        stored values: rotated for a rotated scheme)."""
         n = int(self.paged[b])
         t = np.arange(n, dtype=np.int64)
         bb = np.full(n, b, np.int64)
@@ -261,16 +303,18 @@ class SideStore:
             else:
                 idx = self.group_slots(bb[:: self.G], t[:: self.G])
             fields[f] = _to_numpy(self.fields[f][torch.from_numpy(idx).to(self.device)], spec.dtype)
-        return Quantized(self.scheme.name, (n, self.kv_heads, self.head_dim), fields, dict(self.params or {}))
+        name = self.codec.name if stored else self.scheme.name
+        return Quantized(name, (n, self.kv_heads, self.head_dim), fields, dict(self.params or {}))
 
     def dequantized(self, b: int, length: int, how: str, dtype: torch.dtype,
                     all_slots: torch.Tensor | None = None) -> torch.Tensor:
-        """Sequence ``b``'s ``length`` tokens as stored: ``[length, kv_heads, head_dim]`` in ``dtype``;
-        ``how="oracle"``: the scheme's float64 dequantize; ``"torch"``: the torch backend's dequantize
-        (``all_slots``: :meth:`dequantized_slots`, to reuse across sequences)."""
+        """Sequence ``b``'s ``length`` tokens in the stored domain (rotated for a rotated scheme):
+        ``[length, kv_heads, head_dim]`` in ``dtype``; ``how="oracle"``: the codec's float64 dequantize;
+        ``"torch"``: the torch backend's dequantize (``all_slots``: :meth:`dequantized_slots`, to reuse across
+        sequences)."""
         n = int(self.paged[b])
         if how == "oracle":
-            paged = torch.from_numpy(self.scheme.dequantize(self.quantized(b))) if n else \
+            paged = torch.from_numpy(self.codec.dequantize(self.quantized(b, stored=True))) if n else \
                 torch.zeros(0, self.kv_heads, self.head_dim, dtype=torch.float64)
             paged = paged.to(self.device, dtype)
         else:
@@ -282,23 +326,30 @@ class SideStore:
         return torch.cat([paged, self.residual[b, : length - n].to(dtype)])
 
     def dequantized_slots(self, dtype: torch.dtype) -> torch.Tensor:
-        """The slots of the pages in use, dequantized by the torch backend: ``[slots, kv_heads, head_dim]``
-        (pages are page-major, so the pages in use come first)."""
-        from kvqref.backends.torch_backend import dequantize
-
+        """The slots of the pages in use, dequantized by the torch backend (stored domain):
+        ``[slots, kv_heads, head_dim]`` (pages are page-major, so the pages in use come first)."""
         pages = max(1, -(-int(self.paged.max()) // self.page_size)) * self.batch
-        fields = {f: t[: pages * self.rows(f)] for f, t in self.fields.items()}
-        return dequantize(triton_backend.Side(self.scheme, fields, self.tensor_scale, dict(self.params or {})), dtype)
+        side = self.side()
+        side.fields = {f: t[: pages * self.rows(f)] for f, t in self.fields.items()}
+        return torch_backend.dequantize(side, dtype)
 
-    def dequantized_all(self, length: int, how: str, dtype: torch.dtype) -> torch.Tensor:
-        """Every sequence, all of length ``length``: ``[batch, length, kv_heads, head_dim]``."""
+    def dequantized_all(self, length: int, how: str, dtype: torch.dtype, domain: str = "original") -> torch.Tensor:
+        """Every sequence, all of length ``length``: ``[batch, length, kv_heads, head_dim]`` in ``dtype``, in the
+        ``"original"`` domain (a rotated store un-rotated in float64 for ``how="oracle"``, float32 for
+        ``"torch"``, before the cast to ``dtype``) or the ``"stored"`` one."""
+        if domain not in ("original", "stored"):
+            raise ValueError(f"domain must be 'original' or 'stored', got {domain!r}")
+        unrotate = domain == "original" and self.rotation is not None
+        work = (torch.float64 if how == "oracle" else torch.float32) if unrotate else dtype
         if how == "oracle" or self.W:
-            deq = None if how == "oracle" else self.dequantized_slots(dtype)
-            return torch.stack([self.dequantized(b, length, how, dtype, deq) for b in range(self.batch)])
-        B = self.batch
-        idx = self.slots(np.repeat(np.arange(B, dtype=np.int64), length), np.tile(np.arange(length), B))
-        deq = self.dequantized_slots(dtype)
-        return deq[torch.from_numpy(idx).to(self.device)].view(B, length, self.kv_heads, self.head_dim)
+            deq = None if how == "oracle" else self.dequantized_slots(work)
+            x = torch.stack([self.dequantized(b, length, how, work, deq) for b in range(self.batch)])
+        else:
+            B = self.batch
+            idx = self.slots(np.repeat(np.arange(B, dtype=np.int64), length), np.tile(np.arange(length), B))
+            deq = self.dequantized_slots(work)
+            x = deq[torch.from_numpy(idx).to(self.device)].view(B, length, self.kv_heads, self.head_dim)
+        return (self.to_original(x) if unrotate else x).to(dtype)
 
     def nbytes(self, lens: np.ndarray) -> dict[str, int]:
         """Bytes held for sequences of lengths ``lens``: ``fields`` (the stored tokens' codes and scales),

@@ -16,6 +16,8 @@ section (:mod:`kvqref.report.section` says what a section is), run in the order 
    (:mod:`kvqref.eval.rotation`);
 7. :mod:`~kvqref.report.scales`: what each choice of FP8 scale costs SmolLM2 (:mod:`kvqref.eval.scales`; not in
    ``--quick``);
+8. :mod:`~kvqref.report.llm_rotation`: SmolLM2 reading each cache with and without the Hadamard rotation (a short
+   run; the full one is bench/results/llm_eval_rotation.md; not in ``--quick``);
 
 then :mod:`~kvqref.report.claims`, the statements of the source documents listed in papers/README.md.
 Writers: :mod:`kvqref.report.tables`; progress bar: :mod:`kvqref.report.progress`.
@@ -33,7 +35,7 @@ from typing import Any, TextIO
 import numpy as np
 
 from kvqref import __version__
-from kvqref.report import accuracy, claims, conformance, formats, llm, rotation, scales, speed
+from kvqref.report import accuracy, claims, conformance, formats, llm, llm_rotation, rotation, scales, speed
 from kvqref.report.formats import CAPACITY_SCHEMES, capacity_rows
 from kvqref.report.plotting import NO_MPL
 from kvqref.report.progress import Progress
@@ -44,7 +46,7 @@ __all__ = ["CAPACITY_SCHEMES", "SECTIONS", "Context", "Progress", "Section", "ca
            "run", "run_claims", "write_table"]
 
 #: the report's sections, in order: modules with ``TITLE`` and ``build(ctx) -> Section``
-SECTIONS = (formats, accuracy, conformance, speed, llm, rotation, scales, claims)
+SECTIONS = (formats, accuracy, conformance, speed, llm, rotation, scales, llm_rotation, claims)
 
 
 def run(out: Path, quick: bool = False, backends_: Sequence[str] | None = None, want_speed: bool | None = None,

@@ -52,6 +52,11 @@ def markdown_tables(res: dict[str, Any]) -> str:
         lines.append(f"Passkey: {len(s['depths'])} depth(s) ({', '.join(f'{d:g}' for d in s['depths'])}) in "
                      f"prompts of {', '.join(map(str, ref['passkey_prompt_tokens']))} tokens; the unquantized model "
                      f"passes {ref['passkey'] * 100:.0f}%.")
+    if any(r.get("rotated") for r in res["rows"]):
+        from kvqref.report import llm_rotation
+
+        lines += ["", "Without vs with the Hadamard rotation (docs/rotation.md):", "", llm_rotation.markdown_table(res),
+                  "", "Every row:"]
     lines += ["", markdown(res["rows"], COLUMNS), "",
               "bits_per_element: stored bits per K/V element (K and V mean, scales counted, residual window not); "
               "cache_bits: bits the cache held per element after the text (KIVI's full-precision residual "
@@ -60,7 +65,7 @@ def markdown_tables(res: dict[str, Any]) -> str:
               "pass rate (n/a: not run)."]
     # a prompt has at most as many tokens as characters: an upper bound on prompt + continuation
     longest = s["gen_tokens"] + max((len(p) for p in llm.PROMPTS[:s["prompts"]]), default=0)
-    windows = sorted({int(r["label"].split("R=")[1]) for r in res["rows"] if "R=" in r["label"]} - {0})
+    windows = sorted({int(r.get("base", r["label"]).split("R=")[1]) for r in res["rows"] if "R=" in r["label"]} - {0})
     if s["prompts"] and windows and min(windows) > longest:
         lines.append(f"KIVI rows with a residual window ({', '.join(map(str, windows))} tokens) longer than a prompt "
                      "and its continuation never quantize in the greedy test: their gen_agree measures the window, "

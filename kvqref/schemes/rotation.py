@@ -185,7 +185,8 @@ class RotatedScheme(Scheme):
         return self.inner.fields(kv_heads, head_dim)
 
     def check_params(self, params: dict[str, Any] | None, kv_heads: int | None = None) -> dict[str, Any]:
-        """The inner scheme's check (tensor-level params belong to the rotated values)."""
+        """The inner scheme's check: given tensor-level params (a static FP8 scale, NVFP4's global scale) are
+        the inner scheme's, applied to the rotated values."""
         return self.inner.check_params(params, kv_heads)
 
     def rotate_input(self, x: Any) -> np.ndarray:
