@@ -16,8 +16,8 @@ from kvqref.kernels import decode  # noqa: E402
 MASK = 0xFFFFFFFF
 
 
-def _asm_text() -> str:
-    return decode.E2M1_PAIRS_PTX.value.strip().removeprefix("{").removesuffix("}")
+def _asm_text(ptx=None) -> str:
+    return (ptx or decode.E2M1_PAIRS_PTX).value.strip().removeprefix("{").removesuffix("}")
 
 
 def _num(tok: str, regs: dict) -> int:
@@ -59,8 +59,19 @@ def _portable(nibble: int) -> int:
     return ((nibble & 7) << 9) | ((nibble & 8) << 12)
 
 
-def test_ptx_unpacking_matches_the_portable_rule_on_every_byte():
-    asm = _asm_text()
+def _portable_bf16(nibble: int) -> int:
+    """The bfloat16 rule of ``_e2m1_pairs_bf16``: E2M1 bits in bfloat16's lowest exponent bits (value x 2**-126)."""
+    return ((nibble & 7) << 6) | ((nibble & 8) << 12)
+
+
+def _bf16_value(bits: int) -> float:
+    return float(np.array([bits << 16], np.uint32).view(np.float32)[0])
+
+
+@pytest.mark.parametrize("ptx,rule", [(decode.E2M1_PAIRS_PTX, _portable), (decode.E2M1_PAIRS_BF16_PTX, _portable_bf16)],
+                         ids=["float16", "bfloat16"])
+def test_ptx_unpacking_matches_the_portable_rule_on_every_byte(ptx, rule):
+    asm = _asm_text(ptx)
     rng = np.random.default_rng(0)
     for pos in range(4):
         for byte in range(256):
@@ -69,7 +80,7 @@ def test_ptx_unpacking_matches_the_portable_rule_on_every_byte():
             regs = run_ptx(asm, {"$4": sum(v << 8 * i for i, v in enumerate(bs))})
             lo = [(regs[f"${i // 2}"] >> 16 * (i % 2)) & 0xFFFF for i in range(4)]
             hi = [(regs[f"${2 + i // 2}"] >> 16 * (i % 2)) & 0xFFFF for i in range(4)]
-            assert lo == [_portable(v & 15) for v in bs] and hi == [_portable(v >> 4) for v in bs], (pos, byte)
+            assert lo == [rule(v & 15) for v in bs] and hi == [rule(v >> 4) for v in bs], (pos, byte)
 
 
 def test_the_portable_rule_is_e2m1_times_2_to_the_minus_14():
@@ -77,6 +88,29 @@ def test_the_portable_rule_is_e2m1_times_2_to_the_minus_14():
     vals = np.array([_portable(c) for c in range(16)], np.uint16).view(np.float16).astype(np.float64) * 2.0**14
     want = np.asarray(formats.get("float4_e2m1fn").decode(np.arange(16, dtype=np.uint8)), np.float64)
     assert np.array_equal(vals, want) and np.array_equal(np.signbit(vals), np.signbit(want))
+
+
+def test_the_bf16_rule_times_the_e8m0_factors_is_e2m1_times_the_scale():
+    """``_mx_tile_bf16``'s arithmetic: bfloat16 E2M1 x 2**-126 times 2**a times 2**b (a = (c - 1) >> 1, b = c - 1 - a)
+    equals E2M1 x 2**(c - 127) for every code pair, exactly (float32 products of bfloat16 values with float32's
+    exponent range: each product is a power-of-two scaling of a value with 2 significant bits, so exact unless it
+    overflows, which the float32 route does as well); code 0xFF gives NaN."""
+    e2m1 = np.asarray(formats.get("float4_e2m1fn").decode(np.arange(16, dtype=np.uint8)), np.float64)
+    for c in range(256):
+        e = c - 1
+        a = e >> 1
+        fa = _bf16_value((a + 127) << 7)
+        fb = float("nan") if c == 255 else _bf16_value((e - a + 127) << 7)
+        for n in range(16):
+            with np.errstate(over="ignore", invalid="ignore"):
+                got = np.float32(np.float32(_bf16_value(_portable_bf16(n))) * np.float32(fa)) * np.float32(fb)
+            want = e2m1[n] * 2.0 ** (c - 127)
+            if c == 255:
+                assert np.isnan(got)
+            elif abs(want) < 3.4e38:
+                assert got == want and np.signbit(got) == np.signbit(want), (c, n)
+            else:
+                assert np.isinf(got) and np.sign(got) == np.sign(want), (c, n)
 
 
 def test_a_planted_lut_error_is_caught():

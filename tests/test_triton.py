@@ -138,6 +138,31 @@ def test_ptx_unpacking_equals_the_portable_one(pair, precision):
     assert (np.abs(out_ptx - ref_out) <= tol_o).all()
 
 
+@pytest.mark.skipif(not GPU, reason="inline PTX runs on a CUDA device only (the interpreter takes the portable path)")
+@pytest.mark.parametrize("pair", [PAIRS[5], PAIRS[6]], ids=[IDS[5], IDS[6]])
+def test_bf16_e8m0_tiles_are_exact_at_extreme_scale_codes(pair):
+    """Fast-mode E8M0 tiles built in bfloat16 (PTX unpacking, two power-of-two multiplies) equal the float32
+    route bit for bit where bfloat16 subnormals and large exponents occur: block scale codes 0, 1, 2 (E2M1 x
+    2**-127 ... : bfloat16 subnormal products) and 150 planted in K and V."""
+    if getattr(torch.version, "hip", None):
+        pytest.skip("CUDA only")
+    rng = np.random.default_rng(23)
+    cache, _ = build_cache(pair, BIG, rng)
+    for side in (cache.k, cache.v):
+        if side.scheme.name not in ("fp4_e2m1", "mxfp4"):  # E8M0 block scales only
+            continue
+        sc = side.storage["scales"]
+        flat = sc.reshape(-1)
+        idx = rng.choice(flat.size, size=min(flat.size, 4000), replace=False)
+        flat[idx] = rng.choice(np.array([0, 1, 2, 150], dtype=flat.dtype), size=idx.size)
+    q = torch.from_numpy(rng.standard_normal((BIG["batch"], BIG["q_heads"], BIG["head_dim"])).astype(np.float32))
+    cfg = dict(precision="fast", block_n=64, num_warps=2, num_stages=3)
+    out_int, lse_int, _ = _run_decode(cache, q, ptx_unpack=False, **cfg)
+    out_ptx, lse_ptx, _ = _run_decode(cache, q, ptx_unpack=True, **cfg)
+    assert np.isfinite(out_int).all()
+    assert np.array_equal(out_ptx, out_int) and np.array_equal(lse_ptx, lse_int)
+
+
 @pytest.mark.parametrize("precision", ["fast", "exact"])
 def test_tolerance_catches_a_planted_scale_exponent_off_by_one(precision):
     """An E8M0 block scale one power of two too large, in one block of one token: must fail the check."""
