@@ -223,35 +223,55 @@ def write_case(label: str, tokens: int = 65536, kv_heads: int = 8, head_dim: int
     return timed(*write_setup(label, tokens, kv_heads, head_dim))
 
 
-def write_setup(label: str, tokens: int = 65536, kv_heads: int = 8, head_dim: int = 128):
-    """(the write call to time, its record without times): pages in random order, bf16 input."""
+def write_inputs(label: str, tokens: int = 65536, kv_heads: int = 8, head_dim: int = 128, side: str = "k",
+                 seed: int = 0, device: str = "cuda"):
+    """(the cache side to write, x, slot mapping, the record without times) of one quantize-on-write row:
+    bf16 input, pages of 32 slots in random order (KIVI: consecutive slots, keys in whole groups); ``side``:
+    "k" or "v" (KIVI keys and values differ; the other schemes are the same on both sides)."""
     import torch
 
+    from kvqref import schemes
     from kvqref.backends import triton_backend as tb
 
-    shape = (1, kv_heads, kv_heads, head_dim, tokens)
-    dc, ks, _ = make_cache(label, shape, 32)
-    x = torch.randn(tokens, kv_heads, head_dim, device="cuda").to(torch.bfloat16)
+    _, name, kopt, vopt = next(s for s in SCHEMES if s[0] == label)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        scheme = schemes.get(name, **(kopt if side == "k" else vopt))
+    params = {}
+    if name.startswith("fp8"):
+        params = {"scale": np.float32(6.0 / 448.0)}
+    elif name == "nvfp4":
+        params = {"global_scale": np.float32(6.0 / 2688.0)}
+    page = 32
+    num_pages = tokens // page
+    table = torch.arange(num_pages, dtype=torch.int32)[None, :]
+    dc = tb.empty_device_cache(scheme, scheme, num_pages, page, kv_heads, head_dim, table,
+                               torch.tensor([tokens], dtype=torch.int32), k_params=params, v_params=params,
+                               device=device)
+    g = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(tokens, kv_heads, head_dim, device=device, generator=g).to(torch.bfloat16)
     slots = (
-        torch.randperm(tokens // 32, device="cuda").repeat_interleave(32) * 32
-        + torch.arange(tokens, device="cuda") % 32
+        torch.randperm(tokens // page, device=device, generator=g).repeat_interleave(page) * page
+        + torch.arange(tokens, device=device) % page
     )
     if label.endswith("kivi"):
-        slots = torch.arange(tokens, device="cuda")
-    nbytes = x.numel() * 2 + slots.numel() * 8 + tokens * side_bytes_per_token(ks, kv_heads, head_dim)
+        slots = torch.arange(tokens, device=device)
+    nbytes = x.numel() * 2 + slots.numel() * 8 + tokens * side_bytes_per_token(scheme, kv_heads, head_dim)
+    record = {"op": "write", "backend": "triton", "scheme": label + ("" if side == "k" else "-v"),
+              "tokens": tokens, "kv_heads": kv_heads, "head_dim": head_dim, "bytes": nbytes}
+    return dc.k if side == "k" else dc.v, x, slots, record
+
+
+def write_setup(label: str, tokens: int = 65536, kv_heads: int = 8, head_dim: int = 128):
+    """(the write call to time, its record without times): pages in random order, bf16 input."""
+    from kvqref.backends import triton_backend as tb
+
+    side, x, slots, record = write_inputs(label, tokens, kv_heads, head_dim)
 
     def fn():
-        tb.quantize_write(dc.k, x, slots, validate=False)
+        tb.quantize_write(side, x, slots, validate=False)
 
-    return fn, {
-        "op": "write",
-        "backend": "triton",
-        "scheme": label,
-        "tokens": tokens,
-        "kv_heads": kv_heads,
-        "head_dim": head_dim,
-        "bytes": nbytes,
-    }
+    return fn, record
 
 
 def run(quick: bool = False, out: Path | None = None) -> dict[str, Any]:
