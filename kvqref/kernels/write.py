@@ -64,11 +64,12 @@ def _div_by(a, b, r, STEPS: tl.constexpr):
     ``e = fma(q, b, -a)`` (exact), ``q = fma(-e, r, q)``. The signs are arranged so that -0.0 / b = -0.0.
 
     With ``r = RN(1/b)`` (:func:`_div`) the result is the IEEE quotient RN(a / b) when no intermediate
-    under/overflows (b in [DIV_LO, DIV_HI], |a / b| <= 2**20; below that a only matters when |a/b| rounds
-    to zero in every format): STEPS = 2 for any float32 ``a`` (after one step q is faithful, and then
-    Markstein's theorem: r within half an ulp of 1/b, q faithful => the corrected quotient is RN(a/b));
+    under/overflows: b in [DIV_LO, DIV_HI], |a / b| <= 2**20 and |a| >= 2**-100 (smaller dividends give
+    |a / b| < 2**-20, a zero code in every format, and keep their sign). STEPS = 2 for any float32 ``a``
+    (after one step q is faithful, and then Markstein's theorem: r within half an ulp of 1/b, q faithful =>
+    the corrected quotient is RN(a/b));
     STEPS = 1 when ``a`` has at most 8 significant bits (bfloat16 values), checked exhaustively over all
-    2**7 x 2**23 significand pairs (bench/proofs/markstein_bf16.py).
+    2**7 x 2**23 significand pairs (bench/proof_markstein.py).
     With any ``r`` within 2**-21 of 1/b and STEPS = 1, RN16(q) = RN16(a / b) when a and b are float16
     values (the KIVI divisions): q is within 2**-24 + 2**-40 of a/b, and a quotient of two 11-bit
     significands is either a float16 value or at least 2**-23 (relative) from every float16 midpoint.
