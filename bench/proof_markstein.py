@@ -7,7 +7,7 @@ is emulated with TwoSum), about 4 minutes on one core:
 
     python3 bench/proof_markstein.py [--bits 7] [--steps 1]
 
-``--bits 10`` checks float16 dividends (2**33 pairs, about 35 minutes). Output: bench/results/proof_markstein_bf16.txt.
+``--bits 10`` checks float16 dividends (2**33 pairs, about 35 minutes). Result: bench/results/proof_markstein_bf16.txt.
 """
 
 from __future__ import annotations
