@@ -247,42 +247,62 @@ def rotation_label(rotation: bool) -> str | None:
     return f"K {ROTATION_K}, V {ROTATION_V}" if rotation else None
 
 
+def write_inputs(label: str, tokens: int = 65536, kv_heads: int = 8, head_dim: int = 128, side: str = "k",
+                 seed: int = 0, device: str = "cuda", rotation: bool = False):
+    """(the cache side to write, x, slot mapping, the record without times) of one quantize-on-write row:
+    bf16 input, pages of 32 slots in random order (KIVI: consecutive slots, keys in whole groups); ``side``:
+    "k" or "v" (KIVI keys and values differ; the other schemes are the same on both sides); ``rotation``:
+    the side rotated (``ROTATION_K``/``ROTATION_V``; the rotation fused into the write kernel)."""
+    import torch
+
+    from kvqref import schemes
+    from kvqref.backends import triton_backend as tb
+
+    _, name, kopt, vopt = next(s for s in SCHEMES if s[0] == label)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        scheme = schemes.get(name, **(kopt if side == "k" else vopt),
+                             **((ROTATION_K if side == "k" else ROTATION_V) if rotation else {}))
+    params = {}
+    if name.startswith("fp8"):
+        params = {"scale": np.float32(6.0 / 448.0)}
+    elif name == "nvfp4":
+        params = {"global_scale": np.float32(6.0 / 2688.0)}
+    page = 32
+    num_pages = tokens // page
+    table = torch.arange(num_pages, dtype=torch.int32)[None, :]
+    dc = tb.empty_device_cache(scheme, scheme, num_pages, page, kv_heads, head_dim, table,
+                               torch.tensor([tokens], dtype=torch.int32), k_params=params, v_params=params,
+                               device=device)
+    g = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(tokens, kv_heads, head_dim, device=device, generator=g).to(torch.bfloat16)
+    slots = (
+        torch.randperm(tokens // page, device=device, generator=g).repeat_interleave(page) * page
+        + torch.arange(tokens, device=device) % page
+    )
+    if label.endswith("kivi"):
+        slots = torch.arange(tokens, device=device)
+    nbytes = x.numel() * 2 + slots.numel() * 8 + tokens * side_bytes_per_token(scheme, kv_heads, head_dim)
+    record = {"op": "write", "backend": "triton", "scheme": label + ("" if side == "k" else "-v"),
+              "tokens": tokens, "kv_heads": kv_heads, "head_dim": head_dim, "bytes": nbytes}
+    return dc.k if side == "k" else dc.v, x, slots, record
+
+
 def write_setup(label: str, tokens: int = 65536, kv_heads: int = 8, head_dim: int = 128, rotation: bool = False,
                 block_t: int | None = None):
     """(the write call to time, its record without times): pages in random order, bf16 input; ``rotation``:
     K rotated (the rotation fused into the write kernel); ``block_t``: tokens per program (default: the
     kernel's)."""
-    import torch
-
     from kvqref.backends import triton_backend as tb
 
-    shape = (1, kv_heads, kv_heads, head_dim, tokens)
-    dc, ks, _ = make_cache(label, shape, 32, rotation=rotation)
-    x = torch.randn(tokens, kv_heads, head_dim, device="cuda").to(torch.bfloat16)
-    slots = (
-        torch.randperm(tokens // 32, device="cuda").repeat_interleave(32) * 32
-        + torch.arange(tokens, device="cuda") % 32
-    )
-    if label.endswith("kivi"):
-        slots = torch.arange(tokens, device="cuda")
-    nbytes = x.numel() * 2 + slots.numel() * 8 + tokens * side_bytes_per_token(ks, kv_heads, head_dim)
+    side, x, slots, record = write_inputs(label, tokens, kv_heads, head_dim, rotation=rotation)
 
     kw = {} if block_t is None else {"block_t": block_t}
 
     def fn():
-        tb.quantize_write(dc.k, x, slots, validate=False, **kw)
+        tb.quantize_write(side, x, slots, validate=False, **kw)
 
-    return fn, {
-        "op": "write",
-        "backend": "triton",
-        "scheme": label,
-        "rotation": rotation_label(rotation),
-        "block_t": block_t,
-        "tokens": tokens,
-        "kv_heads": kv_heads,
-        "head_dim": head_dim,
-        "bytes": nbytes,
-    }
+    return fn, {**record, "rotation": rotation_label(rotation), "block_t": block_t}
 
 
 def run(quick: bool = False, out: Path | None = None) -> dict[str, Any]:

@@ -84,22 +84,18 @@ if __name__ == "__main__" and "--write" not in sys.argv:
 
 
 def tune_write(labels=("fp8_e4m3", "fp4_e2m1", "nvfp4", "int4_kivi")) -> None:
-    """Quantize-on-write time for a few tokens-per-program values (block_t) and warp counts."""
-    import torch
+    """Quantize-on-write time over tiles (BLOCK_T tokens x BLOCK_H heads per program) and warp counts, on the
+    decode_bench write rows' input (bench/ab_write.py --sweep does the same for every scheme and KIVI side)."""
+    from decode_bench import write_inputs
 
     from kvqref.backends import triton_backend as tb
 
     for label in labels:
-        dc, _, _ = make_cache(label, (1, 8, 8, 128, 65536), 32)
-        x = torch.randn(65536, 8, 128, device="cuda").to(torch.bfloat16)
-        slots = torch.arange(65536, device="cuda")
-        for bt in (16, 32, 64, 128):
-            if label.endswith("kivi") and bt != 32:
-                continue
-            for nw in (1, 2, 4, 8):
-                launch = tb.plan_write(dc.k, x, slots, block_t=bt)
-                launch.options = {"num_warps": nw}
-                print("write", label, bt, nw, f"{bench_ms(launch) * 1e3:.1f}", flush=True)
+        side, x, slots, _ = write_inputs(label)
+        tiles = [(32, 1), (32, 2)] if label.endswith("kivi") else [(1, 8), (2, 8), (4, 8), (8, 8), (16, 1), (32, 1)]
+        for (bt, bh), nw in itertools.product(tiles, (2, 4, 8)):
+            launch = tb.plan_write(side, x, slots, block_t=bt, block_h=bh, num_warps=nw)
+            print("write", label, bt, bh, nw, f"{bench_ms(launch) * 1e3:.1f}", flush=True)
 
 
 if __name__ == "__main__" and "--write" in sys.argv:

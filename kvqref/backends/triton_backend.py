@@ -291,8 +291,41 @@ def _check_rotated_input(side: Side, x, rdt: int) -> None:
         raise ValueError(f"{side.scheme.name}: the rotated values overflow {md}")
 
 
-def plan_write(side: Side, x, slot_mapping, *, block_t: int = 32):
-    """The launch of :func:`quantize_write` (checked on the host first)."""
+#: tuned write launch (bench/ab_write.py on the H100): elements per program and warps; KIVI keys take the
+#: group size G as BLOCK_T and one head per program
+WRITE_TILE_ELEMS = 4096
+WRITE_WARPS = 4
+WRITE_MAX_BLOCK_H = 8
+
+
+def write_tile(kind: str, kv_heads: int, head_dim: int, group: int = 1) -> tuple[int, int]:
+    """(BLOCK_T, BLOCK_H) of the write kernel: all heads of a token in one program where they fit (rows
+    of one slot are consecutive in the cache), about WRITE_TILE_ELEMS elements per program."""
+    if kind == "int_k":
+        return group, 1
+    block_h = min(1 << max(kv_heads - 1, 0).bit_length(), WRITE_MAX_BLOCK_H)
+    return max(1, WRITE_TILE_ELEMS // (block_h * head_dim)), block_h
+
+
+def hardware_fp8_encode(device) -> bool:
+    """Whether the write kernel converts float32 to the OCP FP8 formats in hardware: NVIDIA sm_89+
+    (``cvt.rn.satfinite``, exact RNE; the kernel handles overflow and NaN). Not on ROCm, not in the
+    interpreter."""
+    torch = _torch()
+    from kvqref.kernels.codecs import INTERPRET
+
+    if INTERPRET or not (hasattr(device, "type") and device.type == "cuda") or getattr(torch.version, "hip", None):
+        return False
+    return torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def plan_write(side: Side, x, slot_mapping, *, block_t: int | None = None, block_h: int | None = None,
+               num_warps: int | None = None, hw_fp8: bool | None = None, f16_cvt: bool = False):
+    """The launch of :func:`quantize_write` (checked on the host first). ``block_t``/``block_h``/``num_warps``:
+    the tile and warps (default :func:`write_tile`, WRITE_WARPS; KIVI keys always take BLOCK_T = G);
+    ``hw_fp8``: OCP FP8 codes by the hardware conversion (default: :func:`hardware_fp8_encode` of x's
+    device); ``f16_cvt``: KIVI/float16 roundings by conversion instructions instead of float arithmetic
+    (same bits; for timing)."""
     import triton
 
     from kvqref.kernels.decode import KIND_IDS, Launch
@@ -322,34 +355,44 @@ def plan_write(side: Side, x, slot_mapping, *, block_t: int = 32):
     strides: list[int] = []
     for t in fields:
         strides += [t.stride(0), t.stride(1)]
+    dt, dh = write_tile(cfg["kind"], kv_heads, head_dim, cfg.get("group", 1))
     if cfg["kind"] == "int_k":
-        block_t = cfg["group"]
+        block_t, block_h = dt, block_h or dh
         if n % block_t:
             raise ValueError(f"{side.scheme.name} keys are written in whole groups of {block_t} tokens, got {n}")
+    else:
+        block_t, block_h = block_t or dt, block_h or dh
     sc = side.tensor_scale
     if cfg.get("sglang") == 2:  # torch's x * (1 / s): the reciprocal rounded to float32 once, on the host
         sc = (1.0 / sc.double()).float()
+    hw = hardware_fp8_encode(x.device) if hw_fp8 is None else hw_fp8
     signs, c_d = sc, 1.0  # unused without rotation (any float32 pointer)
     if rotation is not None:
         signs, c_d = rotation_signs(rotation, head_dim, x.device), float(norm_f32(head_dim))
-    args = [x, slot_mapping, *fields, sc, n, x.stride(0), x.stride(1), *strides, signs, c_d]
+    args = [x, slot_mapping, *fields, sc, n, kv_heads, x.stride(0), x.stride(1), *strides, signs, c_d]
     cx = dict(KIND=KIND_IDS[cfg["kind"]], FMT=cfg.get("fmt", 0), SGLANG=int(cfg.get("sglang", 0)), QDT=qdt,
               SATURATE=bool(cfg.get("saturate", True)),
               TOKEN_SCALE=cfg.get("token_scale", False), QB=cfg.get("block", 16), G=cfg.get("group", 1),
-              BITS=cfg.get("bits", 8), D=head_dim, BLOCK_T=block_t, ROTATE=rotation is not None, RDT=rdt)
+              BITS=cfg.get("bits", 8), D=head_dim, BLOCK_T=block_t, BLOCK_H=block_h,
+              HW_FP8=bool(hw and cfg.get("fmt", 0) in (0, 1)), F16_CVT=bool(f16_cvt),
+              ROTATE=rotation is not None, RDT=rdt)
     # rotated: no FP contraction anywhere in the kernel, so the float32 rotation is the oracle's bit for bit
     # whatever consumes it (docs/rotation.md; the butterflies themselves hold no multiply to contract)
-    options = {"enable_fp_fusion": False} if rotation is not None else {}
-    return Launch(quantize_write_kernel, (triton.cdiv(n, block_t), kv_heads), args, cx, options)
+    options = {"num_warps": num_warps or WRITE_WARPS}
+    if rotation is not None:
+        options["enable_fp_fusion"] = False
+    grid = (triton.cdiv(n, block_t), triton.cdiv(kv_heads, block_h))
+    return Launch(quantize_write_kernel, grid, args, cx, options)
 
 
-def quantize_write(side: Side, x, slot_mapping, *, block_t: int = 32, validate: bool = True) -> None:
+def quantize_write(side: Side, x, slot_mapping, *, validate: bool = True, **launch: Any) -> None:
     """Quantize ``x`` [tokens, kv_heads, D] into ``side``'s fields at ``slot_mapping`` [tokens] (int64;
     -1 skips a token), in place, with the scheme's exact rounding (bytes equal the oracle's). KIVI keys:
     tokens come in whole, slot-consecutive groups of G. E2M1 and KIVI schemes reject NaN/Inf input;
     ``validate=False`` skips that check (a reduction and a device sync) in a serving loop. A rotated scheme:
     the kernel rotates each (token, head) vector first (the bytes of ``RotatedScheme.quantize``); NaN/Inf
-    input and rotated values that overflow are rejected as the oracle rejects them."""
+    input and rotated values that overflow are rejected as the oracle rejects them. ``launch``: the launch
+    options of :func:`plan_write`."""
     torch = _torch()
     needs_finite = isinstance(side.codec, (E8M0BlockScheme, NVFP4Scheme, KiviScheme))
     if validate and rotation_of(side.scheme) is not None and x.dim() == 3:
@@ -358,10 +401,10 @@ def quantize_write(side: Side, x, slot_mapping, *, block_t: int = 32, validate: 
         raise ValueError(f"{side.scheme.name}: input holds NaN or Inf")
     if validate and side.params:  # the scales the kernel divides by: once per call, on the host
         side.scheme.check_params(side.params, x.shape[1] if x.dim() == 3 else None)
-    launch = plan_write(side, x, slot_mapping, block_t=block_t)
-    if validate and launch.constexprs["SGLANG"] == 1 and launch.constexprs["QDT"] == QDT_IDS["float16"]:
+    plan = plan_write(side, x, slot_mapping, **launch)
+    if validate and plan.constexprs["SGLANG"] == 1 and plan.constexprs["QDT"] == QDT_IDS["float16"]:
         s16 = side.tensor_scale.to(torch.float16)
         if not (torch.isfinite(s16).all() and (s16 > 0).all()):
             raise ValueError(f"{side.scheme.name}: a scale is 0 or Inf in float16, which SGLang's division in "
                              "the model dtype turns into NaN/Inf")
-    launch()
+    plan()

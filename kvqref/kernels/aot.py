@@ -147,7 +147,10 @@ def _launches(target: str, cases: list | None = None, page: int = 16) -> list[tu
             side = dc.k if opts.get("role") == "key" else dc.v
             x = torch.zeros(16, 2, 128, dtype=getattr(torch, opts.get("model_dtype", "bfloat16")))  # QDT, X type
             label = name + "".join(f"-{v}" for v in opts.values())
-            out.append((f"write[{label}]", tb.plan_write(side, x, torch.arange(16))))
+            hw = target.startswith("cuda")  # OCP FP8 codes by the sm_89+ conversion instruction
+            out.append((f"write[{label}]", tb.plan_write(side, x, torch.arange(16), hw_fp8=hw)))
+            if "kivi" in name:  # float16 roundings by conversion instructions (plan_write's f16_cvt)
+                out.append((f"write[{label},f16cvt]", tb.plan_write(side, x, torch.arange(16), f16_cvt=True)))
     return out + [(name, shared[name]) for name in SHARED_KERNELS if name in shared]
 
 

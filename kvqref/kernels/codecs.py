@@ -32,13 +32,20 @@ FMT_IDS: dict[str, int] = {
 
 
 @triton.jit
-def encode_f32(x, FMT: tl.constexpr, SATURATE: tl.constexpr):
-    """float32 -> code (int32), round to nearest, ties to even, from the bits of ``x``.
+def encode_f32(x, FMT: tl.constexpr, SATURATE: tl.constexpr, HW: tl.constexpr = False):
+    """float32 -> code (int32), round to nearest, ties to even.
 
     ``SATURATE``: finite overflow and +-Inf give +-max finite; otherwise Inf (E5M2) or the NaN code.
     NaN gives the format's canonical NaN (E4M3FN 0x7F|sign, E5M2 0x7E|sign, FNUZ 0x80); E2M1 always
-    saturates (NaN input is rejected on the host).
+    saturates (NaN input is rejected on the host). FP8 codes come from the bits of ``x`` (integer
+    operations) unless ``HW``: NVIDIA sm_89+ conversion (``cvt.rn.satfinite``) for the OCP formats
+    (FMT 0, 1), whose input must be finite or NaN (the caller clamps Inf away); its saturation and NaN
+    are overridden to the rules above. E2M1 (FMT 4) uses :func:`encode_e2m1`.
     """
+    if FMT == 4:
+        return encode_e2m1(x, True)
+    if HW:
+        return _encode_fp8_hw(x, FMT, SATURATE)
     EBITS: tl.constexpr = 4 if FMT == 0 or FMT == 2 else (5 if FMT == 1 or FMT == 3 else 2)
     MBITS: tl.constexpr = 3 if FMT == 0 or FMT == 2 else (2 if FMT == 1 or FMT == 3 else 1)
     BIAS: tl.constexpr = 7 if FMT == 0 else (15 if FMT == 1 else (8 if FMT == 2 else (16 if FMT == 3 else 1)))
@@ -65,7 +72,7 @@ def encode_f32(x, FMT: tl.constexpr, SATURATE: tl.constexpr):
     q = q + up.to(tl.int32)
     mag = ((ec - EMIN) << MBITS) + q
     over = (mag > MAXC) | isinf
-    if SATURATE or FMT == 4:
+    if SATURATE:
         mag = tl.where(over, MAXC, mag)
     elif FMT == 1:
         mag = tl.where(over, ALL - ((1 << MBITS) - 1), mag)  # Inf: top exponent, mantissa 0
@@ -76,8 +83,6 @@ def encode_f32(x, FMT: tl.constexpr, SATURATE: tl.constexpr):
     if FMT == 2 or FMT == 3:
         code = tl.where(neg & (mag != 0), mag | SIGN, mag)  # no negative zero; 0x80|0x80 stays NaN
         code = tl.where(isnan, SIGN, code)
-    elif FMT == 4:
-        code = tl.where(neg, mag | SIGN, mag)
     else:
         code = tl.where(neg, mag | SIGN, mag)
         if FMT == 1:
@@ -192,3 +197,73 @@ def hadamard_rows(x, ROWS: tl.constexpr, D: tl.constexpr):
             a, b = tl.split(x4)
             x = tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 1, 3, 2)), (ROWS, D))
     return x
+
+
+@triton.jit
+def encode_e2m1(x, CLAMP: tl.constexpr):
+    """float32 -> E2M1 code (int32): round to nearest, ties to even, saturating to +-6, the sign bit from
+    ``x`` (-0.0 gives 0x8). ``CLAMP``: any input (NaN -> +-6); without it |x| must be below 2**100.
+
+    Float arithmetic: ``a = min(|x|, 8)``; ``M = 2**(max(floor(log2 a), 0) + 22)`` has ulp equal to the
+    E2M1 spacing at ``a`` (0.5 below 2, 1 in [2, 4), 2 in [4, 8)), so ``t = a + M`` rounds ``a`` to the
+    E2M1 grid (one IEEE addition, ties to even: the code's parity is the grid index's), ``t``'s bits hold
+    ``M``'s exponent (2 E + 298 in bits 22+) and the grid index ``k`` (low bits); the code is
+    ``k + 2 E``, capped at 7. Checked against the integer encoder on every float32 below 2**4 and random
+    others (tests/test_write_arith.py).
+    """
+    a = tl.abs(x)
+    if CLAMP:
+        a = tl.minimum(a, 8.0)
+    m = tl.maximum((a.to(tl.int32, bitcast=True) & 0x7F800000) + (22 << 23), 0x3F800000 + (22 << 23))
+    t = (a + m.to(tl.float32, bitcast=True)).to(tl.int32, bitcast=True)
+    code = tl.minimum(t - (t >> 22) * ((1 << 22) - 1) - 298, 7)
+    return code | ((x.to(tl.int32, bitcast=True) >> 28) & 8)
+
+
+@triton.jit
+def _encode_fp8_hw(x, FMT: tl.constexpr, SATURATE: tl.constexpr):
+    """OCP FP8 code of a finite-or-NaN float32 by the hardware conversion (RNE, saturating to max
+    finite); non-saturating overflow moves the saturated code one step up (E4M3FN: 0x7E -> NaN 0x7F,
+    E5M2: 0x7B -> Inf 0x7C, sign kept): overflow is |x| > 464 (E4M3FN) or |x| >= 61440 (E5M2), the first
+    values that round past max finite; NaN gives the positive canonical NaN code of the integer encoder
+    (GPU arithmetic returns NaN without its sign)."""
+    if FMT == 0:
+        c = x.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True).to(tl.int32)
+    else:
+        c = x.to(tl.float8e5, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True).to(tl.int32)
+    if not SATURATE:
+        if FMT == 0:
+            c = c + (tl.abs(x) > 464.0).to(tl.int32)
+        else:
+            c = c + (tl.abs(x) >= 61440.0).to(tl.int32)
+    return tl.where(x != x, 0x7F if FMT == 0 else 0x7E, c)
+
+
+@triton.jit
+def round_f16(x, CVT: tl.constexpr = False):
+    """float32 rounded to float16 (nearest, ties to even, subnormals included) and back, for finite |x| <
+    65520 (what float16 holds: the callers' inputs are range-checked); -0.0 stays -0.0.
+
+    ``CVT``: by the conversion instructions. Otherwise by float arithmetic: ``M = 2**(max(floor(log2|x|),
+    -14) + 13)`` has ulp equal to float16's spacing at ``|x|``, so ``(|x| + M) - M`` is |x| rounded (ties
+    to even) exactly; the sign bit is put back.
+    """
+    if CVT:
+        return x.to(tl.float16).to(tl.float32)
+    else:
+        u = x.to(tl.int32, bitcast=True)
+        a = tl.abs(x)
+        m = tl.maximum((u & 0x7F800000) + (13 << 23), 0x38800000 + (13 << 23)).to(tl.float32, bitcast=True)
+        r = (a + m) - m
+        return (r.to(tl.int32, bitcast=True) | (u & -2147483648)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def round_f16_nonneg(x, CVT: tl.constexpr = False):
+    """:func:`round_f16` for x >= 0 (+0.0 included): one integer operation fewer."""
+    if CVT:
+        return x.to(tl.float16).to(tl.float32)
+    else:
+        m = tl.maximum((x.to(tl.int32, bitcast=True) & 0x7F800000) + (13 << 23), 0x38800000 + (13 << 23))
+        m = m.to(tl.float32, bitcast=True)
+        return (x + m) - m

@@ -1,0 +1,155 @@
+"""The write kernel's arithmetic shortcuts against their definitions, value by value (interpreter or GPU):
+the E2M1 encoder and float16 rounding by float arithmetic, and quotients by reciprocal and FMA correction.
+
+The exhaustive proofs are elsewhere (bench/proof_markstein.py; on a GPU bench/ab_write.py also checks the
+hardware FP8 conversion on every float32); these tests pin the Triton code itself on every bfloat16 bit
+pattern plus random float32 values.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvqref import formats
+
+torch = pytest.importorskip("torch")
+triton = pytest.importorskip("triton")
+tl = triton.language
+
+from kvqref.kernels import write as w  # noqa: E402
+from kvqref.kernels.codecs import encode_e2m1, encode_f32, round_f16, round_f16_nonneg  # noqa: E402
+
+GPU = torch.cuda.is_available()
+DEVICE = "cuda" if GPU else "cpu"
+pytestmark = pytest.mark.gpu if GPU else pytest.mark.interpret
+
+
+@triton.jit
+def _unary_kernel(X, OUT, n, OP: tl.constexpr, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = i < n
+    x = tl.load(X + i, mask=m, other=0.0)
+    if OP == 0:
+        y = encode_e2m1(x, True)
+    elif OP == 1:
+        y = encode_e2m1(x, False)
+    elif OP == 2:
+        y = round_f16(x).to(tl.int32, bitcast=True)
+    elif OP == 3:
+        y = round_f16_nonneg(x).to(tl.int32, bitcast=True)
+    else:
+        y = encode_f32(x, 4, True)
+    tl.store(OUT + i, y, mask=m)
+
+
+@triton.jit
+def _div_kernel(A, B, OUT, n, STEPS: tl.constexpr, APPROX: tl.constexpr, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = i < n
+    a = tl.load(A + i, mask=m, other=1.0)
+    b = tl.load(B + i, mask=m, other=1.0)
+    if APPROX:
+        r = 1.0 / b
+    else:
+        r = tl.math.div_rn(tl.full((BLOCK,), 1.0, tl.float32), b)
+    tl.store(OUT + i, w._div_by(a, b, r, STEPS), mask=m)
+
+
+def _run(kernel, *arrays, **cx):
+    n = arrays[0].size
+    ins = [torch.from_numpy(np.ascontiguousarray(a)).to(DEVICE) for a in arrays]
+    out = torch.empty(n, dtype=torch.int32 if kernel is _unary_kernel else torch.float32, device=DEVICE)
+    block = 1 << 14
+    kernel[(triton.cdiv(n, block),)](*ins, out, n, BLOCK=block, **cx)
+    return out.cpu().numpy()
+
+
+def _bf16_patterns() -> np.ndarray:
+    """Every bfloat16 bit pattern as float32 (NaN and Inf included)."""
+    return (np.arange(65536, dtype=np.uint32) << 16).view(np.float32)
+
+
+def _random_f32(rng, n: int, lo: int, hi: int) -> np.ndarray:
+    """Random float32 with random significands and exponents in [lo, hi], both signs."""
+    sig = rng.integers(0, 1 << 23, n, dtype=np.uint32)
+    ex = rng.integers(lo + 127, hi + 128, n).astype(np.uint32)
+    sign = rng.integers(0, 2, n, dtype=np.uint32) << 31
+    return (sign | (ex << 23) | sig).view(np.float32)
+
+
+def test_e2m1_encoder_equals_the_oracle_codec():
+    """encode_e2m1 (float arithmetic) against the oracle's E2M1 encoding (saturating) on every bfloat16
+    pattern, every float32 in [0, 8) with a 10-bit grid, the E2M1 ties, and random float32."""
+    rng = np.random.default_rng(0)
+    ties = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 7.0], np.float32)
+    dense = (np.arange(8 << 10, dtype=np.float32) / (1 << 10))
+    x = np.concatenate([_bf16_patterns(), dense, -dense, ties, -ties, np.nextafter(ties, 0), np.nextafter(ties, 9),
+                        _random_f32(rng, 1 << 15, -30, 100), np.array([-0.0, 0.0], np.float32)])
+    e2m1 = formats.get("float4_e2m1fn")
+    finite = np.isfinite(x)
+    want = e2m1.encode(np.where(finite, x, np.copysign(np.float32(6.0), x)), saturate=True).astype(np.int32)
+    got = _run(_unary_kernel, x.astype(np.float32), OP=0)
+    assert np.array_equal(got, want), x[got != want][:8]
+    assert np.array_equal(_run(_unary_kernel, x, OP=4), want)  # encode_f32(FMT=4) is the same rule
+    small = np.abs(x) < 2.0**100
+    got_nc = _run(_unary_kernel, x[small], OP=1)  # no clamp: |x| < 2**100
+    assert np.array_equal(got_nc, want[small])
+
+
+def test_float16_rounding_equals_numpy():
+    """round_f16 / round_f16_nonneg (float arithmetic) against NumPy's float32 -> float16 cast (RNE,
+    subnormals) on every bfloat16 pattern below 65520 and random float32 over float16's range."""
+    rng = np.random.default_rng(1)
+    x = np.concatenate([_bf16_patterns(), _random_f32(rng, 1 << 16, -30, 15), np.array([-0.0, 0.0], np.float32)])
+    x = x[np.isfinite(x) & (np.abs(x) < 65520)].astype(np.float32)
+    want = x.astype(np.float16).astype(np.float32).view(np.int32)
+    got = _run(_unary_kernel, x, OP=2)
+    assert np.array_equal(got, want), x[got != want][:8]
+    pos = x[np.signbit(x) == 0]
+    assert np.array_equal(_run(_unary_kernel, pos, OP=3), pos.astype(np.float16).astype(np.float32).view(np.int32))
+
+
+def _exact_quotient(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """RN32(a / b): the float64 quotient is never within 2**-53 of a float32 midpoint (a / b is not a 25-bit
+    number), so rounding it to float32 rounds the exact quotient."""
+    return (a.astype(np.float64) / b.astype(np.float64)).astype(np.float32)
+
+
+def test_quotient_by_reciprocal_equals_ieee_division():
+    """_div_by: one step for bfloat16 dividends (every bfloat16 value against random divisors), two steps for
+    float32 dividends; quotients within the kernel's domain (|a / b| <= 2**20, normal)."""
+    rng = np.random.default_rng(2)
+    xb = _bf16_patterns()
+    xb = xb[np.isfinite(xb)]
+    a = np.tile(xb, 4)
+    b = _random_f32(rng, a.size, -60, 60)
+    b = np.abs(b)
+    want = _exact_quotient(a, b)
+    # dividends >= 2**-100 (the remainder stays normal): bit-exact; smaller ones (quotient < 2**-20 for
+    # divisors >= 2**-80, a zero code in every format): the sign and the magnitude class are kept
+    inside = (np.abs(want) <= 2.0**20) & (np.abs(want) >= 2.0**-126) & (np.abs(a) >= 2.0**-100) | (a == 0)
+    got = _run(_div_kernel, a, b, STEPS=1, APPROX=False)
+    assert np.array_equal(got[inside].view(np.int32), want[inside].view(np.int32))
+    tiny = np.abs(a) < 2.0**-100
+    assert (np.signbit(got[tiny]) == np.signbit(want[tiny])).all() and (np.abs(got[tiny]) < 2.0**-20).all()
+    a32 = _random_f32(rng, 1 << 17, -40, 40)
+    b32 = np.abs(_random_f32(rng, 1 << 17, -40, 40))
+    want = _exact_quotient(a32, b32)
+    inside = (np.abs(want) <= 2.0**20) & (np.abs(want) >= 2.0**-126) & (np.abs(a32) >= 2.0**-100)
+    got = _run(_div_kernel, a32, b32, STEPS=2, APPROX=False)
+    assert np.array_equal(got[inside].view(np.int32), want[inside].view(np.int32))
+
+
+def test_float16_quotient_with_approximate_reciprocal():
+    """The KIVI division: RN16(_div_by(d, s, ~1/s, 1)) == RN16(d / s) for float16 d >= 0 and s > 0 (every
+    positive float16 d against random float16 divisors; the reciprocal perturbed by up to 2**-21)."""
+    rng = np.random.default_rng(3)
+    d = np.arange(0x7C00, dtype=np.uint16).view(np.float16).astype(np.float32)  # 0 .. 65504
+    d = np.tile(d, 4)
+    s = np.abs(rng.standard_normal(d.size) * 2.0 ** rng.integers(-20, 8, d.size)).astype(np.float16)
+    s = np.where(s == 0, np.float16(1), s).astype(np.float32)
+    want = (d.astype(np.float64) / s.astype(np.float64)).astype(np.float16)
+    ok = np.isfinite(want)
+    got = _run(_div_kernel, d, s, STEPS=1, APPROX=True).astype(np.float16)
+    assert np.array_equal(got[ok].view(np.uint16), want[ok].view(np.uint16))
