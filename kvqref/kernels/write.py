@@ -64,9 +64,18 @@ def _div(a, b):
 
 
 @triton.jit
+def _neg(x):
+    """-x for float32, the sign bit flipped for zeros too (-(+0.0) = -0.0), on every Triton version: Triton <= 3.6
+    compiles unary ``-x`` to ``0.0 - x`` (PTX ``sub.f32``), which gives +0.0 for x = +0.0; newer versions emit
+    ``fneg``. A product with -1.0 is exact, and LLVM turns it into ``fneg`` (PTX ``neg.f32``)."""
+    return x * -1.0
+
+
+@triton.jit
 def _div_by(a, b, r, STEPS: tl.constexpr):
     """a / b from ``r`` ~ 1 / b with fused multiply-adds: ``q = a r``, then STEPS times
-    ``e = fma(q, b, -a)`` (exact), ``q = fma(-e, r, q)``. The signs are arranged so that -0.0 / b = -0.0.
+    ``e = fma(q, b, -a)`` (exact), ``q = fma(-e, r, q)``. The signs are arranged so that -0.0 / b = -0.0, which
+    needs a negation that flips the sign of +0.0 (:func:`_neg`: Triton 3.6's unary minus does not).
 
     With ``r = RN(1/b)`` (:func:`_div`) the result is the IEEE quotient RN(a / b) when no intermediate
     under/overflows: b in [DIV_LO, DIV_HI], |a / b| <= 2**20 and |a| >= 2**-100 (smaller dividends give
@@ -81,8 +90,8 @@ def _div_by(a, b, r, STEPS: tl.constexpr):
     """
     q = a * r
     for _ in tl.static_range(STEPS):
-        e = tl.fma(q, b, -a)
-        q = tl.fma(-e, r, q)
+        e = tl.fma(q, b, _neg(a))
+        q = tl.fma(_neg(e), r, q)
     return q
 
 
