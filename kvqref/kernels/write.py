@@ -84,6 +84,28 @@ def _round_dt(x, DT: tl.constexpr):
 
 
 @triton.jit
+def _signed_zero_min_max(x, mn_mask, AXIS: tl.constexpr):
+    """(min, max) of ``x`` over ``AXIS`` (rows where ``mn_mask`` is False left out, if given) with -0.0 < +0.0,
+    as the oracle's ``kivi.signed_zero_min_max``: a zero minimum is -0.0 iff a -0.0 is present, a zero maximum
+    +0.0 iff a +0.0 is present."""
+    big = 65504.0 * 4
+    neg = x.to(tl.int32, bitcast=True) < 0
+    zero = x == 0
+    if mn_mask is None:
+        mn = tl.min(x, AXIS)
+        mx = tl.max(x, AXIS)
+    else:
+        mn = tl.min(tl.where(mn_mask, x, big), AXIS)
+        mx = tl.max(tl.where(mn_mask, x, -big), AXIS)
+        zero = zero & mn_mask
+    neg0 = tl.max((zero & neg).to(tl.int32), AXIS)
+    pos0 = tl.max((zero & (neg == 0)).to(tl.int32), AXIS)
+    mn = tl.where(mn == 0, (neg0 << 31).to(tl.float32, bitcast=True), mn)
+    mx = tl.where(mx == 0, ((1 - pos0) << 31).to(tl.float32, bitcast=True), mx)
+    return mn, mx
+
+
+@triton.jit
 def _kivi_quant(x16, mn, mx, MAXINT: tl.constexpr):
     """KIVI in float16: scale = f16(f16(mx - mn) / MAXINT); q = rint(clamp(f16(f16(x - mn) / scale)));
     scale 0 (constant group) gives code 0."""
@@ -180,8 +202,7 @@ def quantize_write_kernel(
         if KIND == 4:
             NG: tl.constexpr = D // G
             xg = tl.reshape(x16, (BLOCK_T, NG, G))
-            mn = tl.min(xg, 2)
-            mx = tl.max(xg, 2)
+            mn, mx = _signed_zero_min_max(xg, mn_mask=None, AXIS=2)
             q, scale = _kivi_quant(xg, mn[:, :, None], mx[:, :, None], MAXINT)
             codes = tl.reshape(q, (BLOCK_T, D))
             ng = tl.arange(0, NG)
@@ -190,9 +211,7 @@ def quantize_write_kernel(
             tl.store(F2 + slot[:, None] * f2_s + h * f2_h + ng[None, :], mn.to(tl.float16), mask=m2)
         else:
             # one program = one whole group of G = BLOCK_T tokens in consecutive, G-aligned slots
-            big = 65504.0 * 4
-            mn = tl.min(tl.where(m2, x16, big), 0)
-            mx = tl.max(tl.where(m2, x16, -big), 0)
+            mn, mx = _signed_zero_min_max(x16, mn_mask=m2, AXIS=0)
             q, scale = _kivi_quant(x16, mn[None, :], mx[None, :], MAXINT)
             codes = q
             grp = tl.min(tl.where(tm, slot, 2**62), 0) // G
