@@ -36,7 +36,7 @@ def test_every_kernel_compiles_for_rocm_and_cuda_targets():
         # 2 precisions; + the merge kernel, q's rotation and the rotated merge; on CUDA + the inline-PTX FP4
         # unpacking of each FP4 case (``ptx_unpack``)
         ptx = sum("fp4" in c[1] + c[3] for c in DECODE_CASES) if t.startswith("cuda") else 0
-        # + fast-mode KIVI values without rows by group (``value_rows=False``)
+        # + fast-mode KIVI values in the value-row layout that is not the default (``value_rows``)
         rows_off = sum("kivi" in c[3] for c in DECODE_CASES)
         assert len(rows) == 2 * len(DECODE_CASES) + len(SHARED_KERNELS) + len(WRITE_CASES) + ptx + rows_off, t
         assert {r["kernel"] for r in rows} >= {*SHARED_KERNELS, "decode[fp8_e4m3+H]", "write[fp4_e2m1-hadamard-5]"}
