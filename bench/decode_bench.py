@@ -305,22 +305,31 @@ def write_setup(label: str, tokens: int = 65536, kv_heads: int = 8, head_dim: in
     return fn, {**record, "rotation": rotation_label(rotation), "block_t": block_t}
 
 
-def run(quick: bool = False, out: Path | None = None) -> dict[str, Any]:
-    """Every benchmark row; with ``out``, the document so far is rewritten after each row (``"partial":
-    true`` until the end), so a run cut short keeps what it measured."""
-    env = environment()
-    ceiling = bandwidth_ceiling_gbs()
-    results: list[dict[str, Any]] = []
+def emitter(env: dict[str, Any], ceiling: float, results: list[dict[str, Any]], out: Path | None):
+    """``emit(row)``: the row completed with the ceiling and its fraction (rows with GB/s), appended to
+    ``results``, printed as JSON, and with ``out`` the document so far written there (``"partial": true``)."""
 
     def emit(r: dict[str, Any]) -> None:
-        r["ceiling_gbs"] = ceiling
-        r["fraction_of_ceiling"] = r["gbs"] / ceiling
+        if "gbs" in r:
+            r["ceiling_gbs"] = ceiling
+            r["fraction_of_ceiling"] = r["gbs"] / ceiling
         results.append(r)
         print(json.dumps(r), flush=True)
         if out is not None:
             doc = {"environment": env, "ceiling_gbs": ceiling, "results": results, "partial": True,
                    "command": " ".join(["python3", *sys.argv])}
             out.write_text(json.dumps(doc, indent=1) + "\n")
+
+    return emit
+
+
+def run(quick: bool = False, out: Path | None = None) -> dict[str, Any]:
+    """Every benchmark row; with ``out``, the document so far is rewritten after each row (``"partial":
+    true`` until the end), so a run cut short keeps what it measured."""
+    env = environment()
+    ceiling = bandwidth_ceiling_gbs()
+    results: list[dict[str, Any]] = []
+    emit = emitter(env, ceiling, results, out)
 
     labels = [s[0] for s in SCHEMES]
 
@@ -354,17 +363,7 @@ def run_rotation(out: Path | None = None, rounds: int = 2) -> dict[str, Any]:
     env = environment()
     ceiling = bandwidth_ceiling_gbs()
     results: list[dict[str, Any]] = []
-
-    def emit(r: dict[str, Any]) -> None:
-        if "gbs" in r:
-            r["ceiling_gbs"] = ceiling
-            r["fraction_of_ceiling"] = r["gbs"] / ceiling
-        results.append(r)
-        print(json.dumps(r), flush=True)
-        if out is not None:
-            doc = {"environment": env, "ceiling_gbs": ceiling, "results": results, "partial": True,
-                   "command": " ".join(["python3", *sys.argv])}
-            out.write_text(json.dumps(doc, indent=1) + "\n")
+    emit = emitter(env, ceiling, results, out)
 
     shape = SHAPES[0]
     sdpa = sdpa_case(shape)

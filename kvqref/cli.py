@@ -118,6 +118,7 @@ def _cmd_eval_scales(args: argparse.Namespace) -> int:
     other = [f"--{k.replace('_', '-')}" for k in ("schemes", "json", "prompts", "gen_tokens", "passkey_tokens",
                                                    "depths") if getattr(args, k) is not None]
     other += [f"--{k}" for k in ("quick", "no_builtin") if getattr(args, k)]
+    other += ["--rotation"] if args.rotation != "none" else []
     if other:
         raise UsageError(f"{', '.join(other)}: not used with --scales (it writes --markdown OUT and a .json "
                          "beside it; more options: python -m kvqref.eval.scales --help)")

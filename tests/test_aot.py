@@ -38,7 +38,7 @@ def test_every_kernel_compiles_for_rocm_and_cuda_targets():
         ptx = sum("fp4" in c[1] + c[3] for c in DECODE_CASES) if t.startswith("cuda") else 0
         # + the KIVI write cases with float16 roundings by conversion instructions (``f16_cvt``)
         f16cvt = sum("kivi" in c[0] for c in WRITE_CASES)
-        # + fast-mode KIVI values without rows by group (``value_rows=False``)
+        # + fast-mode KIVI values in the value-row layout that is not the default (``value_rows``)
         rows_off = sum("kivi" in c[3] for c in DECODE_CASES)
         assert len(rows) == (2 * len(DECODE_CASES) + len(SHARED_KERNELS) + len(WRITE_CASES) + ptx + f16cvt
                              + rows_off), t

@@ -95,6 +95,11 @@ def test_cli_usage_errors_and_forwarding(tmp_path, capsys, monkeypatch):
     assert "--scales needs --markdown" in capsys.readouterr().err
     assert main(["eval", "--scales", "--markdown", str(tmp_path / "s.md"), "--schemes", "nvfp4", "--quick"]) == 2
     assert "--schemes, --quick: not used with --scales" in capsys.readouterr().err
+    assert main(["eval", "--scales", "--markdown", str(tmp_path / "s.md"), "--rotation", "both"]) == 2
+    assert "--rotation: not used with --scales" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # argparse: not one of none, hadamard, both
+        main(["eval", "--rotation", "sometimes"])
+    assert "invalid choice" in capsys.readouterr().err
     calls = []
     monkeypatch.setattr(scales, "main", lambda argv, command: calls.append((argv, command)) or 0)
     assert main(["eval", "--scales", "--markdown", "o.md", "--tokens", "64", "--text", "t.txt"]) == 0

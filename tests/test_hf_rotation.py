@@ -303,3 +303,19 @@ def test_container_of_another_seed_is_refused():
     assert stored.scheme == "fp4_e2m1" and stored.shape == q.shape
     for f in q.fields:
         np.testing.assert_array_equal(stored.fields[f], q.fields[f])
+
+
+@pytest.mark.parametrize("D", [2, 16, 32, 64, 128, 256])
+def test_torch_rotate_is_the_oracles_bit_for_bit(D):
+    """torch_backend.rotate (what the cache stores) = HadamardRotation.rotate bit for bit: exponents spread
+    over 2^-150 .. 2^40 (subnormal inputs and results included), both signs, zeros."""
+    from kvqref.backends import torch_backend
+
+    rng = np.random.default_rng(D)
+    x = (rng.standard_normal((64, 3, D)) * np.exp2(rng.integers(-150, 40, (64, 3, D)))).astype(np.float32)
+    x[0, 0, :2] = [0.0, -0.0]
+    assert (np.abs(x) < np.finfo(np.float32).tiny).any()
+    for seed in (0, 7, 2**64 - 1):
+        rot = HadamardRotation(seed)
+        got = torch_backend.rotate(torch.from_numpy(x), rot).numpy()
+        np.testing.assert_array_equal(got.view(np.uint32), rot.rotate(x).view(np.uint32))

@@ -818,3 +818,24 @@ def test_paged_cache_keeps_the_model_dtype():
     assert not np.array_equal(want, s.quantize(x32.astype(np.float32)).fields["codes"])
     with pytest.raises(ValueError, match="a model has one dtype"):
         cache.append(0, x32[:1].astype(ml_dtypes.bfloat16), x32[:1].astype(ml_dtypes.bfloat16))
+
+
+@pytest.mark.parametrize("role", ["key", "value"])
+def test_kivi_stored_min_of_signed_zeros_is_defined(role):
+    """A group of +-0 stores min -0.0 if it holds a -0.0 (ordering -0.0 < +0.0), whatever the order of its
+    elements, and a zero scale of +0.0; a group of +0.0 only stores +0.0."""
+    s = schemes.get("int4_kivi", role=role, group_size=32, residual=0)
+    for order in range(3):
+        x = np.zeros((32, 1, 32), np.float32)
+        g = x[:, 0, :] if role == "key" else x[0, 0, :]
+        g.reshape(-1)[order::3] = -0.0  # -0.0 at different positions
+        if role == "key":
+            x[:, 0, 1:] = 1.0  # other channels nonzero
+        else:
+            x[1:] = 1.0
+        q = s.quantize(x)
+        zero = q.fields["zero"].reshape(-1)[0]
+        scale = q.fields["scale"].reshape(-1)[0]
+        assert zero == 0 and np.signbit(zero) and scale == 0 and not np.signbit(scale), order
+    q = s.quantize(np.zeros((32, 1, 32), np.float32))
+    assert not np.signbit(q.fields["zero"]).any() and not np.signbit(q.fields["scale"]).any()

@@ -19,6 +19,7 @@ pytest.importorskip("triton")
 from kvqref import conformance  # noqa: E402
 from kvqref.backends import triton_backend as tb  # noqa: E402
 from kvqref.conformance import kv_tensor, triton_write_matches  # noqa: E402
+from kvqref.kernels.decode import default_value_rows  # noqa: E402
 
 GPU = torch.cuda.is_available()
 DEVICE = "cuda" if GPU else "cpu"
@@ -69,12 +70,16 @@ def _value_round(cache, Vs):
     return out
 
 
-def _oracle(cache, q64, precision="fast", qdtype="bfloat16", value_rows=True):
+def _oracle(cache, q64, precision="fast", qdtype="bfloat16", value_rows=None):
     """Oracle attention and the tolerance of ``precision`` (docs/kernels.md, "Precision"); ``value_rows``: the
     kernel folds KIVI value scales into p (the fast default), so the bound is taken against ``V - Z``."""
     Ks, Vs = zip(*(cache.dequantized(b) for b in range(cache.batch)), strict=True)
     out, lse = reference.attention(q64, Ks, Vs)
     fast = reference.fast_rounding(cache.k.scheme, cache.v.scheme, qdtype) if precision == "fast" else None
+    if value_rows is None:  # the kernel's default layout for this cache and query shape
+        v = cache.v.scheme
+        value_rows = isinstance(v, schemes.KiviScheme) and v.role == "value" and default_value_rows(
+            precision, "int_v", q64.shape[1] // cache.kv_heads, cache.head_dim, v.group_size)
     vr = _value_round(cache, Vs) if precision == "fast" and value_rows else None
     tol_o, tol_l = reference.kernel_tolerance(q64, Ks, Vs, fast=fast, K_round=conformance.kivi_key_round(cache, Ks),
                                               V_round=vr)

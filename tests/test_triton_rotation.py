@@ -114,9 +114,8 @@ WRITE_IDS = [f"{n}-{'-'.join(map(str, o.values()))}" for n, o in WRITE_CASES]
 
 def _write_input(rng: np.random.Generator, tokens: int, subnormal: bool = True) -> np.ndarray:
     """Write-check tokens (an all-zero token, E2M1 ties, deep underflow) plus a token with a 1e4 outlier and
-    (``subnormal``) one whose rotated values are float32 subnormals. KIVI cases leave the latter out: its float16
-    group is all +-0, whose min (the stored ``zero``) has no defined sign in the oracle (numpy's ``min``) nor the
-    kernel (``tl.min``), rotated or not."""
+    (``subnormal``) one whose rotated values are float32 subnormals (for KIVI a float16 group of mixed +-0, whose
+    stored min is defined by ordering -0.0 < +0.0: ``kivi.signed_zero_min_max``)."""
     x = conformance.write_input(rng, tokens)
     if subnormal:
         x[11, 1] = (x[11, 1].astype(np.float64) * 2.0**-128).astype(np.float32)
@@ -133,7 +132,7 @@ def test_rotated_write_bytes_equal_oracle(name, opts):
     """The write kernel's bytes equal ``RotatedScheme.quantize`` (through the paged cache) for every scheme,
     float32 input, compared as integers."""
     rng = np.random.default_rng(_seed(WRITE_IDS[WRITE_CASES.index((name, opts))]))
-    x = _write_input(rng, 256 if GPU else 64, subnormal="kivi" not in name)
+    x = _write_input(rng, 256 if GPU else 64)
     ok, detail = conformance.triton_write_matches(name, {**opts, **rot(5)}, x, max(16, opts.get("group_size", 1)),
                                                   rng)
     assert ok, f"{name} {opts}: {detail}"
@@ -148,7 +147,7 @@ def test_rotated_write_of_16_bit_inputs(name, opts, dtype):
     from kvqref.conformance import to_dtype_values
 
     rng = np.random.default_rng(len(name) + len(dtype))
-    x = to_dtype_values(_write_input(rng, 64 if GPU else 32, "kivi" not in name), dtype).astype(np.float32)
+    x = to_dtype_values(_write_input(rng, 64 if GPU else 32), dtype).astype(np.float32)
     ok, detail = conformance.triton_write_matches(name, {**opts, **rot(6)}, x, max(16, opts.get("group_size", 1)),
                                                   rng, dtype=dtype)
     assert ok, f"{name} {opts} {dtype}: {detail}"

@@ -129,11 +129,13 @@ def _launches(target: str, cases: list | None = None, page: int = 16) -> list[tu
                                              max_seq_len=40, num_splits=2, hw_formats=_hw_formats(target),
                                              ptx_unpack=True)
                 out.append((f"decode[{label},ptx]", split(launches)))
-            if "kivi" in vn:  # fast-mode KIVI values without rows by group (value_rows=False)
+            if "kivi" in vn:  # fast-mode KIVI values in the value-row layout that is not the default here
+                kw = dict(residual=residual, max_seq_len=40, num_splits=2, hw_formats=_hw_formats(target))
+                launches, _, _ = plan_decode(q, dc.k.tiles(), dc.v.tiles(), dc.block_table, dc.seq_lens, page, **kw)
+                rows = not split(launches).constexprs["HV"]
                 launches, _, _ = plan_decode(q, dc.k.tiles(), dc.v.tiles(), dc.block_table, dc.seq_lens, page,
-                                             residual=residual, max_seq_len=40, num_splits=2,
-                                             hw_formats=_hw_formats(target), value_rows=False)
-                out.append((f"decode[{label},rows_off]", split(launches)))
+                                             value_rows=rows, **kw)
+                out.append((f"decode[{label},rows={int(rows)}]", split(launches)))
             for launch in launches:  # the merge kernel does not depend on the scheme, nor rotate_q
                 name = ("rotate_q" if launch.kernel is rotate_q_kernel else None if launch.kernel is not merge_kernel
                         else "merge[rotated]" if launch.constexprs["ROT_V"] else "merge")

@@ -1058,6 +1058,15 @@ def rotation_vectors(seed: int, head_dim: int, device):
     return _rotation_vectors(int(seed), int(head_dim), str(device))
 
 
+def default_value_rows(precision: str, v_kind: str, q_per_kv: int, head_dim: int, v_group: int) -> bool:
+    """Whether decode lays the score rows out by (KIVI value group, query head) by default (``value_rows``):
+    fast-mode KIVI values whose rows (groups x query heads per KV head) fit the 16 MMA rows, where it measured
+    faster (H100, 32 q / 8 KV heads, G 32: int4 784 -> 635 us); with 32 rows (64 q / 8 KV heads) int4 lost 56%
+    and int2 gained 14% (bench/results/h100.json, session 4), so larger layouts keep the head rows."""
+    return (precision == "fast" and v_kind == "int_v"
+            and triton.next_power_of_2(q_per_kv) * (head_dim // max(v_group, 1)) <= 16)
+
+
 def choose_splits(batch: int, kv_heads: int, max_len: int, block_n: int, num_sms: int) -> tuple[int, int]:
     """(splits, tokens per split): about 16 programs per multiprocessor (measured best on the H100 for
     batch x kv_heads = 256), each split a whole number of tiles and at least 4 tiles long."""
@@ -1116,7 +1125,7 @@ def plan_decode(
     qpk = q_heads // kv_heads
     block_h = max(16, triton.next_power_of_2(qpk))
     if value_rows is None:
-        value_rows = precision == "fast" and v.kind == "int_v"
+        value_rows = default_value_rows(precision, v.kind, qpk, head_dim, v.group)
     if value_rows and (precision != "fast" or v.kind != "int_v"):
         raise ValueError("value_rows needs KIVI values (int_v) and precision='fast'")
     hv = triton.next_power_of_2(qpk) if value_rows else 0  # rows per value group (0: rows are query heads)

@@ -147,6 +147,28 @@ def _round_dt(x, DT: tl.constexpr, F16_CVT: tl.constexpr):
 
 
 @triton.jit
+def _signed_zero_min_max(x, mn_mask, AXIS: tl.constexpr):
+    """(min, max) of ``x`` over ``AXIS`` (rows where ``mn_mask`` is False left out, if given) with -0.0 < +0.0,
+    as the oracle's ``kivi.signed_zero_min_max``: a zero minimum is -0.0 iff a -0.0 is present, a zero maximum
+    +0.0 iff a +0.0 is present."""
+    big = 65504.0 * 4
+    neg = x.to(tl.int32, bitcast=True) < 0
+    zero = x == 0
+    if mn_mask is None:
+        mn = tl.min(x, AXIS)
+        mx = tl.max(x, AXIS)
+    else:
+        mn = tl.min(tl.where(mn_mask, x, big), AXIS)
+        mx = tl.max(tl.where(mn_mask, x, -big), AXIS)
+        zero = zero & mn_mask
+    neg0 = tl.max((zero & neg).to(tl.int32), AXIS)
+    pos0 = tl.max((zero & (neg == 0)).to(tl.int32), AXIS)
+    mn = tl.where(mn == 0, (neg0 << 31).to(tl.float32, bitcast=True), mn)
+    mx = tl.where(mx == 0, ((1 - pos0) << 31).to(tl.float32, bitcast=True), mx)
+    return mn, mx
+
+
+@triton.jit
 def _kivi_quant(x16, mn, mx, MAXINT: tl.constexpr, F16_CVT: tl.constexpr):
     """KIVI in float16 on a group (x16 [..], mn / mx broadcastable): scale = f16(f16(mx - mn) / MAXINT);
     code = rint(min(f16(f16(x16 - mn) / scale), MAXINT)) (x16 - mn >= 0, so no lower clamp); a scale of
@@ -183,8 +205,7 @@ def quantize_write_kernel(
     m3 = rm[:, :, None]
     t3 = t[:, None, None].to(tl.int64)
     h3 = hh[None, :, None]
-    # KIVI keys reduce over tokens: a row not written loads NaN, which min/max skip
-    xr = tl.load(X + t3 * x_t + h3 * x_h + d[None, None, :], mask=m3, other=float("nan") if KIND == 5 else 0.0)
+    xr = tl.load(X + t3 * x_t + h3 * x_h + d[None, None, :], mask=m3, other=0.0)
     if X.dtype.element_ty == tl.bfloat16:  # widen from the bits: exact for subnormals (the interpreter flushes them)
         x = bf16_bits_to_f32(xr.to(tl.int16, bitcast=True))
     else:
@@ -276,8 +297,7 @@ def quantize_write_kernel(
         if KIND == 4:
             NG: tl.constexpr = D // G
             xg = tl.reshape(x16, (BLOCK_T, BLOCK_H, NG, G))
-            mn = tl.min(xg, 3)
-            mx = tl.max(xg, 3)
+            mn, mx = _signed_zero_min_max(xg, mn_mask=None, AXIS=3)
             q, scale = _kivi_quant(xg, mn[:, :, :, None], mx[:, :, :, None], MAXINT, F16_CVT)
             ng = tl.arange(0, NG)
             sc16 = tl.reshape(scale, (BLOCK_T, BLOCK_H, NG)).to(tl.float16)
@@ -285,8 +305,7 @@ def quantize_write_kernel(
             tl.store(F2 + s3 * f2_s + h3 * f2_h + ng[None, None, :], mn.to(tl.float16), mask=m3)
         else:
             # one program = one whole group of G = BLOCK_T tokens in consecutive, G-aligned slots
-            mn = tl.min(x16, 0)
-            mx = tl.max(x16, 0)
+            mn, mx = _signed_zero_min_max(x16, mn_mask=tm[:, None, None], AXIS=0)  # rows not written left out
             q, scale = _kivi_quant(x16, mn[None, :, :], mx[None, :, :], MAXINT, F16_CVT)
             grp = tl.min(tl.where(tm, slot, 2**62), 0) // G
             gm = hm[:, None] & ((tl.zeros((D,), tl.int32) + tl.max(tm.to(tl.int32), 0)) > 0)[None, :]

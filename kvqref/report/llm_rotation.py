@@ -138,5 +138,6 @@ def build(ctx: Context) -> Section:
     body = [f"{len(configs) // 2} configurations without and with rotation, {llm.describe(settings)} "
             f"({time.perf_counter() - t0:.0f} s, {res['threads']} torch thread(s)); full run (2,048 tokens, greedy "
             f"generation and passkey, {len(llm.ROTATION_CONFIGS)} configurations): {FULL_RESULTS}, discussed in "
-            "docs/rotation.md.", "", md]
+            f"docs/rotation.md. {settings.tokens} positions make a noisy KL: a ratio near 1 here can go either way "
+            "(read the full run for the size of each effect).", "", md]
     return Section(TITLE, "\n".join(body), {"llm_rotation": pair_rows(res["rows"])}, pngs)

@@ -28,5 +28,6 @@ def build(ctx: Context) -> Section:
             "metrics as in section 2; `+H / plain` = the attention error's ratio (< 1: rotation helps). On "
             "synthetic caches rotation helps per-token integer keys on KIVI-structured caches and hurts scales "
             "taken from the largest element (per-token FP8, NVFP4) on zero-mean outliers; what it does to a real "
-            "model is measured by `kvqref eval` (docs/rotation.md).", "", rotation.markdown(rows)]
+            "model is measured by `kvqref eval --rotation both` (section 8, docs/rotation.md).", "",
+            rotation.markdown(rows)]
     return Section(TITLE, "\n".join(body), {"rotation": rows})

@@ -32,6 +32,20 @@ from kvqref.schemes.base import FieldSpec, Quantized, Scheme
 from kvqref.schemes.validate import check_integer_option
 
 
+def signed_zero_min_max(x: np.ndarray, axis: int) -> tuple[np.ndarray, np.ndarray]:
+    """(min, max) over ``axis`` (keepdims) with -0.0 < +0.0: a minimum of zero is -0.0 if the group holds a
+    -0.0, else +0.0; a maximum of zero is +0.0 if it holds a +0.0, else -0.0. (IEEE comparison leaves the sign
+    of a zero min/max to the implementation: NumPy's and the kernels' reductions may pick either.)"""
+    mn = x.min(axis=axis, keepdims=True)
+    mx = x.max(axis=axis, keepdims=True)
+    zero = x == 0
+    neg0 = np.any(zero & np.signbit(x), axis=axis, keepdims=True)
+    pos0 = np.any(zero & ~np.signbit(x), axis=axis, keepdims=True)
+    mn = np.where(mn == 0, np.where(neg0, -0.0, 0.0), mn).astype(x.dtype)
+    mx = np.where(mx == 0, np.where(pos0, 0.0, -0.0), mx).astype(x.dtype)
+    return mn, mx
+
+
 class KiviScheme(Scheme):
     """Fields (value role): ``{"codes": (D*bits//8,) uint8, "scale": (D//G,) float16, "zero": (D//G,) float16}``
     per token. Key role: ``codes`` per token, ``scale``/``zero`` ``(D,) float16`` per group of G tokens."""
@@ -84,9 +98,9 @@ class KiviScheme(Scheme):
 
     # -- codec ------------------------------------------------------------------------------
     def _quant_groups(self, x16: np.ndarray, axis: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Quantize float16 ``x16`` with min/max over ``axis``; returns (q uint8, scale f16, mn f16)."""
-        mn = x16.min(axis=axis, keepdims=True)
-        mx = x16.max(axis=axis, keepdims=True)
+        """Quantize float16 ``x16`` with min/max over ``axis``; returns (q uint8, scale f16, mn f16). Zeros are
+        ordered -0.0 < +0.0 (:func:`signed_zero_min_max`), so the stored min of a group of zeros is defined."""
+        mn, mx = signed_zero_min_max(x16, axis)
         rng = f16(mx.astype(np.float64) - mn.astype(np.float64))
         if np.isinf(rng).any():
             raise ValueError(f"{self.name}: a group's range max - min overflows float16")
