@@ -19,7 +19,13 @@ Checks, before any timing (the run stops with exit code 1 if one fails):
   edge cases (ties, subnormals, +-0, huge values, and NaN/Inf where the scheme accepts them);
 * ``--proofs`` (default on): the hardware FP8 conversion path of ``encode_f32`` against the integer path on
   all 2**32 float32 bit patterns (except +-Inf, which the kernel clamps away), and the reciprocal-and-
-  correction quotient against ``div_rn`` for all 65,536 bfloat16 dividends x 8,192 random float32 divisors.
+  correction quotient against ``div_rn`` for all 65,536 bfloat16 dividends x 8,192 random float32 divisors
+  in ``_div_by``'s domain (bit-exact for dividends >= 2**-100 and normal quotients <= 2**20; otherwise below
+  2**-20 with the dividend's sign, zeros included).
+* every case: the current kernel against the NumPy oracle on 2,048 tokens with planted edges
+  (``new_vs_oracle``), and where it uses the hardware FP8 conversion, the same kernel with the integer
+  encoder against the base (``random_hw_fp8_off``). A differing field is reported with its first positions
+  ``[slot, head, byte, base byte, new byte]``.
 Rounds alternate base and new. ``--sweep`` times the new kernel over tile shapes (BLOCK_T, BLOCK_H), warps,
 and for KIVI float16 rounding by conversion instructions, and prints the best per scheme.
 """
@@ -135,11 +141,33 @@ def compare(side, launches, inputs):
         lw.args[0] = inputs  # X: both kernels take the input first
         lw()
         outs.append(fresh)
-    diff = 0
+    diff = {}
     for f in side.fields:
         a, b = (o[f].contiguous().view(torch.uint8) for o in outs)
-        diff += int((a != b).sum())
+        bad = a != b
+        n = int(bad.sum())
+        if n:  # where: (slot, head, byte) of the first few, and both bytes
+            idx = bad.nonzero()[:4].tolist()
+            diff[f] = {"bytes": n, "of": bad.numel(), "first": [[*i, int(a[tuple(i)]), int(b[tuple(i)])] for i in idx]}
     return diff
+
+
+def oracle_check(scheme_label: str, side_name: str, x, tokens: int = 2048) -> tuple[bool, str]:
+    """The current kernel against the NumPy oracle (kvqref.conformance.triton_write_matches, a shuffled paged
+    cache) on the first ``tokens`` tokens of ``x`` plus planted edge cases, the scheme's own parameters."""
+    import numpy as np
+
+    from decode_bench import SCHEMES
+    from kvqref import conformance
+
+    _, name, kopt, vopt = next(c for c in SCHEMES if c[0] == scheme_label)
+    xs = x[:tokens].float().cpu().numpy()
+    xs[3] = 0.0
+    xs[4, :, ::2] = -0.0
+    xs[7, :, :16] = np.array([2.5, -5.0, 0.25, 0.75, 1.25, 1.75, 3.5, 5.0] * 2, np.float32) * 8.0
+    rng = np.random.default_rng(0)
+    opts = kopt if side_name == "k" else vopt
+    return conformance.triton_write_matches(name, opts, xs, 32, rng, dtype="bfloat16")
 
 
 def proofs() -> dict:
@@ -172,12 +200,17 @@ def proofs() -> dict:
         q = w._div_by(x, s, r, 1)
         ref = tl.math.div_rn(x, s + tl.zeros((BLOCK,), tl.float32))
         a = tl.abs(ref)
-        # the kernel clamps |x / s| to 2**20; below 2**-126 only the sign reaches a code (see _div_by)
-        inside = (a >= 2.0**-126) & (a <= 2.0**20)
+        # _div_by's domain: bit-exact for dividends >= 2**-100 with a normal quotient <= 2**20 (the kernel
+        # clamps larger ones); smaller dividends (quotient < 2**-20 for divisors >= 2**-80, a zero code in
+        # every format) and subnormal quotients only need |q| < 2**-20 and the dividend's sign
+        inside = (a >= 2.0**-126) & (a <= 2.0**20) & (tl.abs(x) >= 2.0**-100)
+        tiny = ((tl.abs(x) < 2.0**-100) | (a < 2.0**-126)) & ~inside
         bad = (q.to(tl.int32, bitcast=True) != ref.to(tl.int32, bitcast=True)) & inside
-        sign = ((q.to(tl.int32, bitcast=True) < 0) != (ref.to(tl.int32, bitcast=True) < 0)) & (a <= 2.0**20)
+        bad_tiny = tiny & (tl.abs(q) >= 2.0**-20)
+        sign = ((q.to(tl.int32, bitcast=True) < 0) != (x.to(tl.int32, bitcast=True) < 0)) & (a <= 2.0**20)
         tl.atomic_add(OUT, tl.sum(bad.to(tl.int32), 0))
         tl.atomic_add(OUT + 1, tl.sum(sign.to(tl.int32), 0))
+        tl.atomic_add(OUT + 2, tl.sum(bad_tiny.to(tl.int32), 0))
 
     res = {}
     chunk = 1 << 28
@@ -194,10 +227,11 @@ def proofs() -> dict:
     sig = torch.randint(0, 1 << 23, (8192,), device="cuda", generator=g, dtype=torch.int32)
     ex = torch.randint(-70, 70, (8192,), device="cuda", generator=g, dtype=torch.int32)
     ss = ((ex + 127) << 23 | sig).view(torch.float32)
-    out = torch.zeros(2, dtype=torch.int32, device="cuda")
+    out = torch.zeros(3, dtype=torch.int32, device="cuda")
     div_kernel[(8192, 64)](xs, ss, out, BLOCK=1024)
     res["markstein_bf16_vs_div_rn_mismatches"] = int(out[0].item())
     res["markstein_bf16_sign_mismatches"] = int(out[1].item())
+    res["markstein_bf16_tiny_not_below_2**-20_mismatches"] = int(out[2].item())
     res["markstein_pairs"] = 65536 * 8192
     return res
 
@@ -241,9 +275,13 @@ def main() -> int:
         new = tb.plan_write(side, x, slots)
         old = base_launch(base.quantize_write_kernel, new, args.base_block_t)
         diffs = {"random": compare(side, [old, new], x), "edges": compare(side, [old, new], edge_input(x, label))}
-        doc["exactness"][label] = diffs
-        ok = ok and not any(diffs.values())
-        print(label, "bytes differing base vs new:", diffs, flush=True)
+        if new.constexprs.get("HW_FP8"):  # the same kernel with the integer FP8 encoder, against the base
+            plain = tb.plan_write(side, x, slots, hw_fp8=False)
+            diffs["random_hw_fp8_off"] = compare(side, [old, plain], x)
+        oracle_ok, oracle_detail = oracle_check(scheme_label, side_name, x)
+        doc["exactness"][label] = diffs | {"new_vs_oracle": oracle_detail}
+        ok = ok and not any(diffs.values()) and oracle_ok
+        print(label, "bytes differing base vs new:", diffs, "| new vs oracle:", oracle_detail, flush=True)
         variants = {"base": old, "new": new}
         for r in range(args.rounds):
             for name, launch in variants.items():
