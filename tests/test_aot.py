@@ -44,7 +44,29 @@ def test_every_kernel_compiles_for_rocm_and_cuda_targets():
                              + rows_off), t
         assert {r["kernel"] for r in rows} >= {*SHARED_KERNELS, "decode[fp8_e4m3+H]", "write[fp4_e2m1-hadamard-5]"}
         assert all(r["code_bytes"] > 1000 for r in rows)
+        if t.startswith("cuda"):  # the write kernel's bytes rest on IEEE float32 (docs/kernels.md, write kernel)
+            for r in (r for r in rows if r["kernel"].startswith("write[")):
+                facts = r["ptx_facts"]
+                assert facts["ftz"] == 0 and facts["neg_by_sub"] == 0, (t, r["kernel"], facts)
+                # only KIVI divides by an approximate reciprocal (any r within 2**-21 of 1/scale, corrected)
+                assert facts["approx_div"] == 0 or "kivi" in r["kernel"], (t, r["kernel"], facts)
     assert proc.returncode == 0
+
+
+def test_ptx_facts_find_what_breaks_exact_float32():
+    """The PTX checks above can fail: Triton 3.6's unary minus (``0.0 - x`` through a zero register), an
+    approximate division, flush-to-zero."""
+    from kvqref.kernels.aot import ptx_facts
+
+    ptx = """
+        mov.b32 	%r14, 0f00000000;
+        sub.f32 	%r15, %r14, %r9;     // -x
+        sub.f32 	%r16, %r9, %r14;     // x - 0: not a negation
+        div.full.f32 	%r17, %r15, %r16;
+        add.rn.ftz.f32 	%r18, %r17, %r17;
+        fma.rn.f32 	%r19, %r18, %r17, %r16;
+    """
+    assert ptx_facts(ptx) == {"approx_div": 1, "ftz": 1, "neg_by_sub": 1}
 
 
 def test_a_target_that_cannot_compile_fails_loudly():

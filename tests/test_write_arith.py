@@ -153,3 +153,25 @@ def test_float16_quotient_with_approximate_reciprocal():
     ok = np.isfinite(want)
     got = _run(_div_kernel, d, s, STEPS=1, APPROX=True).astype(np.float16)
     assert np.array_equal(got[ok].view(np.uint16), want[ok].view(np.uint16))
+
+
+def _zero_minus_x(self, arg):
+    """Unary minus as Triton <= 3.6 compiles it: ``0.0 - x`` (so -(+0.0) = +0.0)."""
+    from triton.runtime.interpreter import TensorHandle
+
+    return TensorHandle(np.zeros_like(arg.data) - arg.data, arg.dtype.scalar)
+
+
+def test_quotient_keeps_the_sign_of_zero_and_tiny_dividends(monkeypatch):
+    """-0.0 / s = -0.0 (and tiny dividends keep their sign) whatever unary minus does with zeros: Triton 3.6
+    compiles ``-x`` to ``0.0 - x`` (PTX ``sub.f32``), which lost the sign of -0.0 quotients on the H100 (FP8
+    bytes 0x80 written as 0x00). In the interpreter, unary minus is patched to that rule."""
+    from triton.runtime import interpreter
+
+    if not GPU and hasattr(interpreter.InterpreterBuilder, "create_fneg"):
+        monkeypatch.setattr(interpreter.InterpreterBuilder, "create_fneg", _zero_minus_x)
+    a = np.array([-0.0, 0.0, -2.0**-120, 2.0**-120, -1.5, 1.5] * 8, np.float32)
+    b = np.full(a.size, 3.0, np.float32)
+    for steps in (1, 2):
+        got = _run(_div_kernel, a, b, STEPS=steps, APPROX=False)
+        assert (np.signbit(got) == np.signbit(a)).all(), (steps, got[:6])

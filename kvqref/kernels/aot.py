@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import time
 import warnings
@@ -156,6 +157,27 @@ def _launches(target: str, cases: list | None = None, page: int = 16) -> list[tu
     return out + [(name, shared[name]) for name in SHARED_KERNELS if name in shared]
 
 
+#: PTX float instructions whose results are not IEEE round-to-nearest (or not sign-exact), counted per CUDA kernel:
+#: approximate division/reciprocal (Triton's ``/`` on float32) and flush-to-zero
+PTX_FACTS = {
+    "approx_div": re.compile(r"\b(?:div\.full\.f32|div\.approx\S*|rcp\.approx\S*)\s"),
+    "ftz": re.compile(r"\b(?:add|sub|mul|fma|div|rcp|sqrt|min|max|cvt)\S*\.ftz\S*\s"),
+}
+_ZERO_MOV = re.compile(r"\bmov\.b32\s+(%\w+),\s*0f[08]0000000;")
+_SUB = re.compile(r"\bsub(?:\.rn)?\.f32\s+%\w+,\s*(%\w+|0f[08]0000000),")
+
+
+def ptx_facts(ptx: str) -> dict[str, int]:
+    """Counts of :data:`PTX_FACTS` in ``ptx`` (comments left out), and ``neg_by_sub``: float32 negations compiled
+    as ``0.0 - x`` (a ``sub.f32`` from a zero constant or a register holding one; Triton <= 3.6's unary minus),
+    which give +0.0 for x = +0.0."""
+    code = "\n".join(line.split("//")[0] for line in ptx.splitlines())
+    facts = {k: len(p.findall(code)) for k, p in PTX_FACTS.items()}
+    zeros = set(_ZERO_MOV.findall(code))
+    facts["neg_by_sub"] = sum(a in zeros or a.startswith("0f") for a in _SUB.findall(code))
+    return facts
+
+
 def compile_launch(launch, tgt):
     """Compile one launch record for the GPUTarget ``tgt`` as the JIT would build it (minus FP fusion)."""
     from kvqref.backends._aot import compile_for_target
@@ -186,6 +208,8 @@ def compile_all(targets: tuple[str, ...] = TARGETS) -> list[dict[str, Any]]:
                     ok = ok and arch in ck.asm[text]
                 rec.update(ok=ok, seconds=round(time.perf_counter() - t0, 2), shared=ck.metadata.shared,
                            num_warps=ck.metadata.num_warps, code_bytes=len(ck.asm[binary]))
+                if backend == "cuda":
+                    rec["ptx_facts"] = ptx_facts(ck.asm["ptx"])
             except Exception as exc:  # noqa: BLE001 - reported per variant
                 rec.update(ok=False, error=f"{type(exc).__name__}: {str(exc)[:300]}")
             results.append(rec)
