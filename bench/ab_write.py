@@ -3,8 +3,8 @@ timed as bench/decode_bench.py times its write rows (CUDA events, L2 flushed, me
 ``triton.testing.do_bench``; 65,536 tokens x 8 KV heads x 128, bf16 input, pages of 32 slots in random
 order), with the bandwidth ceiling measured in the same run.
 
-    git show 01ca884:kvqref/kernels/write.py > bench/_ab_base_write.py
-    git show 01ca884:kvqref/kernels/codecs.py > bench/_ab_base_codecs.py
+    git show 66c39b2:kvqref/kernels/write.py > bench/_ab_base_write.py    # main before the merge of this kernel
+    git show 66c39b2:kvqref/kernels/codecs.py > bench/_ab_base_codecs.py
     python3 bench/ab_write.py --base bench/_ab_base_write.py --base-codecs bench/_ab_base_codecs.py \\
         --sweep --out bench/results/ab_write_h100.json
 
@@ -156,8 +156,8 @@ def oracle_check(scheme_label: str, side_name: str, x, tokens: int = 2048) -> tu
     """The current kernel against the NumPy oracle (kvqref.conformance.triton_write_matches, a shuffled paged
     cache) on the first ``tokens`` tokens of ``x`` plus planted edge cases, the scheme's own parameters."""
     import numpy as np
-
     from decode_bench import SCHEMES
+
     from kvqref import conformance
 
     _, name, kopt, vopt = next(c for c in SCHEMES if c[0] == scheme_label)
