@@ -1,4 +1,4 @@
-"""The inline PTX of the NVFP4 nibble unpacking (kvqref.kernels.decode._e2m1_pairs_f16), executed on the CPU by
+"""The inline PTX of the NVFP4 nibble unpacking (kvqref.kernels.decode._e2m1_pairs), executed on the CPU by
 a small emulator of the instructions it uses, against the portable rule (``_e2m1_f16``: E2M1 bits placed in
 float16's, value x 2**-14) on every byte value in every position of the packed register. The GPU test
 tests/test_triton.py::test_ptx_unpacking_equals_the_portable_one runs the real thing on a device."""
@@ -60,7 +60,8 @@ def _portable(nibble: int) -> int:
 
 
 def _portable_bf16(nibble: int) -> int:
-    """The bfloat16 rule of ``_e2m1_pairs_bf16``: E2M1 bits in bfloat16's lowest exponent bits (value x 2**-126)."""
+    """The bfloat16 rule of ``_e2m1_pairs(byte, True)``: E2M1 bits in bfloat16's lowest exponent bits (value x
+    2**-126)."""
     return ((nibble & 7) << 6) | ((nibble & 8) << 12)
 
 

@@ -180,16 +180,16 @@ def _nvfp4_tile16(byte, scale_code, FMT: tl.constexpr, PTX: tl.constexpr):
 @triton.jit
 def _e2m1_nibbles_f16(byte, PTX: tl.constexpr):
     """The E2M1 codes of the low and high nibbles of ``byte`` (uint8) as float16 value * 2**-14 (exact):
-    with inline PTX (:func:`_e2m1_pairs_f16`) if ``PTX`` (CUDA), else with :func:`_e2m1_f16`."""
+    with inline PTX (:func:`_e2m1_pairs`) if ``PTX`` (CUDA), else with :func:`_e2m1_f16`."""
     if PTX and not INTERPRET:
-        return _e2m1_pairs_f16(byte)
+        return _e2m1_pairs(byte, False)
     else:
         b = byte.to(tl.int32)
         return _e2m1_f16(b & 15), _e2m1_f16(b >> 4)
 
 
 def _e2m1_pairs_ptx(lo_shift: int = 9, hi_shift: int = 5, field: int = 0x0E00) -> str:
-    """The PTX of :func:`_e2m1_pairs_f16` (defaults: float16) and :func:`_e2m1_pairs_bf16` (shifts 6 and 2,
+    """The PTX of :func:`_e2m1_pairs` (defaults: float16; its bfloat16 variant: shifts 6 and 2,
     field 0x01C0): input $4 (bytes 0-3), outputs $0, $1 (low nibbles of bytes 0,1 and 2,3) and $2, $3 (high
     nibbles). Per pair of bytes spread into the halves of y: 16-bit float bits = (y << shift & field per
     half: the code's exponent and mantissa bits in the float's lowest exponent bits and highest mantissa
@@ -209,34 +209,18 @@ E2M1_PAIRS_BF16_PTX = tl.constexpr(_e2m1_pairs_ptx(6, 2, 0x01C0))
 
 
 @triton.jit
-def _e2m1_pairs_f16(byte):
+def _e2m1_pairs(byte, BF16: tl.constexpr):
     """CUDA: the E2M1 codes of the low and high nibbles of ``byte`` (uint8) as float16 value * 2**-14, exactly
-    as :func:`_e2m1_f16`, with packed 32-bit operations: 4 bytes per register, ``prmt`` spreads two bytes into
-    the halves of a word, then shift/and/``lop3`` build two float16 at once (2.25 instructions per element).
-    Element i of a call is byte i of the input register and half i % 2 of output register i // 2."""
-    return tl.inline_asm_elementwise(
-        E2M1_PAIRS_PTX,
-        "=r,=r,=r,=r,r",
-        [byte],
-        dtype=(tl.float16, tl.float16),
-        is_pure=True,
-        pack=4,
-    )
-
-
-
-@triton.jit
-def _e2m1_pairs_bf16(byte):
-    """CUDA: the E2M1 codes of the low and high nibbles of ``byte`` (uint8) as bfloat16 value * 2**-126 (exact:
-    E2M1 0.5 becomes the bfloat16 subnormal 2**-127), packed as :func:`_e2m1_pairs_f16`."""
-    return tl.inline_asm_elementwise(
-        E2M1_PAIRS_BF16_PTX,
-        "=r,=r,=r,=r,r",
-        [byte],
-        dtype=(tl.bfloat16, tl.bfloat16),
-        is_pure=True,
-        pack=4,
-    )
+    as :func:`_e2m1_f16`, or with ``BF16`` as bfloat16 value * 2**-126 (exact: E2M1 0.5 becomes the bfloat16
+    subnormal 2**-127), with packed 32-bit operations: 4 bytes per register, ``prmt`` spreads two bytes into
+    the halves of a word, then shift/and/``lop3`` build two 16-bit floats at once (2.25 instructions per
+    element). Element i of a call is byte i of the input register and half i % 2 of output register i // 2."""
+    if BF16:
+        return tl.inline_asm_elementwise(E2M1_PAIRS_BF16_PTX, "=r,=r,=r,=r,r", [byte],
+                                         dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+    else:
+        return tl.inline_asm_elementwise(E2M1_PAIRS_PTX, "=r,=r,=r,=r,r", [byte],
+                                         dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
 
 
 @triton.jit
@@ -250,7 +234,7 @@ def _mx_tile_bf16(byte, code):
     a = e >> 1
     fa = ((a + 127) << 7).to(tl.uint16).to(tl.bfloat16, bitcast=True)
     fb = tl.where(code == 255, 0x7FC0, (e - a + 127) << 7).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-    lo, hi = _e2m1_pairs_bf16(byte)
+    lo, hi = _e2m1_pairs(byte, True)
     return lo * fa * fb, hi * fa * fb
 
 
@@ -1136,10 +1120,12 @@ def plan_decode(
     # FP4 block scales as one word per token (pipelined with the code tiles) where it measured faster:
     # NVFP4 -7%, MXFP4 with 64/2/3 tiles -12% (H200, bench/results/history/ab-h200-fp4-wide.log); E8M0 blocks
     # of 16 lost 9% without the PTX/bfloat16 tiles and won 26% with them (H100, history/ab-h100-mx-bf16.log)
-    wide_k = wide_scales(k) and (k.kind == "nvfp4" or k.block == 32 or bool(ptx_unpack)) if (
-        wide_scale_loads is None) else wide_scale_loads and wide_scales(k)
-    wide_v = wide_scales(v) and (v.kind == "nvfp4" or v.block == 32 or bool(ptx_unpack)) if (
-        wide_scale_loads is None) else wide_scale_loads and wide_scales(v)
+    def wide(t: CacheTiles) -> bool:
+        if wide_scale_loads is None:
+            return wide_scales(t) and (t.kind == "nvfp4" or t.block == 32 or bool(ptx_unpack))
+        return bool(wide_scale_loads) and wide_scales(t)
+
+    wide_k, wide_v = wide(k), wide(v)
     rotate_q = []
     if k.rotation is not None:  # q' = butterflies(q * signs) in float32; 1 / (D C_D) goes into the softmax scale
         signs, _, inv = rotation_vectors(k.rotation.seed, head_dim, q.device)
