@@ -5,6 +5,7 @@ no package index:
 
     python3 bench/decode_bench.py --out bench/results/h100.json
     python3 bench/decode_bench.py --rotation --out bench/results/rotation_h100.json   # issue 13's rows
+    python3 bench/decode_bench.py --rotation-writes --out bench/results/rotation_writes_h100.json
 
 Each result records the device, driver, torch and triton versions, the shape, scheme, bytes moved,
 achieved GB/s and the fraction of a bandwidth ceiling measured in the same run (a large device
@@ -16,6 +17,8 @@ batch 32 x 8192 (fast precision) and quantize-on-write, each unrotated and with 
 rotation fused into the kernels (K seed 1, V seed 2; the write kernel with its default token block and with
 16 tokens per program), timed alternately over two rounds, beside SDPA and the ceiling; the summary rows
 (``op: "rotation_ratio"``) give rotated / unrotated time per scheme (targets: decode <= 1.05, write <= 1.10).
+``--rotation-writes``: the write rows of ``--rotation`` alone (default token block), unrotated and rotated
+alternately over ``--rounds`` rounds (default 5), then the ratios: about a minute.
 """
 
 from __future__ import annotations
@@ -392,14 +395,47 @@ def run_rotation(out: Path | None = None, rounds: int = 2) -> dict[str, Any]:
     return {"environment": env, "ceiling_gbs": ceiling, "results": results}
 
 
+def run_rotation_writes(out: Path | None = None, rounds: int = 5) -> dict[str, Any]:
+    """``--rotation-writes``: unrotated and rotated writes of ``ROTATION_LABELS`` (default token block), timed
+    alternately over ``rounds`` rounds, then the ratio of the median times per scheme (target <= 1.10)."""
+    import torch
+
+    env = environment()
+    ceiling = bandwidth_ceiling_gbs()
+    results: list[dict[str, Any]] = []
+    emit = emitter(env, ceiling, results, out)
+    for label in ROTATION_LABELS:
+        setups = [write_setup(label, rotation=r) for r in (False, True)]
+        times: list[list[float]] = [[], []]
+        for rnd in range(rounds):
+            for i, (fn, rec) in enumerate(setups):
+                row = timed(fn, {**rec, "round": rnd})
+                times[i].append(row["time_us"])
+                emit(row)
+        base, rot = (float(np.median(t)) for t in times)
+        emit({"op": "rotation_ratio", "of": "write", "scheme": label, "block_t": None, "rounds": rounds,
+              "unrotated_us": base, "rotated_us": rot, "ratio": rot / base, "target": 1.10})
+        del setups
+        torch.cuda.empty_cache()
+    return {"environment": env, "ceiling_gbs": ceiling, "results": results}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--rotation", action="store_true", help="issue 13's rotated vs unrotated rows only")
+    ap.add_argument("--rotation-writes", action="store_true",
+                    help="issue 13's unrotated vs rotated write rows only, alternating over --rounds rounds")
+    ap.add_argument("--rounds", type=int, default=5, help="rounds of --rotation-writes (default 5)")
     args = ap.parse_args()
+    if args.rounds < 1:
+        ap.error("--rounds must be >= 1")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    doc = run_rotation(args.out) if args.rotation else run(args.quick, args.out)
+    if args.rotation_writes:
+        doc = run_rotation_writes(args.out, args.rounds)
+    else:
+        doc = run_rotation(args.out) if args.rotation else run(args.quick, args.out)
     doc["command"] = " ".join(["python3", *sys.argv])
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(doc, indent=1) + "\n")
