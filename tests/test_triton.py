@@ -218,6 +218,35 @@ def test_fast_tolerance_catches_one_code_step(pair_index):
     assert (np.abs(out - ref_out) > tol_o).any()
 
 
+@pytest.mark.parametrize("precision", ["fast", "exact"])
+@pytest.mark.parametrize("pair", [PAIRS[5], PAIRS[6], ("nvfp4", {}, "nvfp4", {})],
+                         ids=[IDS[5], IDS[6], "nvfp4/nvfp4"])
+def test_fp4_keys_by_token(pair, precision):
+    """``fp4_keys_by_token``: FP4 key tiles with tokens as rows (scores computed transposed) meet the oracle's
+    bound as the default layout does, in both precisions; fast mode still sees one value code step; other
+    key kinds refuse the option."""
+    rng = np.random.default_rng(17)
+    cache, _ = build_cache(pair, SMALL, rng)
+    q = torch.from_numpy(rng.standard_normal((3, 4, 64)).astype(np.float32)).to(torch.bfloat16)
+    q64 = q.float().numpy().astype(np.float64)
+    ref_out, ref_lse, tol_o, tol_l = _oracle(cache, q64, precision)
+    for by_token in (False, True):
+        out, lse, _ = _run_decode(cache, q, precision=precision, fp4_keys_by_token=by_token)
+        assert (np.abs(out - ref_out) <= tol_o).all(), by_token
+        assert (np.abs(lse - ref_lse) <= tol_l).all(), by_token
+    if precision == "fast":  # planted: the lowest bit of the largest value code of the most attended token
+        b = 2
+        K, V = cache.dequantized(b)
+        top = int(np.argmax(K[: int(cache.v.paged[b]), 0, :] @ q64[b, 0]))
+        d = int(np.argmax(np.abs(V[top, 0, :])))
+        page, off = divmod(int(cache.slot_mapping(b, top, 1)[0]), cache.page_size)
+        cache.v.storage["codes"][page, off, 0, d // 2] ^= np.uint8(1 << (4 * (d % 2)))
+        out, _, _ = _run_decode(cache, q, precision="fast", fp4_keys_by_token=True)
+        assert (np.abs(out - ref_out) > tol_o).any()
+    with pytest.raises(ValueError, match="fp4_keys_by_token"):
+        _run_decode(build_cache(PAIRS[1], SMALL, rng)[0], q, fp4_keys_by_token=True)
+
+
 def test_splits_and_page_size_one_agree():
     rng = np.random.default_rng(11)
     shape = dict(SMALL, page_size=1)

@@ -130,6 +130,11 @@ def _launches(target: str, cases: list | None = None, page: int = 16) -> list[tu
                                              max_seq_len=40, num_splits=2, hw_formats=_hw_formats(target),
                                              ptx_unpack=True)
                 out.append((f"decode[{label},ptx]", split(launches)))
+            if "fp4" in kn:  # FP4 keys with tokens as rows (fp4_keys_by_token; default on CUDA for blocks of 16)
+                launches, _, _ = plan_decode(q, dc.k.tiles(), dc.v.tiles(), dc.block_table, dc.seq_lens, page,
+                                             max_seq_len=40, num_splits=2, hw_formats=_hw_formats(target),
+                                             fp4_keys_by_token=True)
+                out.append((f"decode[{label},kt4]", split(launches)))
             if "kivi" in vn:  # fast-mode KIVI values in the value-row layout that is not the default here
                 kw = dict(residual=residual, max_seq_len=40, num_splits=2, hw_formats=_hw_formats(target))
                 launches, _, _ = plan_decode(q, dc.k.tiles(), dc.v.tiles(), dc.block_table, dc.seq_lens, page, **kw)

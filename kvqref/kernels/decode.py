@@ -519,6 +519,7 @@ def decode_split_kernel(
     WSC_K: tl.constexpr = False,
     WSC_V: tl.constexpr = False,
     HV: tl.constexpr = 0,
+    KT4: tl.constexpr = False,
 ):
     """One (sequence, KV head, split): K tiles are read transposed [D/PACK, N] per phase (the elements
     sharing a byte position), V tiles [N, D/PACK]; no register transposes or interleaves."""
@@ -591,6 +592,12 @@ def decode_split_kernel(
     iv = tl.arange(0, DV)
     K_T: tl.constexpr = KT and PK == 1 and KIND_K <= 1
     QPT: tl.constexpr = QP16 if F16K else QP
+    if KT4 and F4K:
+        q4aT = tl.trans(q4a)
+        q4bT = tl.trans(q4b)
+    elif KT4:
+        q0Th, q0Tm, q0Tl = tl.trans(q0h), tl.trans(q0m), tl.trans(q0l)
+        q1Th, q1Tm, q1Tl = tl.trans(q1h), tl.trans(q1m), tl.trans(q1l)
     if K_T:
         if F16K:
             qTh = tl.trans(q16h)
@@ -639,29 +646,49 @@ def decode_split_kernel(
                 bk4 = tl.arange(0, NBK4)
                 jk4 = tl.arange(0, QB_K // 2)
                 koff4 = (bk4[:, None] * (QB_K // 2) + jk4[None, :])[:, :, None]
-                kb4 = tl.load(K0 + slot[None, None, :] * k0_s + kvh * k0_h + koff4, mask=tmask[None, None, :], other=0)
-                ksc4 = _block_scales(K1, slot, kvh, k1_s, k1_h, tmask, NBK4, WSC_K, True)
-                k4lo, k4hi = _nvfp4_tile16(kb4, ksc4[:, None, :], FMT_K, PTX)
-                s = _mm16(q4a, q4a, tl.reshape(k4lo, (DK, BLOCK_N)), 1)
-                s += _mm16(q4b, q4b, tl.reshape(k4hi, (DK, BLOCK_N)), 1)
+                if KT4:  # tokens as rows (the left operand), as the value tiles: scores come out transposed
+                    kbt = tl.load(K0 + slot[:, None] * k0_s + kvh * k0_h + ik[None, :], mask=tmask[:, None], other=0)
+                    ksct = _block_scales(K1, slot, kvh, k1_s, k1_h, tmask, NBK4, WSC_K, False)
+                    kbt = tl.reshape(kbt, (BLOCK_N, NBK4, QB_K // 2))
+                    k4lo, k4hi = _nvfp4_tile16(kbt, ksct[:, :, None], FMT_K, PTX)
+                    s = tl.trans(_mm_t(tl.reshape(k4lo, (BLOCK_N, DK)), q4aT, q4aT, q4aT, 1, True)
+                                 + _mm_t(tl.reshape(k4hi, (BLOCK_N, DK)), q4bT, q4bT, q4bT, 1, True))
+                else:
+                    kb4 = tl.load(K0 + slot[None, None, :] * k0_s + kvh * k0_h + koff4, mask=tmask[None, None, :],
+                                  other=0)
+                    ksc4 = _block_scales(K1, slot, kvh, k1_s, k1_h, tmask, NBK4, WSC_K, True)
+                    k4lo, k4hi = _nvfp4_tile16(kb4, ksc4[:, None, :], FMT_K, PTX)
+                    s = _mm16(q4a, q4a, tl.reshape(k4lo, (DK, BLOCK_N)), 1)
+                    s += _mm16(q4b, q4b, tl.reshape(k4hi, (DK, BLOCK_N)), 1)
             elif KIND_K == 2 or KIND_K == 3:
                 # FP4 blocks: bytes as [blocks, QB/2, N], one scale per (block, token) broadcast
                 NBK: tl.constexpr = D // QB_K
                 bk = tl.arange(0, NBK)
                 jk = tl.arange(0, QB_K // 2)
                 koff = (bk[:, None] * (QB_K // 2) + jk[None, :])[:, :, None]
-                kb3 = tl.load(K0 + slot[None, None, :] * k0_s + kvh * k0_h + koff, mask=tmask[None, None, :], other=0)
-                ksc = _block_scales(K1, slot, kvh, k1_s, k1_h, tmask, NBK, WSC_K, True)
-                if MXB_K:  # E8M0 tiles built in bfloat16 (CUDA, fast mode, PTX)
-                    k_lo, k_hi = _mx_tile_bf16(kb3, ksc[:, None, :])
-                    k_lo = tl.reshape(k_lo, (DK, BLOCK_N))
-                    k_hi = tl.reshape(k_hi, (DK, BLOCK_N))
+                if KT4:  # tokens as rows: bytes as [N, blocks, QB/2], scores come out transposed
+                    kb3 = tl.load(K0 + slot[:, None] * k0_s + kvh * k0_h + ik[None, :], mask=tmask[:, None], other=0)
+                    kb3 = tl.reshape(kb3, (BLOCK_N, NBK, QB_K // 2))
+                    ksc = _block_scales(K1, slot, kvh, k1_s, k1_h, tmask, NBK, WSC_K, False)[:, :, None]
+                    KSH: tl.constexpr = (BLOCK_N, DK)
                 else:
-                    ks3 = _fp4_scale(ksc, KIND_K)[:, None, :]
+                    kb3 = tl.load(K0 + slot[None, None, :] * k0_s + kvh * k0_h + koff, mask=tmask[None, None, :],
+                                  other=0)
+                    ksc = _block_scales(K1, slot, kvh, k1_s, k1_h, tmask, NBK, WSC_K, True)[:, None, :]
+                    KSH: tl.constexpr = (DK, BLOCK_N)
+                if MXB_K:  # E8M0 tiles built in bfloat16 (CUDA, fast mode, PTX)
+                    k_lo, k_hi = _mx_tile_bf16(kb3, ksc)
+                    k_lo = tl.reshape(k_lo, KSH)
+                    k_hi = tl.reshape(k_hi, KSH)
+                else:
+                    ks3 = _fp4_scale(ksc, KIND_K)
                     k_lo16, k_hi16 = _e2m1_nibbles_f16(kb3, PTX)
-                    k_lo = tl.reshape(k_lo16.to(tl.float32) * 16384.0 * ks3, (DK, BLOCK_N))
-                    k_hi = tl.reshape(k_hi16.to(tl.float32) * 16384.0 * ks3, (DK, BLOCK_N))
-                s = _mm(q0h, q0m, q0l, k_lo, QP, 0) + _mm(q1h, q1m, q1l, k_hi, QP, 0)
+                    k_lo = tl.reshape(k_lo16.to(tl.float32) * 16384.0 * ks3, KSH)
+                    k_hi = tl.reshape(k_hi16.to(tl.float32) * 16384.0 * ks3, KSH)
+                if KT4:
+                    s = tl.trans(_mm_t(k_lo, q0Th, q0Tm, q0Tl, QP, False) + _mm_t(k_hi, q1Th, q1Tm, q1Tl, QP, False))
+                else:
+                    s = _mm(q0h, q0m, q0l, k_lo, QP, 0) + _mm(q1h, q1m, q1l, k_hi, QP, 0)
             elif K_T:
                 # K as the left operand [N, D], loaded in its memory order (lets the compiler keep the
                 # dequantized tile in registers in the dot-operand layout); scores come out transposed
@@ -1051,6 +1078,14 @@ def default_value_rows(precision: str, v_kind: str, q_per_kv: int, head_dim: int
             and triton.next_power_of_2(q_per_kv) * (head_dim // max(v_group, 1)) <= 16)
 
 
+def default_fp4_keys_by_token(precision: str, k: CacheTiles, ptx_unpack: bool) -> bool:
+    """Whether FP4 key tiles are laid out with tokens as rows by default (``fp4_keys_by_token``): fast-mode keys in
+    blocks of 16 (NVFP4, fp4_e2m1) with PTX unpacking, where the static sm_90 count fell (the [blocks, 8 bytes,
+    tokens] layout stores the dequantized tile to shared memory 16 bits at a time; bench/results/ANALYSIS.md,
+    session 5); mxfp4 (blocks of 32) keeps its layout (its tile already goes to the tensor cores in registers)."""
+    return precision == "fast" and ptx_unpack and k.kind in ("mxfp4", "nvfp4") and k.block == 16
+
+
 def choose_splits(batch: int, kv_heads: int, max_len: int, block_n: int, num_sms: int) -> tuple[int, int]:
     """(splits, tokens per split): about 16 programs per multiprocessor (measured best on the H100 for
     batch x kv_heads = 256), each split a whole number of tiles and at least 4 tiles long."""
@@ -1084,6 +1119,7 @@ def plan_decode(
     ptx_unpack: bool | None = None,
     wide_scale_loads: bool | None = None,
     value_rows: bool | None = None,
+    fp4_keys_by_token: bool | None = None,
 ):
     """The launches of decode attention (see :func:`paged_decode`), with their output tensors.
     ``hw_formats``: FP8 format ids converted in hardware (default: what ``q``'s device has); ``maxnreg``:
@@ -1093,7 +1129,10 @@ def plan_decode(
     scales read as one word per token where the layout allows (:func:`wide_scales`); default (None): where it
     measured faster (NVFP4; E8M0 blocks of 32, or of any size with PTX unpacking); False: bytewise;
     ``value_rows``: fast-mode KIVI values with the score rows laid out by (channel group, query head) so the
-    group's scale folds into p (default: on for fast-mode KIVI values; docs/kernels.md, "Precision")."""
+    group's scale folds into p (default: on for fast-mode KIVI values; docs/kernels.md, "Precision");
+    ``fp4_keys_by_token``: FP4 key tiles laid out [tokens, D/2] and multiplied as the left operand (scores come
+    out transposed), as the value tiles are, instead of [D/2, tokens]; the same products, summed in another
+    order (default: :func:`default_fp4_keys_by_token`)."""
     import torch
 
     if precision not in PRECISIONS:
@@ -1126,6 +1165,10 @@ def plan_decode(
         return bool(wide_scale_loads) and wide_scales(t)
 
     wide_k, wide_v = wide(k), wide(v)
+    if fp4_keys_by_token and k.kind not in ("mxfp4", "nvfp4"):
+        raise ValueError("fp4_keys_by_token needs FP4 keys (mxfp4 or nvfp4 tiles)")
+    kt4 = default_fp4_keys_by_token(precision, k, bool(ptx_unpack)) if fp4_keys_by_token is None else bool(
+        fp4_keys_by_token)
     rotate_q = []
     if k.rotation is not None:  # q' = butterflies(q * signs) in float32; 1 / (D C_D) goes into the softmax scale
         signs, _, inv = rotation_vectors(k.rotation.seed, head_dim, q.device)
@@ -1229,6 +1272,7 @@ def plan_decode(
         WSC_K=wide_k,
         WSC_V=wide_v,
         HV=hv,
+        KT4=kt4,
     )
     out = torch.empty(batch, q_heads, head_dim, dtype=torch.float32, device=q.device)
     lse = torch.empty(batch, q_heads, dtype=torch.float32, device=q.device)
