@@ -264,6 +264,32 @@ def test_write_bytes_equal_oracle(name, opts):
     _write_and_compare(name, opts, x, page_size=max(16, opts.get("group_size", 1)), rng=rng)
 
 
+KIVI_CASES = [c for c in WRITE_CASES if "kivi" in c[0]]
+
+
+@pytest.mark.parametrize("name,opts", KIVI_CASES, ids=[f"{n}-{'-'.join(map(str, o.values()))}" for n, o in KIVI_CASES])
+def test_kivi_write_of_bfloat16_signed_zeros(name, opts):
+    """KIVI from bfloat16 input (the kernel's bfloat16 float16 rounding and its integer-key min/max): groups of
+    -0.0 only, of both zeros, of negatives with +0.0 and of positives with -0.0 (the stored min/max follow
+    -0.0 < +0.0), and bfloat16 values in float16's subnormal range (rounded to multiples of 2**-24, ties)."""
+    from kvqref.conformance import to_dtype_values
+
+    rng = np.random.default_rng(11)
+    G = opts["group_size"]
+    x = kv_tensor(rng, 2 * G, 2, 128, outliers=False)
+    x[:, 0, :G] = -0.0                                   # value groups / key columns of -0.0 only
+    x[:, 1, :G] = np.where(rng.random((2 * G, G)) < 0.5, -0.0, 0.0)  # both zeros
+    x[:, 0, G:2 * G] = -np.abs(x[:, 0, G:2 * G])
+    x[::3, 0, G:2 * G] = 0.0                             # negatives and +0.0: the max is +0.0
+    x[:, 1, G:2 * G] = np.abs(x[:, 1, G:2 * G])
+    x[::3, 1, G:2 * G] = -0.0                            # positives and -0.0: the min is -0.0
+    tiny = np.array([2.0**-25, 3 * 2.0**-26, 2.0**-20 + 2.0**-27, -(2.0**-24) * 1.5, 2.0**-17 * 1.25, -(2.0**-30)])
+    x[5, :, 2 * G:2 * G + tiny.size] = tiny
+    x = to_dtype_values(x, "bfloat16").astype(np.float32)
+    ok, detail = triton_write_matches(name, {**opts, "residual": 0}, x, G, rng, dtype="bfloat16")
+    assert ok, f"{name} {opts}: {detail}"
+
+
 @settings(max_examples=6 if not GPU else 40, deadline=None, suppress_health_check=list(HealthCheck))
 @given(seed=st.integers(0, 2**31), case=st.sampled_from(WRITE_CASES[:13]),
        scale_exp=st.integers(-20, 20), page=st.sampled_from([1, 16, 32]))  # no KIVI keys: pages % G

@@ -18,7 +18,13 @@ triton = pytest.importorskip("triton")
 tl = triton.language
 
 from kvqref.kernels import write as w  # noqa: E402
-from kvqref.kernels.codecs import encode_e2m1, encode_f32, round_f16, round_f16_nonneg  # noqa: E402
+from kvqref.kernels.codecs import (  # noqa: E402
+    encode_e2m1,
+    encode_f32,
+    round_f16,
+    round_f16_nonneg,
+    round_f16_of_bf16,
+)
 
 GPU = torch.cuda.is_available()
 DEVICE = "cuda" if GPU else "cpu"
@@ -38,6 +44,8 @@ def _unary_kernel(X, OUT, n, OP: tl.constexpr, BLOCK: tl.constexpr):
         y = round_f16(x).to(tl.int32, bitcast=True)
     elif OP == 3:
         y = round_f16_nonneg(x).to(tl.int32, bitcast=True)
+    elif OP == 5:
+        y = round_f16_of_bf16(x).to(tl.int32, bitcast=True)
     else:
         y = encode_f32(x, 4, True)
     tl.store(OUT + i, y, mask=m)
@@ -108,6 +116,19 @@ def test_float16_rounding_equals_numpy():
     assert np.array_equal(got, want), x[got != want][:8]
     pos = x[np.signbit(x) == 0]
     assert np.array_equal(_run(_unary_kernel, pos, OP=3), pos.astype(np.float16).astype(np.float32).view(np.int32))
+
+
+def test_float16_rounding_of_bfloat16_equals_numpy():
+    """round_f16_of_bf16 against NumPy's float32 -> float16 cast on every bfloat16 pattern below 65520 (both
+    zeros, subnormals, the float16 subnormal range where it rounds); a float32 input that is not a bfloat16
+    value is outside its contract and does differ (the check can fail)."""
+    x = _bf16_patterns()
+    x = x[np.isfinite(x) & (np.abs(x) < 65520)].astype(np.float32)
+    want = x.astype(np.float16).astype(np.float32).view(np.int32)
+    got = _run(_unary_kernel, x, OP=5)
+    assert np.array_equal(got, want), x[got != want][:8]
+    not_bf16 = np.array([1.0 + 2.0**-20], np.float32)
+    assert _run(_unary_kernel, not_bf16, OP=5)[0] != not_bf16.astype(np.float16).astype(np.float32).view(np.int32)[0]
 
 
 def _exact_quotient(a: np.ndarray, b: np.ndarray) -> np.ndarray:

@@ -39,6 +39,7 @@ from kvqref.kernels.codecs import (
     pow2_f32,
     round_f16,
     round_f16_nonneg,
+    round_f16_of_bf16,
 )
 
 #: the divisor range in which :func:`_div_by` is exact for every dividend whose quotient matters (below:
@@ -147,25 +148,35 @@ def _round_dt(x, DT: tl.constexpr, F16_CVT: tl.constexpr):
 
 
 @triton.jit
+def _total_order_key(x):
+    """float32 -> int32 key with the floats' order and -0.0 < +0.0 (``u ^ ((u >> 31) & 0x7FFFFFFF)`` of the bits
+    ``u``: negatives' magnitude bits inverted, -0.0 -> -1, +0.0 -> 0); an involution, so the same function
+    maps a key back to the float's bits."""
+    u = x.to(tl.int32, bitcast=True)
+    return u ^ ((u >> 31) & 0x7FFFFFFF)
+
+
+@triton.jit
+def _min_max(a_lo, a_hi, b_lo, b_hi):
+    return tl.minimum(a_lo, b_lo), tl.maximum(a_hi, b_hi)
+
+
+@triton.jit
 def _signed_zero_min_max(x, mn_mask, AXIS: tl.constexpr):
-    """(min, max) of ``x`` over ``AXIS`` (rows where ``mn_mask`` is False left out, if given) with -0.0 < +0.0,
-    as the oracle's ``kivi.signed_zero_min_max``: a zero minimum is -0.0 iff a -0.0 is present, a zero maximum
-    +0.0 iff a +0.0 is present."""
-    big = 65504.0 * 4
-    neg = x.to(tl.int32, bitcast=True) < 0
-    zero = x == 0
+    """(min, max) of ``x`` (finite) over ``AXIS`` (rows where ``mn_mask`` is False left out, if given) with
+    -0.0 < +0.0, as the oracle's ``kivi.signed_zero_min_max``: a zero minimum is -0.0 iff a -0.0 is present, a
+    zero maximum +0.0 iff a +0.0 is present. One integer min/max reduction of :func:`_total_order_key`, whose
+    order is exactly that one (a group with no row left gives NaN bits; its results are not stored)."""
+    k = _total_order_key(x)
     if mn_mask is None:
-        mn = tl.min(x, AXIS)
-        mx = tl.max(x, AXIS)
+        lo = k
+        hi = k
     else:
-        mn = tl.min(tl.where(mn_mask, x, big), AXIS)
-        mx = tl.max(tl.where(mn_mask, x, -big), AXIS)
-        zero = zero & mn_mask
-    neg0 = tl.max((zero & neg).to(tl.int32), AXIS)
-    pos0 = tl.max((zero & (neg == 0)).to(tl.int32), AXIS)
-    mn = tl.where(mn == 0, (neg0 << 31).to(tl.float32, bitcast=True), mn)
-    mx = tl.where(mx == 0, ((1 - pos0) << 31).to(tl.float32, bitcast=True), mx)
-    return mn, mx
+        lo = tl.where(mn_mask, k, 0x7FFFFFFF)
+        hi = tl.where(mn_mask, k, -2147483648)
+    kmn, kmx = tl.reduce((lo, hi), AXIS, _min_max)
+    return (_total_order_key(kmn.to(tl.float32, bitcast=True)).to(tl.float32, bitcast=True),
+            _total_order_key(kmx.to(tl.float32, bitcast=True)).to(tl.float32, bitcast=True))
 
 
 @triton.jit
@@ -291,7 +302,10 @@ def quantize_write_kernel(
         tl.store(F1 + s3 * f1_s + h3 * f1_h + nb[None, None, :], scode.to(tl.uint8), mask=m3)
     else:
         MAXINT: tl.constexpr = (1 << BITS) - 1
-        x16 = round_f16(x, F16_CVT)
+        if X.dtype.element_ty == tl.bfloat16 and not ROTATE and not F16_CVT:  # x holds bfloat16 values
+            x16 = round_f16_of_bf16(x)
+        else:
+            x16 = round_f16(x, F16_CVT)
         PACKD: tl.constexpr = D * BITS // 8
         i = tl.arange(0, PACKD)
         if KIND == 4:
@@ -307,8 +321,11 @@ def quantize_write_kernel(
             # one program = one whole group of G = BLOCK_T tokens in consecutive, G-aligned slots
             mn, mx = _signed_zero_min_max(x16, mn_mask=tm[:, None, None], AXIS=0)  # rows not written left out
             q, scale = _kivi_quant(x16, mn[None, :, :], mx[None, :, :], MAXINT, F16_CVT)
-            grp = tl.min(tl.where(tm, slot, 2**62), 0) // G
-            gm = hm[:, None] & ((tl.zeros((D,), tl.int32) + tl.max(tm.to(tl.int32), 0)) > 0)[None, :]
+            # the group's slots are consecutive and G-aligned: any written one // G is the group (slot -1: not
+            # written); one reduction gives both the group and whether anything is written
+            last = tl.max(tl.where(tm, slot, -1), 0)
+            grp = last // G
+            gm = hm[:, None] & ((tl.zeros((D,), tl.int64) + last) >= 0)[None, :]
             hd = hh[:, None] * f1_h + d[None, :]
             tl.store(F1 + grp * f1_s + hd, tl.reshape(scale, (BLOCK_H, D)).to(tl.float16), mask=gm)
             tl.store(F2 + grp * f2_s + hh[:, None] * f2_h + d[None, :], mn.to(tl.float16), mask=gm)
