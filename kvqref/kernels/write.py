@@ -30,7 +30,7 @@ import triton.language as tl
 from kvqref.kernels.codecs import (
     bf16_bits_to_f32,
     ceil_log2_f32,
-    decode_f32,
+    e4m3_normal_bits,
     encode_e2m1,
     encode_f32,
     f32_to_bf16_bits,
@@ -49,11 +49,12 @@ DIV_HI = tl.constexpr(2.0**80)
 #: quotients are computed for |x| <= 2**20 * divisor; larger ones are clamped there (every format
 #: saturates, overflows to Inf/NaN, or clips far below 2**20, and so does float16 after QDT rounding)
 QUOT_MAX = tl.constexpr(2.0**20)
-#: NVFP4: with the global scale in [2**-60, 2**60] and block amax <= 2**60 every quotient is finite and
-#: every divisor in [DIV_LO, DIV_HI] (block divisors e4m3 * g lie in [2**-66, 2**69])
+#: NVFP4: with the global scale in [2**-60, 2**60] every divisor is in [DIV_LO, DIV_HI] (block divisors
+#: e4m3 * g lie in [2**-66, 2**69]) and, |x| capped at g * NV_CAP, every quotient within 2**20
 NV_G_LO = tl.constexpr(2.0**-60)
 NV_G_HI = tl.constexpr(2.0**60)
-NV_AMAX = tl.constexpr(2.0**60)
+#: NVFP4: |x| is capped at g * NV_CAP (see the kernel)
+NV_CAP = tl.constexpr(2.0**14)
 #: RN32(amax / max finite) by reciprocal is exact for amax >= this (the remainder stays normal)
 AMAX_LO = tl.constexpr(2.0**-100)
 
@@ -264,8 +265,8 @@ def quantize_write_kernel(
     elif KIND == 2 or KIND == 3:
         NB: tl.constexpr = D // QB
         xb = tl.reshape(x, (BLOCK_T, BLOCK_H, NB, QB))
-        amax = tl.max(tl.abs(xb), 3)
         if KIND == 2:
+            amax = tl.max(tl.abs(xb), 3)
             if SGLANG:
                 v = tl.maximum(_div(amax, tl.full(amax.shape, 6.0, tl.float32)), 1e-10)
                 e = tl.minimum(tl.maximum(ceil_log2_f32(v), -127), 127)
@@ -278,22 +279,30 @@ def quantize_write_kernel(
                 c = encode_e2m1(y, False)  # |y| < 8
             scode = e + 127
         else:
+            # x clamped to +-g * 2**14: a block holding a larger |x| has a scale above 2730 before the clamp to
+            # 448, so its clamped elements still give quotients beyond +-6 (code 7, x's sign); the clamp keeps
+            # every quotient within _div_by's domain without a tile-wide check of the block maxima
             g = tl.load(SC)
-            fast = (g >= NV_G_LO) & (g <= NV_G_HI) & (tl.max(tl.max(tl.max(amax, 2), 1), 0) <= NV_AMAX)
+            fast = (g >= NV_G_LO) & (g <= NV_G_HI)
             if fast:  # every quotient below stays finite and exact
+                xa = tl.clamp(xb, g * -NV_CAP, g * NV_CAP)
+                amax = tl.max(tl.abs(xa), 3)
                 rg = _div(1.0, g)
                 s = _div_by(_div_by(amax, 6.0, 1.0 / 6.0, STEPS), g, rg, 2)
             else:
+                xa = xb
+                amax = tl.max(tl.abs(xb), 3)
                 s = _div(_div(amax, tl.full(amax.shape, 6.0, tl.float32)), g + tl.zeros_like(amax))
             s = tl.minimum(tl.maximum(s, 0.015625), 448.0)
-            scode = encode_f32(s, 0, True)  # the integer encoder: see docs/kernels.md (NVFP4 on the H100)
-            dv = decode_f32(scode, 0) * g
-            if fast:
-                q = _div_by(xb, dv[:, :, :, None], _div(tl.full(dv.shape, 1.0, tl.float32), dv)[:, :, :, None],
+            # integer E4M3 rounding (see docs/kernels.md, NVFP4 on the H100), s being normal in E4M3
+            scode, sv = e4m3_normal_bits(s)
+            dv = sv * g
+            if fast:  # |q| <= 2**20
+                q = _div_by(xa, dv[:, :, :, None], _div(tl.full(dv.shape, 1.0, tl.float32), dv)[:, :, :, None],
                             STEPS)
             else:
-                q = _div(xb, dv[:, :, :, None] + tl.zeros_like(xb))
-            c = encode_e2m1(q, True)  # = E2M1 of q clipped to +-6: the encoding saturates there
+                q = tl.clamp(_div(xa, dv[:, :, :, None] + tl.zeros_like(xb)), -8.0, 8.0)
+            c = encode_e2m1(q, False)  # = E2M1 of q clipped to +-6: the encoding saturates there
         i = tl.arange(0, D // 2)
         packed = tl.reshape(_pack_bits(tl.reshape(c, (BLOCK_T * BLOCK_H, D)), 4, BLOCK_T * BLOCK_H, D),
                             (BLOCK_T, BLOCK_H, D // 2))
