@@ -299,8 +299,9 @@ def main() -> int:
             best = None
             kind = new.constexprs["KIND"]
             g = new.constexprs["BLOCK_T"]
-            tiles = [(g, 1), (g, 2)] if kind == 5 else [(2, 8), (4, 8), (8, 8), (32, 1)]
-            for (bt, bh), nw, cvt in ((t, w, c) for t in tiles for w in (4, 8)
+            tiles = [(g, 1), (g, 2), (g, 4)] if kind == 5 else [(2, 8), (4, 8), (8, 8), (32, 1)]
+            warps = (2, 4, 8) if kind == 5 else (4, 8)  # KIVI keys: fewer warps, fewer cross-warp reduction steps
+            for (bt, bh), nw, cvt in ((t, w, c) for t in tiles for w in warps
                                       for c in ((False, True) if kind >= 4 else (False,))):
                 launch = tb.plan_write(side, x, slots, block_t=bt, block_h=bh, num_warps=nw, f16_cvt=cvt)
                 try:

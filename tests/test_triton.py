@@ -293,6 +293,52 @@ def test_write_bytes_equal_oracle(name, opts):
     _write_and_compare(name, opts, x, page_size=max(16, opts.get("group_size", 1)), rng=rng)
 
 
+KIVI_CASES = [c for c in WRITE_CASES if "kivi" in c[0]]
+
+
+@pytest.mark.parametrize("name,opts", KIVI_CASES, ids=[f"{n}-{'-'.join(map(str, o.values()))}" for n, o in KIVI_CASES])
+def test_kivi_write_of_bfloat16_signed_zeros(name, opts):
+    """KIVI from bfloat16 input (the kernel's bfloat16 float16 rounding and its integer-key min/max): groups of
+    -0.0 only, of both zeros, of negatives with +0.0 and of positives with -0.0 (the stored min/max follow
+    -0.0 < +0.0), and bfloat16 values in float16's subnormal range (rounded to multiples of 2**-24, ties)."""
+    from kvqref.conformance import to_dtype_values
+
+    rng = np.random.default_rng(11)
+    G = opts["group_size"]
+    x = kv_tensor(rng, 2 * G, 2, 128, outliers=False)
+    x[:, 0, :G] = -0.0                                   # value groups / key columns of -0.0 only
+    x[:, 1, :G] = np.where(rng.random((2 * G, G)) < 0.5, -0.0, 0.0)  # both zeros
+    x[:, 0, G:2 * G] = -np.abs(x[:, 0, G:2 * G])
+    x[::3, 0, G:2 * G] = 0.0                             # negatives and +0.0: the max is +0.0
+    x[:, 1, G:2 * G] = np.abs(x[:, 1, G:2 * G])
+    x[::3, 1, G:2 * G] = -0.0                            # positives and -0.0: the min is -0.0
+    tiny = np.array([2.0**-25, 3 * 2.0**-26, 2.0**-20 + 2.0**-27, -(2.0**-24) * 1.5, 2.0**-17 * 1.25, -(2.0**-30)])
+    x[5, :, 2 * G:2 * G + tiny.size] = tiny
+    x = to_dtype_values(x, "bfloat16").astype(np.float32)
+    ok, detail = triton_write_matches(name, {**opts, "residual": 0}, x, G, rng, dtype="bfloat16")
+    assert ok, f"{name} {opts}: {detail}"
+
+
+@pytest.mark.parametrize("g", [2.0**-20, 6.0 / 2688.0, 2.0**-70])
+def test_nvfp4_write_with_saturating_blocks(g):
+    """NVFP4 with a given global scale g: |x| beyond g * 2**14 (clamped in the kernel's fast path; such blocks'
+    scales saturate at 448 and their codes at +-6), 1e30 and ties in bfloat16 input, and g = 2**-70 outside the
+    fast path's range (divisions)."""
+    from kvqref.conformance import to_dtype_values
+
+    rng = np.random.default_rng(13)
+    x = kv_tensor(rng, 32, 2, 64, outliers=True)
+    x[2, 0, :16] = np.linspace(-3.0, 3.0, 16) * g * 2.0**14 * 448 * 6 / 2730  # around the clamp
+    x[5, 1, 3] = 1e30
+    x[5, 1, 4] = -1e30
+    x[6, 0, :16] = np.array([2.5, -5.0, 0.25, 0.75, 1.25, 1.75, 3.5, 5.0] * 2) * g
+    x[7] = 0.0
+    x[8, :, ::2] = -0.0
+    x = to_dtype_values(x, "bfloat16").astype(np.float32)
+    ok, detail = triton_write_matches("nvfp4", {"global_scale": g}, x, 16, rng, dtype="bfloat16")
+    assert ok, detail
+
+
 @settings(max_examples=6 if not GPU else 40, deadline=None, suppress_health_check=list(HealthCheck))
 @given(seed=st.integers(0, 2**31), case=st.sampled_from(WRITE_CASES[:13]),
        scale_exp=st.integers(-20, 20), page=st.sampled_from([1, 16, 32]))  # no KIVI keys: pages % G

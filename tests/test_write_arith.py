@@ -18,7 +18,15 @@ triton = pytest.importorskip("triton")
 tl = triton.language
 
 from kvqref.kernels import write as w  # noqa: E402
-from kvqref.kernels.codecs import encode_e2m1, encode_f32, round_f16, round_f16_nonneg  # noqa: E402
+from kvqref.kernels.codecs import (  # noqa: E402
+    decode_f32,
+    e4m3_normal_bits,
+    encode_e2m1,
+    encode_f32,
+    round_f16,
+    round_f16_nonneg,
+    round_f16_of_bf16,
+)
 
 GPU = torch.cuda.is_available()
 DEVICE = "cuda" if GPU else "cpu"
@@ -38,6 +46,13 @@ def _unary_kernel(X, OUT, n, OP: tl.constexpr, BLOCK: tl.constexpr):
         y = round_f16(x).to(tl.int32, bitcast=True)
     elif OP == 3:
         y = round_f16_nonneg(x).to(tl.int32, bitcast=True)
+    elif OP == 5:
+        y = round_f16_of_bf16(x).to(tl.int32, bitcast=True)
+    elif OP == 6:
+        c, v = e4m3_normal_bits(x)
+        y = c | ((v == decode_f32(c, 0)).to(tl.int32) << 8)  # the code, and bit 8: its value is the decoded one
+    elif OP == 7:
+        y = encode_f32(x, 0, True)
     else:
         y = encode_f32(x, 4, True)
     tl.store(OUT + i, y, mask=m)
@@ -108,6 +123,37 @@ def test_float16_rounding_equals_numpy():
     assert np.array_equal(got, want), x[got != want][:8]
     pos = x[np.signbit(x) == 0]
     assert np.array_equal(_run(_unary_kernel, pos, OP=3), pos.astype(np.float16).astype(np.float32).view(np.int32))
+
+
+def test_float16_rounding_of_bfloat16_equals_numpy():
+    """round_f16_of_bf16 against NumPy's float32 -> float16 cast on every bfloat16 pattern below 65520 (both
+    zeros, subnormals, the float16 subnormal range where it rounds); a float32 input that is not a bfloat16
+    value is outside its contract and does differ (the check can fail)."""
+    x = _bf16_patterns()
+    x = x[np.isfinite(x) & (np.abs(x) < 65520)].astype(np.float32)
+    want = x.astype(np.float16).astype(np.float32).view(np.int32)
+    got = _run(_unary_kernel, x, OP=5)
+    assert np.array_equal(got, want), x[got != want][:8]
+    not_bf16 = np.array([1.0 + 2.0**-20], np.float32)
+    assert _run(_unary_kernel, not_bf16, OP=5)[0] != not_bf16.astype(np.float16).astype(np.float32).view(np.int32)[0]
+
+
+def test_e4m3_normal_bits_equal_the_oracle_codec():
+    """e4m3_normal_bits (NVFP4's block scales in [2**-6, 448]): codes as the oracle's E4M3FN encoding and
+    encode_f32, values as decode_f32, on every bfloat16 value in the range, every code's midpoint and its
+    neighbours (+-1 ulp), and random float32 there."""
+    rng = np.random.default_rng(4)
+    b = _bf16_patterns()
+    codes = np.arange(8, 0x7F)
+    mids = ((codes.astype(np.int64) + 960) << 20) + (1 << 19)  # float32 bits of the midpoint above each code
+    ties = np.concatenate([mids - 1, mids, mids + 1]).astype(np.int32).view(np.float32)
+    x = np.concatenate([b, ties, rng.uniform(2.0**-6, 448.0, 1 << 16).astype(np.float32),
+                        np.array([2.0**-6, 448.0], np.float32)])
+    x = x[np.isfinite(x) & (x >= 2.0**-6) & (x <= 448.0)].astype(np.float32)
+    got = _run(_unary_kernel, x, OP=6)
+    want = formats.get("float8_e4m3fn").encode(x, saturate=True).astype(np.int32)
+    assert np.array_equal(got, want | 256), x[got != (want | 256)][:8]
+    assert np.array_equal(_run(_unary_kernel, x, OP=7), want)  # encode_f32, the general encoder
 
 
 def _exact_quotient(a: np.ndarray, b: np.ndarray) -> np.ndarray:

@@ -267,3 +267,25 @@ def round_f16_nonneg(x, CVT: tl.constexpr = False):
         m = tl.maximum((x.to(tl.int32, bitcast=True) & 0x7F800000) + (13 << 23), 0x38800000 + (13 << 23))
         m = m.to(tl.float32, bitcast=True)
         return (x + m) - m
+
+
+@triton.jit
+def round_f16_of_bf16(x):
+    """:func:`round_f16` of a bfloat16 value ``x`` (held in float32; |x| < 65520): ``(|x| + 0.5) - 0.5`` with
+    the sign bit put back. The sum's ulp is 2**-24 for |x| < 0.5, float16's spacing below 2**-14, so the first
+    addition rounds |x| to a multiple of 2**-24 (ties to even); every other bfloat16 value (8 significant bits,
+    exponent >= -17) is already one, and then both operations are exact. Checked on all bfloat16 values
+    (tests/test_write_arith.py)."""
+    r = (tl.abs(x) + 0.5) - 0.5
+    return (r.to(tl.int32, bitcast=True) | (x.to(tl.int32, bitcast=True) & -2147483648)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def e4m3_normal_bits(s):
+    """(E4M3FN code, the code's value as float32) of a float32 ``s`` in [2**-6, 448] (E4M3's normal range, as
+    NVFP4's clamped block scales): round to nearest even at 3 mantissa bits on the bits, ``u + 0x7FFFF + bit20``
+    (a carry moves into the exponent), then rebias 127 -> 7. The same codes as :func:`encode_f32` (FMT 0) there
+    (tests/test_write_arith.py)."""
+    u = s.to(tl.int32, bitcast=True)
+    r = (u + 0x7FFFF + ((u >> 20) & 1)) >> 20
+    return r - ((127 - 7) << 3), (r << 20).to(tl.float32, bitcast=True)

@@ -30,7 +30,7 @@ import triton.language as tl
 from kvqref.kernels.codecs import (
     bf16_bits_to_f32,
     ceil_log2_f32,
-    decode_f32,
+    e4m3_normal_bits,
     encode_e2m1,
     encode_f32,
     f32_to_bf16_bits,
@@ -39,6 +39,7 @@ from kvqref.kernels.codecs import (
     pow2_f32,
     round_f16,
     round_f16_nonneg,
+    round_f16_of_bf16,
 )
 
 #: the divisor range in which :func:`_div_by` is exact for every dividend whose quotient matters (below:
@@ -48,11 +49,12 @@ DIV_HI = tl.constexpr(2.0**80)
 #: quotients are computed for |x| <= 2**20 * divisor; larger ones are clamped there (every format
 #: saturates, overflows to Inf/NaN, or clips far below 2**20, and so does float16 after QDT rounding)
 QUOT_MAX = tl.constexpr(2.0**20)
-#: NVFP4: with the global scale in [2**-60, 2**60] and block amax <= 2**60 every quotient is finite and
-#: every divisor in [DIV_LO, DIV_HI] (block divisors e4m3 * g lie in [2**-66, 2**69])
+#: NVFP4: with the global scale in [2**-60, 2**60] every divisor is in [DIV_LO, DIV_HI] (block divisors
+#: e4m3 * g lie in [2**-66, 2**69]) and, |x| capped at g * NV_CAP, every quotient within 2**20
 NV_G_LO = tl.constexpr(2.0**-60)
 NV_G_HI = tl.constexpr(2.0**60)
-NV_AMAX = tl.constexpr(2.0**60)
+#: NVFP4: |x| is capped at g * NV_CAP (see the kernel)
+NV_CAP = tl.constexpr(2.0**14)
 #: RN32(amax / max finite) by reciprocal is exact for amax >= this (the remainder stays normal)
 AMAX_LO = tl.constexpr(2.0**-100)
 
@@ -147,25 +149,35 @@ def _round_dt(x, DT: tl.constexpr, F16_CVT: tl.constexpr):
 
 
 @triton.jit
+def _total_order_key(x):
+    """float32 -> int32 key with the floats' order and -0.0 < +0.0 (``u ^ ((u >> 31) & 0x7FFFFFFF)`` of the bits
+    ``u``: negatives' magnitude bits inverted, -0.0 -> -1, +0.0 -> 0); an involution, so the same function
+    maps a key back to the float's bits."""
+    u = x.to(tl.int32, bitcast=True)
+    return u ^ ((u >> 31) & 0x7FFFFFFF)
+
+
+@triton.jit
+def _min_max(a_lo, a_hi, b_lo, b_hi):
+    return tl.minimum(a_lo, b_lo), tl.maximum(a_hi, b_hi)
+
+
+@triton.jit
 def _signed_zero_min_max(x, mn_mask, AXIS: tl.constexpr):
-    """(min, max) of ``x`` over ``AXIS`` (rows where ``mn_mask`` is False left out, if given) with -0.0 < +0.0,
-    as the oracle's ``kivi.signed_zero_min_max``: a zero minimum is -0.0 iff a -0.0 is present, a zero maximum
-    +0.0 iff a +0.0 is present."""
-    big = 65504.0 * 4
-    neg = x.to(tl.int32, bitcast=True) < 0
-    zero = x == 0
+    """(min, max) of ``x`` (finite) over ``AXIS`` (rows where ``mn_mask`` is False left out, if given) with
+    -0.0 < +0.0, as the oracle's ``kivi.signed_zero_min_max``: a zero minimum is -0.0 iff a -0.0 is present, a
+    zero maximum +0.0 iff a +0.0 is present. One integer min/max reduction of :func:`_total_order_key`, whose
+    order is exactly that one (a group with no row left gives NaN bits; its results are not stored)."""
+    k = _total_order_key(x)
     if mn_mask is None:
-        mn = tl.min(x, AXIS)
-        mx = tl.max(x, AXIS)
+        lo = k
+        hi = k
     else:
-        mn = tl.min(tl.where(mn_mask, x, big), AXIS)
-        mx = tl.max(tl.where(mn_mask, x, -big), AXIS)
-        zero = zero & mn_mask
-    neg0 = tl.max((zero & neg).to(tl.int32), AXIS)
-    pos0 = tl.max((zero & (neg == 0)).to(tl.int32), AXIS)
-    mn = tl.where(mn == 0, (neg0 << 31).to(tl.float32, bitcast=True), mn)
-    mx = tl.where(mx == 0, ((1 - pos0) << 31).to(tl.float32, bitcast=True), mx)
-    return mn, mx
+        lo = tl.where(mn_mask, k, 0x7FFFFFFF)
+        hi = tl.where(mn_mask, k, -2147483648)
+    kmn, kmx = tl.reduce((lo, hi), AXIS, _min_max)
+    return (_total_order_key(kmn.to(tl.float32, bitcast=True)).to(tl.float32, bitcast=True),
+            _total_order_key(kmx.to(tl.float32, bitcast=True)).to(tl.float32, bitcast=True))
 
 
 @triton.jit
@@ -253,8 +265,8 @@ def quantize_write_kernel(
     elif KIND == 2 or KIND == 3:
         NB: tl.constexpr = D // QB
         xb = tl.reshape(x, (BLOCK_T, BLOCK_H, NB, QB))
-        amax = tl.max(tl.abs(xb), 3)
         if KIND == 2:
+            amax = tl.max(tl.abs(xb), 3)
             if SGLANG:
                 v = tl.maximum(_div(amax, tl.full(amax.shape, 6.0, tl.float32)), 1e-10)
                 e = tl.minimum(tl.maximum(ceil_log2_f32(v), -127), 127)
@@ -267,22 +279,30 @@ def quantize_write_kernel(
                 c = encode_e2m1(y, False)  # |y| < 8
             scode = e + 127
         else:
+            # x clamped to +-g * 2**14: a block holding a larger |x| has a scale above 2730 before the clamp to
+            # 448, so its clamped elements still give quotients beyond +-6 (code 7, x's sign); the clamp keeps
+            # every quotient within _div_by's domain without a tile-wide check of the block maxima
             g = tl.load(SC)
-            fast = (g >= NV_G_LO) & (g <= NV_G_HI) & (tl.max(tl.max(tl.max(amax, 2), 1), 0) <= NV_AMAX)
+            fast = (g >= NV_G_LO) & (g <= NV_G_HI)
             if fast:  # every quotient below stays finite and exact
+                xa = tl.clamp(xb, g * -NV_CAP, g * NV_CAP)
+                amax = tl.max(tl.abs(xa), 3)
                 rg = _div(1.0, g)
                 s = _div_by(_div_by(amax, 6.0, 1.0 / 6.0, STEPS), g, rg, 2)
             else:
+                xa = xb
+                amax = tl.max(tl.abs(xb), 3)
                 s = _div(_div(amax, tl.full(amax.shape, 6.0, tl.float32)), g + tl.zeros_like(amax))
             s = tl.minimum(tl.maximum(s, 0.015625), 448.0)
-            scode = encode_f32(s, 0, True)  # the integer encoder: see docs/kernels.md (NVFP4 on the H100)
-            dv = decode_f32(scode, 0) * g
-            if fast:
-                q = _div_by(xb, dv[:, :, :, None], _div(tl.full(dv.shape, 1.0, tl.float32), dv)[:, :, :, None],
+            # integer E4M3 rounding (see docs/kernels.md, NVFP4 on the H100), s being normal in E4M3
+            scode, sv = e4m3_normal_bits(s)
+            dv = sv * g
+            if fast:  # |q| <= 2**20
+                q = _div_by(xa, dv[:, :, :, None], _div(tl.full(dv.shape, 1.0, tl.float32), dv)[:, :, :, None],
                             STEPS)
             else:
-                q = _div(xb, dv[:, :, :, None] + tl.zeros_like(xb))
-            c = encode_e2m1(q, True)  # = E2M1 of q clipped to +-6: the encoding saturates there
+                q = tl.clamp(_div(xa, dv[:, :, :, None] + tl.zeros_like(xb)), -8.0, 8.0)
+            c = encode_e2m1(q, False)  # = E2M1 of q clipped to +-6: the encoding saturates there
         i = tl.arange(0, D // 2)
         packed = tl.reshape(_pack_bits(tl.reshape(c, (BLOCK_T * BLOCK_H, D)), 4, BLOCK_T * BLOCK_H, D),
                             (BLOCK_T, BLOCK_H, D // 2))
@@ -291,7 +311,10 @@ def quantize_write_kernel(
         tl.store(F1 + s3 * f1_s + h3 * f1_h + nb[None, None, :], scode.to(tl.uint8), mask=m3)
     else:
         MAXINT: tl.constexpr = (1 << BITS) - 1
-        x16 = round_f16(x, F16_CVT)
+        if X.dtype.element_ty == tl.bfloat16 and not ROTATE and not F16_CVT:  # x holds bfloat16 values
+            x16 = round_f16_of_bf16(x)
+        else:
+            x16 = round_f16(x, F16_CVT)
         PACKD: tl.constexpr = D * BITS // 8
         i = tl.arange(0, PACKD)
         if KIND == 4:
@@ -307,8 +330,11 @@ def quantize_write_kernel(
             # one program = one whole group of G = BLOCK_T tokens in consecutive, G-aligned slots
             mn, mx = _signed_zero_min_max(x16, mn_mask=tm[:, None, None], AXIS=0)  # rows not written left out
             q, scale = _kivi_quant(x16, mn[None, :, :], mx[None, :, :], MAXINT, F16_CVT)
-            grp = tl.min(tl.where(tm, slot, 2**62), 0) // G
-            gm = hm[:, None] & ((tl.zeros((D,), tl.int32) + tl.max(tm.to(tl.int32), 0)) > 0)[None, :]
+            # the group's slots are consecutive and G-aligned: any written one // G is the group (slot -1: not
+            # written); one reduction gives both the group and whether anything is written
+            last = tl.max(tl.where(tm, slot, -1), 0)
+            grp = last // G
+            gm = hm[:, None] & ((tl.zeros((D,), tl.int64) + last) >= 0)[None, :]
             hd = hh[:, None] * f1_h + d[None, :]
             tl.store(F1 + grp * f1_s + hd, tl.reshape(scale, (BLOCK_H, D)).to(tl.float16), mask=gm)
             tl.store(F2 + grp * f2_s + hh[:, None] * f2_h + d[None, :], mn.to(tl.float16), mask=gm)

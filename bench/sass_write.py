@@ -1,0 +1,96 @@
+"""SASS instruction mix of the quantize-on-write kernel per scheme (sm_90 cubin, built on this CPU machine).
+
+    python3 bench/sass_write.py [--cases nvfp4,int4_kivi-k] [--tile BT,BH] [--warps W] [--dump DIR]
+
+Builds each write launch of ``bench/ab_write.py`` (the same host code, bf16 input, 8 KV heads x 128, the
+default tile and warps unless given) on the CPU, compiles it for sm_90 as ``python3 -m kvqref.kernels.aot``
+does, disassembles the cubin with the ``cuobjdump`` shipped with Triton and counts the whole kernel's
+instructions per thread by execution unit (the write kernel is straight-line code: one tile per program).
+Divided by the elements each thread quantizes, that is the per-element issue cost; registers per thread and
+shared memory per program come from the compiled kernel. Needs a process without TRITON_INTERPRET.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import warnings
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from sass_mix import UNITS, parse, unit_counts  # noqa: E402
+
+#: bench/ab_write.py's cases: (row label, decode_bench scheme label, side)
+CASES = [("bf16", "bf16", "k"), ("fp8_e4m3", "fp8_e4m3", "k"), ("fp4_e2m1", "fp4_e2m1", "k"),
+         ("mxfp4", "mxfp4", "k"), ("nvfp4", "nvfp4", "k"),
+         ("int4_kivi-k", "int4_kivi", "k"), ("int4_kivi-v", "int4_kivi", "v"),
+         ("int2_kivi-k", "int2_kivi", "k"), ("int2_kivi-v", "int2_kivi", "v")]
+
+
+def sass_of(launch) -> tuple[str, int, int]:
+    """(SASS text, registers per thread, shared bytes) of ``launch`` compiled for sm_90."""
+    import triton
+
+    from kvqref.backends._aot import make_target
+    from kvqref.kernels.aot import compile_launch
+
+    ck = compile_launch(launch, make_target("cuda", 90))
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(ck.asm["cubin"])
+    try:
+        sass = subprocess.run([str(cuobjdump), "-sass", f.name], capture_output=True, text=True, check=True).stdout
+        res = subprocess.run([str(cuobjdump), "-res-usage", f.name], capture_output=True, text=True).stdout
+    finally:
+        os.unlink(f.name)
+    regs = re.search(r"REG:(\d+)", res)
+    return sass, int(regs.group(1)) if regs else -1, ck.metadata.shared
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cases", default=",".join(c[0] for c in CASES))
+    ap.add_argument("--tile", help="BLOCK_T,BLOCK_H (default: the backend's)")
+    ap.add_argument("--warps", type=int)
+    ap.add_argument("--f16-cvt", action="store_true", help="KIVI float16 roundings by conversion instructions")
+    ap.add_argument("--dump", help="write each kernel's SASS here")
+    args = ap.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        raise SystemExit("needs a process without TRITON_INTERPRET=1")
+    from decode_bench import write_inputs
+
+    from kvqref.backends import triton_backend as tb
+
+    cols = list(UNITS) + ["other"]
+    print("| kernel | tile | warps | regs | smem B | instr. | per elem. | " + " | ".join(cols) + " |")
+    print("|---|---|---|---|---|---|---|" + "---|" * len(cols))
+    for label, scheme_label, side_name in (c for c in CASES if c[0] in args.cases.split(",")):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            side, x, slots, _ = write_inputs(scheme_label, tokens=256, side=side_name, device="cpu")
+        kw = {}
+        if args.tile:
+            kw["block_t"], kw["block_h"] = (int(v) for v in args.tile.split(","))
+        launch = tb.plan_write(side, x, slots, num_warps=args.warps, hw_fp8=True, f16_cvt=args.f16_cvt, **kw)
+        sass, regs, smem = sass_of(launch)
+        if args.dump:
+            Path(args.dump).mkdir(parents=True, exist_ok=True)
+            (Path(args.dump) / f"write_{label}.sass").write_text(sass)
+        body = parse(sass)
+        c = unit_counts(body)
+        cx = launch.constexprs
+        warps = launch.options["num_warps"]
+        per_thread = cx["BLOCK_T"] * cx["BLOCK_H"] * cx["D"] / (32 * warps)
+        print(f"| {label} | {cx['BLOCK_T']}x{cx['BLOCK_H']} | {warps} | {regs} | {smem} | {len(body)} | "
+              f"{len(body) / per_thread:.1f} | " + " | ".join(str(c.get(k, 0)) for k in cols) + " |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
