@@ -42,8 +42,10 @@ def test_every_kernel_compiles_for_rocm_and_cuda_targets():
         rows_off = sum("kivi" in c[3] for c in DECODE_CASES)
         # + FP4 keys with tokens as rows (``fp4_keys_by_token``), every target
         kt4 = sum("fp4" in c[1] for c in DECODE_CASES)
+        # + fast-mode KIVI keys with the scale folded into q (``key_tile=False``)
+        ktile_off = sum("kivi" in c[1] for c in DECODE_CASES)
         assert len(rows) == (2 * len(DECODE_CASES) + len(SHARED_KERNELS) + len(WRITE_CASES) + ptx + f16cvt
-                             + rows_off + kt4), t
+                             + rows_off + kt4 + ktile_off), t
         assert {r["kernel"] for r in rows} >= {*SHARED_KERNELS, "decode[fp8_e4m3+H]", "write[fp4_e2m1-hadamard-5]"}
         assert all(r["code_bytes"] > 1000 for r in rows)
         if t.startswith("cuda"):  # the write kernel's bytes rest on IEEE float32 (docs/kernels.md, write kernel)

@@ -123,6 +123,26 @@ def test_kivi_values_without_rows_by_group(pair):
         _run_decode(cache, q, precision="exact", value_rows=True)
 
 
+@pytest.mark.parametrize("pair", PAIRS[7:9], ids=IDS[7:9])
+def test_kivi_keys_with_the_scale_folded_into_q(pair):
+    """``key_tile=False``: fast-mode KIVI keys with the group's scale folded into a float32 q (q * s in two
+    bfloat16 parts) and q . z reduced per tile (the path before the key tiles), within the fast bound; the
+    default (key tiles c * s + z in two bfloat16 parts against the bfloat16 q) agrees with it within the sum
+    of both bounds; exact mode refuses the option."""
+    rng = np.random.default_rng(22)
+    cache, _ = build_cache(pair, SMALL, rng)
+    q = torch.from_numpy(rng.standard_normal((3, 4, 64)).astype(np.float32)).to(torch.bfloat16)
+    q64 = q.float().numpy().astype(np.float64)
+    ref_out, ref_lse, tol_o, tol_l = _oracle(cache, q64, "fast")
+    folded, lse_f, _ = _run_decode(cache, q, precision="fast", key_tile=False)
+    assert (np.abs(folded - ref_out) <= tol_o).all() and (np.abs(lse_f - ref_lse) <= tol_l).all()
+    tiles, lse_t, _ = _run_decode(cache, q, precision="fast", key_tile=True)
+    assert (np.abs(tiles - ref_out) <= tol_o).all() and (np.abs(lse_t - ref_lse) <= tol_l).all()
+    assert (np.abs(tiles - folded) <= 2 * tol_o).all()
+    with pytest.raises(ValueError, match="key_tile"):
+        _run_decode(cache, q, precision="exact", key_tile=True)
+
+
 @pytest.mark.skipif(not GPU, reason="inline PTX runs on a CUDA device only (the interpreter takes the portable path)")
 @pytest.mark.parametrize("precision", ["fast", "exact"])
 @pytest.mark.parametrize("pair", [PAIRS[5], PAIRS[6], ("nvfp4", {}, "nvfp4", {})],

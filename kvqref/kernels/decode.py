@@ -17,7 +17,8 @@ Tensor-level scales (FP8 per-tensor/per-head, NVFP4 global) are folded: K's into
 V's into the output. Per-token FP8 scales multiply score columns and probabilities, never the
 elements, so dequantized FP8 tiles are exact in float16 and FP4 tiles exact in bfloat16 (NVFP4 also in
 float16) and go to the tensor cores as they are. KIVI keys fold the group's per-channel scale and zero
-into q, so their integer codes go to the tensor cores exactly. Operands that are not exact in 16 bits
+into q (exact mode, or fast with ``key_tile=False``; fast mode by default splits the dequantized key tile in
+two bfloat16 parts), so their integer codes go to the tensor cores exactly. Operands that are not exact in 16 bits
 (q in float32, the probabilities, KIVI q x s and value tiles, the residual): ``precision="exact"`` splits
 them into two or three 16-bit parts whose sum is the float32 value (products of float32 operands);
 ``precision="fast"`` (the default, constexpr ``FAST``) rounds q and p once to 16 bits and splits KIVI and
@@ -379,11 +380,24 @@ def _dot_acc(a, b, acc):
 
 
 @triton.jit
+def _f16_of_word(F, off, ik, P: tl.constexpr, PK: tl.constexpr):
+    """float16 elements ``ik * PK + P`` of the row at ``F + off`` (float16, PK-aligned: plan_decode checks), as
+    float32, read as one 32/64-bit word per ``ik`` holding the PK phases (the same addresses in every phase, so
+    the compiler loads each word once per tile; little-endian: phase P is bits 16P..16P+15)."""
+    WT: tl.constexpr = tl.int64 if PK == 4 else tl.int32
+    w = tl.load((F + off).to(tl.pointer_type(WT)) + ik)
+    return ((w >> (16 * P)) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
 def _kivi_key_phase(
     qf, kb, K1, K2, grp, kvh, k1_s, k1_h, k2_s, k2_h, ik, acc, P: tl.constexpr, PK: tl.constexpr,
-    BITS: tl.constexpr, FAST: tl.constexpr,
+    BITS: tl.constexpr, FAST: tl.constexpr, KEY_TILE: tl.constexpr = False,
 ):
-    """KIVI keys, one byte phase, for a tile inside one token group: scores q . (code * s + z) computed as
+    """KIVI keys, one byte phase, for a tile inside one token group. ``FAST`` and ``KEY_TILE``: the tile
+    c * s + z (float32, one rounding) split in two bfloat16 parts against the bfloat16 q (``qf``, rounded once),
+    the group's s, z per channel broadcast over the tokens (2-bit codes: read as words, :func:`_f16_of_word`).
+    Otherwise scores q . (code * s + z) computed as
     (q * s) . code + q . z, with the per-channel s, z of the group folded into q (codes are exact);
     ``FAST``: q is the bfloat16 q (rounded once), q * s (exact in float32) split in two bfloat16 parts
     (about 16 bits; keys have outlier channels, so one rounding would hide a code step) and the codes built
@@ -391,8 +405,21 @@ def _kivi_key_phase(
     Returns ``acc`` plus the phase's (q * s) . code, and the elementwise q * z of the phase (the caller sums
     the phases' products, then reduces once)."""
     e = ik * PK + P
-    sc = tl.load(K1 + grp * k1_s + kvh * k1_h + e).to(tl.float32)
-    z = tl.load(K2 + grp * k2_s + kvh * k2_h + e).to(tl.float32)
+    if FAST and KEY_TILE and PK == 4:  # int2: one 64-bit word per 4 channels (measured fewer loads, statically)
+        sc = _f16_of_word(K1, grp * k1_s + kvh * k1_h, ik, P, PK)
+        z = _f16_of_word(K2, grp * k2_s + kvh * k2_h, ik, P, PK)
+    else:
+        sc = tl.load(K1 + grp * k1_s + kvh * k1_h + e).to(tl.float32)
+        z = tl.load(K2 + grp * k2_s + kvh * k2_h + e).to(tl.float32)
+    if FAST and KEY_TILE:
+        # the key tile dequantized, c * s + z (c * s exact in float32, so one rounding with or without FMA), in two
+        # bfloat16 parts against the bfloat16 q: no float32 q and no reduction in the loop
+        c = ((kb.to(tl.int32) >> (P * BITS)) & ((1 << BITS) - 1)).to(tl.float32)
+        kh, km, _ = _split(c * sc[:, None] + z[:, None], False)
+        if INTERPRET:  # the interpreter's parts each hold their sum (``_split``)
+            return _dot_acc(qf, kh, acc), qf.to(tl.float32)  # (the caller drops q . z here)
+        else:
+            return tl.dot(qf, km, tl.dot(qf, kh, acc)), qf.to(tl.float32)
     qf = qf.to(tl.float32)
     qh, qm, ql = _split(qf * sc[None, :], not FAST)
     if FAST:
@@ -520,6 +547,7 @@ def decode_split_kernel(
     WSC_V: tl.constexpr = False,
     HV: tl.constexpr = 0,
     KT4: tl.constexpr = False,
+    KTILE: tl.constexpr = False,
 ):
     """One (sequence, KV head, split): K tiles are read transposed [D/PACK, N] per phase (the elements
     sharing a byte position), V tiles [N, D/PACK]; no register transposes or interleaves."""
@@ -629,17 +657,19 @@ def decode_split_kernel(
                 kb = tl.load(K0 + slot[None, :] * k0_s + kvh * k0_h + ik[:, None], mask=tmask[None, :], other=0)
                 s = tl.zeros((BLOCK_H, BLOCK_N), tl.float32)
                 s, qz = _kivi_key_phase(qf0, kb, K1, K2, grp, kvh, k1_s, k1_h, k2_s, k2_h, ik, s, 0, PK, BITS_K,
-                                        FAST)
+                                        FAST, KTILE)
                 s, qz_1 = _kivi_key_phase(qf1, kb, K1, K2, grp, kvh, k1_s, k1_h, k2_s, k2_h, ik, s, 1, PK, BITS_K,
-                                          FAST)
-                qz += qz_1
+                                          FAST, KTILE)
                 if PK == 4:
                     s, qz_2 = _kivi_key_phase(qf2, kb, K1, K2, grp, kvh, k1_s, k1_h, k2_s, k2_h, ik, s, 2, PK, BITS_K,
-                                              FAST)
+                                              FAST, KTILE)
                     s, qz_3 = _kivi_key_phase(qf3, kb, K1, K2, grp, kvh, k1_s, k1_h, k2_s, k2_h, ik, s, 3, PK, BITS_K,
-                                              FAST)
-                    qz += qz_2 + qz_3
-                s += tl.sum(qz, 1)[:, None]  # q . z: the phases' products summed, then one reduction
+                                              FAST, KTILE)
+                if not KTILE:  # q . z: the phases' products summed, then one reduction
+                    qz += qz_1
+                    if PK == 4:
+                        qz += qz_2 + qz_3
+                    s += tl.sum(qz, 1)[:, None]
             elif F4K:
                 # fast NVFP4 keys: float16 tiles (``_nvfp4_tile16``), q in float16
                 NBK4: tl.constexpr = D // QB_K
@@ -1049,6 +1079,16 @@ def wide_scales(t: CacheTiles) -> bool:
             and f1.stride(0) % nb == 0 and f1.data_ptr() % nb == 0)
 
 
+def kivi_key_words(t: CacheTiles) -> bool:
+    """Whether fast-mode KIVI keys can take the key-tile path (``key_tile``): 4-bit codes always; 2-bit codes read
+    each channel's scale and zero for the 4 phases as one 64-bit word, so their float16 rows must be contiguous
+    and every row start aligned to 4 elements."""
+    if t.kind != "int_k" or t.bits != 2:
+        return t.kind == "int_k"
+    return all(f.dim() == 3 and f.element_size() == 2 and f.stride(2) == 1 and f.stride(1) % 4 == 0
+               and f.stride(0) % 4 == 0 and f.data_ptr() % 8 == 0 for f in t.fields[1:3])
+
+
 @functools.lru_cache(maxsize=256)
 def _rotation_vectors(seed: int, head_dim: int, device: str):
     import numpy as np
@@ -1076,14 +1116,6 @@ def default_value_rows(precision: str, v_kind: str, q_per_kv: int, head_dim: int
     and int2 gained 14% (bench/results/h100.json, session 4), so larger layouts keep the head rows."""
     return (precision == "fast" and v_kind == "int_v"
             and triton.next_power_of_2(q_per_kv) * (head_dim // max(v_group, 1)) <= 16)
-
-
-def default_fp4_keys_by_token(precision: str, k: CacheTiles, ptx_unpack: bool) -> bool:
-    """Whether FP4 key tiles are laid out with tokens as rows by default (``fp4_keys_by_token``): fast-mode keys in
-    blocks of 16 (NVFP4, fp4_e2m1) with PTX unpacking, where the static sm_90 count fell (the [blocks, 8 bytes,
-    tokens] layout stores the dequantized tile to shared memory 16 bits at a time; bench/results/ANALYSIS.md,
-    session 5); mxfp4 (blocks of 32) keeps its layout (its tile already goes to the tensor cores in registers)."""
-    return precision == "fast" and ptx_unpack and k.kind in ("mxfp4", "nvfp4") and k.block == 16
 
 
 def choose_splits(batch: int, kv_heads: int, max_len: int, block_n: int, num_sms: int) -> tuple[int, int]:
@@ -1120,6 +1152,7 @@ def plan_decode(
     wide_scale_loads: bool | None = None,
     value_rows: bool | None = None,
     fp4_keys_by_token: bool | None = None,
+    key_tile: bool | None = None,
 ):
     """The launches of decode attention (see :func:`paged_decode`), with their output tensors.
     ``hw_formats``: FP8 format ids converted in hardware (default: what ``q``'s device has); ``maxnreg``:
@@ -1132,7 +1165,11 @@ def plan_decode(
     group's scale folds into p (default: on for fast-mode KIVI values; docs/kernels.md, "Precision");
     ``fp4_keys_by_token``: FP4 key tiles laid out [tokens, D/2] and multiplied as the left operand (scores come
     out transposed), as the value tiles are, instead of [D/2, tokens]; the same products, summed in another
-    order (default: :func:`default_fp4_keys_by_token`)."""
+    order (default False: the layout cut the static sm_90 loop count of NVFP4 and fp4_e2m1 by 4-8% but timed slower
+    on the H100, nvfp4 314 -> 346 us, fp4_e2m1 320 -> 326, mxfp4 258 -> 278; bench/results/ANALYSIS.md, session 5).
+    ``key_tile``: fast-mode KIVI keys dequantized into a tile, c * s + z in two bfloat16 parts, against the bfloat16
+    q (False: the group's scale folded into a float32 q, and q . z reduced per tile); default: on for fast-mode
+    KIVI keys where :func:`kivi_key_words` allows (docs/kernels.md, "Precision")."""
     import torch
 
     if precision not in PRECISIONS:
@@ -1151,6 +1188,11 @@ def plan_decode(
         value_rows = default_value_rows(precision, v.kind, qpk, head_dim, v.group)
     if value_rows and (precision != "fast" or v.kind != "int_v"):
         raise ValueError("value_rows needs KIVI values (int_v) and precision='fast'")
+    if key_tile is None:
+        key_tile = precision == "fast" and k.kind == "int_k" and kivi_key_words(k)
+    if key_tile and (precision != "fast" or k.kind != "int_k" or not kivi_key_words(k)):
+        raise ValueError("key_tile needs KIVI keys (int_k), precision='fast' and, for 2-bit codes, scale and zero "
+                         "rows of contiguous float16 aligned to 4 elements")
     hv = triton.next_power_of_2(qpk) if value_rows else 0  # rows per value group (0: rows are query heads)
     if value_rows:
         block_h = max(16, hv * (head_dim // v.group))
@@ -1167,8 +1209,7 @@ def plan_decode(
     wide_k, wide_v = wide(k), wide(v)
     if fp4_keys_by_token and k.kind not in ("mxfp4", "nvfp4"):
         raise ValueError("fp4_keys_by_token needs FP4 keys (mxfp4 or nvfp4 tiles)")
-    kt4 = default_fp4_keys_by_token(precision, k, bool(ptx_unpack)) if fp4_keys_by_token is None else bool(
-        fp4_keys_by_token)
+    kt4 = bool(fp4_keys_by_token)
     rotate_q = []
     if k.rotation is not None:  # q' = butterflies(q * signs) in float32; 1 / (D C_D) goes into the softmax scale
         signs, _, inv = rotation_vectors(k.rotation.seed, head_dim, q.device)
@@ -1273,6 +1314,7 @@ def plan_decode(
         WSC_V=wide_v,
         HV=hv,
         KT4=kt4,
+        KTILE=bool(key_tile),
     )
     out = torch.empty(batch, q_heads, head_dim, dtype=torch.float32, device=q.device)
     lse = torch.empty(batch, q_heads, dtype=torch.float32, device=q.device)
