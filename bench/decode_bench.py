@@ -10,7 +10,9 @@ no package index:
 Each result records the device, driver, torch and triton versions, the shape, scheme, bytes moved,
 achieved GB/s and the fraction of a bandwidth ceiling measured in the same run (a large device
 reduction: bytes read / time). Times are medians of ``triton.testing.do_bench`` (which flushes L2
-between rounds).
+between rounds) over the replay of the call captured in a CUDA graph, as serving engines run decode
+(``"timing": "cuda_graph"``; the torch backend's rows, which synchronize, are timed eager); every row also
+records ``eager_time_us``, the call made from Python, which includes the host's launch overhead.
 
 ``--rotation``: issue 13's comparison in one run: for fp8_e4m3, fp4_e2m1, nvfp4 and int4_kivi, decode at
 batch 32 x 8192 (fast precision) and quantize-on-write, each unrotated and with the randomized Hadamard
@@ -162,16 +164,41 @@ def make_cache(label: str, shape, page_size: int, seed: int = 0, rotation: bool 
     return dc, ks, vs
 
 
-def timed(fn, record: dict[str, Any]) -> dict[str, Any]:
-    """``record`` (which holds ``bytes``) completed with the median time of ``fn`` and the GB/s."""
-    ms = bench_ms(fn)
-    return {**record, "time_us": ms * 1e3, "gbs": record["bytes"] / (ms * 1e-3) / 1e9}
+def graph_replay(fn):
+    """``fn`` captured once in a CUDA graph (after a warm-up call on a side stream, as torch's CUDA-graph
+    notes do); returns the graph's ``replay`` (which keeps the graph alive)."""
+    import torch
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    torch.cuda.synchronize()
+    return graph.replay
+
+
+def timed(fn, record: dict[str, Any], graph: bool = True) -> dict[str, Any]:
+    """``record`` (which holds ``bytes``) completed with the median time of ``fn`` and the GB/s.
+
+    ``graph=True``: ``time_us`` is the replay of ``fn`` captured in a CUDA graph, as serving engines run
+    decode (vLLM, SGLang, TensorRT-LLM), so it is the GPU time of the launches without Python's launch
+    overhead; ``eager_time_us`` is ``fn`` called from Python (the two differ where the host cannot issue the
+    launches as fast as the GPU runs them). ``graph=False``: ``time_us`` is the eager time (calls that
+    synchronize, e.g. the torch backend)."""
+    eager = bench_ms(fn)
+    ms = bench_ms(graph_replay(fn)) if graph else eager
+    return {**record, "time_us": ms * 1e3, "timing": "cuda_graph" if graph else "eager",
+            "eager_time_us": eager * 1e3, "gbs": record["bytes"] / (ms * 1e-3) / 1e9}
 
 
 def decode_case(label: str, shape, page_size: int, backend: str = "triton", precision: str = "fast",
                 rotation: bool = False) -> dict[str, Any]:
     """One timed decode row (page_size is the one asked for; KIVI runs with pages of 32)."""
-    return timed(*decode_setup(label, shape, page_size, backend, precision, rotation))
+    return timed(*decode_setup(label, shape, page_size, backend, precision, rotation), graph=backend == "triton")
 
 
 def decode_setup(label: str, shape, page_size: int, backend: str = "triton", precision: str = "fast",
@@ -222,7 +249,12 @@ def sdpa_case(shape) -> dict[str, Any]:
     k = torch.randn(batch, kv_heads, tokens, head_dim, device="cuda", dtype=torch.bfloat16)
     v = torch.randn_like(k)
     q = torch.randn(batch, q_heads, 1, head_dim, device="cuda", dtype=torch.bfloat16)
-    ms = bench_ms(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True))
+
+    def fn():
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+
+    eager = bench_ms(fn)
+    ms = bench_ms(graph_replay(fn))
     nbytes = 2 * k.numel() * 2 + 2 * q.numel() * 2
     return {
         "op": "decode",
@@ -235,6 +267,8 @@ def sdpa_case(shape) -> dict[str, Any]:
         "tokens": tokens,
         "page_size": 0,
         "time_us": ms * 1e3,
+        "timing": "cuda_graph",
+        "eager_time_us": eager * 1e3,
         "bytes": nbytes,
         "gbs": nbytes / (ms * 1e-3) / 1e9,
     }

@@ -1169,7 +1169,8 @@ def plan_decode(
     on the H100, nvfp4 314 -> 346 us, fp4_e2m1 320 -> 326, mxfp4 258 -> 278; bench/results/ANALYSIS.md, session 5).
     ``key_tile``: fast-mode KIVI keys dequantized into a tile, c * s + z in two bfloat16 parts, against the bfloat16
     q (False: the group's scale folded into a float32 q, and q . z reduced per tile); default: on for fast-mode
-    KIVI keys where :func:`kivi_key_words` allows (docs/kernels.md, "Precision")."""
+    2-bit KIVI keys where :func:`kivi_key_words` allows (H100: int2 628 -> 517 us; int4 lost, 616 -> 627, so
+    4-bit keys keep the folded path; bench/results/ANALYSIS.md, session 5; docs/kernels.md, "Precision")."""
     import torch
 
     if precision not in PRECISIONS:
@@ -1189,7 +1190,7 @@ def plan_decode(
     if value_rows and (precision != "fast" or v.kind != "int_v"):
         raise ValueError("value_rows needs KIVI values (int_v) and precision='fast'")
     if key_tile is None:
-        key_tile = precision == "fast" and k.kind == "int_k" and kivi_key_words(k)
+        key_tile = precision == "fast" and k.kind == "int_k" and k.bits == 2 and kivi_key_words(k)
     if key_tile and (precision != "fast" or k.kind != "int_k" or not kivi_key_words(k)):
         raise ValueError("key_tile needs KIVI keys (int_k), precision='fast' and, for 2-bit codes, scale and zero "
                          "rows of contiguous float16 aligned to 4 elements")
