@@ -1006,6 +1006,22 @@ PRECISIONS = ("fast", "exact")
 KIND_IDS = {"bf16": 0, "fp8": 1, "mxfp4": 2, "nvfp4": 3, "int_v": 4, "int_k": 5}
 
 
+@functools.lru_cache(maxsize=16)
+def _unused_residual(device: str):
+    """The residual arguments of a launch without a residual window (``HAS_RES`` off: never read), made once
+    per device instead of one allocation and fill per decode call."""
+    import torch
+
+    return torch.empty(1, 1, 1, 1, dtype=torch.float32, device=device)
+
+
+@functools.lru_cache(maxsize=16)
+def _multiprocessors(device: str) -> int:
+    import torch
+
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def hardware_fp8_formats(device) -> set[int]:
     """FP8 format ids the device converts to float16 in hardware (exactly): OCP E4M3FN/E5M2 on NVIDIA
     sm_89+ and AMD gfx950, the FNUZ formats on AMD gfx942; none in the interpreter."""
@@ -1242,12 +1258,12 @@ def plan_decode(
     if has_res:
         rk, rv, kl, vl = residual
     else:
-        rk = rv = torch.zeros(1, 1, 1, 1, dtype=torch.float32, device=q.device)
+        rk = rv = _unused_residual(str(q.device))  # a pointer the kernel never reads without HAS_RES
         kl = vl = seq_lens
     if max_seq_len is None:  # (a device sync: callers in a hot loop pass it)
         max_seq_len = int(seq_lens.max().item()) if seq_lens.numel() else 0
     if num_splits is None:
-        sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4
+        sms = _multiprocessors(str(q.device)) if q.is_cuda else 4
         num_splits, per = choose_splits(batch, kv_heads, max_seq_len, block_n, sms)
     else:
         per = -(-max(max_seq_len, 1) // num_splits)
