@@ -19,8 +19,9 @@ batch 32 x 8192 (fast precision) and quantize-on-write, each unrotated and with 
 rotation fused into the kernels (K seed 1, V seed 2; the write kernel with its default token block and with
 16 tokens per program), timed alternately over two rounds, beside SDPA and the ceiling; the summary rows
 (``op: "rotation_ratio"``) give rotated / unrotated time per scheme (targets: decode <= 1.05, write <= 1.10).
-``--rotation-writes``: the write rows of ``--rotation`` alone (default token block), unrotated and rotated
-alternately over ``--rounds`` rounds (default 5), then the ratios: about a minute.
+``--rotation-writes``: the write rows of ``--rotation`` alone (default token block), unrotated, rotated, and
+rotated with the butterflies by sums over the pair axis (``rotation_sums``), alternately over ``--rounds``
+rounds (default 5), then the ratios: about a minute.
 """
 
 from __future__ import annotations
@@ -326,20 +327,22 @@ def write_inputs(label: str, tokens: int = 65536, kv_heads: int = 8, head_dim: i
 
 
 def write_setup(label: str, tokens: int = 65536, kv_heads: int = 8, head_dim: int = 128, rotation: bool = False,
-                block_t: int | None = None):
+                block_t: int | None = None, rotation_sums: bool = False):
     """(the write call to time, its record without times): pages in random order, bf16 input; ``rotation``:
     K rotated (the rotation fused into the write kernel); ``block_t``: tokens per program (default: the
-    kernel's)."""
+    kernel's); ``rotation_sums``: the rotated butterflies by sums over the pair axis (``plan_write``)."""
     from kvqref.backends import triton_backend as tb
 
     side, x, slots, record = write_inputs(label, tokens, kv_heads, head_dim, rotation=rotation)
 
     kw = {} if block_t is None else {"block_t": block_t}
+    if rotation_sums:
+        kw["rotation_sums"] = True
 
     def fn():
         tb.quantize_write(side, x, slots, validate=False, **kw)
 
-    return fn, {**record, "rotation": rotation_label(rotation), "block_t": block_t}
+    return fn, {**record, "rotation": rotation_label(rotation), "block_t": block_t, "rotation_sums": rotation_sums}
 
 
 def emitter(env: dict[str, Any], ceiling: float, results: list[dict[str, Any]], out: Path | None):
@@ -430,8 +433,9 @@ def run_rotation(out: Path | None = None, rounds: int = 2) -> dict[str, Any]:
 
 
 def run_rotation_writes(out: Path | None = None, rounds: int = 5) -> dict[str, Any]:
-    """``--rotation-writes``: unrotated and rotated writes of ``ROTATION_LABELS`` (default token block), timed
-    alternately over ``rounds`` rounds, then the ratio of the median times per scheme (target <= 1.10)."""
+    """``--rotation-writes``: unrotated, rotated and rotated-by-sums writes of ``ROTATION_LABELS`` (default token
+    block), timed alternately over ``rounds`` rounds, then the ratios of the median times per scheme and
+    rotated variant (target <= 1.10)."""
     import torch
 
     env = environment()
@@ -439,16 +443,19 @@ def run_rotation_writes(out: Path | None = None, rounds: int = 5) -> dict[str, A
     results: list[dict[str, Any]] = []
     emit = emitter(env, ceiling, results, out)
     for label in ROTATION_LABELS:
-        setups = [write_setup(label, rotation=r) for r in (False, True)]
-        times: list[list[float]] = [[], []]
+        setups = [write_setup(label, rotation=r, rotation_sums=sums) for r, sums in
+                  ((False, False), (True, False), (True, True))]
+        times: list[list[float]] = [[] for _ in setups]
         for rnd in range(rounds):
             for i, (fn, rec) in enumerate(setups):
                 row = timed(fn, {**rec, "round": rnd})
                 times[i].append(row["time_us"])
                 emit(row)
-        base, rot = (float(np.median(t)) for t in times)
-        emit({"op": "rotation_ratio", "of": "write", "scheme": label, "block_t": None, "rounds": rounds,
-              "unrotated_us": base, "rotated_us": rot, "ratio": rot / base, "target": 1.10})
+        base, *rots = (float(np.median(t)) for t in times)
+        for (_, rec), rot in zip(setups[1:], rots, strict=True):
+            emit({"op": "rotation_ratio", "of": "write", "scheme": label, "block_t": None, "rounds": rounds,
+                  "rotation_sums": rec["rotation_sums"], "unrotated_us": base, "rotated_us": rot,
+                  "ratio": rot / base, "target": 1.10})
         del setups
         torch.cuda.empty_cache()
     return {"environment": env, "ceiling_gbs": ceiling, "results": results}

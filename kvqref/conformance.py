@@ -256,10 +256,12 @@ def _triton_attention(cache: PagedKVCache, q: np.ndarray) -> tuple[bool, str]:
 
 
 def triton_write_matches(name: str, opts: dict[str, Any], x: np.ndarray, page_size: int,
-                         rng: np.random.Generator, dtype: str = "float32") -> tuple[bool, str]:
+                         rng: np.random.Generator, dtype: str = "float32",
+                         launch: dict[str, Any] | None = None) -> tuple[bool, str]:
     """Quantize ``x`` into a shuffled paged cache with the oracle and with the triton write kernel; compare
     every stored byte as integers. Returns (all equal, what differed). ``dtype``: the input is given to both
-    as that dtype (``x`` must hold values of it: bfloat16, float16 or float32)."""
+    as that dtype (``x`` must hold values of it: bfloat16, float16 or float32); ``launch``: launch options of
+    the write kernel (``triton_backend.plan_write``'s keywords)."""
     import torch
 
     from kvqref.backends import triton_backend as tb
@@ -296,7 +298,7 @@ def triton_write_matches(name: str, opts: dict[str, Any], x: np.ndarray, page_si
         t.zero_()
     slots = torch.from_numpy(cache.slot_mapping(0, 0, n)).to(dev)
     tb.quantize_write(side, torch.from_numpy(np.ascontiguousarray(x[:n], np.float32)).to(getattr(torch, dtype))
-                      .to(dev), slots)
+                      .to(dev), slots, **(launch or {}))
     differ = total = 0
     for f, store in side_np.storage.items():
         got = side.fields[f].cpu()

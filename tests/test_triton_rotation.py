@@ -48,7 +48,8 @@ def _reversed_butterflies(x, ROWS: tl.constexpr, D: tl.constexpr):
 
 
 @triton.jit
-def _rotate_rows_kernel(X, Y, SIGNS, c, n, ROWS: tl.constexpr, D: tl.constexpr, REVERSED: tl.constexpr):
+def _rotate_rows_kernel(X, Y, SIGNS, c, n, ROWS: tl.constexpr, D: tl.constexpr, REVERSED: tl.constexpr,
+                        BY_SUMS: tl.constexpr):
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     d = tl.arange(0, D)
     m = (r < n)[:, None]
@@ -56,37 +57,41 @@ def _rotate_rows_kernel(X, Y, SIGNS, c, n, ROWS: tl.constexpr, D: tl.constexpr, 
     if REVERSED:
         y = _reversed_butterflies(x, ROWS, D)
     else:
-        y = hadamard_rows(x, ROWS, D)
+        y = hadamard_rows(x, ROWS, D, BY_SUMS)
     tl.store(Y + r[:, None] * D + d[None, :], y * c, mask=m)
 
 
-def _kernel_rotate(x: np.ndarray, seed: int, reversed_order: bool = False) -> np.ndarray:
+def _kernel_rotate(x: np.ndarray, seed: int, reversed_order: bool = False, by_sums: bool = False) -> np.ndarray:
     n, D = x.shape
     xt = torch.from_numpy(np.ascontiguousarray(x, np.float32)).to(DEVICE)
     yt = torch.empty_like(xt)
     st = torch.from_numpy(HadamardRotation(seed).signs(D)).to(DEVICE)
     _rotate_rows_kernel[(triton.cdiv(n, 4),)](xt, yt, st, float(norm_f32(D)), n, ROWS=4, D=D,
-                                              REVERSED=reversed_order)
+                                              REVERSED=reversed_order, BY_SUMS=by_sums)
     return yt.cpu().numpy()
 
 
-def test_butterfly_helper_is_the_oracle_rule_bit_for_bit():
-    """``hadamard_rows`` (then ``* C_D``) reproduces the golden float32 rotations (D = 2 ... 256, two seeds each,
-    subnormal inputs included) and ``HadamardRotation.rotate`` on random rows with spread exponents, as
-    integers; the stages in the reverse order (a planted bug) do not."""
+@pytest.mark.parametrize("by_sums", [False, True], ids=["split-join", "by-sums"])
+def test_butterfly_helper_is_the_oracle_rule_bit_for_bit(by_sums):
+    """``hadamard_rows`` (then ``* C_D``), with either data movement, reproduces the golden float32 rotations
+    (D = 2 ... 256, two seeds each, subnormal inputs included) and ``HadamardRotation.rotate`` on random rows
+    with spread exponents and signed zeros, as integers; the stages in the reverse order (a planted bug) do
+    not."""
     doc = json.loads(GOLDEN.read_text())["rotations"]
     for case in doc["cases"]:
         D = case["head_dim"]
         x = np.array([int(h, 16) for h in case["inputs"].split()], np.uint32).view(np.float32).reshape(-1, D)
         want = np.array([int(h, 16) for h in case["outputs"].split()], np.uint32)
-        got = _kernel_rotate(x, int(case["seed"])).view(np.uint32).ravel()
+        got = _kernel_rotate(x, int(case["seed"]), by_sums=by_sums).view(np.uint32).ravel()
         assert np.array_equal(got, want), (D, case["seed"], int((got != want).sum()))
     rng = np.random.default_rng(0)
     for D in (16, 128):
         x = (rng.standard_normal((64, D)) * np.exp2(rng.integers(-30, 30, (64, D)))).astype(np.float32)
         x[:8] = (x[:8].astype(np.float64) * 2.0**-120).astype(np.float32)  # subnormal results
+        x[8:10] = 0.0
+        x[9, ::3] = -0.0  # rows of signed zeros: a - b and a + (-b) must agree on every zero's sign
         want = HadamardRotation(11).rotate(x).view(np.uint32)
-        assert np.array_equal(_kernel_rotate(x, 11).view(np.uint32), want), D
+        assert np.array_equal(_kernel_rotate(x, 11, by_sums=by_sums).view(np.uint32), want), D
         planted = _kernel_rotate(x, 11, reversed_order=True).view(np.uint32)
         assert (planted != want).sum() > 0.05 * want.size, D  # the order is part of the rule: it is seen
 
@@ -135,6 +140,20 @@ def test_rotated_write_bytes_equal_oracle(name, opts):
     x = _write_input(rng, 256 if GPU else 64)
     ok, detail = conformance.triton_write_matches(name, {**opts, **rot(5)}, x, max(16, opts.get("group_size", 1)),
                                                   rng)
+    assert ok, f"{name} {opts}: {detail}"
+
+
+@pytest.mark.parametrize("name,opts", [WRITE_CASES[i] for i in (1, 3, 11, 15, 16, 19)],
+                         ids=[WRITE_IDS[i] for i in (1, 3, 11, 15, 16, 19)])
+def test_rotated_write_by_sums_bytes_equal_oracle(name, opts):
+    """``rotation_sums=True`` (the butterflies' pairs brought together by sums over the pair axis, not
+    split/join) writes the oracle's bytes too, bfloat16 input."""
+    from kvqref.conformance import to_dtype_values
+
+    rng = np.random.default_rng(_seed("sums " + name))
+    x = to_dtype_values(_write_input(rng, 64 if GPU else 32), "bfloat16").astype(np.float32)
+    ok, detail = conformance.triton_write_matches(name, {**opts, **rot(7)}, x, max(16, opts.get("group_size", 1)),
+                                                  rng, dtype="bfloat16", launch={"rotation_sums": True})
     assert ok, f"{name} {opts}: {detail}"
 
 

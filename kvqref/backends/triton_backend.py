@@ -333,13 +333,16 @@ def f16_cvt_default(device) -> bool:
 
 
 def plan_write(side: Side, x, slot_mapping, *, block_t: int | None = None, block_h: int | None = None,
-               num_warps: int | None = None, hw_fp8: bool | None = None, f16_cvt: bool | None = None):
+               num_warps: int | None = None, hw_fp8: bool | None = None, f16_cvt: bool | None = None,
+               rotation_sums: bool = False):
     """The launch of :func:`quantize_write` (checked on the host first). ``block_t``/``block_h``/``num_warps``:
     the tile and warps (default :func:`write_tile`, WRITE_WARPS; KIVI keys always take BLOCK_T = G);
     ``hw_fp8``: OCP FP8 codes by the hardware conversion (default: :func:`hardware_fp8_encode` of x's
     device); ``f16_cvt``: KIVI/float16 roundings by conversion instructions (IEEE round-to-nearest-even, the
     same bits as the float arithmetic) instead of float arithmetic; default: on NVIDIA GPUs (:func:`f16_cvt_default`),
-    where it measured faster (int4 values 0.62 -> 0.77 of the ceiling, keys 0.55 -> 0.63)."""
+    where it measured faster (int4 values 0.62 -> 0.77 of the ceiling, keys 0.55 -> 0.63). ``rotation_sums``: a
+    rotated side's butterflies move their data by sums over the pair axis (warp shuffles) instead of
+    split/join (shared memory); the same bits (``codecs.hadamard_rows``), not yet timed on a GPU."""
     import triton
 
     from kvqref.kernels.decode import KIND_IDS, Launch
@@ -390,7 +393,7 @@ def plan_write(side: Side, x, slot_mapping, *, block_t: int | None = None, block
               BITS=cfg.get("bits", 8), D=head_dim, BLOCK_T=block_t, BLOCK_H=block_h,
               HW_FP8=bool(hw and cfg.get("fmt", 0) in (0, 1)),
               F16_CVT=f16_cvt_default(x.device) if f16_cvt is None else bool(f16_cvt),
-              ROTATE=rotation is not None, RDT=rdt)
+              ROTATE=rotation is not None, RDT=rdt, ROT_SUMS=bool(rotation_sums) and rotation is not None)
     # rotated: no FP contraction anywhere in the kernel, so the float32 rotation is the oracle's bit for bit
     # whatever consumes it (docs/rotation.md; the butterflies themselves hold no multiply to contract)
     options = {"num_warps": num_warps or (WRITE_WARPS_KIVI_KEYS if cfg["kind"] == "int_k" else WRITE_WARPS)}

@@ -164,6 +164,9 @@ def _launches(target: str, cases: list | None = None, page: int = 16) -> list[tu
             out.append((f"write[{label}]", tb.plan_write(side, x, torch.arange(16), hw_fp8=hw)))
             if "kivi" in name:  # float16 roundings by conversion instructions (plan_write's f16_cvt)
                 out.append((f"write[{label},f16cvt]", tb.plan_write(side, x, torch.arange(16), f16_cvt=True)))
+            if "rotation" in opts:  # the butterflies' pairs by sums over the pair axis (plan_write's rotation_sums)
+                out.append((f"write[{label},sums]", tb.plan_write(side, x, torch.arange(16), hw_fp8=hw,
+                                                                  rotation_sums=True)))
     return out + [(name, shared[name]) for name in SHARED_KERNELS if name in shared]
 
 
