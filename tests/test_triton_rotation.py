@@ -157,6 +157,17 @@ def test_rotated_write_by_sums_bytes_equal_oracle(name, opts):
     assert ok, f"{name} {opts}: {detail}"
 
 
+def test_rotation_sums_needs_a_rotated_scheme():
+    """``rotation_sums`` on an unrotated side is refused, not ignored."""
+    from kvqref.backends import triton_backend as tb
+
+    cache = PagedKVCache(schemes.get("fp8_e4m3"), schemes.get("fp8_e4m3"), 2, 16, 2, 64)
+    dc = tb.DeviceCache.from_cache(cache, DEVICE)
+    x = torch.zeros(4, 2, 64, dtype=torch.bfloat16, device=DEVICE)
+    with pytest.raises(ValueError, match="rotation_sums needs a rotated scheme"):
+        tb.plan_write(dc.k, x, torch.arange(4, device=DEVICE), rotation_sums=True)
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("name,opts", [WRITE_CASES[i] for i in (1, 3, 6, 11, 12, 15, 16)],
                          ids=[WRITE_IDS[i] for i in (1, 3, 6, 11, 12, 15, 16)])

@@ -356,6 +356,8 @@ def plan_write(side: Side, x, slot_mapping, *, block_t: int | None = None, block
     if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"x must be bfloat16, float16 or float32, got {x.dtype}")
     rotation = rotation_of(side.scheme)
+    if rotation_sums and rotation is None:
+        raise ValueError(f"rotation_sums needs a rotated scheme, got {side.scheme.name} (no butterflies to run)")
     rdt = 0
     if rotation is None:
         x, qdt = _model_input(side.scheme, x)
@@ -393,7 +395,7 @@ def plan_write(side: Side, x, slot_mapping, *, block_t: int | None = None, block
               BITS=cfg.get("bits", 8), D=head_dim, BLOCK_T=block_t, BLOCK_H=block_h,
               HW_FP8=bool(hw and cfg.get("fmt", 0) in (0, 1)),
               F16_CVT=f16_cvt_default(x.device) if f16_cvt is None else bool(f16_cvt),
-              ROTATE=rotation is not None, RDT=rdt, ROT_SUMS=bool(rotation_sums) and rotation is not None)
+              ROTATE=rotation is not None, RDT=rdt, ROT_SUMS=bool(rotation_sums))
     # rotated: no FP contraction anywhere in the kernel, so the float32 rotation is the oracle's bit for bit
     # whatever consumes it (docs/rotation.md; the butterflies themselves hold no multiply to contract)
     options = {"num_warps": num_warps or (WRITE_WARPS_KIVI_KEYS if cfg["kind"] == "int_k" else WRITE_WARPS)}
