@@ -515,3 +515,27 @@ def test_write_rejects_a_contradicting_model_dtype():
     with pytest.raises(ValueError, match="0 or Inf in float16"):
         tb.quantize_write(dc.k, torch.ones(1, 1, 16, dtype=torch.float16, device=DEVICE),
                           torch.zeros(1, dtype=torch.int64, device=DEVICE))
+
+
+def test_launch_defaults_are_the_measured_choices():
+    """The defaults the H100 A/Bs chose (bench/results/ANALYSIS.md, session 5): fast-mode KIVI key tiles for 2-bit
+    keys only (int2 628 -> 517 us, int4 616 -> 627), FP4 keys never laid out by token (nvfp4 314 -> 346 us),
+    KIVI key writes with 2 warps, float16 roundings by conversion instructions on NVIDIA GPUs only."""
+    from kvqref.kernels.decode import plan_decode
+
+    rng = np.random.default_rng(3)
+    for pair, ktile in ((PAIRS[7], False), (PAIRS[8], True), (PAIRS[6], False)):
+        cache, _ = build_cache(pair, SMALL, rng)
+        dc = tb.DeviceCache.from_cache(cache, DEVICE)
+        q = torch.zeros(SMALL["batch"], SMALL["q_heads"], SMALL["head_dim"], device=DEVICE)
+        for precision in ("fast", "exact"):
+            launches, _, _ = plan_decode(q, dc.k.tiles(), dc.v.tiles(), dc.block_table, dc.seq_lens, dc.page_size,
+                                         precision=precision)
+            split = next(launch for launch in launches if "KTILE" in launch.constexprs)
+            assert split.constexprs["KTILE"] is (ktile and precision == "fast"), (pair[0], precision)
+            assert split.constexprs["KT4"] is False
+        x = torch.zeros(16, SMALL["kv_heads"], SMALL["head_dim"], device=DEVICE)
+        launch = tb.plan_write(dc.k, x, torch.full((16,), -1, device=DEVICE))
+        nvidia = GPU and not getattr(torch.version, "hip", None)
+        assert launch.constexprs["F16_CVT"] is nvidia
+        assert launch.options["num_warps"] == (2 if pair[0].endswith("kivi") else tb.WRITE_WARPS)
