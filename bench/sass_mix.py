@@ -67,18 +67,34 @@ def unit_counts(body) -> dict[str, int]:
     return dict(c)
 
 
+def sass_of(launch) -> tuple[str, int, int]:
+    """(SASS text, registers per thread (-1 if not reported), shared bytes) of ``launch`` compiled for sm_90 and
+    disassembled with the ``cuobjdump`` shipped with Triton."""
+    import triton
+
+    from kvqref.backends._aot import make_target
+    from kvqref.kernels.aot import compile_launch
+
+    ck = compile_launch(launch, make_target("cuda", 90))
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(ck.asm["cubin"])
+    try:
+        sass = subprocess.run([str(cuobjdump), "-sass", f.name], capture_output=True, text=True, check=True).stdout
+        res = subprocess.run([str(cuobjdump), "-res-usage", f.name], capture_output=True, text=True).stdout
+    finally:
+        os.unlink(f.name)
+    regs = re.search(r"REG:(\d+)", res)
+    return sass, int(regs.group(1)) if regs else -1, ck.metadata.shared
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dump", help="write each kernel's SASS here")
     ap.add_argument("--only", help="substring of the variant names to compile")
     args = ap.parse_args(argv)
-    import triton
+    from kvqref.kernels.aot import DECODE_CASES, _launches
 
-    from kvqref.backends._aot import make_target
-    from kvqref.kernels.aot import DECODE_CASES, _launches, compile_launch
-
-    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    tgt = make_target("cuda", 90)
     cols = list(UNITS) + ["other"]
     print("| kernel | regs | loop instr. | " + " | ".join(cols) + " |")
     print("|---|---|---|" + "---|" * len(cols))
@@ -89,22 +105,14 @@ def main(argv: list[str] | None = None) -> int:
     for name, launch in _launches("cuda:90", cases, page=32):
         if not name.startswith("decode") or (args.only and args.only not in name):
             continue
-        ck = compile_launch(launch, tgt)
-        with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-            f.write(ck.asm["cubin"])
-        try:
-            sass = subprocess.run([str(cuobjdump), "-sass", f.name], capture_output=True, text=True, check=True).stdout
-            res = subprocess.run([str(cuobjdump), "-res-usage", f.name], capture_output=True, text=True).stdout
-        finally:
-            os.unlink(f.name)
-        regs = re.search(r"REG:(\d+)", res)
+        sass, regs, _ = sass_of(launch)
         if args.dump:
             Path(args.dump).mkdir(parents=True, exist_ok=True)
             (Path(args.dump) / (re.sub(r"[^\w.-]+", "_", name) + ".sass")).write_text(sass)
         body = tile_loop(parse(sass))
         c = unit_counts(body)
         print(f"| {name} (BLOCK_N={launch.constexprs['BLOCK_N']}, warps={launch.options.get('num_warps')}) | "
-              f"{regs.group(1) if regs else '?'} | {len(body)} | " + " | ".join(str(c.get(k, 0)) for k in cols) + " |")
+              f"{regs if regs >= 0 else '?'} | {len(body)} | " + " | ".join(str(c.get(k, 0)) for k in cols) + " |")
     return 0
 
 

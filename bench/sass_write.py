@@ -14,43 +14,20 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
-import subprocess
 import sys
-import tempfile
 import warnings
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from sass_mix import UNITS, parse, unit_counts  # noqa: E402
+from sass_mix import UNITS, parse, sass_of, unit_counts  # noqa: E402
 
 #: bench/ab_write.py's cases: (row label, decode_bench scheme label, side)
 CASES = [("bf16", "bf16", "k"), ("fp8_e4m3", "fp8_e4m3", "k"), ("fp4_e2m1", "fp4_e2m1", "k"),
          ("mxfp4", "mxfp4", "k"), ("nvfp4", "nvfp4", "k"),
          ("int4_kivi-k", "int4_kivi", "k"), ("int4_kivi-v", "int4_kivi", "v"),
          ("int2_kivi-k", "int2_kivi", "k"), ("int2_kivi-v", "int2_kivi", "v")]
-
-
-def sass_of(launch) -> tuple[str, int, int]:
-    """(SASS text, registers per thread, shared bytes) of ``launch`` compiled for sm_90."""
-    import triton
-
-    from kvqref.backends._aot import make_target
-    from kvqref.kernels.aot import compile_launch
-
-    ck = compile_launch(launch, make_target("cuda", 90))
-    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-        f.write(ck.asm["cubin"])
-    try:
-        sass = subprocess.run([str(cuobjdump), "-sass", f.name], capture_output=True, text=True, check=True).stdout
-        res = subprocess.run([str(cuobjdump), "-res-usage", f.name], capture_output=True, text=True).stdout
-    finally:
-        os.unlink(f.name)
-    regs = re.search(r"REG:(\d+)", res)
-    return sass, int(regs.group(1)) if regs else -1, ck.metadata.shared
 
 
 def main(argv: list[str] | None = None) -> int:
