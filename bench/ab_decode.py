@@ -26,14 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from decode_bench import (  # noqa: E402
-    bandwidth_ceiling_gbs,
-    bench_ms,
-    environment,
-    make_cache,
-    sdpa_case,
-    side_bytes_per_token,
-)
+from decode_bench import ab_document, bench_ms, make_cache, side_bytes_per_token  # noqa: E402
 
 KEYS = {"bn": ("block_n", int), "w": ("num_warps", int), "s": ("num_stages", int), "sp": ("num_splits", int),
         "ptx": ("ptx_unpack", lambda v: v == "1"), "wide": ("wide_scale_loads", lambda v: v == "1"),
@@ -72,9 +65,7 @@ def main() -> int:
     variants = [parse_variant(v) for v in args.variants.split(";") if v.strip()]
     shape = tuple(int(v) for v in args.shape.split(","))
     batch, q_heads, kv_heads, head_dim, tokens = shape
-    doc = {"command": " ".join(sys.argv), "environment": environment(), "shape": shape,
-           "ceiling_gbs": bandwidth_ceiling_gbs(), "sdpa_bf16_us": sdpa_case(shape)["time_us"], "rows": []}
-    print("ceiling", round(doc["ceiling_gbs"]), "GB/s; sdpa", round(doc["sdpa_bf16_us"], 1), "us", flush=True)
+    doc = ab_document(shape)
     for label in args.schemes.split(","):
         dc, ks, vs = make_cache(label, shape, 16)
         nbytes = batch * tokens * (side_bytes_per_token(ks, kv_heads, head_dim)

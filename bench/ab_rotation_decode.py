@@ -29,7 +29,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from decode_bench import bandwidth_ceiling_gbs, bench_ms, environment, make_cache, sdpa_case  # noqa: E402
+from decode_bench import ab_document, bench_ms, make_cache  # noqa: E402
 
 
 def unrotated_view(dc):
@@ -51,9 +51,7 @@ def main() -> int:
     args = ap.parse_args()
     shape = tuple(int(v) for v in args.shape.split(","))
     batch, q_heads, kv_heads, head_dim, tokens = shape
-    doc = {"command": " ".join(sys.argv), "environment": environment(), "shape": shape,
-           "ceiling_gbs": bandwidth_ceiling_gbs(), "sdpa_bf16_us": sdpa_case(shape)["time_us"], "rows": []}
-    print("ceiling", round(doc["ceiling_gbs"]), "GB/s; sdpa", round(doc["sdpa_bf16_us"], 1), "us", flush=True)
+    doc = ab_document(shape)
     for label in args.schemes.split(","):
         plain, _, _ = make_cache(label, shape, 16)
         rot, _, _ = make_cache(label, shape, 16, rotation=True)

@@ -242,6 +242,15 @@ def decode_setup(label: str, shape, page_size: int, backend: str = "triton", pre
     }
 
 
+def ab_document(shape) -> dict[str, Any]:
+    """The head of an A/B run's JSON (bench/ab_decode.py, bench/ab_rotation_decode.py): the command, environment
+    and shape, with the bandwidth ceiling and SDPA over BF16 measured now (and printed); ``rows`` to fill."""
+    doc = {"command": " ".join(sys.argv), "environment": environment(), "shape": shape,
+           "ceiling_gbs": bandwidth_ceiling_gbs(), "sdpa_bf16_us": sdpa_case(shape)["time_us"], "rows": []}
+    print("ceiling", round(doc["ceiling_gbs"]), "GB/s; sdpa", round(doc["sdpa_bf16_us"], 1), "us", flush=True)
+    return doc
+
+
 def sdpa_case(shape) -> dict[str, Any]:
     """torch SDPA over a contiguous BF16 cache: the baseline the targets are relative to."""
     import torch
