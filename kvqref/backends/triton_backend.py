@@ -310,26 +310,27 @@ def write_tile(kind: str, kv_heads: int, head_dim: int, group: int = 1) -> tuple
     return max(1, WRITE_TILE_ELEMS // (block_h * head_dim)), block_h
 
 
+def _nvidia_gpu(device) -> bool:
+    """Whether ``device`` is a CUDA device of an NVIDIA build (not ROCm) running compiled kernels (not the
+    interpreter)."""
+    torch = _torch()
+    from kvqref.kernels.codecs import INTERPRET
+
+    return bool(not INTERPRET and getattr(device, "type", None) == "cuda" and not getattr(torch.version, "hip", None))
+
+
 def hardware_fp8_encode(device) -> bool:
     """Whether the write kernel converts float32 to the OCP FP8 formats in hardware: NVIDIA sm_89+
     (``cvt.rn.satfinite``, exact RNE; the kernel handles overflow and NaN). Not on ROCm, not in the
     interpreter."""
-    torch = _torch()
-    from kvqref.kernels.codecs import INTERPRET
-
-    if INTERPRET or not (hasattr(device, "type") and device.type == "cuda") or getattr(torch.version, "hip", None):
-        return False
-    return torch.cuda.get_device_capability(device) >= (8, 9)
+    return _nvidia_gpu(device) and _torch().cuda.get_device_capability(device) >= (8, 9)
 
 
 def f16_cvt_default(device) -> bool:
     """Whether the write kernel rounds to float16 by conversion instructions by default: on NVIDIA GPUs
     (``cvt.rn.f16.f32``: round to nearest even, subnormals kept, overflow to infinity, as IEEE and the float
     arithmetic route); not on ROCm (not measured there) nor in the interpreter."""
-    torch = _torch()
-    from kvqref.kernels.codecs import INTERPRET
-
-    return bool(not INTERPRET and getattr(device, "type", None) == "cuda" and not getattr(torch.version, "hip", None))
+    return _nvidia_gpu(device)
 
 
 def plan_write(side: Side, x, slot_mapping, *, block_t: int | None = None, block_h: int | None = None,
