@@ -1,12 +1,19 @@
 #!/bin/bash
-# Nsight Compute profile of the decode kernel per scheme: bash bench/ncu_decode.sh OUTDIR SCHEME...
+# Nsight Compute profile per scheme of the decode kernel, or with --write of the quantize-on-write kernel:
+#   bash bench/ncu_decode.sh OUTDIR SCHEME...            decode_split_kernel (bench/ncu_decode.py)
+#   bash bench/ncu_decode.sh OUTDIR --write SCHEME...    quantize_write_kernel (bench/ncu_write.py); a SCHEME
+#                                                        of the form NAME:ARGS passes ARGS (e.g. int4_kivi:--side=v)
 # Writes OUTDIR/SCHEME.txt (sections: speed of light, occupancy, warp states, scheduler, memory) and
 # OUTDIR/SCHEME-sass.csv (per SASS instruction: executed instructions and stall samples by reason).
 out=$1; shift
+kernel=decode_split; script=bench/ncu_decode.py
+if [ "$1" = "--write" ]; then kernel=quantize_write; script=bench/ncu_write.py; shift; fi
 mkdir -p "$out"
-for s in "$@"; do
-  ncu --set full --import-source no -k regex:decode_split --launch-skip 1 --launch-count 1 \
-      -f -o "/tmp/ncu-$s" python3 bench/ncu_decode.py --scheme "$s" > "$out/$s-run.log" 2>&1
-  ncu -i "/tmp/ncu-$s.ncu-rep" --print-details all > "$out/$s.txt" 2>&1
-  ncu -i "/tmp/ncu-$s.ncu-rep" --page source --csv --print-source sass > "$out/$s-sass.csv" 2>&1
+for spec in "$@"; do
+  s=${spec%%:*}; extra=""; [ "$spec" != "$s" ] && extra=${spec#*:}
+  tag=$(echo "$spec" | tr -c 'A-Za-z0-9_\n' '_')
+  ncu --set full --import-source no -k regex:$kernel --launch-skip 1 --launch-count 1 \
+      -f -o "/tmp/ncu-$tag" python3 $script --scheme "$s" ${extra//,/ } > "$out/$tag-run.log" 2>&1
+  ncu -i "/tmp/ncu-$tag.ncu-rep" --print-details all > "$out/$tag.txt" 2>&1
+  ncu -i "/tmp/ncu-$tag.ncu-rep" --page source --csv --print-source sass > "$out/$tag-sass.csv" 2>&1
 done

@@ -1,0 +1,43 @@
+"""Profile one quantize-on-write launch per scheme with Nsight Compute (the bench's write shape: 65,536 tokens x
+8 KV heads x 128, bf16 input, default launch).
+
+    python3 bench/ncu_write.py --scheme nvfp4 [--side v] [--rotation]   # the process ncu wraps
+    bash bench/ncu_decode.sh OUTDIR --write nvfp4 int4_kivi ...          # reports + per-SASS stall CSVs
+
+The wrapped process runs the write twice (compile + warm-up, then the profiled call); ncu profiles the second
+``quantize_write_kernel`` launch only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from decode_bench import write_inputs  # noqa: E402
+
+
+def main() -> int:
+    import torch
+
+    from kvqref.backends import triton_backend as tb
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--scheme", required=True)
+    ap.add_argument("--side", default="k", choices=("k", "v"))
+    ap.add_argument("--rotation", action="store_true")
+    ap.add_argument("--rotation-sums", action="store_true")
+    args = ap.parse_args()
+    side, x, slots, _ = write_inputs(args.scheme, side=args.side, rotation=args.rotation)
+    kw = {"rotation_sums": True} if args.rotation_sums else {}
+    for _ in range(2):
+        tb.quantize_write(side, x, slots, validate=False, **kw)
+        torch.cuda.synchronize()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
