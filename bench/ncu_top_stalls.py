@@ -1,9 +1,12 @@
 """The SASS instructions with the most warp-stall samples in an Nsight Compute source export.
 
     python3 bench/ncu_top_stalls.py SCHEME-sass.csv [N]     # from bench/ncu_decode.sh
+    python3 bench/ncu_top_stalls.py SCHEME-sass.csv --ops ELEMENTS
 
 Prints the kernel's stall-reason shares, then the N (default 25) instructions with the most samples: samples,
-times executed, the instruction and its three largest stall reasons.
+times executed, the instruction and its three largest stall reasons. ``--ops ELEMENTS``: instead, the executed
+instruction mix by opcode, in thread instructions per element (warp instructions x 32 / ELEMENTS; the bench's
+write quantizes 65,536 x 8 x 128 = 67,108,864 elements).
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ def main(argv: list[str]) -> int:
     def num(text: str) -> int:
         return int(text) if text.isdigit() else 0
 
+    if len(argv) > 2 and argv[1] == "--ops":
+        return op_mix(data, hdr.index("Source"), i_exec, num, float(argv[2]))
     total = sum(num(r[i_samples]) for r in data)
     reasons: Counter = Counter()
     for r in data:
@@ -34,6 +39,19 @@ def main(argv: list[str]) -> int:
     for r in ranked[: int(argv[1]) if len(argv) > 1 else 25]:
         top = sorted(((num(r[i]), hdr[i][6:]) for i in stall_cols), reverse=True)[:3]
         print(f"{num(r[i_samples]):6d} {r[i_exec]:>8} {r[i_src].strip()[:70]:70s} {top}")
+    return 0
+
+
+def op_mix(data: list[list[str]], i_src: int, i_exec: int, num, elements: float) -> int:
+    """Executed thread instructions per element, in all and per opcode (predicates and modifiers dropped)."""
+    ops: Counter = Counter()
+    for r in data:
+        words = [w for w in r[i_src].split() if not w.startswith("@")]
+        if words:
+            ops[words[0].split(".")[0]] += num(r[i_exec])
+    total = sum(ops.values())
+    print(f"warp instructions {total}, thread instructions per element {total * 32 / elements:.2f}")
+    print(", ".join(f"{op} {n * 32 / elements:.2f}" for op, n in ops.most_common(25)))
     return 0
 
 

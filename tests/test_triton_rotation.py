@@ -145,16 +145,17 @@ def test_rotated_write_bytes_equal_oracle(name, opts):
 
 @pytest.mark.parametrize("name,opts", [WRITE_CASES[i] for i in (1, 3, 11, 15, 16, 19)],
                          ids=[WRITE_IDS[i] for i in (1, 3, 11, 15, 16, 19)])
-def test_rotated_write_by_sums_bytes_equal_oracle(name, opts):
-    """``rotation_sums=True`` (the butterflies' pairs brought together by sums over the pair axis, not
-    split/join) writes the oracle's bytes too, bfloat16 input."""
+def test_rotated_write_other_butterfly_bytes_equal_oracle(name, opts):
+    """The butterfly route that is not the scheme's default (``rotation_sums``: pairs brought together by sums
+    over the pair axis, or by split/join) writes the oracle's bytes too, bfloat16 input."""
     from kvqref.conformance import to_dtype_values
 
+    sums = not tb.rotation_sums_default(tb.kernel_config(schemes.get(name, **opts))["kind"])
     rng = np.random.default_rng(_seed("sums " + name))
     x = to_dtype_values(_write_input(rng, 64 if GPU else 32), "bfloat16").astype(np.float32)
     ok, detail = conformance.triton_write_matches(name, {**opts, **rot(7)}, x, max(16, opts.get("group_size", 1)),
-                                                  rng, dtype="bfloat16", launch={"rotation_sums": True})
-    assert ok, f"{name} {opts}: {detail}"
+                                                  rng, dtype="bfloat16", launch={"rotation_sums": sums})
+    assert ok, f"{name} {opts} rotation_sums={sums}: {detail}"
 
 
 def test_rotation_sums_needs_a_rotated_scheme():

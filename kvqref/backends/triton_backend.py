@@ -333,9 +333,21 @@ def f16_cvt_default(device) -> bool:
     return _nvidia_gpu(device)
 
 
+#: rotated writes whose butterflies go by sums by default: the FP4 kinds (H100, 65,536 x 8 x 128 bf16, rotated /
+#: unrotated time: fp4_e2m1 2.27 -> 1.63, nvfp4 2.24 -> 1.66); FP8 timed the same both ways (1.44 / 1.42) and
+#: KIVI keys lost (1.39 -> 2.04), so they keep split/join (bench/results/rotation_writes_h100.json, session 6)
+ROTATION_SUMS_KINDS = frozenset({"mxfp4", "nvfp4"})
+
+
+def rotation_sums_default(kind: str) -> bool:
+    """Whether a rotated write of cache tile kind ``kind`` (``kernel_config``) runs its butterflies by sums over
+    the pair axis by default (:data:`ROTATION_SUMS_KINDS`, the measured choice)."""
+    return kind in ROTATION_SUMS_KINDS
+
+
 def plan_write(side: Side, x, slot_mapping, *, block_t: int | None = None, block_h: int | None = None,
                num_warps: int | None = None, hw_fp8: bool | None = None, f16_cvt: bool | None = None,
-               rotation_sums: bool = False):
+               rotation_sums: bool | None = None):
     """The launch of :func:`quantize_write` (checked on the host first). ``block_t``/``block_h``/``num_warps``:
     the tile and warps (default :func:`write_tile`, WRITE_WARPS; KIVI keys always take BLOCK_T = G);
     ``hw_fp8``: OCP FP8 codes by the hardware conversion (default: :func:`hardware_fp8_encode` of x's
@@ -343,7 +355,7 @@ def plan_write(side: Side, x, slot_mapping, *, block_t: int | None = None, block
     same bits as the float arithmetic) instead of float arithmetic; default: on NVIDIA GPUs (:func:`f16_cvt_default`),
     where it measured faster (int4 values 0.62 -> 0.77 of the ceiling, keys 0.55 -> 0.63). ``rotation_sums``: a
     rotated side's butterflies move their data by sums over the pair axis (warp shuffles) instead of
-    split/join (shared memory); the same bits (``codecs.hadamard_rows``), not yet timed on a GPU."""
+    split/join (shared memory), the same bits (``codecs.hadamard_rows``); default :func:`rotation_sums_default`."""
     import triton
 
     from kvqref.kernels.decode import KIND_IDS, Launch
@@ -357,6 +369,8 @@ def plan_write(side: Side, x, slot_mapping, *, block_t: int | None = None, block
     if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"x must be bfloat16, float16 or float32, got {x.dtype}")
     rotation = rotation_of(side.scheme)
+    if rotation_sums is None:
+        rotation_sums = rotation is not None and rotation_sums_default(kernel_config(side.codec)["kind"])
     if rotation_sums and rotation is None:
         raise ValueError(f"rotation_sums needs a rotated scheme, got {side.scheme.name} (no butterflies to run)")
     rdt = 0
