@@ -237,10 +237,26 @@ def encode_e2m1(x, CLAMP: tl.constexpr):
     a = tl.abs(x)
     if CLAMP:
         a = tl.minimum(a, 8.0)
+    return e2m1_magnitude(a) | ((x.to(tl.int32, bitcast=True) >> 28) & 8)
+
+
+@triton.jit
+def e2m1_magnitude(a):
+    """E2M1 magnitude code (int32, 0..7) of a float32 ``a >= 0`` (+0.0 included) below 2**100: round to nearest,
+    ties to even, saturating to 6 (code 7); :func:`encode_e2m1`'s rule without the sign."""
     m = tl.maximum((a.to(tl.int32, bitcast=True) & 0x7F800000) + (22 << 23), 0x3F800000 + (22 << 23))
     t = (a + m.to(tl.float32, bitcast=True)).to(tl.int32, bitcast=True)
-    code = tl.minimum(t - (t >> 22) * ((1 << 22) - 1) - 298, 7)
-    return code | ((x.to(tl.int32, bitcast=True) >> 28) & 8)
+    return tl.minimum(t - (t >> 22) * ((1 << 22) - 1) - 298, 7)
+
+
+@triton.jit
+def e2m1_pair_bytes(ce, co, sw):
+    """Bytes of E2M1 code pairs from magnitudes and signs: ``ce`` (even element, low nibble) and ``co`` (odd
+    element, high nibble) are magnitude codes 0..7; ``sw`` (int32) holds the even element's sign at bit 15 and the
+    odd element's at bit 31, every other bit 0 (a bfloat16 pair word ``& 0x80008000``). The signs move to bits 3
+    and 7 as the high word of ``sw * (2**20 + 2**8)`` (bit 15 -> 35, bit 31 -> 39; the cross terms land at bit 23
+    of the low word and bit 19 of the high word, which the byte drops): one multiply-high for both."""
+    return (ce + co * 16 + tl.math.umulhi(sw, 0x100100)).to(tl.uint8)
 
 
 @triton.jit
