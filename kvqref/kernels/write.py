@@ -31,7 +31,6 @@ import triton.language as tl
 from kvqref.kernels.codecs import (
     bf16_bits_to_f32,
     ceil_log2_f32,
-    e2m1_magnitude,
     e2m1_pair_bytes,
     e4m3_normal_bits,
     encode_e2m1,
@@ -214,15 +213,26 @@ def _nv_pairs(v, BF16: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr, NB: tl.
 
 
 @triton.jit
-def _nv_code(a, dv, r, FAST: tl.constexpr, STEPS: tl.constexpr):
-    """NVFP4 element magnitude code of ``a`` = |x| (capped at g * 2**14 when FAST) for the block divisor ``dv``:
-    E2M1 of RN32(a / dv), by reciprocal ``r`` = RN(1 / dv) and correction when FAST (0 <= a / dv <= 2**20), else by
-    division clamped to 8 (codes saturate at 6)."""
+def _nv_quotient(x, lim, dv, r, FAST: tl.constexpr, STEPS: tl.constexpr):
+    """NVFP4 element quotient RN32(min(|x|, lim) / dv) (``lim`` = RN(6 dv), so below 7): by the reciprocal ``r`` =
+    RN(1 / dv) and correction when FAST, else by division (clamped to 6: NaN-free when dv under- or overflowed)."""
+    a = tl.minimum(tl.abs(x), lim)
     if FAST:
-        q = _div_by(a, dv, r, STEPS)
+        return _div_by(a, dv, r, STEPS)
     else:
-        q = tl.minimum(_div(a, dv + tl.zeros_like(a)), 8.0)
-    return e2m1_magnitude(q)
+        return tl.minimum(_div(a, dv + tl.zeros_like(a)), 6.0)
+
+
+@triton.jit
+def _nv_store_codes(pc, mask, ex_l, ox_l, sw_l, ex_h, ox_h, sw_h, lim, dv, r, FAST: tl.constexpr,
+                    STEPS: tl.constexpr, HB: tl.constexpr):
+    """Store the NVFP4 code bytes of both half blocks (``pc``: the low half's first byte of each block)."""
+    b_l = e2m1_pair_bytes(_nv_quotient(ex_l, lim, dv, r, FAST, STEPS), _nv_quotient(ox_l, lim, dv, r, FAST, STEPS),
+                          sw_l)
+    b_h = e2m1_pair_bytes(_nv_quotient(ex_h, lim, dv, r, FAST, STEPS), _nv_quotient(ox_h, lim, dv, r, FAST, STEPS),
+                          sw_h)
+    tl.store(pc, b_l, mask=mask)
+    tl.store(pc + HB // 2, b_h, mask=mask)
 
 
 @triton.jit
@@ -331,24 +341,13 @@ def quantize_write_kernel(
             lo, hi = tl.split(tl.permute(tl.reshape(x, (BLOCK_T, BLOCK_H, NB, 2, HB)), (0, 1, 2, 4, 3)))
             ex_l, ox_l, sw_l = _nv_pairs(lo, False, BLOCK_T, BLOCK_H, NB, HB)
             ex_h, ox_h, sw_h = _nv_pairs(hi, False, BLOCK_T, BLOCK_H, NB, HB)
-        # |x| capped at g * 2**14: a block holding a larger |x| has a scale above 2730 before the clamp to 448, so
-        # its capped elements still give quotients beyond 6 (code 7); the cap keeps every quotient within
-        # _div_by's domain without a tile-wide check of the block maxima
+        amax = tl.max(tl.maximum(tl.maximum(tl.abs(ex_l), tl.abs(ox_l)), tl.maximum(tl.abs(ex_h), tl.abs(ox_h))), 3)
         g = tl.load(SC)
         fast = (g >= NV_G_LO) & (g <= NV_G_HI)
         if fast:  # every quotient below stays finite and exact
-            cap = g * NV_CAP
-            ex_l = tl.minimum(tl.abs(ex_l), cap)
-            ox_l = tl.minimum(tl.abs(ox_l), cap)
-            ex_h = tl.minimum(tl.abs(ex_h), cap)
-            ox_h = tl.minimum(tl.abs(ox_h), cap)
-        else:
-            ex_l = tl.abs(ex_l)
-            ox_l = tl.abs(ox_l)
-            ex_h = tl.abs(ex_h)
-            ox_h = tl.abs(ox_h)
-        amax = tl.max(tl.maximum(tl.maximum(ex_l, ox_l), tl.maximum(ex_h, ox_h)), 3)
-        if fast:
+            # amax capped at g * 2**14: a larger one gives a scale above 2730 before the clamp to 448 either way,
+            # and the cap keeps RN(RN(amax / 6) / g) within _div_by's domain
+            amax = tl.minimum(amax, g * NV_CAP)
             s = _div_by(_div_by(amax, 6.0, 1.0 / 6.0, STEPS), g, _div(1.0, g), 2)
         else:
             s = _div(_div(amax, tl.full(amax.shape, 6.0, tl.float32)), g + tl.zeros_like(amax))
@@ -356,16 +355,19 @@ def quantize_write_kernel(
         # integer E4M3 rounding (see docs/kernels.md, NVFP4 on the H100), s being normal in E4M3
         scode, sv = e4m3_normal_bits(s)
         dv = (sv * g)[:, :, :, None]
-        if fast:
-            r = _div(tl.full(dv.shape, 1.0, tl.float32), dv)
-        else:
-            r = dv  # unused
-        b_l = e2m1_pair_bytes(_nv_code(ex_l, dv, r, fast, STEPS), _nv_code(ox_l, dv, r, fast, STEPS), sw_l)
-        b_h = e2m1_pair_bytes(_nv_code(ex_h, dv, r, fast, STEPS), _nv_code(ox_h, dv, r, fast, STEPS), sw_h)
+        # |x| capped at lim = RN(6 dv): a capped element's quotient is 6 within 2**-22 (code 7, as its own
+        # quotient, at least 6 (1 - 2**-24), gives), so every quotient is below 7 (e2m1_pair_bytes' domain) and,
+        # with fast, within _div_by's
+        lim = dv * 6.0
         jc = tl.arange(0, NB)[None, None, :, None] * HB + tl.arange(0, HB // 2)[None, None, None, :]
         pc = F0 + (s3 * f0_s + h3 * f0_h)[:, :, :, None] + jc
-        tl.store(pc, b_l, mask=m3[:, :, :, None])
-        tl.store(pc + HB // 2, b_h, mask=m3[:, :, :, None])
+        m4 = m3[:, :, :, None]
+        if fast:  # the stores in each branch: no per-element tensor leaves it (a runtime branch's results get a
+            # default layout and conversions through shared memory)
+            r = _div(tl.full(dv.shape, 1.0, tl.float32), dv)
+            _nv_store_codes(pc, m4, ex_l, ox_l, sw_l, ex_h, ox_h, sw_h, lim, dv, r, True, STEPS, HB)
+        else:
+            _nv_store_codes(pc, m4, ex_l, ox_l, sw_l, ex_h, ox_h, sw_h, lim, dv, dv, False, STEPS, HB)
         nb = tl.arange(0, NB)
         tl.store(F1 + s3 * f1_s + h3 * f1_h + nb[None, None, :], scode.to(tl.uint8), mask=m3)
     else:
