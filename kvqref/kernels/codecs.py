@@ -218,14 +218,17 @@ def hadamard_rows(x, ROWS: tl.constexpr, D: tl.constexpr, ROUTE: tl.constexpr = 
       each one IEEE addition (``tl.reduce`` with a plain ``a + b`` combine; ``a + (-b)`` is IEEE's definition
       of ``a - b`` and addition is commutative, so whichever order the reduction takes gives the same bits),
       selected back into place: no layout conversion, pairs in other lanes meet by warp shuffles;
-    - 2 (by partner): the stages ``LANE_H <= h < LANE_H * LANE_N`` (pairs in other lanes) as ``x[j] <- fma(s_j, x[j], x[j ^ h])`` with ``s_j = +1`` if ``j & h == 0`` else ``-1``: the
-      lower element gets ``b + a``, the upper ``a + (-b)``, i.e. ``a + b`` and ``a - b`` (the product by +-1 is
-      exact, so the fused multiply-add rounds once, as the IEEE add/subtract: the same bits, signed zeros and
-      subnormals included); the other stages (pairs in one thread's registers) by split/join, which then moves
-      no data. The partner ``x[j ^ h]`` comes from ``tl.gather`` along the row, or with ``SHFL_ASM`` (CUDA
-      only) from one ``shfl.sync.bfly`` with lane mask ``h // LANE_H``: correct only where the tensor's
-      layout puts column bit ``LANE_H << k`` on lane bit ``k`` (k < log2 LANE_N) of the same register, which
-      ``triton_backend.settle_partner_lanes`` reads from the compiled kernel (``kernels/layout.py``)."""
+    - 2 (by partner): the stages ``LANE_H <= h < LANE_H * LANE_N`` (pairs in other lanes) as
+      ``x[j] <- fma(s_j, x[j], x[j ^ h])``, ``s_j = +1`` if ``j & h == 0`` else ``-1``: the lower element gets
+      ``a * 1 + b``, the upper ``b * -1 + a``; the product by +-1 is exact, so the fused multiply-add is the exact
+      ``a + b`` or ``a + (-b)`` rounded once, which is IEEE's ``a + b`` and ``a - b`` (subtraction is defined as
+      adding the negation; an exact zero sum is +0 unless both terms are -0, for fma as for add): the same bits,
+      signed zeros and subnormals included; the other stages (pairs in one thread's registers) by split/join,
+      which then moves no data. The partner ``x[j ^ h]`` comes from ``tl.gather`` along the row, or with
+      ``SHFL_ASM`` (CUDA only) from one ``shfl.sync.bfly`` with lane mask ``h // LANE_H``: correct only where
+      the tensor's layout puts column bit ``LANE_H << k`` on lane bit ``k`` (k < log2 LANE_N) of the same
+      register, which ``triton_backend.settle_partner_lanes`` reads from the compiled kernel
+      (``kernels/layout.py``)."""
     for s in tl.static_range(15):  # stage sizes inline: compiled Triton rejects a constexpr reassigned here
         if (2 << s) <= D:
             if ROUTE == 1:
