@@ -19,9 +19,9 @@ batch 32 x 8192 (fast precision) and quantize-on-write, each unrotated and with 
 rotation fused into the kernels (K seed 1, V seed 2; the write kernel with its default token block and with
 16 tokens per program), timed alternately over two rounds, beside SDPA and the ceiling; the summary rows
 (``op: "rotation_ratio"``) give rotated / unrotated time per scheme (targets: decode <= 1.05, write <= 1.10).
-``--rotation-writes``: the write rows of ``--rotation`` alone (default token block), unrotated, rotated, and
-rotated with the butterflies by sums over the pair axis (``rotation_sums``), alternately over ``--rounds``
-rounds (default 5), then the ratios: about a minute.
+``--rotation-writes``: the write rows of ``--rotation`` alone (default token block), unrotated and rotated with
+each butterfly route of ``--rotation-routes`` (``plan_write``'s ``rotation_route``; default split, sums and shfl),
+alternately over ``--rounds`` rounds (default 5), then the ratios: about a minute.
 """
 
 from __future__ import annotations
@@ -336,22 +336,24 @@ def write_inputs(label: str, tokens: int = 65536, kv_heads: int = 8, head_dim: i
 
 
 def write_setup(label: str, tokens: int = 65536, kv_heads: int = 8, head_dim: int = 128, rotation: bool = False,
-                block_t: int | None = None, rotation_sums: bool = False):
+                block_t: int | None = None, rotation_route: str | None = None):
     """(the write call to time, its record without times): pages in random order, bf16 input; ``rotation``:
     K rotated (the rotation fused into the write kernel); ``block_t``: tokens per program (default: the
-    kernel's); ``rotation_sums``: the rotated butterflies by sums over the pair axis (``plan_write``)."""
+    kernel's); ``rotation_route``: the rotated butterflies' data movement (``plan_write``; None: the scheme's
+    default)."""
     from kvqref.backends import triton_backend as tb
 
     side, x, slots, record = write_inputs(label, tokens, kv_heads, head_dim, rotation=rotation)
 
     kw = {} if block_t is None else {"block_t": block_t}
-    if rotation_sums:
-        kw["rotation_sums"] = True
+    if rotation_route is not None:
+        kw["rotation_route"] = rotation_route
 
     def fn():
         tb.quantize_write(side, x, slots, validate=False, **kw)
 
-    return fn, {**record, "rotation": rotation_label(rotation), "block_t": block_t, "rotation_sums": rotation_sums}
+    return fn, {**record, "rotation": rotation_label(rotation), "block_t": block_t,
+            "rotation_route": rotation_route}
 
 
 def emitter(env: dict[str, Any], ceiling: float, results: list[dict[str, Any]], out: Path | None):
@@ -441,10 +443,11 @@ def run_rotation(out: Path | None = None, rounds: int = 2) -> dict[str, Any]:
     return {"environment": env, "ceiling_gbs": ceiling, "results": results}
 
 
-def run_rotation_writes(out: Path | None = None, rounds: int = 5) -> dict[str, Any]:
-    """``--rotation-writes``: unrotated, rotated and rotated-by-sums writes of ``ROTATION_LABELS`` (default token
-    block), timed alternately over ``rounds`` rounds, then the ratios of the median times per scheme and
-    rotated variant (target <= 1.10)."""
+def run_rotation_writes(out: Path | None = None, rounds: int = 5,
+                        routes: tuple[str, ...] = ("split", "sums", "shfl")) -> dict[str, Any]:
+    """``--rotation-writes``: unrotated writes of ``ROTATION_LABELS`` (default token block) and rotated ones by each
+    butterfly route of ``routes``, timed alternately over ``rounds`` rounds, then the ratios of the median times
+    per scheme and route (target <= 1.10)."""
     import torch
 
     env = environment()
@@ -452,8 +455,7 @@ def run_rotation_writes(out: Path | None = None, rounds: int = 5) -> dict[str, A
     results: list[dict[str, Any]] = []
     emit = emitter(env, ceiling, results, out)
     for label in ROTATION_LABELS:
-        setups = [write_setup(label, rotation=r, rotation_sums=sums) for r, sums in
-                  ((False, False), (True, False), (True, True))]
+        setups = [write_setup(label), *(write_setup(label, rotation=True, rotation_route=r) for r in routes)]
         times: list[list[float]] = [[] for _ in setups]
         for rnd in range(rounds):
             for i, (fn, rec) in enumerate(setups):
@@ -463,7 +465,7 @@ def run_rotation_writes(out: Path | None = None, rounds: int = 5) -> dict[str, A
         base, *rots = (float(np.median(t)) for t in times)
         for (_, rec), rot in zip(setups[1:], rots, strict=True):
             emit({"op": "rotation_ratio", "of": "write", "scheme": label, "block_t": None, "rounds": rounds,
-                  "rotation_sums": rec["rotation_sums"], "unrotated_us": base, "rotated_us": rot,
+                  "rotation_route": rec["rotation_route"], "unrotated_us": base, "rotated_us": rot,
                   "ratio": rot / base, "target": 1.10})
         del setups
         torch.cuda.empty_cache()
@@ -478,12 +480,14 @@ def main() -> int:
     ap.add_argument("--rotation-writes", action="store_true",
                     help="issue 13's unrotated vs rotated write rows only, alternating over --rounds rounds")
     ap.add_argument("--rounds", type=int, default=5, help="rounds of --rotation-writes (default 5)")
+    ap.add_argument("--rotation-routes", default="split,sums,shfl",
+                    help="butterfly routes of --rotation-writes (plan_write's rotation_route; default split,sums,shfl)")
     args = ap.parse_args()
     if args.rounds < 1:
         ap.error("--rounds must be >= 1")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     if args.rotation_writes:
-        doc = run_rotation_writes(args.out, args.rounds)
+        doc = run_rotation_writes(args.out, args.rounds, tuple(args.rotation_routes.split(",")))
     else:
         doc = run_rotation(args.out) if args.rotation else run(args.quick, args.out)
     doc["command"] = " ".join(["python3", *sys.argv])

@@ -29,10 +29,11 @@ def main() -> int:
     ap.add_argument("--scheme", required=True)
     ap.add_argument("--side", default="k", choices=("k", "v"))
     ap.add_argument("--rotation", action="store_true")
-    ap.add_argument("--rotation-sums", action="store_true")
+    ap.add_argument("--rotation-route", choices=("split", "sums", "gather", "shfl"),
+                    help="the rotated butterflies' route (plan_write's rotation_route; default: the scheme's)")
     args = ap.parse_args()
     side, x, slots, _ = write_inputs(args.scheme, side=args.side, rotation=args.rotation)
-    kw = {"rotation_sums": True} if args.rotation_sums else {}
+    kw = {"rotation_route": args.rotation_route} if args.rotation_route else {}
     for _ in range(2):
         tb.quantize_write(side, x, slots, validate=False, **kw)
         torch.cuda.synchronize()

@@ -1,13 +1,16 @@
 """SASS instruction mix of the quantize-on-write kernel per scheme (sm_90 cubin, built on this CPU machine).
 
     python3 bench/sass_write.py [--cases nvfp4,int4_kivi-k] [--tile BT,BH] [--warps W] [--dump DIR]
+                                [--routes none,split,sums,gather,shfl]
 
 Builds each write launch of ``bench/ab_write.py`` (the same host code, bf16 input, 8 KV heads x 128, the
 default tile and warps unless given) on the CPU, compiles it for sm_90 as ``python3 -m kvqref.kernels.aot``
 does, disassembles the cubin with the ``cuobjdump`` shipped with Triton and counts the whole kernel's
 instructions per thread by execution unit (the write kernel is straight-line code: one tile per program).
 Divided by the elements each thread quantizes, that is the per-element issue cost; registers per thread and
-shared memory per program come from the compiled kernel. Needs a process without TRITON_INTERPRET.
+shared memory per program come from the compiled kernel. ``--routes``: each case unrotated (``none``) and/or
+rotated (K seed 1) with the butterflies by each ``plan_write`` ``rotation_route`` (default: ``none`` only).
+Needs a process without TRITON_INTERPRET.
 """
 
 from __future__ import annotations
@@ -37,6 +40,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warps", type=int)
     ap.add_argument("--f16-cvt", action="store_true", help="KIVI float16 roundings by conversion instructions")
     ap.add_argument("--dump", help="write each kernel's SASS here")
+    ap.add_argument("--routes", default="none", help="none (unrotated) and/or rotated by rotation_route: "
+                    "split, sums, gather, shfl (comma-separated)")
     args = ap.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise SystemExit("needs a process without TRITON_INTERPRET=1")
@@ -45,26 +50,28 @@ def main(argv: list[str] | None = None) -> int:
     from kvqref.backends import triton_backend as tb
 
     cols = list(UNITS) + ["other"]
-    print("| kernel | tile | warps | regs | smem B | instr. | per elem. | " + " | ".join(cols) + " |")
-    print("|---|---|---|---|---|---|---|" + "---|" * len(cols))
-    for label, scheme_label, side_name in (c for c in CASES if c[0] in args.cases.split(",")):
+    print("| kernel | route | tile | warps | regs | smem B | instr. | per elem. | " + " | ".join(cols) + " |")
+    print("|---|---|---|---|---|---|---|---|" + "---|" * len(cols))
+    for (label, scheme_label, side_name), route in ((c, r) for c in CASES if c[0] in args.cases.split(",")
+                                                    for r in args.routes.split(",")):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            side, x, slots, _ = write_inputs(scheme_label, tokens=256, side=side_name, device="cpu")
-        kw = {}
+            side, x, slots, _ = write_inputs(scheme_label, tokens=256, side=side_name, device="cpu",
+                                             rotation=route != "none")
+        kw = {} if route == "none" else {"rotation_route": route}
         if args.tile:
             kw["block_t"], kw["block_h"] = (int(v) for v in args.tile.split(","))
         launch = tb.plan_write(side, x, slots, num_warps=args.warps, hw_fp8=True, f16_cvt=args.f16_cvt, **kw)
         sass, regs, smem = sass_of(launch)
         if args.dump:
             Path(args.dump).mkdir(parents=True, exist_ok=True)
-            (Path(args.dump) / f"write_{label}.sass").write_text(sass)
+            (Path(args.dump) / f"write_{label}{'' if route == 'none' else '-' + route}.sass").write_text(sass)
         body = parse(sass)
         c = unit_counts(body)
         cx = launch.constexprs
         warps = launch.options["num_warps"]
         per_thread = cx["BLOCK_T"] * cx["BLOCK_H"] * cx["D"] / (32 * warps)
-        print(f"| {label} | {cx['BLOCK_T']}x{cx['BLOCK_H']} | {warps} | {regs} | {smem} | {len(body)} | "
+        print(f"| {label} | {route} | {cx['BLOCK_T']}x{cx['BLOCK_H']} | {warps} | {regs} | {smem} | {len(body)} | "
               f"{len(body) / per_thread:.1f} | " + " | ".join(str(c.get(k, 0)) for k in cols) + " |", flush=True)
     return 0
 

@@ -44,12 +44,15 @@ def test_every_kernel_compiles_for_rocm_and_cuda_targets():
         kt4 = sum("fp4" in c[1] for c in DECODE_CASES)
         # + fast-mode KIVI keys with the scale folded into q (``key_tile=False``)
         ktile_off = sum("kivi" in c[1] for c in DECODE_CASES)
-        # + the rotated write cases with the butterflies' pairs by sums (``rotation_sums``)
-        sums = sum("rotation" in c[1] for c in WRITE_CASES)
+        # + the rotated write cases by their other butterfly routes (``rotation_route``): split/join or sums (the
+        # one that is not the default), gather, and on CUDA the warp shuffles
+        sums = sum("rotation" in c[1] for c in WRITE_CASES) * (3 if t.startswith("cuda") else 2)
         assert len(rows) == (2 * len(DECODE_CASES) + len(SHARED_KERNELS) + len(WRITE_CASES) + ptx + f16cvt
                              + rows_off + kt4 + ktile_off + sums), t
         assert {r["kernel"] for r in rows} >= {*SHARED_KERNELS, "decode[fp8_e4m3+H]", "write[fp4_e2m1-hadamard-5]"}
         assert all(r["code_bytes"] > 1000 for r in rows)
+        shfl = [r for r in rows if r["kernel"].endswith(",shfl]")]  # lane masks checked against each layout
+        assert all(r["shuffles_checked"] > 0 for r in shfl) and len(shfl) == (5 if t.startswith("cuda") else 0), t
         if t.startswith("cuda"):  # the write kernel's bytes rest on IEEE float32 (docs/kernels.md, write kernel)
             for r in (r for r in rows if r["kernel"].startswith("write[")):
                 facts = r["ptx_facts"]

@@ -557,4 +557,5 @@ def test_rotated_write_butterfly_default_is_the_measured_choice(name, sums):
         dc = tb.DeviceCache.from_cache(cache, DEVICE)
         x = torch.zeros(16, 1, 64, device=DEVICE)
         launch = tb.plan_write(dc.k, x, torch.full((16,), -1, device=DEVICE))
-        assert launch.constexprs["ROT_SUMS"] is (sums and rotated), (name, rotated)
+        assert launch.constexprs["ROT_ROUTE"] == (1 if sums and rotated else 0), (name, rotated)
+        assert not launch.constexprs["ROT_SHFL"], (name, rotated)

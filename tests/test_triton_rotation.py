@@ -23,7 +23,7 @@ triton = pytest.importorskip("triton")
 tl = pytest.importorskip("triton.language")
 
 from kvqref.backends import triton_backend as tb  # noqa: E402
-from kvqref.kernels.codecs import hadamard_rows  # noqa: E402
+from kvqref.kernels.codecs import INTERPRET, hadamard_rows  # noqa: E402
 
 GPU = torch.cuda.is_available()
 DEVICE = "cuda" if GPU else "cpu"
@@ -49,7 +49,7 @@ def _reversed_butterflies(x, ROWS: tl.constexpr, D: tl.constexpr):
 
 @triton.jit
 def _rotate_rows_kernel(X, Y, SIGNS, c, n, ROWS: tl.constexpr, D: tl.constexpr, REVERSED: tl.constexpr,
-                        BY_SUMS: tl.constexpr):
+                        ROUTE: tl.constexpr, LANE_H: tl.constexpr, LANE_N: tl.constexpr, SHFL_ASM: tl.constexpr):
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     d = tl.arange(0, D)
     m = (r < n)[:, None]
@@ -57,24 +57,32 @@ def _rotate_rows_kernel(X, Y, SIGNS, c, n, ROWS: tl.constexpr, D: tl.constexpr, 
     if REVERSED:
         y = _reversed_butterflies(x, ROWS, D)
     else:
-        y = hadamard_rows(x, ROWS, D, BY_SUMS)
+        y = hadamard_rows(x, ROWS, D, ROUTE, LANE_H, LANE_N, SHFL_ASM)
     tl.store(Y + r[:, None] * D + d[None, :], y * c, mask=m)
 
 
-def _kernel_rotate(x: np.ndarray, seed: int, reversed_order: bool = False, by_sums: bool = False) -> np.ndarray:
+#: hadamard_rows' routes under test: (ROUTE, LANE_H, LANE_N): split/join, sums, and the partner route by
+#: tl.gather (what the interpreter and ROCm run) with lanes from column 16 or 8, and every stage up to 16 by partner
+ROUTES = {"split-join": (0, 16, 8), "by-sums": (1, 16, 8), "partner-16": (2, 16, 8), "partner-8": (2, 8, 16),
+          "partner-1": (2, 1, 32)}
+
+
+def _kernel_rotate(x: np.ndarray, seed: int, reversed_order: bool = False, route: str = "split-join",
+                   shfl_asm: bool = False) -> np.ndarray:
     n, D = x.shape
     xt = torch.from_numpy(np.ascontiguousarray(x, np.float32)).to(DEVICE)
     yt = torch.empty_like(xt)
     st = torch.from_numpy(HadamardRotation(seed).signs(D)).to(DEVICE)
     _rotate_rows_kernel[(triton.cdiv(n, 4),)](xt, yt, st, float(norm_f32(D)), n, ROWS=4, D=D,
-                                              REVERSED=reversed_order, BY_SUMS=by_sums)
+                                              REVERSED=reversed_order, ROUTE=ROUTES[route][0],
+                                              LANE_H=ROUTES[route][1], LANE_N=ROUTES[route][2], SHFL_ASM=shfl_asm)
     return yt.cpu().numpy()
 
 
-@pytest.mark.parametrize("by_sums", [False, True], ids=["split-join", "by-sums"])
-def test_butterfly_helper_is_the_oracle_rule_bit_for_bit(by_sums):
-    """``hadamard_rows`` (then ``* C_D``), with either data movement, reproduces the golden float32 rotations
-    (D = 2 ... 256, two seeds each, subnormal inputs included) and ``HadamardRotation.rotate`` on random rows
+@pytest.mark.parametrize("route", list(ROUTES))
+def test_butterfly_helper_is_the_oracle_rule_bit_for_bit(route):
+    """``hadamard_rows`` (then ``* C_D``), with every data movement (``ROUTES``), reproduces the golden float32
+    rotations (D = 2 ... 256, two seeds each, subnormal inputs included) and ``HadamardRotation.rotate`` on random rows
     with spread exponents and signed zeros, as integers; the stages in the reverse order (a planted bug) do
     not."""
     doc = json.loads(GOLDEN.read_text())["rotations"]
@@ -82,7 +90,7 @@ def test_butterfly_helper_is_the_oracle_rule_bit_for_bit(by_sums):
         D = case["head_dim"]
         x = np.array([int(h, 16) for h in case["inputs"].split()], np.uint32).view(np.float32).reshape(-1, D)
         want = np.array([int(h, 16) for h in case["outputs"].split()], np.uint32)
-        got = _kernel_rotate(x, int(case["seed"]), by_sums=by_sums).view(np.uint32).ravel()
+        got = _kernel_rotate(x, int(case["seed"]), route=route).view(np.uint32).ravel()
         assert np.array_equal(got, want), (D, case["seed"], int((got != want).sum()))
     rng = np.random.default_rng(0)
     for D in (16, 128):
@@ -90,8 +98,9 @@ def test_butterfly_helper_is_the_oracle_rule_bit_for_bit(by_sums):
         x[:8] = (x[:8].astype(np.float64) * 2.0**-120).astype(np.float32)  # subnormal results
         x[8:10] = 0.0
         x[9, ::3] = -0.0  # rows of signed zeros: a - b and a + (-b) must agree on every zero's sign
+        x[10] = -0.0  # (-0) + (-0) = -0 but (-0) - (-0) = +0: fma(-1, -0, -0) must give +0 too
         want = HadamardRotation(11).rotate(x).view(np.uint32)
-        assert np.array_equal(_kernel_rotate(x, 11, by_sums=by_sums).view(np.uint32), want), D
+        assert np.array_equal(_kernel_rotate(x, 11, route=route).view(np.uint32), want), D
         planted = _kernel_rotate(x, 11, reversed_order=True).view(np.uint32)
         assert (planted != want).sum() > 0.05 * want.size, D  # the order is part of the rule: it is seen
 
@@ -143,30 +152,43 @@ def test_rotated_write_bytes_equal_oracle(name, opts):
     assert ok, f"{name} {opts}: {detail}"
 
 
+#: the routes a rotated write can take besides its default: portable ones everywhere, warp shuffles on CUDA GPUs
+OTHER_ROUTES = ["split", "sums", "gather"] + (["shfl"] if tb._nvidia_gpu(torch.device(DEVICE)) else [])
+
+
+@pytest.mark.parametrize("route", OTHER_ROUTES)
 @pytest.mark.parametrize("name,opts", [WRITE_CASES[i] for i in (1, 3, 11, 15, 16, 19)],
                          ids=[WRITE_IDS[i] for i in (1, 3, 11, 15, 16, 19)])
-def test_rotated_write_other_butterfly_bytes_equal_oracle(name, opts):
-    """The butterfly route that is not the scheme's default (``rotation_sums``: pairs brought together by sums
-    over the pair axis, or by split/join) writes the oracle's bytes too, bfloat16 input."""
+def test_rotated_write_other_butterfly_bytes_equal_oracle(name, opts, route):
+    """Every butterfly route (``rotation_route``: split/join, sums over the pair axis, the partner by
+    ``tl.gather``, and on a CUDA GPU by warp shuffles whose lanes are read from the compiled layout) writes the
+    oracle's bytes, bfloat16 input."""
     from kvqref.conformance import to_dtype_values
 
-    sums = not tb.rotation_sums_default(tb.kernel_config(schemes.get(name, **opts))["kind"])
+    if route == tb.rotation_route_default(tb.kernel_config(schemes.get(name, **opts))["kind"]):
+        pytest.skip("the default route: the other write tests")
     rng = np.random.default_rng(_seed("sums " + name))
     x = to_dtype_values(_write_input(rng, 64 if GPU else 32), "bfloat16").astype(np.float32)
     ok, detail = conformance.triton_write_matches(name, {**opts, **rot(7)}, x, max(16, opts.get("group_size", 1)),
-                                                  rng, dtype="bfloat16", launch={"rotation_sums": sums})
-    assert ok, f"{name} {opts} rotation_sums={sums}: {detail}"
+                                                  rng, dtype="bfloat16", launch={"rotation_route": route})
+    assert ok, f"{name} {opts} rotation_route={route}: {detail}"
 
 
-def test_rotation_sums_needs_a_rotated_scheme():
-    """``rotation_sums`` on an unrotated side is refused, not ignored."""
+def test_rotation_route_is_checked():
+    """``rotation_route`` on an unrotated side, or an unknown one, is refused, not ignored; so are warp shuffles
+    where they cannot run (the interpreter, ROCm)."""
     from kvqref.backends import triton_backend as tb
 
-    cache = PagedKVCache(schemes.get("fp8_e4m3"), schemes.get("fp8_e4m3"), 2, 16, 2, 64)
+    cache = PagedKVCache(schemes.get("fp8_e4m3"), schemes.get("fp8_e4m3", **rot(3)), 2, 16, 2, 64)
     dc = tb.DeviceCache.from_cache(cache, DEVICE)
     x = torch.zeros(4, 2, 64, dtype=torch.bfloat16, device=DEVICE)
-    with pytest.raises(ValueError, match="rotation_sums needs a rotated scheme"):
-        tb.plan_write(dc.k, x, torch.arange(4, device=DEVICE), rotation_sums=True)
+    with pytest.raises(ValueError, match="rotation_route needs a rotated scheme"):
+        tb.plan_write(dc.k, x, torch.arange(4, device=DEVICE), rotation_route="sums")
+    with pytest.raises(ValueError, match="rotation_route must be one of"):
+        tb.plan_write(dc.v, x, torch.arange(4, device=DEVICE), rotation_route="butterfly")
+    if bool(INTERPRET):
+        with pytest.raises(ValueError, match="not in the interpreter"):
+            tb.plan_write(dc.v, x, torch.arange(4, device=DEVICE), rotation_route="shfl")
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])

@@ -338,26 +338,94 @@ def f16_cvt_default(device) -> bool:
 #: KIVI keys lost (1.39 -> 2.04), so they keep split/join (bench/results/rotation_writes_h100.json, session 6)
 ROTATION_SUMS_KINDS = frozenset({"mxfp4", "nvfp4"})
 
+#: the butterflies' data movement of a rotated write (``codecs.hadamard_rows``' ROUTE): "split" (split/join of the
+#: pair axis), "sums" (two sums over the pair axis), "gather" (the partner ``x[j ^ h]`` of each cross-thread
+#: stage by ``tl.gather``, then one fused multiply-add by +-1), "shfl" (the same with the partner by one CUDA
+#: ``shfl.sync.bfly``: NVIDIA only, checked against the compiled layout, :func:`check_partner_layout`)
+ROTATION_ROUTES = {"split": 0, "sums": 1, "gather": 2, "shfl": 2}
 
-def rotation_sums_default(kind: str) -> bool:
-    """Whether a rotated write of cache tile kind ``kind`` (``kernel_config``) runs its butterflies by sums over
-    the pair axis by default (:data:`ROTATION_SUMS_KINDS`, the measured choice)."""
-    return kind in ROTATION_SUMS_KINDS
+
+def rotation_route_default(kind: str) -> str:
+    """The butterfly route of a rotated write of cache tile kind ``kind`` (``kernel_config``) by default: by sums
+    for :data:`ROTATION_SUMS_KINDS`, else split/join (the measured choice)."""
+    return "sums" if kind in ROTATION_SUMS_KINDS else "split"
+
+
+#: (constexprs, options, x dtype, device type) -> (LANE_H, LANE_N) of a settled shuffle-route write launch
+_PARTNER_LANES: dict = {}
+
+
+def _ttgir_of(launch, device) -> str:
+    """The TTGIR of ``launch`` as it runs on ``device``: the JIT's own build on a CUDA device (``warmup``: compiled,
+    not launched), else the sm_90 ahead-of-time build (``kernels.aot``, for the static study and CI)."""
+    if getattr(device, "type", None) == "cuda":
+        ck = launch.kernel.warmup(*launch.args, grid=launch.grid, **launch.constexprs, **launch.options)
+        return ck.asm["ttgir"]
+    from kvqref.backends._aot import make_target
+    from kvqref.kernels.aot import compile_launch
+
+    return compile_launch(launch, make_target("cuda", 90)).asm["ttgir"]
+
+
+def settle_partner_lanes(launch, device, d: int):
+    """Fix a shuffle-route write launch's ``ROT_LANE_H``/``ROT_LANE_N`` to the lanes the compiled kernel actually
+    gives the butterflies' rows (``kernels/layout.py``): compile, read the lane bases of the shuffled tensor,
+    recompile with them until they agree (the layout is Triton's choice over the whole kernel: lanes start at
+    column 16 for FP8 on sm_90 at D = 128), else the lane runs up to the row's top, fewest shuffled stages first,
+    until one is checked (FP4 and KIVI keys at D = 128: lanes from column 8), each shuffle checked against it.
+    RuntimeError if none is; cached per constexprs, options, x dtype and device type."""
+    from kvqref.kernels.layout import check_partner_layout, row_lanes, shuffle_lane_bases
+
+    cx = launch.constexprs
+    key = (tuple(sorted((k, v) for k, v in cx.items() if k not in ("ROT_LANE_H", "ROT_LANE_N"))),
+           tuple(sorted(launch.options.items())), launch.args[0].dtype, getattr(device, "type", None))
+    if key in _PARTNER_LANES:
+        cx["ROT_LANE_H"], cx["ROT_LANE_N"] = _PARTNER_LANES[key]
+        return launch
+
+    def settles(lanes) -> bool:
+        cx["ROT_LANE_H"], cx["ROT_LANE_N"] = lanes
+        ttgir = _ttgir_of(launch, device)
+        try:
+            check_partner_layout(ttgir, *lanes, d)
+        except RuntimeError:
+            found = shuffle_lane_bases(ttgir)
+            tried.append((lanes, row_lanes(found[0][1], d) if found else None))
+            return False
+        _PARTNER_LANES[key] = lanes
+        return True
+
+    tried: list = []
+    lanes = (cx["ROT_LANE_H"], cx["ROT_LANE_N"])
+    for _ in range(3):  # the lanes the compiled kernel reports, until they agree
+        if settles(lanes):
+            return launch
+        if tried[-1][1] is None or tried[-1][1] == lanes:
+            break
+        lanes = tried[-1][1]
+    # the layout moves with the stages chosen: try the lane runs that reach the row's top (the last stages all by
+    # shuffle, so no split/join converts a layout after them), fewest shuffled stages first
+    for n in (2, 4, 8, 16, 32):
+        if n <= d and (d // n, n) not in (t[0] for t in tried) and settles((d // n, n)):
+            return launch
+    raise RuntimeError(f"no lane run of the warp-shuffle butterflies matched the compiled layout (tried {tried}); "
+                       "use rotation_route='gather'")
 
 
 def plan_write(side: Side, x, slot_mapping, *, block_t: int | None = None, block_h: int | None = None,
                num_warps: int | None = None, hw_fp8: bool | None = None, f16_cvt: bool | None = None,
-               rotation_sums: bool | None = None):
+               rotation_route: str | None = None):
     """The launch of :func:`quantize_write` (checked on the host first). ``block_t``/``block_h``/``num_warps``:
     the tile and warps (default :func:`write_tile`, WRITE_WARPS; KIVI keys always take BLOCK_T = G);
     ``hw_fp8``: OCP FP8 codes by the hardware conversion (default: :func:`hardware_fp8_encode` of x's
     device); ``f16_cvt``: KIVI/float16 roundings by conversion instructions (IEEE round-to-nearest-even, the
     same bits as the float arithmetic) instead of float arithmetic; default: on NVIDIA GPUs (:func:`f16_cvt_default`),
-    where it measured faster (int4 values 0.62 -> 0.77 of the ceiling, keys 0.55 -> 0.63). ``rotation_sums``: a
-    rotated side's butterflies move their data by sums over the pair axis (warp shuffles) instead of
-    split/join (shared memory), the same bits (``codecs.hadamard_rows``); default :func:`rotation_sums_default`."""
+    where it measured faster (int4 values 0.62 -> 0.77 of the ceiling, keys 0.55 -> 0.63). ``rotation_route``: how
+    a rotated side's butterflies move their data (:data:`ROTATION_ROUTES`), the same bits
+    (``codecs.hadamard_rows``); default :func:`rotation_route_default`."""
     import triton
 
+    from kvqref.kernels.codecs import INTERPRET
     from kvqref.kernels.decode import KIND_IDS, Launch
     from kvqref.kernels.write import quantize_write_kernel
 
@@ -369,10 +437,15 @@ def plan_write(side: Side, x, slot_mapping, *, block_t: int | None = None, block
     if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"x must be bfloat16, float16 or float32, got {x.dtype}")
     rotation = rotation_of(side.scheme)
-    if rotation_sums is None:
-        rotation_sums = rotation is not None and rotation_sums_default(kernel_config(side.codec)["kind"])
-    if rotation_sums and rotation is None:
-        raise ValueError(f"rotation_sums needs a rotated scheme, got {side.scheme.name} (no butterflies to run)")
+    if rotation_route is not None and rotation is None:
+        raise ValueError(f"rotation_route needs a rotated scheme, got {side.scheme.name} (no butterflies to run)")
+    if rotation_route is None:
+        rotation_route = "split" if rotation is None else rotation_route_default(kernel_config(side.codec)["kind"])
+    if rotation_route not in ROTATION_ROUTES:
+        raise ValueError(f"rotation_route must be one of {sorted(ROTATION_ROUTES)}, got {rotation_route!r}")
+    if rotation_route == "shfl" and (INTERPRET or getattr(torch.version, "hip", None) and x.device.type == "cuda"):
+        raise ValueError("rotation_route='shfl' runs CUDA warp shuffles (inline PTX): not in the interpreter nor "
+                         "on ROCm (use 'gather', the same arithmetic in portable Triton)")
     rdt = 0
     if rotation is None:
         x, qdt = _model_input(side.scheme, x)
@@ -410,14 +483,18 @@ def plan_write(side: Side, x, slot_mapping, *, block_t: int | None = None, block
               BITS=cfg.get("bits", 8), D=head_dim, BLOCK_T=block_t, BLOCK_H=block_h,
               HW_FP8=bool(hw and cfg.get("fmt", 0) in (0, 1)),
               F16_CVT=f16_cvt_default(x.device) if f16_cvt is None else bool(f16_cvt),
-              ROTATE=rotation is not None, RDT=rdt, ROT_SUMS=bool(rotation_sums))
+              ROTATE=rotation is not None, RDT=rdt, ROT_ROUTE=ROTATION_ROUTES[rotation_route],
+              ROT_LANE_H=16, ROT_LANE_N=8, ROT_SHFL=rotation_route == "shfl")
     # rotated: no FP contraction anywhere in the kernel, so the float32 rotation is the oracle's bit for bit
     # whatever consumes it (docs/rotation.md; the butterflies themselves hold no multiply to contract)
     options = {"num_warps": num_warps or (WRITE_WARPS_KIVI_KEYS if cfg["kind"] == "int_k" else WRITE_WARPS)}
     if rotation is not None:
         options["enable_fp_fusion"] = False
     grid = (triton.cdiv(n, block_t), triton.cdiv(kv_heads, block_h))
-    return Launch(quantize_write_kernel, grid, args, cx, options)
+    launch = Launch(quantize_write_kernel, grid, args, cx, options)
+    if rotation_route == "shfl":  # the lane masks must match the layout Triton gives the rows: read it back
+        settle_partner_lanes(launch, x.device, head_dim)
+    return launch
 
 
 def quantize_write(side: Side, x, slot_mapping, *, validate: bool = True, **launch: Any) -> None:

@@ -164,9 +164,12 @@ def _launches(target: str, cases: list | None = None, page: int = 16) -> list[tu
             out.append((f"write[{label}]", tb.plan_write(side, x, torch.arange(16), hw_fp8=hw)))
             if "kivi" in name:  # float16 roundings by conversion instructions (plan_write's f16_cvt)
                 out.append((f"write[{label},f16cvt]", tb.plan_write(side, x, torch.arange(16), f16_cvt=True)))
-            if "rotation" in opts:  # the butterflies' pairs by sums over the pair axis (plan_write's rotation_sums)
-                out.append((f"write[{label},sums]", tb.plan_write(side, x, torch.arange(16), hw_fp8=hw,
-                                                                  rotation_sums=True)))
+            if "rotation" in opts:  # the butterflies' other routes (plan_write's rotation_route): the portable ones,
+                # and on CUDA the warp shuffles (their lanes settled on sm_90's layout and checked per target below)
+                default = tb.rotation_route_default(tb.kernel_config(side.codec)["kind"])
+                for route in [r for r in ("split", "sums") if r != default] + ["gather"] + (["shfl"] if hw else []):
+                    out.append((f"write[{label},{route}]", tb.plan_write(side, x, torch.arange(16), hw_fp8=hw,
+                                                                         rotation_route=route)))
     return out + [(name, shared[name]) for name in SHARED_KERNELS if name in shared]
 
 
@@ -203,6 +206,7 @@ def compile_launch(launch, tgt):
 def compile_all(targets: tuple[str, ...] = TARGETS) -> list[dict[str, Any]]:
     """Compile every kernel variant for every target; one result dict per (variant, target)."""
     from kvqref.backends._aot import expected_asm_keys, make_target
+    from kvqref.kernels.layout import check_partner_layout
 
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise RuntimeError("AOT compilation needs a process without TRITON_INTERPRET=1")
@@ -221,6 +225,10 @@ def compile_all(targets: tuple[str, ...] = TARGETS) -> list[dict[str, Any]]:
                     ok = ok and arch in ck.asm[text]
                 rec.update(ok=ok, seconds=round(time.perf_counter() - t0, 2), shared=ck.metadata.shared,
                            num_warps=ck.metadata.num_warps, code_bytes=len(ck.asm[binary]))
+                if launch.constexprs.get("ROT_SHFL"):  # the shuffles' lane masks match this target's layout
+                    rec["shuffles_checked"] = check_partner_layout(
+                        ck.asm["ttgir"], launch.constexprs["ROT_LANE_H"], launch.constexprs["ROT_LANE_N"],
+                        launch.constexprs["D"])
                 if backend == "cuda":
                     rec["ptx_facts"] = ptx_facts(ck.asm["ptx"])
             except Exception as exc:  # noqa: BLE001 - reported per variant

@@ -191,7 +191,18 @@ def _ieee_add(a, b):
 
 
 @triton.jit
-def hadamard_rows(x, ROWS: tl.constexpr, D: tl.constexpr, BY_SUMS: tl.constexpr = False):
+def _lane_xor(x, M: tl.constexpr):
+    """The value that lane ``laneid ^ M`` of the warp holds in the same register as ``x`` (CUDA
+    ``shfl.sync.bfly``; all 32 lanes take part, as in Triton's straight-line code): a bit move, no rounding."""
+    bits = tl.inline_asm_elementwise("shfl.sync.bfly.b32 $0, $1, $2, 0x1f, 0xffffffff;", "=r,r,r",
+                                     [x.to(tl.int32, bitcast=True), tl.full(x.shape, M, tl.int32)],
+                                     dtype=tl.int32, is_pure=True, pack=1)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def hadamard_rows(x, ROWS: tl.constexpr, D: tl.constexpr, ROUTE: tl.constexpr = 0, LANE_H: tl.constexpr = 16,
+                  LANE_N: tl.constexpr = 8, SHFL_ASM: tl.constexpr = False):
     """``x @ H`` for every row of a float32 ``[ROWS, D]`` tensor (``H`` the D x D Sylvester Hadamard matrix,
     D a power of two <= 2**15), by the butterfly stages of docs/rotation.md in their fixed order h = 1, 2, ...,
     D/2: for every ``j`` with ``j & h == 0``, ``(x[j], x[j + h]) <- (x[j] + x[j + h], x[j] - x[j + h])``, each an
@@ -199,22 +210,40 @@ def hadamard_rows(x, ROWS: tl.constexpr, D: tl.constexpr, BY_SUMS: tl.constexpr 
     to :func:`kvqref.schemes.rotation.butterflies`. Stage ``h = 1 << s`` views a row as ``[D / 2h, 2, h]``:
     ``a = [:, 0, :]`` (elements j), ``b = [:, 1, :]`` (elements j + h).
 
-    Two ways to move the data, the same values: by default ``tl.split``/``tl.join`` of the pair axis (on sm_90
-    the stages whose pairs lie in other threads go through shared memory: 16 stores, 20 loads and 16
-    barriers per [32, 128] tile with 4 warps); ``BY_SUMS``: each stage as two sums over the pair axis,
-    ``a + b = sum(a, b)`` and ``a - b = sum(a, -b)``, each one IEEE addition (``tl.reduce`` with a plain
-    ``a + b`` combine; ``a + (-b)`` is IEEE's definition of ``a - b`` and addition is commutative, so
-    whichever order the reduction takes gives the same bits), selected back into place: no layout
-    conversion, pairs in other lanes meet by warp shuffles (no shared memory, no barrier; 784 instead of 568
-    instructions per thread for that tile)."""
+    Three ways to move the data (``ROUTE``), the same values:
+
+    - 0 (split/join): ``tl.split``/``tl.join`` of the pair axis (on sm_90 the stages whose pairs lie in other
+      threads go through shared memory: 16 stores, 20 loads and 16 barriers per [32, 128] tile with 4 warps);
+    - 1 (by sums): each stage as two sums over the pair axis, ``a + b = sum(a, b)`` and ``a - b = sum(a, -b)``,
+      each one IEEE addition (``tl.reduce`` with a plain ``a + b`` combine; ``a + (-b)`` is IEEE's definition
+      of ``a - b`` and addition is commutative, so whichever order the reduction takes gives the same bits),
+      selected back into place: no layout conversion, pairs in other lanes meet by warp shuffles;
+    - 2 (by partner): the stages ``LANE_H <= h < LANE_H * LANE_N`` (pairs in other lanes) as
+      ``x[j] <- fma(s_j, x[j], x[j ^ h])``, ``s_j = +1`` if ``j & h == 0`` else ``-1``: the lower element gets
+      ``a * 1 + b``, the upper ``b * -1 + a``; the product by +-1 is exact, so the fused multiply-add is the exact
+      ``a + b`` or ``a + (-b)`` rounded once, which is IEEE's ``a + b`` and ``a - b`` (subtraction is defined as
+      adding the negation; an exact zero sum is +0 unless both terms are -0, for fma as for add): the same bits,
+      signed zeros and subnormals included; the other stages (pairs in one thread's registers) by split/join,
+      which then moves no data. The partner ``x[j ^ h]`` comes from ``tl.gather`` along the row, or with
+      ``SHFL_ASM`` (CUDA only) from one ``shfl.sync.bfly`` with lane mask ``h // LANE_H``: correct only where
+      the tensor's layout puts column bit ``LANE_H << k`` on lane bit ``k`` (k < log2 LANE_N) of the same
+      register, which ``triton_backend.settle_partner_lanes`` reads from the compiled kernel
+      (``kernels/layout.py``)."""
     for s in tl.static_range(15):  # stage sizes inline: compiled Triton rejects a constexpr reassigned here
         if (2 << s) <= D:
-            if BY_SUMS:
+            if ROUTE == 1:
                 x4 = tl.reshape(x, (ROWS, D // (2 << s), 2, 1 << s))
                 first = tl.arange(0, 2)[None, None, :, None] == 0
                 a_plus_b = tl.reduce(x4, 2, _ieee_add)
                 a_minus_b = tl.reduce(tl.where(first, x4, x4 * -1.0), 2, _ieee_add)  # x * -1.0: not 0 - x (3.6)
                 x = tl.reshape(tl.where(first, a_plus_b[:, :, None, :], a_minus_b[:, :, None, :]), (ROWS, D))
+            elif ROUTE == 2 and (1 << s) >= LANE_H and (1 << s) < LANE_H * LANE_N:
+                j = tl.arange(0, D)
+                if SHFL_ASM:
+                    partner = _lane_xor(x, (1 << s) // LANE_H)
+                else:
+                    partner = tl.gather(x, tl.broadcast_to((j ^ (1 << s))[None, :], (ROWS, D)), 1)
+                x = tl.fma(tl.where((j & (1 << s)) == 0, 1.0, -1.0)[None, :], x, partner)
             else:
                 x4 = tl.permute(tl.reshape(x, (ROWS, D // (2 << s), 2, 1 << s)), (0, 1, 3, 2))
                 a, b = tl.split(x4)

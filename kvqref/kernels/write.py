@@ -19,8 +19,9 @@ per token over channel groups), 5 INT key (KIVI, per channel over a group of G t
 
 ``ROTATE`` (a rotated scheme, docs/rotation.md): each (token, head) vector is rotated right after the load,
 ``z = f32(butterflies(x * signs) * C_D)`` (``codecs.hadamard_rows``), then rounded to an explicit model dtype
-(``RDT``) and quantized as above; the host launches it without FP contraction. ``ROT_SUMS``: the
-butterflies' data movement by sums over the pair axis instead of split/join (``hadamard_rows``' ``BY_SUMS``).
+(``RDT``) and quantized as above; the host launches it without FP contraction. ``ROT_ROUTE``: the
+butterflies' data movement (0 split/join, 1 sums over the pair axis, 2 partner by shuffle: ``hadamard_rows``'
+``ROUTE``, with its ``LANE_H``, ``LANE_N`` and ``SHFL_ASM`` as ``ROT_LANE_H``, ``ROT_LANE_N``, ``ROT_SHFL``).
 """
 
 from __future__ import annotations
@@ -241,7 +242,8 @@ def quantize_write_kernel(
     SATURATE: tl.constexpr,
     QB: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr,
     BLOCK_H: tl.constexpr, HW_FP8: tl.constexpr, F16_CVT: tl.constexpr,
-    ROTATE: tl.constexpr = False, RDT: tl.constexpr = 0, ROT_SUMS: tl.constexpr = False,
+    ROTATE: tl.constexpr = False, RDT: tl.constexpr = 0, ROT_ROUTE: tl.constexpr = 0,
+    ROT_LANE_H: tl.constexpr = 16, ROT_LANE_N: tl.constexpr = 8, ROT_SHFL: tl.constexpr = False,
 ):
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     hh = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -261,7 +263,8 @@ def quantize_write_kernel(
         x = xr.to(tl.float32)
     if ROTATE:  # docs/rotation.md: z = f32(butterflies(x * signs) * C_D), then (RDT) an explicit model dtype
         R: tl.constexpr = BLOCK_T * BLOCK_H
-        xr2 = hadamard_rows(tl.reshape(x, (R, D)) * tl.load(SIGNS + d)[None, :], R, D, ROT_SUMS) * c_d
+        xr2 = hadamard_rows(tl.reshape(x, (R, D)) * tl.load(SIGNS + d)[None, :], R, D, ROT_ROUTE, ROT_LANE_H,
+                            ROT_LANE_N, ROT_SHFL) * c_d
         x = tl.reshape(_round_dt(xr2, RDT, F16_CVT), (BLOCK_T, BLOCK_H, D))
     # x: [BLOCK_T, BLOCK_H, D] float32, one full head_dim row per (token, head). STEPS: correction steps of
     # a division of x (1 while x holds bfloat16 values; rotated values, or other inputs, need 2)
