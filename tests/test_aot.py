@@ -24,7 +24,7 @@ def _run(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_every_kernel_compiles_for_rocm_and_cuda_targets():
-    from kvqref.kernels.aot import DECODE_CASES, SHARED_KERNELS, TARGETS, WRITE_CASES
+    from kvqref.kernels.aot import DECODE_CASES, SHARED_KERNELS, TARGETS, WRITE_CASES, value_ptx_case
 
     proc = _run("--json")
     assert proc.stdout, proc.stderr[-2000:]
@@ -44,10 +44,12 @@ def test_every_kernel_compiles_for_rocm_and_cuda_targets():
         kt4 = sum("fp4" in c[1] for c in DECODE_CASES)
         # + fast-mode KIVI keys with the scale folded into q (``key_tile=False``)
         ktile_off = sum("kivi" in c[1] for c in DECODE_CASES)
+        # + on CUDA, the value tiles converted by inline PTX in their load layout (``value_ptx``)
+        vptx = sum(value_ptx_case(c[3], c[4]) for c in DECODE_CASES) if t.startswith("cuda") else 0
         # + the rotated write cases with the butterflies' pairs by sums (``rotation_sums``)
         sums = sum("rotation" in c[1] for c in WRITE_CASES)
         assert len(rows) == (2 * len(DECODE_CASES) + len(SHARED_KERNELS) + len(WRITE_CASES) + ptx + f16cvt
-                             + rows_off + kt4 + ktile_off + sums), t
+                             + rows_off + kt4 + ktile_off + sums + vptx), t
         assert {r["kernel"] for r in rows} >= {*SHARED_KERNELS, "decode[fp8_e4m3+H]", "write[fp4_e2m1-hadamard-5]"}
         assert all(r["code_bytes"] > 1000 for r in rows)
         if t.startswith("cuda"):  # the write kernel's bytes rest on IEEE float32 (docs/kernels.md, write kernel)
