@@ -91,12 +91,14 @@ def base_launch(kernel, new, base_block_t: int):
         grid = (triton.cdiv(n, bt), heads)
     else:
         grid = new.grid
+    if "ROT_SUMS" in names:  # a baseline from before ``rotation_route`` (the route is irrelevant to unrotated cases)
+        by_name.setdefault("ROT_SUMS", new.constexprs.get("ROT_ROUTE", 0) == 1)
     missing = [p for p in names if p not in by_name]
     if missing:
         raise ValueError(f"baseline kernel parameters this script cannot fill: {missing}")
     args = [by_name[p] for p in names if p not in cx_names]
     cx = {p: by_name[p] for p in cx_names}
-    return Launch(kernel, grid, args, cx, {"num_warps": 4})
+    return Launch(kernel, grid, args, cx, {"num_warps": new.options["num_warps"] if "BLOCK_H" in names else 4})
 
 
 def with_fields(launch, side, fresh):

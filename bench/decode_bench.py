@@ -444,7 +444,8 @@ def run_rotation(out: Path | None = None, rounds: int = 2) -> dict[str, Any]:
 
 
 def run_rotation_writes(out: Path | None = None, rounds: int = 5,
-                        routes: tuple[str, ...] = ("split", "sums", "shfl")) -> dict[str, Any]:
+                        routes: tuple[str, ...] = ("split", "sums", "shfl"),
+                        labels: tuple[str, ...] = ROTATION_LABELS) -> dict[str, Any]:
     """``--rotation-writes``: unrotated writes of ``ROTATION_LABELS`` (default token block) and rotated ones by each
     butterfly route of ``routes``, timed alternately over ``rounds`` rounds, then the ratios of the median times
     per scheme and route (target <= 1.10)."""
@@ -454,7 +455,7 @@ def run_rotation_writes(out: Path | None = None, rounds: int = 5,
     ceiling = bandwidth_ceiling_gbs()
     results: list[dict[str, Any]] = []
     emit = emitter(env, ceiling, results, out)
-    for label in ROTATION_LABELS:
+    for label in labels:
         setups = [write_setup(label), *(write_setup(label, rotation=True, rotation_route=r) for r in routes)]
         times: list[list[float]] = [[] for _ in setups]
         for rnd in range(rounds):
@@ -482,12 +483,15 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=5, help="rounds of --rotation-writes (default 5)")
     ap.add_argument("--rotation-routes", default="split,sums,shfl",
                     help="butterfly routes of --rotation-writes (plan_write's rotation_route; default split,sums,shfl)")
+    ap.add_argument("--rotation-schemes", default=",".join(ROTATION_LABELS),
+                    help=f"schemes of --rotation-writes (default {','.join(ROTATION_LABELS)})")
     args = ap.parse_args()
     if args.rounds < 1:
         ap.error("--rounds must be >= 1")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     if args.rotation_writes:
-        doc = run_rotation_writes(args.out, args.rounds, tuple(args.rotation_routes.split(",")))
+        doc = run_rotation_writes(args.out, args.rounds, tuple(args.rotation_routes.split(",")),
+                                  tuple(args.rotation_schemes.split(",")))
     else:
         doc = run_rotation(args.out) if args.rotation else run(args.quick, args.out)
     doc["command"] = " ".join(["python3", *sys.argv])
