@@ -9,8 +9,7 @@ A variant is a module (``base``: the file given by ``--base``; ``cur``: kvqref/k
 launch options: ``bn`` (BLOCK_N), ``w`` (warps), ``s`` (stages), ``sp`` (splits), ``ptx`` (0/1: inline-PTX
 unpacking), ``wide`` (0/1: FP4 block scales read as one word per token), ``rows`` (0/1: KIVI values with
 score rows by channel group), ``kt4`` (0/1: FP4 key tiles with tokens as rows), ``ktile`` (0/1: fast KIVI
-keys as c * s + z tiles against the bfloat16 q), ``vptx`` (0/1: value tiles converted to 16 bits by inline PTX
-in their load layout, ``value_ptx``), ``nreg`` (a register cap), ``p`` (precision: fast/exact).
+keys as c * s + z tiles against the bfloat16 q), ``nreg`` (a register cap), ``p`` (precision: fast/exact).
 Every variant is launched through its module's ``plan_decode`` on the same cache and q; its output is
 compared with the first variant's (max abs difference printed); rounds alternate the variants.
 """
@@ -32,8 +31,7 @@ from decode_bench import ab_document, bench_ms, make_cache, side_bytes_per_token
 KEYS = {"bn": ("block_n", int), "w": ("num_warps", int), "s": ("num_stages", int), "sp": ("num_splits", int),
         "ptx": ("ptx_unpack", lambda v: v == "1"), "wide": ("wide_scale_loads", lambda v: v == "1"),
         "rows": ("value_rows", lambda v: v == "1"), "nreg": ("maxnreg", int), "p": ("precision", str),
-        "kt4": ("fp4_keys_by_token", lambda v: v == "1"), "ktile": ("key_tile", lambda v: v == "1"),
-        "vptx": ("value_ptx", lambda v: v == "1")}
+        "kt4": ("fp4_keys_by_token", lambda v: v == "1"), "ktile": ("key_tile", lambda v: v == "1")}
 
 
 def parse_variant(text: str) -> tuple[str, str, dict]:

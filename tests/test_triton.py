@@ -189,53 +189,6 @@ def test_bf16_e8m0_tiles_are_exact_at_extreme_scale_codes(pair):
 
 
 @pytest.mark.parametrize("precision", ["fast", "exact"])
-@pytest.mark.parametrize("pair", [PAIRS[1], PAIRS[2], PAIRS[4]], ids=[IDS[1], IDS[2], IDS[4]])
-def test_decode_fp8_values_converted_by_ptx_equal_triton_conversion(pair, precision):
-    """``value_ptx=True`` (FP8 value codes converted to float16 by inline PTX in their load layout) gives the
-    values Triton's conversion gives, in the same tensor-core operand, so the outputs are bit-identical to
-    ``value_ptx=False`` and within the tolerance of the oracle. Every V code is replaced by a random finite
-    code of its format (subnormals, both zeros and the largest included), so a code converted wrong or two
-    codes swapped (a wrong byte or half order in the PTX) changes the output. The interpreter ignores the
-    option (no inline PTX): there both runs check the portable conversion of every code against the oracle."""
-    if getattr(torch.version, "hip", None):
-        pytest.skip("inline PTX: CUDA only")
-    rng = np.random.default_rng(24)
-    shape = BIG if GPU else SMALL
-    cache, _ = build_cache(pair, shape, rng)
-    finite = np.flatnonzero(np.isfinite(cache.v.scheme.codec.decode(np.arange(256, dtype=np.uint8))))
-    codes = cache.v.storage["codes"].reshape(-1)
-    codes[:] = rng.choice(finite, size=codes.size).astype(np.uint8)
-    q = torch.from_numpy(rng.standard_normal((shape["batch"], shape["q_heads"], shape["head_dim"])).astype(np.float32))
-    out_cvt, lse_cvt, _ = _run_decode(cache, q, precision=precision, value_ptx=False)
-    out_ptx, lse_ptx, _ = _run_decode(cache, q, precision=precision, value_ptx=True)
-    assert np.isfinite(out_ptx).all()
-    assert np.array_equal(out_ptx, out_cvt) and np.array_equal(lse_ptx, lse_cvt)
-    ref_out, ref_lse, tol_o, tol_l = _oracle(cache, q.numpy().astype(np.float64), precision, "float32")
-    assert (np.abs(out_ptx - ref_out) <= tol_o).all() and (np.abs(lse_ptx - ref_lse) <= tol_l).all()
-
-
-@pytest.mark.parametrize("pair", PAIRS[7:9], ids=IDS[7:9])
-def test_decode_kivi_values_converted_by_ptx_equal_triton_conversion(pair):
-    """``value_ptx=True`` for fast-mode KIVI values with rows by group: every phase's codes built as bfloat16 by
-    inline PTX in the load layout (``_int_codes16_ptx``) equal the portable ones, so the outputs are
-    bit-identical to ``value_ptx=False`` and within the oracle's tolerance; a wrong shift, mask or byte order
-    in the PTX changes the output. The interpreter ignores the option (both runs take the portable path)."""
-    if getattr(torch.version, "hip", None):
-        pytest.skip("inline PTX: CUDA only")
-    rng = np.random.default_rng(25)
-    shape = BIG if GPU else SMALL
-    cache, _ = build_cache(pair, shape, rng)
-    q = torch.from_numpy(rng.standard_normal((shape["batch"], shape["q_heads"], shape["head_dim"])).astype(np.float32))
-    q = q.to(torch.bfloat16)
-    cfg = dict(precision="fast", value_rows=True)
-    out_cvt, lse_cvt, _ = _run_decode(cache, q, value_ptx=False, **cfg)
-    out_ptx, lse_ptx, _ = _run_decode(cache, q, value_ptx=True, **cfg)
-    assert np.array_equal(out_ptx, out_cvt) and np.array_equal(lse_ptx, lse_cvt)
-    ref_out, ref_lse, tol_o, tol_l = _oracle(cache, q.float().numpy().astype(np.float64), "fast", value_rows=True)
-    assert (np.abs(out_ptx - ref_out) <= tol_o).all() and (np.abs(lse_ptx - ref_lse) <= tol_l).all()
-
-
-@pytest.mark.parametrize("precision", ["fast", "exact"])
 def test_tolerance_catches_a_planted_scale_exponent_off_by_one(precision):
     """An E8M0 block scale one power of two too large, in one block of one token: must fail the check."""
     rng = np.random.default_rng(7)

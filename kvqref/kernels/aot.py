@@ -59,12 +59,6 @@ WRITE_CASES: list[tuple[str, dict]] = [
 ]
 
 
-def value_ptx_case(v_name: str, v_opts: dict) -> bool:
-    """Whether a DECODE_CASES value side takes ``value_ptx`` on CUDA targets: OCP FP8 values (hardware conversion),
-    KIVI values (with rows by group in fast mode, the layout the variant is built in)."""
-    return (v_name.startswith("fp8") and v_opts.get("profile") != "rocm") or "kivi" in v_name
-
-
 def _hw_formats(target: str) -> set[int]:
     """FP8 formats with hardware conversion on ``target`` (as ``hardware_fp8_formats`` on a device)."""
     if target == "hip:gfx942":
@@ -136,12 +130,6 @@ def _launches(target: str, cases: list | None = None, page: int = 16) -> list[tu
                                              max_seq_len=40, num_splits=2, hw_formats=_hw_formats(target),
                                              ptx_unpack=True)
                 out.append((f"decode[{label},ptx]", split(launches)))
-            if target.startswith("cuda") and value_ptx_case(vn, vo):  # values converted by inline PTX (value_ptx)
-                launches, _, _ = plan_decode(q, dc.k.tiles(), dc.v.tiles(), dc.block_table, dc.seq_lens, page,
-                                             residual=residual, max_seq_len=40, num_splits=2,
-                                             hw_formats=_hw_formats(target), value_ptx=True,
-                                             value_rows=True if "kivi" in vn else None)
-                out.append((f"decode[{label},vptx]", split(launches)))
             if "fp4" in kn:  # FP4 keys with tokens as rows (fp4_keys_by_token; default on CUDA for blocks of 16)
                 launches, _, _ = plan_decode(q, dc.k.tiles(), dc.v.tiles(), dc.block_table, dc.seq_lens, page,
                                              max_seq_len=40, num_splits=2, hw_formats=_hw_formats(target),

@@ -224,33 +224,6 @@ def _e2m1_pairs(byte, BF16: tl.constexpr):
                                          dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
 
 
-def _fp8_f16_ptx(fmt: str) -> str:
-    """The PTX of :func:`_fp8_f16`: input $2 (4 bytes: FP8 codes in format ``fmt``, e4m3 or e5m2), outputs
-    $0, $1 (float16 pairs of bytes 0,1 and 2,3; the lower byte in the lower half), by the sm_89+ conversion."""
-    return ("{\n.reg .b16 a0, a1;\nmov.b32 {a0, a1}, $2;\n"
-            f"cvt.rn.f16x2.{fmt}x2 $0, a0;\ncvt.rn.f16x2.{fmt}x2 $1, a1;\n}}")
-
-
-E4M3_F16_PTX = tl.constexpr(_fp8_f16_ptx("e4m3"))
-E5M2_F16_PTX = tl.constexpr(_fp8_f16_ptx("e5m2"))
-
-
-@triton.jit
-def _fp8_f16(byte, FMT: tl.constexpr):
-    """CUDA sm_89+: OCP FP8 codes ``byte`` (uint8; ``FMT`` 8: E4M3FN, 9: E5M2) as float16, exactly (the values
-    :func:`_phase` gives), converted by inline PTX in the layout ``byte`` is loaded in, 2 codes per instruction.
-    Triton's own conversion is an extension, which the compiler moves past the layout conversion into the
-    tensor-core operand layout (the narrower type is cheaper to move), so a value tile, whose reduction axis
-    (tokens) is the slow one in memory, is gathered from shared memory one byte per element. The asm is marked
-    impure so that the compiler does not rematerialize it in another layout either (it did, marked pure): the
-    float16 tile is what goes through shared memory, stored 16 bytes at a time and read with ldmatrix.trans."""
-    tl.static_assert(FMT == 8 or FMT == 9)
-    if FMT == 8:
-        return tl.inline_asm_elementwise(E4M3_F16_PTX, "=r,=r,r", [byte], dtype=tl.float16, is_pure=False, pack=4)
-    else:
-        return tl.inline_asm_elementwise(E5M2_F16_PTX, "=r,=r,r", [byte], dtype=tl.float16, is_pure=False, pack=4)
-
-
 @triton.jit
 def _mx_tile_bf16(byte, code):
     """CUDA, fast mode: MXFP4 tile elements of the low and high nibbles of ``byte`` (uint8) times their E8M0
@@ -394,49 +367,6 @@ def _int_codes16(byte, P: tl.constexpr, BITS: tl.constexpr):
         return c.to(tl.float32)
     else:
         return (c | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True) - 128.0
-
-
-def _int_codes_bf16_ptx(bits: int) -> str:
-    """The PTX of :func:`_int_codes16_ptx` for ``bits``-bit codes (4 or 2; 8 // bits phases): input $(2 * phases)
-    (4 bytes), outputs $2P, $2P+1 (phase P of bytes 0,1 and 2,3): ``prmt`` spreads two bytes into the halves of y,
-    then per phase (y >> P * bits) & the code mask | 0x4300 per half (``shr``, ``lop3``; a half's bits shifted into
-    the other half's high byte are masked off): the bfloat16 bits of 128 + code."""
-    phases = 8 // bits
-    mask = (1 << bits) - 1
-    lines = [".reg .b32 z, y, t;", "mov.b32 z, 0;"]
-    for pair, sel in enumerate(("0x4140", "0x4342")):
-        lines.append(f"prmt.b32 y, ${2 * phases}, z, {sel};")
-        for p in range(phases):
-            src = "y"
-            if p:
-                lines.append(f"shr.b32 t, y, {p * bits};")
-                src = "t"
-            lines.append(f"lop3.b32 ${2 * p + pair}, {src}, 0x{mask:04X}{mask:04X}, 0x43004300, 0xEA;")  # (a & b) | c
-    return "{\n" + "\n".join(lines) + "\n}"
-
-
-INT4_BF16_PTX = tl.constexpr(_int_codes_bf16_ptx(4))
-INT2_BF16_PTX = tl.constexpr(_int_codes_bf16_ptx(2))
-
-
-@triton.jit
-def _int_codes16_ptx(byte, BITS: tl.constexpr):
-    """CUDA: the ``BITS``-bit codes of every phase of ``byte`` (uint8) as bfloat16, the values of
-    :func:`_int_codes16` for P = 0 .. 8 // BITS - 1, built by inline PTX in the layout ``byte`` is loaded in (impure,
-    so the compiler keeps it there and the bfloat16 tiles, not the bytes, go through shared memory: see
-    :func:`_fp8_f16`)."""
-    if BITS == 4:
-        c0, c1 = tl.inline_asm_elementwise(INT4_BF16_PTX, "=r,=r,=r,=r,r", [byte], dtype=(tl.bfloat16, tl.bfloat16),
-                                           is_pure=False, pack=4)
-        lo = c0 - 128.0
-        hi = c1 - 128.0
-        return lo, hi, lo, hi  # (phases 2, 3 as 2 % 2, 3 % 2: unused)
-    else:
-        tl.static_assert(BITS == 2)
-        c0, c1, c2, c3 = tl.inline_asm_elementwise(INT2_BF16_PTX, "=r,=r,=r,=r,=r,=r,=r,=r,r", [byte],
-                                                   dtype=(tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16),
-                                                   is_pure=False, pack=4)
-        return c0 - 128.0, c1 - 128.0, c2 - 128.0, c3 - 128.0
 
 
 @triton.jit
@@ -618,7 +548,6 @@ def decode_split_kernel(
     HV: tl.constexpr = 0,
     KT4: tl.constexpr = False,
     KTILE: tl.constexpr = False,
-    V_PTX: tl.constexpr = False,
 ):
     """One (sequence, KV head, split): K tiles are read transposed [D/PACK, N] per phase (the elements
     sharing a byte position), V tiles [N, D/PACK]; no register transposes or interleaves."""
@@ -663,8 +592,6 @@ def decode_split_kernel(
     MXB_K: tl.constexpr = FAST and KIND_K == 2 and PTX and not INTERPRET
     MXB_V: tl.constexpr = FAST and KIND_V == 2 and PTX and not INTERPRET
     F4V: tl.constexpr = FAST and KIND_V == 3
-    FP8V_PTX: tl.constexpr = V_PTX and KIND_V == 1 and (FMT_V == 8 or FMT_V == 9) and not INTERPRET
-    KIVIV_PTX: tl.constexpr = V_PTX and KIND_V == 4 and HV > 0 and not INTERPRET
     F16K: tl.constexpr = KIND_K == 1
     F16V: tl.constexpr = (KIND_V == 1 and not TSC_V) or F4V
     QP16: tl.constexpr = 2 if Q_SPLIT and not FAST else 1
@@ -862,18 +789,11 @@ def decode_split_kernel(
                 srow, zrow = _kivi_value_rows(V1, V2, slot, tmask, kvh, v1_s, v1_h, v2_s, v2_h, HV, BLOCK_H, D // G_V)
                 pa, _, _ = _split(p * srow, True, True)
                 zacc = zacc * alpha[:, None] + p * zrow
-                if KIVIV_PTX:  # every phase's codes built in the load layout (``_int_codes16_ptx``)
-                    vc0, vc1, vc2, vc3 = _int_codes16_ptx(vbq, BITS_V)
-                else:
-                    vc0 = _int_codes16(vbq, 0, BITS_V)
-                    vc1 = _int_codes16(vbq, 1, BITS_V)
-                    vc2 = _int_codes16(vbq, 2 % PV, BITS_V)
-                    vc3 = _int_codes16(vbq, 3 % PV, BITS_V)
-                acc0 = _dot_acc(pa, vc0, acc0 * alpha[:, None])
-                acc1 = _dot_acc(pa, vc1, acc1 * alpha[:, None])
+                acc0 = _dot_acc(pa, _int_codes16(vbq, 0, BITS_V), acc0 * alpha[:, None])
+                acc1 = _dot_acc(pa, _int_codes16(vbq, 1, BITS_V), acc1 * alpha[:, None])
                 if PV == 4:
-                    acc2 = _dot_acc(pa, vc2, acc2 * alpha[:, None])
-                    acc3 = _dot_acc(pa, vc3, acc3 * alpha[:, None])
+                    acc2 = _dot_acc(pa, _int_codes16(vbq, 2, BITS_V), acc2 * alpha[:, None])
+                    acc3 = _dot_acc(pa, _int_codes16(vbq, 3, BITS_V), acc3 * alpha[:, None])
             elif KIND_V == 4:
                 # KIVI values: bytes as [N, groups, G/PACK], one scale and zero per (token, group)
                 NGV: tl.constexpr = D // G_V
@@ -931,11 +851,25 @@ def decode_split_kernel(
                 sv = slot[:, None]
                 mv = tmask[:, None]
                 vb = tl.load(V0 + sv * v0_s + kvh * v0_h + iv[None, :], mask=mv, other=0)
-                if FP8V_PTX:  # FP8 values converted to float16 in their load layout (``_fp8_f16``)
-                    v0t = _fp8_f16(vb, FMT_V)
-                else:
-                    v0t = _phase(vb, sv, iv[None, :] * PV, mv, kvh, V1, V2, v1_s, v1_h, v2_s, v2_h, 0, KIND_V, FMT_V,
-                                 QB_V, G_V, BITS_V)
+                v0t = _phase(
+                    vb,
+                    sv,
+                    iv[None, :] * PV,
+                    mv,
+                    kvh,
+                    V1,
+                    V2,
+                    v1_s,
+                    v1_h,
+                    v2_s,
+                    v2_h,
+                    0,
+                    KIND_V,
+                    FMT_V,
+                    QB_V,
+                    G_V,
+                    BITS_V,
+                )
                 if F16V:
                     acc0 = acc0 * alpha[:, None] + _mm16(p16h, p16l, v0t, PP16)
                 else:
@@ -1235,7 +1169,6 @@ def plan_decode(
     value_rows: bool | None = None,
     fp4_keys_by_token: bool | None = None,
     key_tile: bool | None = None,
-    value_ptx: bool | None = None,
 ):
     """The launches of decode attention (see :func:`paged_decode`), with their output tensors.
     ``hw_formats``: FP8 format ids converted in hardware (default: what ``q``'s device has); ``maxnreg``:
@@ -1253,20 +1186,13 @@ def plan_decode(
     ``key_tile``: fast-mode KIVI keys dequantized into a tile, c * s + z in two bfloat16 parts, against the bfloat16
     q (False: the group's scale folded into a float32 q, and q . z reduced per tile); default: on for fast-mode
     2-bit KIVI keys where :func:`kivi_key_words` allows (H100: int2 628 -> 517 us; int4 lost, 616 -> 627, so
-    4-bit keys keep the folded path; bench/results/ANALYSIS.md, session 5; docs/kernels.md, "Precision").
-    ``value_ptx``: value tiles converted to 16 bits by inline PTX in the layout they are loaded in (CUDA only),
-    so the 16-bit tile goes to the tensor cores through shared memory (ldmatrix.trans) instead of the codes
-    being gathered one byte per element: OCP FP8 values with the hardware conversion (``_fp8_f16``) and fast-mode
-    KIVI values with rows by group (``_int_codes16_ptx``); no effect on other value tiles or in the interpreter;
-    default (None): off (not yet timed on the H100)."""
+    4-bit keys keep the folded path; bench/results/ANALYSIS.md, session 5; docs/kernels.md, "Precision")."""
     import torch
 
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     if ptx_unpack and getattr(torch.version, "hip", None):
         raise ValueError("ptx_unpack=True needs CUDA (inline PTX); ROCm uses the portable unpacking")
-    if value_ptx and getattr(torch.version, "hip", None):
-        raise ValueError("value_ptx=True needs CUDA (inline PTX); ROCm converts value tiles with Triton's casts")
     if ptx_unpack is None:
         ptx_unpack = (q.is_cuda and not getattr(torch.version, "hip", None) and precision == "fast"
                       and k.kind in ("mxfp4", "nvfp4"))
@@ -1406,7 +1332,6 @@ def plan_decode(
         HV=hv,
         KT4=kt4,
         KTILE=bool(key_tile),
-        V_PTX=bool(value_ptx),
     )
     out = torch.empty(batch, q_heads, head_dim, dtype=torch.float32, device=q.device)
     lse = torch.empty(batch, q_heads, dtype=torch.float32, device=q.device)
