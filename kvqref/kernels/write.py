@@ -32,7 +32,6 @@ import triton.language as tl
 from kvqref.kernels.codecs import (
     bf16_bits_to_f32,
     ceil_log2_f32,
-    e2m1_pair_bytes,
     e4m3_normal_bits,
     encode_e2m1,
     encode_f32,
@@ -199,44 +198,6 @@ def _kivi_quant(x16, mn, mx, MAXINT: tl.constexpr, F16_CVT: tl.constexpr):
 
 
 @triton.jit
-def _nv_pairs(v, BF16: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr, NB: tl.constexpr, HB: tl.constexpr):
-    """NVFP4 element pairs of ``v`` [BT, BH, NB, HB]: (even elements, odd elements) as float32 [BT, BH, NB, HB/2] and
-    a word with the even element's sign at bit 15, the odd's at bit 31 (every other bit 0). ``BF16``: ``v`` is
-    the loaded bfloat16 tile (the pair word is its 32-bit register, widened from the bits); else float32."""
-    if BF16:
-        we, wo = tl.split(tl.reshape(v.to(tl.int16, bitcast=True), (BT, BH, NB, HB // 2, 2)))
-        w = (wo.to(tl.int32) << 16) | (we.to(tl.int32) & 0xFFFF)
-        return (w << 16).to(tl.float32, bitcast=True), (w & -65536).to(tl.float32, bitcast=True), w & -2147450880
-    else:
-        xe, xo = tl.split(tl.reshape(v, (BT, BH, NB, HB // 2, 2)))
-        w = ((xe.to(tl.int32, bitcast=True) >> 16) & 0xFFFF) | (xo.to(tl.int32, bitcast=True) & -65536)
-        return xe, xo, w & -2147450880  # 0x80008000
-
-
-@triton.jit
-def _nv_quotient(x, lim, dv, r, FAST: tl.constexpr, STEPS: tl.constexpr):
-    """NVFP4 element quotient RN32(min(|x|, lim) / dv) (``lim`` = RN(6 dv), so below 7): by the reciprocal ``r`` =
-    RN(1 / dv) and correction when FAST, else by division (clamped to 6: NaN-free when dv under- or overflowed)."""
-    a = tl.minimum(tl.abs(x), lim)
-    if FAST:
-        return _div_by(a, dv, r, STEPS)
-    else:
-        return tl.minimum(_div(a, dv + tl.zeros_like(a)), 6.0)
-
-
-@triton.jit
-def _nv_store_codes(pc, mask, ex_l, ox_l, sw_l, ex_h, ox_h, sw_h, lim, dv, r, FAST: tl.constexpr,
-                    STEPS: tl.constexpr, HB: tl.constexpr):
-    """Store the NVFP4 code bytes of both half blocks (``pc``: the low half's first byte of each block)."""
-    b_l = e2m1_pair_bytes(_nv_quotient(ex_l, lim, dv, r, FAST, STEPS), _nv_quotient(ox_l, lim, dv, r, FAST, STEPS),
-                          sw_l)
-    b_h = e2m1_pair_bytes(_nv_quotient(ex_h, lim, dv, r, FAST, STEPS), _nv_quotient(ox_h, lim, dv, r, FAST, STEPS),
-                          sw_h)
-    tl.store(pc, b_l, mask=mask)
-    tl.store(pc + HB // 2, b_h, mask=mask)
-
-
-@triton.jit
 def quantize_write_kernel(
     X, SLOT, F0, F1, F2, SC, n_tokens, n_heads,
     x_t, x_h, f0_s, f0_h, f1_s, f1_h, f2_s, f2_h,
@@ -305,72 +266,51 @@ def quantize_write_kernel(
             y = tl.clamp(y, -QUOT_MAX, QUOT_MAX, propagate_nan=tl.PropagateNan.ALL)
         c = encode_f32(y, FMT, SATURATE, HW_FP8)
         tl.store(F0 + s3 * f0_s + h3 * f0_h + d[None, None, :], c.to(tl.uint8), mask=m3)
-    elif KIND == 2:
+    elif KIND == 2 or KIND == 3:
         NB: tl.constexpr = D // QB
         xb = tl.reshape(x, (BLOCK_T, BLOCK_H, NB, QB))
-        amax = tl.max(tl.abs(xb), 3)
-        if SGLANG:
-            v = tl.maximum(_div(amax, tl.full(amax.shape, 6.0, tl.float32)), 1e-10)
-            e = tl.minimum(tl.maximum(ceil_log2_f32(v), -127), 127)
+        if KIND == 2:
+            amax = tl.max(tl.abs(xb), 3)
+            if SGLANG:
+                v = tl.maximum(_div(amax, tl.full(amax.shape, 6.0, tl.float32)), 1e-10)
+                e = tl.minimum(tl.maximum(ceil_log2_f32(v), -127), 127)
+            else:
+                e = tl.where(amax == 0, -127, tl.maximum(floor_log2_f32(amax) - 2, -127))
+            y = xb * pow2_f32(-e)[:, :, :, None]  # float32 x / 2**e (SGLang's compiled arithmetic in every dtype)
+            if SGLANG:
+                c = _e2m1_away(y)
+            else:
+                c = encode_e2m1(y, False)  # |y| < 8
+            scode = e + 127
         else:
-            e = tl.where(amax == 0, -127, tl.maximum(floor_log2_f32(amax) - 2, -127))
-        y = xb * pow2_f32(-e)[:, :, :, None]  # float32 x / 2**e (SGLang's compiled arithmetic in every dtype)
-        if SGLANG:
-            c = _e2m1_away(y)
-        else:
-            c = encode_e2m1(y, False)  # |y| < 8
-        scode = e + 127
+            # x clamped to +-g * 2**14: a block holding a larger |x| has a scale above 2730 before the clamp to
+            # 448, so its clamped elements still give quotients beyond +-6 (code 7, x's sign); the clamp keeps
+            # every quotient within _div_by's domain without a tile-wide check of the block maxima
+            g = tl.load(SC)
+            fast = (g >= NV_G_LO) & (g <= NV_G_HI)
+            if fast:  # every quotient below stays finite and exact
+                xa = tl.clamp(xb, g * -NV_CAP, g * NV_CAP)
+                amax = tl.max(tl.abs(xa), 3)
+                rg = _div(1.0, g)
+                s = _div_by(_div_by(amax, 6.0, 1.0 / 6.0, STEPS), g, rg, 2)
+            else:
+                xa = xb
+                amax = tl.max(tl.abs(xb), 3)
+                s = _div(_div(amax, tl.full(amax.shape, 6.0, tl.float32)), g + tl.zeros_like(amax))
+            s = tl.minimum(tl.maximum(s, 0.015625), 448.0)
+            # integer E4M3 rounding (see docs/kernels.md, NVFP4 on the H100), s being normal in E4M3
+            scode, sv = e4m3_normal_bits(s)
+            dv = sv * g
+            if fast:  # |q| <= 2**20
+                q = _div_by(xa, dv[:, :, :, None], _div(tl.full(dv.shape, 1.0, tl.float32), dv)[:, :, :, None],
+                            STEPS)
+            else:
+                q = tl.clamp(_div(xa, dv[:, :, :, None] + tl.zeros_like(xb)), -8.0, 8.0)
+            c = encode_e2m1(q, False)  # = E2M1 of q clipped to +-6: the encoding saturates there
         i = tl.arange(0, D // 2)
         packed = tl.reshape(_pack_bits(tl.reshape(c, (BLOCK_T * BLOCK_H, D)), 4, BLOCK_T * BLOCK_H, D),
                             (BLOCK_T, BLOCK_H, D // 2))
         tl.store(F0 + s3 * f0_s + h3 * f0_h + i[None, None, :], packed, mask=m3)
-        nb = tl.arange(0, NB)
-        tl.store(F1 + s3 * f1_s + h3 * f1_h + nb[None, None, :], scode.to(tl.uint8), mask=m3)
-    elif KIND == 3:
-        # NVFP4. Each 16-element block is taken as two halves of 8 (``lo``, ``hi``: [BLOCK_T, BLOCK_H, NB, 8]),
-        # loaded separately so that one thread holds a whole block (no cross-thread block maximum, each block
-        # scale computed once); each half as 4 element pairs: even (low nibble) and odd elements as float32 and
-        # the pair's two sign bits at bits 15 and 31 of a word. Everything below works on magnitudes (|x|); the
-        # signs go back in with the packing (codecs.e2m1_pair_bytes).
-        NB: tl.constexpr = D // QB
-        HB: tl.constexpr = QB // 2
-        if X.dtype.element_ty == tl.bfloat16 and not ROTATE:
-            jb = tl.arange(0, NB)[None, None, :, None] * QB + tl.arange(0, HB)[None, None, None, :]
-            px = X + (t3 * x_t + h3 * x_h)[:, :, :, None] + jb
-            m4 = m3[:, :, :, None]
-            ex_l, ox_l, sw_l = _nv_pairs(tl.load(px, mask=m4, other=0.0), True, BLOCK_T, BLOCK_H, NB, HB)
-            ex_h, ox_h, sw_h = _nv_pairs(tl.load(px + HB, mask=m4, other=0.0), True, BLOCK_T, BLOCK_H, NB, HB)
-        else:
-            lo, hi = tl.split(tl.permute(tl.reshape(x, (BLOCK_T, BLOCK_H, NB, 2, HB)), (0, 1, 2, 4, 3)))
-            ex_l, ox_l, sw_l = _nv_pairs(lo, False, BLOCK_T, BLOCK_H, NB, HB)
-            ex_h, ox_h, sw_h = _nv_pairs(hi, False, BLOCK_T, BLOCK_H, NB, HB)
-        amax = tl.max(tl.maximum(tl.maximum(tl.abs(ex_l), tl.abs(ox_l)), tl.maximum(tl.abs(ex_h), tl.abs(ox_h))), 3)
-        g = tl.load(SC)
-        fast = (g >= NV_G_LO) & (g <= NV_G_HI)
-        if fast:  # every quotient below stays finite and exact
-            # amax capped at g * 2**14: a larger one gives a scale above 2730 before the clamp to 448 either way,
-            # and the cap keeps RN(RN(amax / 6) / g) within _div_by's domain
-            amax = tl.minimum(amax, g * NV_CAP)
-            s = _div_by(_div_by(amax, 6.0, 1.0 / 6.0, STEPS), g, _div(1.0, g), 2)
-        else:
-            s = _div(_div(amax, tl.full(amax.shape, 6.0, tl.float32)), g + tl.zeros_like(amax))
-        s = tl.minimum(tl.maximum(s, 0.015625), 448.0)
-        # integer E4M3 rounding (see docs/kernels.md, NVFP4 on the H100), s being normal in E4M3
-        scode, sv = e4m3_normal_bits(s)
-        dv = (sv * g)[:, :, :, None]
-        # |x| capped at lim = RN(6 dv): a capped element's quotient is 6 within 2**-22 (code 7, as its own
-        # quotient, at least 6 (1 - 2**-24), gives), so every quotient is below 7 (e2m1_pair_bytes' domain) and,
-        # with fast, within _div_by's
-        lim = dv * 6.0
-        jc = tl.arange(0, NB)[None, None, :, None] * HB + tl.arange(0, HB // 2)[None, None, None, :]
-        pc = F0 + (s3 * f0_s + h3 * f0_h)[:, :, :, None] + jc
-        m4 = m3[:, :, :, None]
-        if fast:  # the stores in each branch: no per-element tensor leaves it (a runtime branch's results get a
-            # default layout and conversions through shared memory)
-            r = _div(tl.full(dv.shape, 1.0, tl.float32), dv)
-            _nv_store_codes(pc, m4, ex_l, ox_l, sw_l, ex_h, ox_h, sw_h, lim, dv, r, True, STEPS, HB)
-        else:
-            _nv_store_codes(pc, m4, ex_l, ox_l, sw_l, ex_h, ox_h, sw_h, lim, dv, dv, False, STEPS, HB)
         nb = tl.arange(0, NB)
         tl.store(F1 + s3 * f1_s + h3 * f1_h + nb[None, None, :], scode.to(tl.uint8), mask=m3)
     else:
