@@ -541,21 +541,44 @@ def test_launch_defaults_are_the_measured_choices():
         assert launch.options["num_warps"] == (2 if pair[0].endswith("kivi") else tb.WRITE_WARPS)
 
 
-@pytest.mark.parametrize("name,sums", [("fp8_e4m3", False), ("fp4_e2m1", True), ("mxfp4", True), ("nvfp4", True),
-                                       ("int4_kivi", False), ("bf16", False)])
-def test_rotated_write_butterfly_default_is_the_measured_choice(name, sums):
-    """Rotated writes run their butterflies by sums for the FP4 kinds only (H100, session 6: fp4_e2m1 2.27 ->
-    1.63 and nvfp4 2.24 -> 1.66 times the unrotated write; FP8 1.44 / 1.42, KIVI keys 1.39 -> 2.04); an
-    unrotated write has no butterflies either way."""
+@pytest.mark.parametrize("name", ["fp8_e4m3", "fp4_e2m1", "mxfp4", "nvfp4", "int4_kivi", "bf16"])
+def test_rotated_write_butterfly_default_is_the_measured_choice(name):
+    """Rotated writes' butterfly route by default (H100, session 6, rotated / unrotated write time by split/join,
+    sums, warp shuffles: fp8 1.44 / 1.42 / 1.22, fp4_e2m1 2.25 / 1.61 / 1.29, nvfp4 2.23 / 1.66 / 1.39, KIVI keys
+    1.39 / 2.04 / 1.49): warp shuffles for FP8 and the FP4 kinds on an NVIDIA GPU; elsewhere sums for the FP4
+    kinds, split/join for the rest; an unrotated write has no butterflies."""
     from kvqref.paged import PagedKVCache
 
+    fp4, shuffled = name in ("fp4_e2m1", "mxfp4", "nvfp4"), name.startswith(("fp8", "fp4", "mx", "nv"))
+    nvidia = GPU and not getattr(torch.version, "hip", None)
+    want = "shfl" if shuffled and nvidia else "sums" if fp4 else "split"
     kivi = {"group_size": 16, "residual": 0} if name.endswith("kivi") else {}
     for rotated in (False, True):
         rot = {"rotation": "hadamard", "rotation_seed": 3} if rotated else {}
         k, v = (schemes.get(name, **kivi, **rot, **({"role": r} if kivi else {})) for r in ("key", "value"))
-        cache = PagedKVCache(k, v, 2, 16, 1, 64)
-        dc = tb.DeviceCache.from_cache(cache, DEVICE)
-        x = torch.zeros(16, 1, 64, device=DEVICE)
+        dc = tb.DeviceCache.from_cache(PagedKVCache(k, v, 2, 16, 8, 128), DEVICE)
+        x = torch.zeros(16, 8, 128, device=DEVICE)
         launch = tb.plan_write(dc.k, x, torch.full((16,), -1, device=DEVICE))
-        assert launch.constexprs["ROT_ROUTE"] == (1 if sums and rotated else 0), (name, rotated)
-        assert not launch.constexprs["ROT_SHFL"], (name, rotated)
+        route = want if rotated else "split"
+        assert launch.constexprs["ROT_ROUTE"] == tb.ROTATION_ROUTES[route], (name, rotated)
+        assert launch.constexprs["ROT_SHFL"] is (route == "shfl"), (name, rotated)
+
+
+def test_default_shuffle_route_falls_back_when_the_layout_does_not_fit(monkeypatch):
+    """Where the warp-shuffle lanes do not settle against the compiled layout, a defaulted route warns and writes
+    by the portable default (the same bytes); an explicit ``rotation_route="shfl"`` raises."""
+    from kvqref.paged import PagedKVCache
+
+    def no_fit(*_):
+        raise RuntimeError("planted: no lane run fits")
+
+    monkeypatch.setattr(tb, "_nvidia_gpu", lambda device: True)
+    monkeypatch.setattr(tb, "settle_partner_lanes", no_fit)
+    s = schemes.get("fp8_e4m3", rotation="hadamard", rotation_seed=3)
+    dc = tb.DeviceCache.from_cache(PagedKVCache(s, s, 2, 16, 8, 128), DEVICE)
+    x, slots = torch.zeros(16, 8, 128, device=DEVICE), torch.full((16,), -1, device=DEVICE)
+    with pytest.warns(RuntimeWarning, match="rotation_route='split'"):
+        launch = tb.plan_write(dc.k, x, slots, hw_fp8=False, f16_cvt=False)
+    assert launch.constexprs["ROT_ROUTE"] == tb.ROTATION_ROUTES["split"] and not launch.constexprs["ROT_SHFL"]
+    with pytest.raises(RuntimeError, match="planted"):
+        tb.plan_write(dc.k, x, slots, hw_fp8=False, f16_cvt=False, rotation_route="shfl")

@@ -165,7 +165,7 @@ def test_rotated_write_other_butterfly_bytes_equal_oracle(name, opts, route):
     oracle's bytes, bfloat16 input."""
     from kvqref.conformance import to_dtype_values
 
-    if route == tb.rotation_route_default(tb.kernel_config(schemes.get(name, **opts))["kind"]):
+    if route == tb.rotation_route_default(tb.kernel_config(schemes.get(name, **opts))["kind"], torch.device(DEVICE)):
         pytest.skip("the default route: the other write tests")
     rng = np.random.default_rng(_seed("sums " + name))
     x = to_dtype_values(_write_input(rng, 64 if GPU else 32), "bfloat16").astype(np.float32)

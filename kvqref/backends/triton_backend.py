@@ -11,6 +11,7 @@ keys never meet an unrotated query.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -333,11 +334,6 @@ def f16_cvt_default(device) -> bool:
     return _nvidia_gpu(device)
 
 
-#: rotated writes whose butterflies go by sums by default: the FP4 kinds (H100, 65,536 x 8 x 128 bf16, rotated /
-#: unrotated time: fp4_e2m1 2.27 -> 1.63, nvfp4 2.24 -> 1.66); FP8 timed the same both ways (1.44 / 1.42) and
-#: KIVI keys lost (1.39 -> 2.04), so they keep split/join (bench/results/rotation_writes_h100.json, session 6)
-ROTATION_SUMS_KINDS = frozenset({"mxfp4", "nvfp4"})
-
 #: the butterflies' data movement of a rotated write (``codecs.hadamard_rows``' ROUTE): "split" (split/join of the
 #: pair axis), "sums" (two sums over the pair axis), "gather" (the partner ``x[j ^ h]`` of each cross-thread
 #: stage by ``tl.gather``, then one fused multiply-add by +-1), "shfl" (the same with the partner by one CUDA
@@ -345,9 +341,21 @@ ROTATION_SUMS_KINDS = frozenset({"mxfp4", "nvfp4"})
 ROTATION_ROUTES = {"split": 0, "sums": 1, "gather": 2, "shfl": 2}
 
 
-def rotation_route_default(kind: str) -> str:
-    """The butterfly route of a rotated write of cache tile kind ``kind`` (``kernel_config``) by default: by sums
-    for :data:`ROTATION_SUMS_KINDS`, else split/join (the measured choice)."""
+#: the default butterfly route of a rotated write, by cache tile kind: measured on the H100 (65,536 x 8 x 128 bf16,
+#: rotated / unrotated write time, bench/results/rotation_writes_routes_h100.json, session 6): split/join, sums,
+#: warp shuffles: fp8 1.44 / 1.42 / 1.22, fp4_e2m1 2.25 / 1.61 / 1.29, nvfp4 2.23 / 1.66 / 1.39, int4_kivi keys
+#: 1.39 / 2.04 / 1.49. Warp shuffles on NVIDIA GPUs where they won; elsewhere (ROCm, the interpreter) the best of
+#: the portable routes as timed on the H100.
+ROTATION_SHFL_KINDS = frozenset({"fp8", "mxfp4", "nvfp4"})
+ROTATION_SUMS_KINDS = frozenset({"mxfp4", "nvfp4"})
+
+
+def rotation_route_default(kind: str, device=None) -> str:
+    """The butterfly route of a rotated write of cache tile kind ``kind`` (``kernel_config``) on ``device`` by
+    default: "shfl" for :data:`ROTATION_SHFL_KINDS` on an NVIDIA GPU, else "sums" for
+    :data:`ROTATION_SUMS_KINDS`, else "split" (the measured choices)."""
+    if device is not None and kind in ROTATION_SHFL_KINDS and _nvidia_gpu(device):
+        return "shfl"
     return "sums" if kind in ROTATION_SUMS_KINDS else "split"
 
 
@@ -367,19 +375,28 @@ def _ttgir_of(launch, device) -> str:
     return compile_launch(launch, make_target("cuda", 90)).asm["ttgir"]
 
 
+def _arch_of(device) -> tuple:
+    """The device type and, on a GPU, its compute capability (a layout is a property of the target)."""
+    torch = _torch()
+    dev = torch.device(device)
+    return (dev.type, torch.cuda.get_device_capability(dev) if dev.type == "cuda" else None)
+
+
 def settle_partner_lanes(launch, device, d: int):
     """Fix a shuffle-route write launch's ``ROT_LANE_H``/``ROT_LANE_N`` to the lanes the compiled kernel actually
     gives the butterflies' rows (``kernels/layout.py``): compile, read the lane bases of the shuffled tensor,
     recompile with them until they agree (the layout is Triton's choice over the whole kernel: lanes start at
     column 16 for FP8 on sm_90 at D = 128), else the lane runs up to the row's top, fewest shuffled stages first,
     until one is checked (FP4 and KIVI keys at D = 128: lanes from column 8), each shuffle checked against it.
-    RuntimeError if none is; cached per constexprs, options, x dtype and device type."""
+    RuntimeError if none is (the failure cached too); cached per constexprs, options, x dtype and target."""
     from kvqref.kernels.layout import check_partner_layout, row_lanes, shuffle_lane_bases
 
     cx = launch.constexprs
     key = (tuple(sorted((k, v) for k, v in cx.items() if k not in ("ROT_LANE_H", "ROT_LANE_N"))),
-           tuple(sorted(launch.options.items())), launch.args[0].dtype, getattr(device, "type", None))
+           tuple(sorted(launch.options.items())), launch.args[0].dtype, _arch_of(device))
     if key in _PARTNER_LANES:
+        if _PARTNER_LANES[key] is None:
+            raise RuntimeError("no lane run of the warp-shuffle butterflies matched the compiled layout (cached)")
         cx["ROT_LANE_H"], cx["ROT_LANE_N"] = _PARTNER_LANES[key]
         return launch
 
@@ -408,6 +425,7 @@ def settle_partner_lanes(launch, device, d: int):
     for n in (2, 4, 8, 16, 32):
         if n <= d and (d // n, n) not in (t[0] for t in tried) and settles((d // n, n)):
             return launch
+    _PARTNER_LANES[key] = None
     raise RuntimeError(f"no lane run of the warp-shuffle butterflies matched the compiled layout (tried {tried}); "
                        "use rotation_route='gather'")
 
@@ -425,7 +443,6 @@ def plan_write(side: Side, x, slot_mapping, *, block_t: int | None = None, block
     (``codecs.hadamard_rows``); default :func:`rotation_route_default`."""
     import triton
 
-    from kvqref.kernels.codecs import INTERPRET
     from kvqref.kernels.decode import KIND_IDS, Launch
     from kvqref.kernels.write import quantize_write_kernel
 
@@ -439,11 +456,13 @@ def plan_write(side: Side, x, slot_mapping, *, block_t: int | None = None, block
     rotation = rotation_of(side.scheme)
     if rotation_route is not None and rotation is None:
         raise ValueError(f"rotation_route needs a rotated scheme, got {side.scheme.name} (no butterflies to run)")
+    route_given = rotation_route is not None
     if rotation_route is None:
-        rotation_route = "split" if rotation is None else rotation_route_default(kernel_config(side.codec)["kind"])
+        rotation_route = "split" if rotation is None else rotation_route_default(kernel_config(side.codec)["kind"],
+                                                                                 x.device)
     if rotation_route not in ROTATION_ROUTES:
         raise ValueError(f"rotation_route must be one of {sorted(ROTATION_ROUTES)}, got {rotation_route!r}")
-    if rotation_route == "shfl" and (INTERPRET or getattr(torch.version, "hip", None) and x.device.type == "cuda"):
+    if rotation_route == "shfl" and not _nvidia_gpu(x.device):
         raise ValueError("rotation_route='shfl' runs CUDA warp shuffles (inline PTX): not in the interpreter nor "
                          "on ROCm (use 'gather', the same arithmetic in portable Triton)")
     rdt = 0
@@ -493,7 +512,17 @@ def plan_write(side: Side, x, slot_mapping, *, block_t: int | None = None, block
     grid = (triton.cdiv(n, block_t), triton.cdiv(kv_heads, block_h))
     launch = Launch(quantize_write_kernel, grid, args, cx, options)
     if rotation_route == "shfl":  # the lane masks must match the layout Triton gives the rows: read it back
-        settle_partner_lanes(launch, x.device, head_dim)
+        try:
+            settle_partner_lanes(launch, x.device, head_dim)
+        except RuntimeError as err:
+            if route_given:
+                raise
+            portable = rotation_route_default(cfg["kind"])  # the same bytes by another route, said once per config
+            warnings.warn(f"{side.scheme.name}: the default warp-shuffle butterflies do not fit this kernel's layout "
+                          f"({err}); writing by rotation_route={portable!r} instead (the same bytes, slower)",
+                          RuntimeWarning, stacklevel=2)
+            return plan_write(side, x, slot_mapping, block_t=block_t, block_h=block_h, num_warps=num_warps,
+                              hw_fp8=hw_fp8, f16_cvt=f16_cvt, rotation_route=portable)
     return launch
 
 
