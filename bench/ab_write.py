@@ -250,6 +250,9 @@ def main() -> int:
     ap.add_argument("--cases", default=",".join(c[0] for c in CASES))
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--sweep", action="store_true", help="also time the new kernel over tiles / warps")
+    ap.add_argument("--maxnreg", default="",
+                    help="with --sweep: also time the default launch capped at each of these registers per thread "
+                         "(comma-separated; Triton's CUDA option maxnreg)")
     ap.add_argument("--no-proofs", action="store_true")
     ap.add_argument("--smoke", action="store_true",
                     help="CPU plumbing check under TRITON_INTERPRET=1: 256 tokens, exactness only, no timing")
@@ -312,6 +315,22 @@ def main() -> int:
                     print(label, "sweep", bt, bh, nw, cvt, "failed", type(exc).__name__, str(exc)[:80], flush=True)
                     continue
                 cfg = {"BLOCK_T": bt, "BLOCK_H": bh, "num_warps": nw, "F16_CVT": cvt}
+                frac = rec["bytes"] / (us * 1e-6) / 1e9 / doc["ceiling_gbs"]
+                doc["sweep"].append({"scheme": label, **cfg, "time_us": us, "fraction_of_ceiling": frac})
+                print(label, "sweep", cfg, f"{us:.1f} us", f"{frac:.3f}", flush=True)
+                if best is None or us < best[0]:
+                    best = (us, cfg, frac)
+                save()
+            for reg in (int(r) for r in args.maxnreg.split(",") if r):
+                launch = tb.plan_write(side, x, slots)
+                launch.options["maxnreg"] = reg
+                try:
+                    us = bench_ms(launch) * 1e3
+                except Exception as exc:  # noqa: BLE001 - report and go on
+                    print(label, "sweep maxnreg", reg, "failed", type(exc).__name__, str(exc)[:80], flush=True)
+                    continue
+                cfg = {"maxnreg": reg, **{k: launch.constexprs[k] for k in ("BLOCK_T", "BLOCK_H", "F16_CVT")},
+                       "num_warps": launch.options["num_warps"]}
                 frac = rec["bytes"] / (us * 1e-6) / 1e9 / doc["ceiling_gbs"]
                 doc["sweep"].append({"scheme": label, **cfg, "time_us": us, "fraction_of_ceiling": frac})
                 print(label, "sweep", cfg, f"{us:.1f} us", f"{frac:.3f}", flush=True)

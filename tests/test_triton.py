@@ -520,7 +520,8 @@ def test_write_rejects_a_contradicting_model_dtype():
 def test_launch_defaults_are_the_measured_choices():
     """The defaults the H100 A/Bs chose (bench/results/ANALYSIS.md, session 5): fast-mode KIVI key tiles for 2-bit
     keys only (int2 628 -> 517 us, int4 616 -> 627), FP4 keys never laid out by token (nvfp4 314 -> 346 us),
-    KIVI key writes with 2 warps, float16 roundings by conversion instructions on NVIDIA GPUs only."""
+    KIVI key writes with 2 warps, float16 roundings by conversion instructions on NVIDIA GPUs only, KIVI value
+    writes capped at 64 registers on NVIDIA GPUs (session 6)."""
     from kvqref.kernels.decode import plan_decode
 
     rng = np.random.default_rng(3)
@@ -539,6 +540,8 @@ def test_launch_defaults_are_the_measured_choices():
         nvidia = GPU and not getattr(torch.version, "hip", None)
         assert launch.constexprs["F16_CVT"] is nvidia
         assert launch.options["num_warps"] == (2 if pair[0].endswith("kivi") else tb.WRITE_WARPS)
+        vlaunch = tb.plan_write(dc.v, x, torch.full((16,), -1, device=DEVICE))  # KIVI values: capped registers
+        assert vlaunch.options.get("maxnreg") == (64 if nvidia and pair[0].endswith("kivi") else None), pair[0]
 
 
 @pytest.mark.parametrize("name", ["fp8_e4m3", "fp4_e2m1", "mxfp4", "nvfp4", "int4_kivi", "bf16"])

@@ -300,6 +300,10 @@ WRITE_WARPS = 4
 #: float16 roundings by conversion; bench/results/history/ab-h100-session5-write-sweep.log)
 WRITE_WARPS_KIVI_KEYS = 2
 WRITE_MAX_BLOCK_H = 8
+#: KIVI value writes on NVIDIA GPUs: at most 64 registers per thread (Triton's ``maxnreg``); H100, int4 values with
+#: the reciprocal quotient and three-reduction min/max: 72.8 us (66 registers) -> 70.6 us = 0.82 of the ceiling
+#: (bench/results/history/ab-h100-session6-write-maxnreg.log)
+WRITE_MAXNREG_KIVI_VALUES = 64
 
 
 def write_tile(kind: str, kv_heads: int, head_dim: int, group: int = 1) -> tuple[int, int]:
@@ -509,6 +513,8 @@ def plan_write(side: Side, x, slot_mapping, *, block_t: int | None = None, block
     options = {"num_warps": num_warps or (WRITE_WARPS_KIVI_KEYS if cfg["kind"] == "int_k" else WRITE_WARPS)}
     if rotation is not None:
         options["enable_fp_fusion"] = False
+    if cfg["kind"] == "int_v" and _nvidia_gpu(x.device):
+        options["maxnreg"] = WRITE_MAXNREG_KIVI_VALUES
     grid = (triton.cdiv(n, block_t), triton.cdiv(kv_heads, block_h))
     launch = Launch(quantize_write_kernel, grid, args, cx, options)
     if rotation_route == "shfl":  # the lane masks must match the layout Triton gives the rows: read it back

@@ -165,11 +165,34 @@ def _min_max(a_lo, a_hi, b_lo, b_hi):
 
 
 @triton.jit
-def _signed_zero_min_max(x, mn_mask, AXIS: tl.constexpr):
+def _min_max3(a_umax, a_imin, a_imax, b_umax, b_imin, b_imax):
+    return tl.maximum(a_umax, b_umax), tl.minimum(a_imin, b_imin), tl.maximum(a_imax, b_imax)
+
+
+@triton.jit
+def _signed_zero_min_max(x, mn_mask, AXIS: tl.constexpr, BITS3: tl.constexpr = False):
     """(min, max) of ``x`` (finite) over ``AXIS`` (rows where ``mn_mask`` is False left out, if given) with
     -0.0 < +0.0, as the oracle's ``kivi.signed_zero_min_max``: a zero minimum is -0.0 iff a -0.0 is present, a
     zero maximum +0.0 iff a +0.0 is present. One integer min/max reduction of :func:`_total_order_key`, whose
-    order is exactly that one (a group with no row left gives NaN bits; its results are not stored)."""
+    order is exactly that one (a group with no row left gives NaN bits; its results are not stored).
+    ``BITS3`` (KIVI values; H100 faster there, slower for keys): three integer reductions of the bits ``u``
+    instead, no per-element key: a float with its sign bit set (negatives, -0.0) is, as an unsigned integer,
+    2**31 + its magnitude, as a signed one below every float with the sign bit clear, whose order (+0.0 first)
+    its signed integer keeps. So the unsigned maximum is the most negative element if any has the sign bit set
+    (-0.0 if only -0.0s do), the signed maximum the largest element if any has it clear, and where all elements
+    share a sign bit the signed minimum is the missing end (the smallest magnitude)."""
+    if BITS3:
+        u = x.to(tl.int32, bitcast=True)
+        uu = u.to(tl.uint32, bitcast=True)
+        if mn_mask is None:
+            umax, imin, imax = tl.reduce((uu, u, u), AXIS, _min_max3)
+        else:
+            umax, imin, imax = tl.reduce((tl.where(mn_mask, uu, 0), tl.where(mn_mask, u, 0x7FFFFFFF),
+                                          tl.where(mn_mask, u, -2147483648)), AXIS, _min_max3)
+        any_neg = umax >= 0x80000000  # some element has its sign bit set
+        kmn = tl.where(any_neg, umax.to(tl.int32, bitcast=True), imin)
+        kmx = tl.where(imax >= 0, imax, imin)  # imax < 0: every element has its sign bit set
+        return kmn.to(tl.float32, bitcast=True), kmx.to(tl.float32, bitcast=True)
     k = _total_order_key(x)
     if mn_mask is None:
         lo = k
@@ -183,16 +206,26 @@ def _signed_zero_min_max(x, mn_mask, AXIS: tl.constexpr):
 
 
 @triton.jit
-def _kivi_quant(x16, mn, mx, MAXINT: tl.constexpr, F16_CVT: tl.constexpr):
+def _kivi_quant(x16, mn, mx, MAXINT: tl.constexpr, F16_CVT: tl.constexpr, RCP: tl.constexpr = False):
     """KIVI in float16 on a group (x16 [..], mn / mx broadcastable): scale = f16(f16(mx - mn) / MAXINT);
     code = rint(min(f16(f16(x16 - mn) / scale), MAXINT)) (x16 - mn >= 0, so no lower clamp); a scale of
     0 (constant group) gives code 0. Returns (codes int32, scale). The divisions are :func:`_div_by`'s
-    float16 case (an approximate reciprocal, one correction, then RN16); the integer rounding adds
-    2**23 (one IEEE addition, ties to even) and reads the integer from the sum's low bits."""
+    float16 case (an approximate reciprocal, one correction, then RN16), or with ``RCP`` (KIVI values; H100 faster
+    there, slower for keys) one multiplication by the correctly rounded float32 reciprocal,
+    RN16(RN32(a * RN32(1 / b))): the same scale for every float16 range and the same code for every pair of
+    float16 operands, also where the compiler fuses the product into round_f16_nonneg's addition (checked
+    exhaustively: bench/proof_kivi_quotient.py). The integer rounding adds 2**23 (one IEEE addition, ties to
+    even) and reads the integer from the sum's low bits."""
     rng = round_f16_nonneg(mx - mn, F16_CVT)
-    scale = round_f16_nonneg(_div_by(rng, MAXINT * 1.0, 1.0 / MAXINT, 1), F16_CVT)
-    inv = tl.where(scale == 0, 0.0, 1.0 / tl.where(scale == 0, 1.0, scale))  # any r within 2**-21 of 1/scale
-    y = round_f16_nonneg(_div_by(round_f16_nonneg(x16 - mn, F16_CVT), scale, inv, 1), F16_CVT)
+    if RCP:
+        scale = round_f16_nonneg(rng * (1.0 / MAXINT), F16_CVT)
+        nz = scale != 0
+        inv = tl.where(nz, _div(tl.full(scale.shape, 1.0, tl.float32), tl.where(nz, scale, 1.0)), 0.0)
+        y = round_f16_nonneg(round_f16_nonneg(x16 - mn, F16_CVT) * inv, F16_CVT)
+    else:
+        scale = round_f16_nonneg(_div_by(rng, MAXINT * 1.0, 1.0 / MAXINT, 1), F16_CVT)
+        inv = tl.where(scale == 0, 0.0, 1.0 / tl.where(scale == 0, 1.0, scale))  # any r within 2**-21 of 1/scale
+        y = round_f16_nonneg(_div_by(round_f16_nonneg(x16 - mn, F16_CVT), scale, inv, 1), F16_CVT)
     q = tl.minimum((y + 8388608.0).to(tl.int32, bitcast=True) - 0x4B000000, MAXINT)
     return q, scale
 
@@ -324,8 +357,8 @@ def quantize_write_kernel(
         if KIND == 4:
             NG: tl.constexpr = D // G
             xg = tl.reshape(x16, (BLOCK_T, BLOCK_H, NG, G))
-            mn, mx = _signed_zero_min_max(xg, mn_mask=None, AXIS=3)
-            q, scale = _kivi_quant(xg, mn[:, :, :, None], mx[:, :, :, None], MAXINT, F16_CVT)
+            mn, mx = _signed_zero_min_max(xg, mn_mask=None, AXIS=3, BITS3=True)
+            q, scale = _kivi_quant(xg, mn[:, :, :, None], mx[:, :, :, None], MAXINT, F16_CVT, RCP=True)
             ng = tl.arange(0, NG)
             sc16 = tl.reshape(scale, (BLOCK_T, BLOCK_H, NG)).to(tl.float16)
             tl.store(F1 + s3 * f1_s + h3 * f1_h + ng[None, None, :], sc16, mask=m3)
