@@ -575,7 +575,10 @@ def test_default_shuffle_route_falls_back_when_the_layout_does_not_fit(monkeypat
     def no_fit(*_):
         raise RuntimeError("planted: no lane run fits")
 
+    import kvqref.kernels.codecs as codecs
+
     monkeypatch.setattr(tb, "_nvidia_gpu", lambda device: True)
+    monkeypatch.setattr(codecs, "INTERPRET", False)  # planned only, never launched
     monkeypatch.setattr(tb, "settle_partner_lanes", no_fit)
     s = schemes.get("fp8_e4m3", rotation="hadamard", rotation_seed=3)
     dc = tb.DeviceCache.from_cache(PagedKVCache(s, s, 2, 16, 8, 128), DEVICE)

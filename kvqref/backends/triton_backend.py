@@ -447,6 +447,7 @@ def plan_write(side: Side, x, slot_mapping, *, block_t: int | None = None, block
     (``codecs.hadamard_rows``); default :func:`rotation_route_default`."""
     import triton
 
+    from kvqref.kernels.codecs import INTERPRET
     from kvqref.kernels.decode import KIND_IDS, Launch
     from kvqref.kernels.write import quantize_write_kernel
 
@@ -466,7 +467,8 @@ def plan_write(side: Side, x, slot_mapping, *, block_t: int | None = None, block
                                                                                  x.device)
     if rotation_route not in ROTATION_ROUTES:
         raise ValueError(f"rotation_route must be one of {sorted(ROTATION_ROUTES)}, got {rotation_route!r}")
-    if rotation_route == "shfl" and not _nvidia_gpu(x.device):
+    # (an ahead-of-time build for a CUDA target plans on CPU tensors outside the interpreter: allowed)
+    if rotation_route == "shfl" and (INTERPRET or getattr(torch.version, "hip", None) and x.device.type == "cuda"):
         raise ValueError("rotation_route='shfl' runs CUDA warp shuffles (inline PTX): not in the interpreter nor "
                          "on ROCm (use 'gather', the same arithmetic in portable Triton)")
     rdt = 0
