@@ -306,31 +306,22 @@ def main() -> int:
             g = new.constexprs["BLOCK_T"]
             tiles = [(g, 1), (g, 2), (g, 4)] if kind == 5 else [(2, 8), (4, 8), (8, 8), (32, 1)]
             warps = (2, 4, 8) if kind == 5 else (4, 8)  # KIVI keys: fewer warps, fewer cross-warp reduction steps
-            for (bt, bh), nw, cvt in ((t, w, c) for t in tiles for w in warps
-                                      for c in ((False, True) if kind >= 4 else (False,))):
-                launch = tb.plan_write(side, x, slots, block_t=bt, block_h=bh, num_warps=nw, f16_cvt=cvt)
+            candidates = [({"BLOCK_T": bt, "BLOCK_H": bh, "num_warps": nw, "F16_CVT": cvt},
+                           tb.plan_write(side, x, slots, block_t=bt, block_h=bh, num_warps=nw, f16_cvt=cvt))
+                          for (bt, bh), nw, cvt in ((t, w, c) for t in tiles for w in warps
+                                                    for c in ((False, True) if kind >= 4 else (False,)))]
+            for reg in (int(r) for r in args.maxnreg.split(",") if r):  # the default launch, registers capped
+                launch = tb.plan_write(side, x, slots)
+                launch.options["maxnreg"] = reg
+                candidates.append(({"maxnreg": reg, **{k: launch.constexprs[k] for k in ("BLOCK_T", "BLOCK_H",
+                                                                                         "F16_CVT")},
+                                    "num_warps": launch.options["num_warps"]}, launch))
+            for cfg, launch in candidates:
                 try:
                     us = bench_ms(launch) * 1e3
                 except Exception as exc:  # noqa: BLE001 - report and go on (e.g. out of registers)
-                    print(label, "sweep", bt, bh, nw, cvt, "failed", type(exc).__name__, str(exc)[:80], flush=True)
+                    print(label, "sweep", cfg, "failed", type(exc).__name__, str(exc)[:80], flush=True)
                     continue
-                cfg = {"BLOCK_T": bt, "BLOCK_H": bh, "num_warps": nw, "F16_CVT": cvt}
-                frac = rec["bytes"] / (us * 1e-6) / 1e9 / doc["ceiling_gbs"]
-                doc["sweep"].append({"scheme": label, **cfg, "time_us": us, "fraction_of_ceiling": frac})
-                print(label, "sweep", cfg, f"{us:.1f} us", f"{frac:.3f}", flush=True)
-                if best is None or us < best[0]:
-                    best = (us, cfg, frac)
-                save()
-            for reg in (int(r) for r in args.maxnreg.split(",") if r):
-                launch = tb.plan_write(side, x, slots)
-                launch.options["maxnreg"] = reg
-                try:
-                    us = bench_ms(launch) * 1e3
-                except Exception as exc:  # noqa: BLE001 - report and go on
-                    print(label, "sweep maxnreg", reg, "failed", type(exc).__name__, str(exc)[:80], flush=True)
-                    continue
-                cfg = {"maxnreg": reg, **{k: launch.constexprs[k] for k in ("BLOCK_T", "BLOCK_H", "F16_CVT")},
-                       "num_warps": launch.options["num_warps"]}
                 frac = rec["bytes"] / (us * 1e-6) / 1e9 / doc["ceiling_gbs"]
                 doc["sweep"].append({"scheme": label, **cfg, "time_us": us, "fraction_of_ceiling": frac})
                 print(label, "sweep", cfg, f"{us:.1f} us", f"{frac:.3f}", flush=True)
