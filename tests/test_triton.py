@@ -6,6 +6,8 @@ on a GPU the same tests run on the device with larger shapes (marker ``gpu``).
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -572,8 +574,11 @@ def test_default_shuffle_route_falls_back_when_the_layout_does_not_fit(monkeypat
     by the portable default (the same bytes); an explicit ``rotation_route="shfl"`` raises."""
     from kvqref.paged import PagedKVCache
 
-    def no_fit(*_):
-        raise RuntimeError("planted: no lane run fits")
+    calls = []
+
+    def no_fit(*_):  # the first attempt fails, later ones report the cached failure (said once)
+        calls.append(1)
+        raise tb.LanesUnsettled("planted: no lane run fits", cached=len(calls) > 1)
 
     import kvqref.kernels.codecs as codecs
 
@@ -586,5 +591,9 @@ def test_default_shuffle_route_falls_back_when_the_layout_does_not_fit(monkeypat
     with pytest.warns(RuntimeWarning, match="rotation_route='split'"):
         launch = tb.plan_write(dc.k, x, slots, hw_fp8=False, f16_cvt=False)
     assert launch.constexprs["ROT_ROUTE"] == tb.ROTATION_ROUTES["split"] and not launch.constexprs["ROT_SHFL"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the cached failure falls back without a second warning
+        again = tb.plan_write(dc.k, x, slots, hw_fp8=False, f16_cvt=False)
+    assert again.constexprs["ROT_ROUTE"] == tb.ROTATION_ROUTES["split"]
     with pytest.raises(RuntimeError, match="planted"):
         tb.plan_write(dc.k, x, slots, hw_fp8=False, f16_cvt=False, rotation_route="shfl")

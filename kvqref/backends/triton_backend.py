@@ -379,6 +379,15 @@ def _ttgir_of(launch, device) -> str:
     return compile_launch(launch, make_target("cuda", 90)).asm["ttgir"]
 
 
+class LanesUnsettled(RuntimeError):
+    """No lane run of the warp-shuffle butterflies matches the compiled layout (``cached``: known from an earlier
+    attempt for the same configuration, which already said so)."""
+
+    def __init__(self, message: str, cached: bool = False) -> None:
+        super().__init__(message)
+        self.cached = cached
+
+
 def _arch_of(device) -> tuple:
     """The device type and, on a GPU, its compute capability (a layout is a property of the target)."""
     torch = _torch()
@@ -400,7 +409,7 @@ def settle_partner_lanes(launch, device, d: int):
            tuple(sorted(launch.options.items())), launch.args[0].dtype, _arch_of(device))
     if key in _PARTNER_LANES:
         if _PARTNER_LANES[key] is None:
-            raise RuntimeError("no lane run of the warp-shuffle butterflies matched the compiled layout (cached)")
+            raise LanesUnsettled("no lane run of the warp-shuffle butterflies matched the compiled layout", cached=True)
         cx["ROT_LANE_H"], cx["ROT_LANE_N"] = _PARTNER_LANES[key]
         return launch
 
@@ -430,8 +439,8 @@ def settle_partner_lanes(launch, device, d: int):
         if n <= d and (d // n, n) not in (t[0] for t in tried) and settles((d // n, n)):
             return launch
     _PARTNER_LANES[key] = None
-    raise RuntimeError(f"no lane run of the warp-shuffle butterflies matched the compiled layout (tried {tried}); "
-                       "use rotation_route='gather'")
+    raise LanesUnsettled(f"no lane run of the warp-shuffle butterflies matched the compiled layout (tried {tried}); "
+                         "use rotation_route='gather'")
 
 
 def plan_write(side: Side, x, slot_mapping, *, block_t: int | None = None, block_h: int | None = None,
@@ -522,13 +531,14 @@ def plan_write(side: Side, x, slot_mapping, *, block_t: int | None = None, block
     if rotation_route == "shfl":  # the lane masks must match the layout Triton gives the rows: read it back
         try:
             settle_partner_lanes(launch, x.device, head_dim)
-        except RuntimeError as err:
+        except LanesUnsettled as err:
             if route_given:
                 raise
             portable = rotation_route_default(cfg["kind"])  # the same bytes by another route, said once per config
-            warnings.warn(f"{side.scheme.name}: the default warp-shuffle butterflies do not fit this kernel's layout "
-                          f"({err}); writing by rotation_route={portable!r} instead (the same bytes, slower)",
-                          RuntimeWarning, stacklevel=2)
+            if not err.cached:
+                warnings.warn(f"{side.scheme.name}: the default warp-shuffle butterflies do not fit this kernel's "
+                              f"layout ({err}); writing by rotation_route={portable!r} instead (the same bytes, "
+                              "slower)", RuntimeWarning, stacklevel=2)
             return plan_write(side, x, slot_mapping, block_t=block_t, block_h=block_h, num_warps=num_warps,
                               hw_fp8=hw_fp8, f16_cvt=f16_cvt, rotation_route=portable)
     return launch
