@@ -38,6 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cases", default=",".join(c[0] for c in CASES))
     ap.add_argument("--tile", help="BLOCK_T,BLOCK_H (default: the backend's)")
     ap.add_argument("--warps", type=int)
+    ap.add_argument("--nvfp4-blocks", choices=("0", "1"), help="plan_write's nvfp4_blocks (default: the backend's)")
     ap.add_argument("--f16-cvt", action="store_true", help="KIVI float16 roundings by conversion instructions")
     ap.add_argument("--dump", help="write each kernel's SASS here")
     ap.add_argument("--routes", default="none", help="none (unrotated) and/or rotated by rotation_route: "
@@ -59,6 +60,8 @@ def main(argv: list[str] | None = None) -> int:
             side, x, slots, _ = write_inputs(scheme_label, tokens=256, side=side_name, device="cpu",
                                              rotation=route != "none")
         kw = {} if route == "none" else {"rotation_route": route}
+        if args.nvfp4_blocks is not None:
+            kw["nvfp4_blocks"] = args.nvfp4_blocks == "1"
         if args.tile:
             kw["block_t"], kw["block_h"] = (int(v) for v in args.tile.split(","))
         launch = tb.plan_write(side, x, slots, num_warps=args.warps, hw_fp8=True, f16_cvt=args.f16_cvt, **kw)

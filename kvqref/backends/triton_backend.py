@@ -300,6 +300,9 @@ WRITE_WARPS = 4
 #: float16 roundings by conversion; bench/results/history/ab-h100-session5-write-sweep.log)
 WRITE_WARPS_KIVI_KEYS = 2
 WRITE_MAX_BLOCK_H = 8
+#: NVFP4 writes of bfloat16 input (unrotated): one thread per whole 16-element block (plan_write's
+#: ``nvfp4_blocks``, the kernel's NV_BLOCKS)
+NVFP4_WHOLE_BLOCKS = False
 #: KIVI value writes on NVIDIA GPUs: at most 64 registers per thread (Triton's ``maxnreg``); H100, int4 values with
 #: the reciprocal quotient and three-reduction min/max: 72.8 us (66 registers) -> 70.6 us = 0.82 of the ceiling
 #: (bench/results/history/ab-h100-session6-write-maxnreg.log)
@@ -436,7 +439,7 @@ def settle_partner_lanes(launch, device, d: int):
 
 def plan_write(side: Side, x, slot_mapping, *, block_t: int | None = None, block_h: int | None = None,
                num_warps: int | None = None, hw_fp8: bool | None = None, f16_cvt: bool | None = None,
-               rotation_route: str | None = None):
+               rotation_route: str | None = None, nvfp4_blocks: bool | None = None):
     """The launch of :func:`quantize_write` (checked on the host first). ``block_t``/``block_h``/``num_warps``:
     the tile and warps (default :func:`write_tile`, WRITE_WARPS; KIVI keys always take BLOCK_T = G);
     ``hw_fp8``: OCP FP8 codes by the hardware conversion (default: :func:`hardware_fp8_encode` of x's
@@ -509,7 +512,8 @@ def plan_write(side: Side, x, slot_mapping, *, block_t: int | None = None, block
               HW_FP8=bool(hw and cfg.get("fmt", 0) in (0, 1)),
               F16_CVT=f16_cvt_default(x.device) if f16_cvt is None else bool(f16_cvt),
               ROTATE=rotation is not None, RDT=rdt, ROT_ROUTE=ROTATION_ROUTES[rotation_route],
-              ROT_LANE_H=16, ROT_LANE_N=8, ROT_SHFL=rotation_route == "shfl")
+              ROT_LANE_H=16, ROT_LANE_N=8, ROT_SHFL=rotation_route == "shfl",
+              NV_BLOCKS=NVFP4_WHOLE_BLOCKS if nvfp4_blocks is None else bool(nvfp4_blocks))
     # rotated: no FP contraction anywhere in the kernel, so the float32 rotation is the oracle's bit for bit
     # whatever consumes it (docs/rotation.md; the butterflies themselves hold no multiply to contract)
     options = {"num_warps": num_warps or (WRITE_WARPS_KIVI_KEYS if cfg["kind"] == "int_k" else WRITE_WARPS)}
