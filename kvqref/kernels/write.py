@@ -258,11 +258,10 @@ def _nv_quotient(a, lim, dv, r, FAST: tl.constexpr):
 
 @triton.jit
 def _nv_store_codes(pc, mask, e_l, o_l, sw_l, e_h, o_h, sw_h, lim, dv, r, FAST: tl.constexpr, HB: tl.constexpr):
-    """Store the NVFP4 code bytes of both half blocks (``pc``: the first byte of each block's low half)."""
-    tl.store(pc, e2m1_pair_bytes(_nv_quotient(e_l, lim, dv, r, FAST), _nv_quotient(o_l, lim, dv, r, FAST), sw_l),
-             mask=mask)
-    tl.store(pc + HB // 2, e2m1_pair_bytes(_nv_quotient(e_h, lim, dv, r, FAST), _nv_quotient(o_h, lim, dv, r, FAST),
-                                           sw_h), mask=mask)
+    """Store the NVFP4 code bytes of whole blocks (``pc`` [..., HB]: each block's code bytes, low half first)."""
+    b_l = e2m1_pair_bytes(_nv_quotient(e_l, lim, dv, r, FAST), _nv_quotient(o_l, lim, dv, r, FAST), sw_l)
+    b_h = e2m1_pair_bytes(_nv_quotient(e_h, lim, dv, r, FAST), _nv_quotient(o_h, lim, dv, r, FAST), sw_h)
+    tl.store(pc, tl.reshape(tl.permute(tl.join(b_l, b_h), (0, 1, 2, 4, 3)), pc.shape), mask=mask)
 
 
 @triton.jit
@@ -346,15 +345,16 @@ def quantize_write_kernel(
         # layout the block maxima come in (lanes along the blocks of a row), not one converted through shared memory
         nb = tl.arange(0, NB)[:, None, None]
         rows_x = (t[:, None].to(tl.int64) * x_t + hh[None, :] * x_h)[None, :, :]
-        m4 = rm[None, :, :, None]
+        # loaded for every token in range, written where its slot is not -1 (the loads wait for no slot)
+        mx4 = (tin[:, None] & hm[None, :])[None, :, :, None]
         px = X + (rows_x + nb * QB)[:, :, :, None] + tl.arange(0, HB)[None, None, None, :]
-        e_l, o_l, sw_l = _nv_half(tl.load(px, mask=m4, other=0.0), NB, BLOCK_T, BLOCK_H, HB)
-        e_h, o_h, sw_h = _nv_half(tl.load(px + HB, mask=m4, other=0.0), NB, BLOCK_T, BLOCK_H, HB)
+        e_l, o_l, sw_l = _nv_half(tl.load(px, mask=mx4, other=0.0), NB, BLOCK_T, BLOCK_H, HB)
+        e_h, o_h, sw_h = _nv_half(tl.load(px + HB, mask=mx4, other=0.0), NB, BLOCK_T, BLOCK_H, HB)
         amax = tl.max(tl.maximum(tl.maximum(e_l, o_l), tl.maximum(e_h, o_h)), 3)
         g = tl.load(SC)
         fast = (g >= NV_G_LO) & (g <= NV_G_HI)
         if fast:  # amax capped at g * 2**14 (see below): RN(RN(amax / 6) / g) within _div_by's domain
-            s = _div_by(_div_by(tl.minimum(amax, g * NV_CAP), 6.0, 1.0 / 6.0, 1), g, _div(1.0, g), 2)
+            s = _div(_div_by(tl.minimum(amax, g * NV_CAP), 6.0, 1.0 / 6.0, 1), g + tl.zeros_like(amax))
         else:
             s = _div(_div(amax, tl.full(amax.shape, 6.0, tl.float32)), g + tl.zeros_like(amax))
         scode, sv = e4m3_normal_bits(tl.minimum(tl.maximum(s, 0.015625), 448.0))
@@ -363,7 +363,8 @@ def quantize_write_kernel(
         # at least 6 (1 - 2**-24), gives), so every quotient is below 7 (e2m1_pair_bytes' domain)
         lim = dv * 6.0
         rows_c = (slot[:, None] * f0_s + hh[None, :] * f0_h)[None, :, :]
-        pc = F0 + (rows_c + nb * HB)[:, :, :, None] + tl.arange(0, HB // 2)[None, None, None, :]
+        pc = F0 + (rows_c + nb * HB)[:, :, :, None] + tl.arange(0, HB)[None, None, None, :]
+        m4 = rm[None, :, :, None]
         if fast:  # the stores in each branch: no per-element tensor leaves it (a runtime branch's results get a
             # default layout and conversions through shared memory)
             _nv_store_codes(pc, m4, e_l, o_l, sw_l, e_h, o_h, sw_h, lim, dv,
