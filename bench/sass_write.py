@@ -39,6 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tile", help="BLOCK_T,BLOCK_H (default: the backend's)")
     ap.add_argument("--warps", type=int)
     ap.add_argument("--nvfp4-blocks", choices=("0", "1"), help="plan_write's nvfp4_blocks (default: the backend's)")
+    ap.add_argument("--maxnreg", type=int, help="Triton's CUDA option maxnreg (registers per thread cap)")
     ap.add_argument("--f16-cvt", action="store_true", help="KIVI float16 roundings by conversion instructions")
     ap.add_argument("--dump", help="write each kernel's SASS here")
     ap.add_argument("--routes", default="none", help="none (unrotated) and/or rotated by rotation_route: "
@@ -65,6 +66,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.tile:
             kw["block_t"], kw["block_h"] = (int(v) for v in args.tile.split(","))
         launch = tb.plan_write(side, x, slots, num_warps=args.warps, hw_fp8=True, f16_cvt=args.f16_cvt, **kw)
+        if args.maxnreg:
+            launch.options["maxnreg"] = args.maxnreg
         sass, regs, smem = sass_of(launch)
         if args.dump:
             Path(args.dump).mkdir(parents=True, exist_ok=True)
