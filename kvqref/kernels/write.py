@@ -335,7 +335,7 @@ def quantize_write_kernel(
         c = encode_f32(y, FMT, SATURATE, HW_FP8)
         tl.store(F0 + s3 * f0_s + h3 * f0_h + d[None, None, :], c.to(tl.uint8), mask=m3)
     elif KIND == 3 and NV_BLOCKS and X.dtype.element_ty == tl.bfloat16 and not ROTATE:
-        # NVFP4, whole blocks per thread: each 16-element block loaded as two halves of 8 ([BLOCK_T, BLOCK_H, NB, 8]
+        # NVFP4, whole blocks per thread: each 16-element block loaded as two halves of 8 ([NB, BLOCK_T, BLOCK_H, 8]
         # each), so that one thread holds a whole block (the block maximum in registers, each block scale
         # computed once); magnitudes as float32 element pairs, the signs put back by the packing
         # (codecs.e2m1_pair_bytes)
@@ -371,7 +371,8 @@ def quantize_write_kernel(
                             _div(tl.full(dv.shape, 1.0, tl.float32), dv), True, HB)
         else:
             _nv_store_codes(pc, m4, e_l, o_l, sw_l, e_h, o_h, sw_h, lim, dv, dv, False, HB)
-        tl.store(F1 + (slot[:, None] * f1_s + hh[None, :] * f1_h)[None, :, :] + nb, scode.to(tl.uint8), mask=rm[None, :, :])
+        rows_s = (slot[:, None] * f1_s + hh[None, :] * f1_h)[None, :, :]
+        tl.store(F1 + rows_s + nb, scode.to(tl.uint8), mask=rm[None, :, :])
     elif KIND == 2 or KIND == 3:
         NB: tl.constexpr = D // QB
         xb = tl.reshape(x, (BLOCK_T, BLOCK_H, NB, QB))
