@@ -26,7 +26,9 @@ Checks, before any timing (the run stops with exit code 1 if one fails):
   (``new_vs_oracle``), and where it uses the hardware FP8 conversion, the same kernel with the integer
   encoder against the base (``random_hw_fp8_off``). A differing field is reported with its first positions
   ``[slot, head, byte, base byte, new byte]``.
-Rounds alternate base and new. ``--sweep`` times the new kernel over tile shapes (BLOCK_T, BLOCK_H), warps,
+Rounds alternate base and new (and ``new-rows``, NVFP4 writes only: the current kernel with its rows layout,
+``plan_write(nvfp4_blocks=False)``, whose tile the baseline takes too, while ``new`` has whole blocks per thread).
+``--sweep`` times the new kernel over tile shapes (BLOCK_T, BLOCK_H), warps,
 and for KIVI float16 rounding by conversion instructions, and prints the best per scheme.
 """
 
@@ -278,7 +280,9 @@ def main() -> int:
     for label, scheme_label, side_name in (c for c in CASES if c[0] in args.cases.split(",")):
         side, x, slots, rec = write_inputs(scheme_label, tokens=tokens, side=side_name, device=dev)
         new = tb.plan_write(side, x, slots)
-        old = base_launch(base.quantize_write_kernel, new, args.base_block_t)
+        # the baseline launched as the rows layout plans it (NVFP4 whole blocks per thread take their own tile)
+        rows = tb.plan_write(side, x, slots, nvfp4_blocks=False) if new.constexprs.get("NV_BLOCKS") else new
+        old = base_launch(base.quantize_write_kernel, rows, args.base_block_t)
         diffs = {"random": compare(side, [old, new], x), "edges": compare(side, [old, new], edge_input(x, label))}
         if new.constexprs.get("HW_FP8"):  # the same kernel with the integer FP8 encoder, against the base
             plain = tb.plan_write(side, x, slots, hw_fp8=False)
@@ -287,7 +291,7 @@ def main() -> int:
         doc["exactness"][label] = diffs | {"new_vs_oracle": oracle_detail}
         ok = ok and not any(diffs.values()) and oracle_ok
         print(label, "bytes differing base vs new:", diffs, "| new vs oracle:", oracle_detail, flush=True)
-        variants = {"base": old, "new": new}
+        variants = {"base": old, "new": new} | ({"new-rows": rows} if rows is not new else {})
         for r in range(args.rounds):
             for name, launch in variants.items():
                 us = bench_ms(launch) * 1e3
@@ -306,6 +310,8 @@ def main() -> int:
             g = new.constexprs["BLOCK_T"]
             tiles = [(g, 1), (g, 2), (g, 4)] if kind == 5 else [(2, 8), (4, 8), (8, 8), (32, 1)]
             warps = (2, 4, 8) if kind == 5 else (4, 8)  # KIVI keys: fewer warps, fewer cross-warp reduction steps
+            if new.constexprs.get("NV_BLOCKS"):  # NVFP4 whole blocks: 16 or 32 elements per thread
+                tiles, warps = [(1, 8), (2, 8), (4, 8)], (2, 4, 8)
             candidates = [({"BLOCK_T": bt, "BLOCK_H": bh, "num_warps": nw, "F16_CVT": cvt},
                            tb.plan_write(side, x, slots, block_t=bt, block_h=bh, num_warps=nw, f16_cvt=cvt))
                           for (bt, bh), nw, cvt in ((t, w, c) for t in tiles for w in warps

@@ -341,11 +341,12 @@ def test_kivi_write_of_bfloat16_signed_zeros(name, opts):
     assert ok, f"{name} {opts}: {detail}"
 
 
+@pytest.mark.parametrize("blocks", [False, True])
 @pytest.mark.parametrize("g", [2.0**-20, 6.0 / 2688.0, 2.0**-70])
-def test_nvfp4_write_with_saturating_blocks(g):
+def test_nvfp4_write_with_saturating_blocks(g, blocks):
     """NVFP4 with a given global scale g: |x| beyond g * 2**14 (clamped in the kernel's fast path; such blocks'
     scales saturate at 448 and their codes at +-6), 1e30 and ties in bfloat16 input, and g = 2**-70 outside the
-    fast path's range (divisions)."""
+    fast path's range (divisions); by rows and with whole blocks per thread (``nvfp4_blocks``)."""
     from kvqref.conformance import to_dtype_values
 
     rng = np.random.default_rng(13)
@@ -357,8 +358,53 @@ def test_nvfp4_write_with_saturating_blocks(g):
     x[7] = 0.0
     x[8, :, ::2] = -0.0
     x = to_dtype_values(x, "bfloat16").astype(np.float32)
-    ok, detail = triton_write_matches("nvfp4", {"global_scale": g}, x, 16, rng, dtype="bfloat16")
+    ok, detail = triton_write_matches("nvfp4", {"global_scale": g}, x, 16, rng, dtype="bfloat16",
+                                      launch={"nvfp4_blocks": blocks})
     assert ok, detail
+
+
+@settings(max_examples=6 if not GPU else 40, deadline=None, suppress_health_check=list(HealthCheck))
+@given(seed=st.integers(0, 2**31), scale_exp=st.integers(-30, 30), tile=st.sampled_from([None, (1, 2), (4, 8)]))
+def test_nvfp4_blocks_write_fuzz(seed, scale_exp, tile):
+    """NVFP4 from bfloat16 input with whole blocks per thread (``nvfp4_blocks``): random magnitudes, E2M1 ties
+    and their bfloat16 neighbours at the block's scale, blocks with one huge element, signed zeros; 3 heads (a
+    partial head tile) and a token count that does not fill the last tile."""
+    from kvqref.conformance import to_dtype_values
+
+    rng = np.random.default_rng(seed)
+    x = kv_tensor(rng, 21, 3, 64, outliers=bool(seed & 1)) * 2.0**scale_exp
+    x[1, 0, :8] = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0]) * 2.0**scale_exp
+    x[1, 0, 8:16] = -x[1, 0, :8]
+    x[2, 1, :16] = np.nextafter(x[1, 0, :16].astype(np.float32), np.float32(0))
+    x[3, 2, 5] = 1e4 * 2.0**scale_exp
+    x[4, :, 16:32] = np.where(rng.random((3, 16)) < 0.5, -0.0, 0.0)
+    x = to_dtype_values(x, "bfloat16").astype(np.float32)
+    launch = {"nvfp4_blocks": True} | ({} if tile is None else {"block_t": tile[0], "block_h": tile[1]})
+    ok, detail = triton_write_matches("nvfp4", {}, x, rng.choice([1, 16]), rng, dtype="bfloat16", launch=launch)
+    assert ok, detail
+
+
+@pytest.mark.parametrize("blocks", [False, True])
+def test_nvfp4_write_skips_slots_of_minus_one(blocks):
+    """Tokens whose slot is -1 are not written (the whole-block path loads them and masks their stores)."""
+    from kvqref.conformance import to_dtype_values
+    from kvqref.paged import PagedKVCache
+
+    rng = np.random.default_rng(17)
+    cache = PagedKVCache(schemes.get("nvfp4"), schemes.get("nvfp4"), 2, 16, 8, 128)
+    dc = tb.DeviceCache.from_cache(cache, DEVICE)
+    x = to_dtype_values(kv_tensor(rng, 6, 8, 128, outliers=True), "bfloat16")
+    slots = torch.tensor([3, -1, 4, -1, -1, 20], device=DEVICE)
+    full = {}
+    for name, f in dc.k.fields.items():  # each field a view from row 1 of a larger buffer: row -1 is row 0 there
+        full[name] = torch.full((f.shape[0] + 1, *f.shape[1:]), 0xAB, dtype=f.dtype, device=DEVICE)
+        dc.k.fields[name] = full[name][1:]
+    tb.quantize_write(dc.k, torch.from_numpy(x).to(torch.bfloat16).to(DEVICE), slots, nvfp4_blocks=blocks)
+    written = [1 + s for s in (3, 4, 20)]
+    for name, f in full.items():
+        rows = f.reshape(f.shape[0], -1).cpu()
+        untouched = [r for r in range(rows.shape[0]) if r not in written]
+        assert (rows[untouched] == 0xAB).all() and not (rows[written] == 0xAB).all(), name
 
 
 @settings(max_examples=6 if not GPU else 40, deadline=None, suppress_health_check=list(HealthCheck))

@@ -300,6 +300,17 @@ WRITE_WARPS = 4
 #: float16 roundings by conversion; bench/results/history/ab-h100-session5-write-sweep.log)
 WRITE_WARPS_KIVI_KEYS = 2
 WRITE_MAX_BLOCK_H = 8
+#: NVFP4 writes of bfloat16 input (unrotated) with whole 16-element blocks per thread (plan_write's ``nvfp4_blocks``,
+#: the kernel's NV_BLOCKS) take tiles of about this many elements (2 tokens x 8 heads x 128: one block per thread
+#: with 4 warps, 48 registers on sm_90 against 80 with two blocks per thread)
+NVFP4_BLOCKS_TILE_ELEMS = 2048
+
+
+def nvfp4_blocks_default(device) -> bool:
+    """Whether NVFP4 writes of bfloat16 input take whole blocks per thread (``NV_BLOCKS``) by default: on NVIDIA
+    GPUs (static sm_90 SASS: 20.1 instead of 27.2 instructions per element, 48 instead of 72 registers; not
+    measured on ROCm)."""
+    return _nvidia_gpu(device)
 #: KIVI value writes on NVIDIA GPUs: at most 64 registers per thread (Triton's ``maxnreg``); H100, int4 values with
 #: the reciprocal quotient and three-reduction min/max: 72.8 us (66 registers) -> 70.6 us = 0.82 of the ceiling
 #: (bench/results/history/ab-h100-session6-write-maxnreg.log)
@@ -445,7 +456,7 @@ def settle_partner_lanes(launch, device, d: int):
 
 def plan_write(side: Side, x, slot_mapping, *, block_t: int | None = None, block_h: int | None = None,
                num_warps: int | None = None, hw_fp8: bool | None = None, f16_cvt: bool | None = None,
-               rotation_route: str | None = None):
+               rotation_route: str | None = None, nvfp4_blocks: bool | None = None):
     """The launch of :func:`quantize_write` (checked on the host first). ``block_t``/``block_h``/``num_warps``:
     the tile and warps (default :func:`write_tile`, WRITE_WARPS; KIVI keys always take BLOCK_T = G);
     ``hw_fp8``: OCP FP8 codes by the hardware conversion (default: :func:`hardware_fp8_encode` of x's
@@ -453,7 +464,9 @@ def plan_write(side: Side, x, slot_mapping, *, block_t: int | None = None, block
     same bits as the float arithmetic) instead of float arithmetic; default: on NVIDIA GPUs (:func:`f16_cvt_default`),
     where it measured faster (int4 values 0.62 -> 0.77 of the ceiling, keys 0.55 -> 0.63). ``rotation_route``: how
     a rotated side's butterflies move their data (:data:`ROTATION_ROUTES`), the same bits
-    (``codecs.hadamard_rows``); default :func:`rotation_route_default`."""
+    (``codecs.hadamard_rows``); default :func:`rotation_route_default`. ``nvfp4_blocks``: NVFP4 writes of bfloat16
+    input (unrotated; ignored otherwise) with whole 16-element blocks per thread, the same bytes (default
+    :func:`nvfp4_blocks_default`; its default tile: NVFP4_BLOCKS_TILE_ELEMS elements)."""
     import triton
 
     from kvqref.kernels.codecs import INTERPRET
@@ -497,12 +510,16 @@ def plan_write(side: Side, x, slot_mapping, *, block_t: int | None = None, block
     for t in fields:
         strides += [t.stride(0), t.stride(1)]
     dt, dh = write_tile(cfg["kind"], kv_heads, head_dim, cfg.get("group", 1))
+    nv_blocks = False
     if cfg["kind"] == "int_k":
         block_t, block_h = dt, block_h or dh
         if n % block_t:
             raise ValueError(f"{side.scheme.name} keys are written in whole groups of {block_t} tokens, got {n}")
     else:
-        block_t, block_h = block_t or dt, block_h or dh
+        block_h = block_h or dh
+        nv_blocks = nvfp4_blocks_default(x.device) if nvfp4_blocks is None else bool(nvfp4_blocks)
+        nv_blocks = nv_blocks and cfg["kind"] == "nvfp4" and x.dtype == torch.bfloat16 and rotation is None
+        block_t = block_t or (max(1, NVFP4_BLOCKS_TILE_ELEMS // (block_h * head_dim)) if nv_blocks else dt)
     sc = side.tensor_scale
     if cfg.get("sglang") == 2:  # torch's x * (1 / s): the reciprocal rounded to float32 once, on the host
         sc = (1.0 / sc.double()).float()
@@ -518,7 +535,8 @@ def plan_write(side: Side, x, slot_mapping, *, block_t: int | None = None, block
               HW_FP8=bool(hw and cfg.get("fmt", 0) in (0, 1)),
               F16_CVT=f16_cvt_default(x.device) if f16_cvt is None else bool(f16_cvt),
               ROTATE=rotation is not None, RDT=rdt, ROT_ROUTE=ROTATION_ROUTES[rotation_route],
-              ROT_LANE_H=16, ROT_LANE_N=8, ROT_SHFL=rotation_route == "shfl")
+              ROT_LANE_H=16, ROT_LANE_N=8, ROT_SHFL=rotation_route == "shfl",
+              NV_BLOCKS=nv_blocks)
     # rotated: no FP contraction anywhere in the kernel, so the float32 rotation is the oracle's bit for bit
     # whatever consumes it (docs/rotation.md; the butterflies themselves hold no multiply to contract)
     options = {"num_warps": num_warps or (WRITE_WARPS_KIVI_KEYS if cfg["kind"] == "int_k" else WRITE_WARPS)}

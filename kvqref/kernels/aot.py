@@ -164,6 +164,9 @@ def _launches(target: str, cases: list | None = None, page: int = 16) -> list[tu
             out.append((f"write[{label}]", tb.plan_write(side, x, torch.arange(16), hw_fp8=hw)))
             if "kivi" in name:  # float16 roundings by conversion instructions (plan_write's f16_cvt)
                 out.append((f"write[{label},f16cvt]", tb.plan_write(side, x, torch.arange(16), f16_cvt=True)))
+            if name == "nvfp4" and "rotation" not in opts:  # whole blocks per thread (plan_write's nvfp4_blocks)
+                out.append((f"write[{label},blocks]", tb.plan_write(side, x, torch.arange(16), hw_fp8=hw,
+                                                                    nvfp4_blocks=True)))
             if "rotation" in opts:  # the butterflies' other routes (plan_write's rotation_route): the portable ones,
                 # and on CUDA the warp shuffles (their lanes settled on sm_90's layout and checked per target below)
                 default = tb.rotation_route_default(tb.kernel_config(side.codec)["kind"])

@@ -273,6 +273,32 @@ def encode_e2m1(x, CLAMP: tl.constexpr):
 
 
 @triton.jit
+def _e2m1_grid_bits(q):
+    """Bits of ``t = q + M`` for a float32 ``0 <= q < 7``: ``M = 2**(max(floor(log2 q), 0) + 22) + 214 ulp`` (bits
+    ``(e + 149) << 23 | 214``), whose ulp is the E2M1 spacing at ``q``, so the one IEEE addition rounds ``q`` to
+    the E2M1 grid, ties to even (214 is even: the result's parity is the grid index's), and ``t`` holds the
+    exponent ``e + 149`` and ``214 + k`` (``k`` the grid index, code = ``k + 2 e``) in its low bits."""
+    m = tl.maximum((q.to(tl.int32, bitcast=True) & 0x7F800000) + ((22 << 23) + 214), 0x3F800000 + (22 << 23) + 214)
+    return (q + m.to(tl.float32, bitcast=True)).to(tl.int32, bitcast=True)
+
+
+@triton.jit
+def e2m1_pair_bytes(qe, qo, sw):
+    """Bytes of E2M1 pairs from magnitudes: RNE E2M1 codes of ``qe`` (even element, low nibble) and ``qo`` (odd,
+    high nibble), float32 in [0, 7) (codes 0..7: no saturation is needed below 7), and the signs from ``sw``
+    (int32: the even element's sign at bit 15, the odd's at bit 31, every other bit 0: a bfloat16 pair word
+    ``& 0x80008000``). The byte is built in the top byte of ``B = te (2**24 + 4) + sw + to (2**28 + 2**6) +
+    (sw << 12)`` (mod 2**32, ``te``/``to`` from :func:`_e2m1_grid_bits`): ``te << 24`` puts ``214 + k`` and
+    ``te << 2`` the exponent byte ``2 e + 298 = 2 e + 42 (mod 256)`` into bits 24..31, which sum to ``256 + code``,
+    i.e. the code (``te``'s other bits land below bit 24, as do sw's bit 15 and the odd part's; together below
+    2**16, no carry); likewise ``to`` gives ``(6 + k) + (2 e + 10) = 16 + code`` in bits 28..31; ``sw`` puts the odd
+    sign at bit 31, ``sw << 12`` the even sign at bit 27. Two multiply-adds and a shift-add per pair."""
+    b = _e2m1_grid_bits(qe) * 0x1000004 + sw
+    b = _e2m1_grid_bits(qo) * 0x10000040 + b
+    return ((b + (sw << 12)) >> 24).to(tl.uint8)
+
+
+@triton.jit
 def _encode_fp8_hw(x, FMT: tl.constexpr, SATURATE: tl.constexpr):
     """OCP FP8 code of a finite-or-NaN float32 by the hardware conversion (RNE, saturating to max
     finite); non-saturating overflow moves the saturated code one step up (E4M3FN: 0x7E -> NaN 0x7F,

@@ -32,6 +32,7 @@ import triton.language as tl
 from kvqref.kernels.codecs import (
     bf16_bits_to_f32,
     ceil_log2_f32,
+    e2m1_pair_bytes,
     e4m3_normal_bits,
     encode_e2m1,
     encode_f32,
@@ -231,6 +232,39 @@ def _kivi_quant(x16, mn, mx, MAXINT: tl.constexpr, F16_CVT: tl.constexpr, RCP: t
 
 
 @triton.jit
+def _nv_half(v, A: tl.constexpr, B: tl.constexpr, C: tl.constexpr, HB: tl.constexpr):
+    """One half block of NVFP4 input, ``v`` the loaded bfloat16 [A, B, C, HB], as element pairs: the
+    magnitudes |x| of the even (low nibble) and odd elements as float32 [A, B, C, HB/2], and the pair's sign
+    word (the even element's sign at bit 15, the odd's at bit 31, every other bit 0), all from the 32-bit
+    register holding the pair (bfloat16 widens exactly by a shift)."""
+    we, wo = tl.split(tl.reshape(v.to(tl.int16, bitcast=True), (A, B, C, HB // 2, 2)))
+    w = (wo.to(tl.int32) << 16) | (we.to(tl.int32) & 0xFFFF)
+    return ((w << 16) & 0x7FFF0000).to(tl.float32, bitcast=True), (w & 0x7FFF0000).to(tl.float32, bitcast=True), \
+        w & -2147450880  # 0x80008000
+
+
+@triton.jit
+def _nv_quotient(a, lim, dv, r, FAST: tl.constexpr):
+    """NVFP4 quotient of a magnitude ``a``: RN32(min(a, lim) / dv), ``lim`` = RN(6 dv) (so the quotient is below 7):
+    by the reciprocal ``r`` = RN(1 / dv) and one correction when FAST (``a`` a bfloat16 value; a capped one's
+    quotient is not exact but within 2**-21 of 6, code 7 either way), else by division (at most 6: NaN-free where
+    dv under- or overflowed)."""
+    a = tl.minimum(a, lim)
+    if FAST:
+        return _div_by(a, dv, r, 1)
+    else:
+        return tl.minimum(_div(a, dv + tl.zeros_like(a)), 6.0)
+
+
+@triton.jit
+def _nv_store_codes(pc, mask, e_l, o_l, sw_l, e_h, o_h, sw_h, lim, dv, r, FAST: tl.constexpr, HB: tl.constexpr):
+    """Store the NVFP4 code bytes of whole blocks (``pc`` [..., HB]: each block's code bytes, low half first)."""
+    b_l = e2m1_pair_bytes(_nv_quotient(e_l, lim, dv, r, FAST), _nv_quotient(o_l, lim, dv, r, FAST), sw_l)
+    b_h = e2m1_pair_bytes(_nv_quotient(e_h, lim, dv, r, FAST), _nv_quotient(o_h, lim, dv, r, FAST), sw_h)
+    tl.store(pc, tl.reshape(tl.permute(tl.join(b_l, b_h), (0, 1, 2, 4, 3)), pc.shape), mask=mask)
+
+
+@triton.jit
 def quantize_write_kernel(
     X, SLOT, F0, F1, F2, SC, n_tokens, n_heads,
     x_t, x_h, f0_s, f0_h, f1_s, f1_h, f2_s, f2_h,
@@ -241,6 +275,7 @@ def quantize_write_kernel(
     BLOCK_H: tl.constexpr, HW_FP8: tl.constexpr, F16_CVT: tl.constexpr,
     ROTATE: tl.constexpr = False, RDT: tl.constexpr = 0, ROT_ROUTE: tl.constexpr = 0,
     ROT_LANE_H: tl.constexpr = 16, ROT_LANE_N: tl.constexpr = 8, ROT_SHFL: tl.constexpr = False,
+    NV_BLOCKS: tl.constexpr = False,
 ):
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     hh = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -299,6 +334,45 @@ def quantize_write_kernel(
             y = tl.clamp(y, -QUOT_MAX, QUOT_MAX, propagate_nan=tl.PropagateNan.ALL)
         c = encode_f32(y, FMT, SATURATE, HW_FP8)
         tl.store(F0 + s3 * f0_s + h3 * f0_h + d[None, None, :], c.to(tl.uint8), mask=m3)
+    elif KIND == 3 and NV_BLOCKS and X.dtype.element_ty == tl.bfloat16 and not ROTATE:
+        # NVFP4, whole blocks per thread: each 16-element block loaded as two halves of 8 ([NB, BLOCK_T, BLOCK_H, 8]
+        # each), so that one thread holds a whole block (the block maximum in registers, each block scale
+        # computed once); magnitudes as float32 element pairs, the signs put back by the packing
+        # (codecs.e2m1_pair_bytes)
+        NB: tl.constexpr = D // QB
+        HB: tl.constexpr = QB // 2
+        # tiles [NB, BLOCK_T, BLOCK_H, ...]: the block axis first, so that Triton gives the block scales' store the
+        # layout the block maxima come in (lanes along the blocks of a row), not one converted through shared memory
+        nb = tl.arange(0, NB)[:, None, None]
+        rows_x = (t[:, None].to(tl.int64) * x_t + hh[None, :] * x_h)[None, :, :]
+        # loaded for every token in range, written where its slot is not -1 (the loads wait for no slot)
+        mx4 = (tin[:, None] & hm[None, :])[None, :, :, None]
+        px = X + (rows_x + nb * QB)[:, :, :, None] + tl.arange(0, HB)[None, None, None, :]
+        e_l, o_l, sw_l = _nv_half(tl.load(px, mask=mx4, other=0.0), NB, BLOCK_T, BLOCK_H, HB)
+        e_h, o_h, sw_h = _nv_half(tl.load(px + HB, mask=mx4, other=0.0), NB, BLOCK_T, BLOCK_H, HB)
+        amax = tl.max(tl.maximum(tl.maximum(e_l, o_l), tl.maximum(e_h, o_h)), 3)
+        g = tl.load(SC)
+        fast = (g >= NV_G_LO) & (g <= NV_G_HI)
+        if fast:  # amax capped at g * 2**14 (see below): RN(RN(amax / 6) / g) within _div_by's domain
+            s = _div(_div_by(tl.minimum(amax, g * NV_CAP), 6.0, 1.0 / 6.0, 1), g + tl.zeros_like(amax))
+        else:
+            s = _div(_div(amax, tl.full(amax.shape, 6.0, tl.float32)), g + tl.zeros_like(amax))
+        scode, sv = e4m3_normal_bits(tl.minimum(tl.maximum(s, 0.015625), 448.0))
+        dv = (sv * g)[:, :, :, None]
+        # |x| capped at lim = RN(6 dv): a capped element's quotient is 6 within 2**-22 (code 7, as its own quotient,
+        # at least 6 (1 - 2**-24), gives), so every quotient is below 7 (e2m1_pair_bytes' domain)
+        lim = dv * 6.0
+        rows_c = (slot[:, None] * f0_s + hh[None, :] * f0_h)[None, :, :]
+        pc = F0 + (rows_c + nb * HB)[:, :, :, None] + tl.arange(0, HB)[None, None, None, :]
+        m4 = rm[None, :, :, None]
+        if fast:  # the stores in each branch: no per-element tensor leaves it (a runtime branch's results get a
+            # default layout and conversions through shared memory)
+            _nv_store_codes(pc, m4, e_l, o_l, sw_l, e_h, o_h, sw_h, lim, dv,
+                            _div(tl.full(dv.shape, 1.0, tl.float32), dv), True, HB)
+        else:
+            _nv_store_codes(pc, m4, e_l, o_l, sw_l, e_h, o_h, sw_h, lim, dv, dv, False, HB)
+        rows_s = (slot[:, None] * f1_s + hh[None, :] * f1_h)[None, :, :]
+        tl.store(F1 + rows_s + nb, scode.to(tl.uint8), mask=rm[None, :, :])
     elif KIND == 2 or KIND == 3:
         NB: tl.constexpr = D // QB
         xb = tl.reshape(x, (BLOCK_T, BLOCK_H, NB, QB))
