@@ -436,7 +436,7 @@ def settle_partner_lanes(launch, device, d: int):
 
 def plan_write(side: Side, x, slot_mapping, *, block_t: int | None = None, block_h: int | None = None,
                num_warps: int | None = None, hw_fp8: bool | None = None, f16_cvt: bool | None = None,
-               rotation_route: str | None = None):
+               rotation_route: str | None = None, block_d: int | None = None):
     """The launch of :func:`quantize_write` (checked on the host first). ``block_t``/``block_h``/``num_warps``:
     the tile and warps (default :func:`write_tile`, WRITE_WARPS; KIVI keys always take BLOCK_T = G);
     ``hw_fp8``: OCP FP8 codes by the hardware conversion (default: :func:`hardware_fp8_encode` of x's
@@ -444,7 +444,10 @@ def plan_write(side: Side, x, slot_mapping, *, block_t: int | None = None, block
     same bits as the float arithmetic) instead of float arithmetic; default: on NVIDIA GPUs (:func:`f16_cvt_default`),
     where it measured faster (int4 values 0.62 -> 0.77 of the ceiling, keys 0.55 -> 0.63). ``rotation_route``: how
     a rotated side's butterflies move their data (:data:`ROTATION_ROUTES`), the same bits
-    (``codecs.hadamard_rows``); default :func:`rotation_route_default`."""
+    (``codecs.hadamard_rows``); default :func:`rotation_route_default`. ``block_d`` (KIVI keys, unrotated): channels
+    per program, a power of two dividing head_dim (per-channel statistics: each program then quantizes
+    [G tokens, block_d channels] of one head, the grid gains an axis of head_dim // block_d channel blocks, the
+    same bytes); default head_dim (one program per head and group)."""
     import triton
 
     from kvqref.kernels.codecs import INTERPRET
@@ -494,6 +497,16 @@ def plan_write(side: Side, x, slot_mapping, *, block_t: int | None = None, block
             raise ValueError(f"{side.scheme.name} keys are written in whole groups of {block_t} tokens, got {n}")
     else:
         block_t, block_h = block_t or dt, block_h or dh
+    if block_d is not None and block_d != head_dim:
+        if cfg["kind"] != "int_k" or rotation is not None:
+            raise ValueError(f"block_d: KIVI keys without rotation only (per-channel statistics), got "
+                             f"{side.scheme.name}")
+        if not (isinstance(block_d, int) and 0 < block_d < head_dim and head_dim % block_d == 0
+                and block_d & (block_d - 1) == 0 and block_d * cfg["bits"] % 8 == 0):
+            raise ValueError(f"block_d must be a power of two dividing head_dim {head_dim} into whole code bytes, "
+                             f"got {block_d!r}")
+    else:
+        block_d = head_dim
     sc = side.tensor_scale
     if cfg.get("sglang") == 2:  # torch's x * (1 / s): the reciprocal rounded to float32 once, on the host
         sc = (1.0 / sc.double()).float()
@@ -509,7 +522,8 @@ def plan_write(side: Side, x, slot_mapping, *, block_t: int | None = None, block
               HW_FP8=bool(hw and cfg.get("fmt", 0) in (0, 1)),
               F16_CVT=f16_cvt_default(x.device) if f16_cvt is None else bool(f16_cvt),
               ROTATE=rotation is not None, RDT=rdt, ROT_ROUTE=ROTATION_ROUTES[rotation_route],
-              ROT_LANE_H=16, ROT_LANE_N=8, ROT_SHFL=rotation_route == "shfl")
+              ROT_LANE_H=16, ROT_LANE_N=8, ROT_SHFL=rotation_route == "shfl",
+              BLOCK_D=0 if block_d == head_dim else block_d)
     # rotated: no FP contraction anywhere in the kernel, so the float32 rotation is the oracle's bit for bit
     # whatever consumes it (docs/rotation.md; the butterflies themselves hold no multiply to contract)
     options = {"num_warps": num_warps or (WRITE_WARPS_KIVI_KEYS if cfg["kind"] == "int_k" else WRITE_WARPS)}
@@ -518,6 +532,8 @@ def plan_write(side: Side, x, slot_mapping, *, block_t: int | None = None, block
     if cfg["kind"] == "int_v" and _nvidia_gpu(x.device):
         options["maxnreg"] = WRITE_MAXNREG_KIVI_VALUES
     grid = (triton.cdiv(n, block_t), triton.cdiv(kv_heads, block_h))
+    if block_d != head_dim:
+        grid += (head_dim // block_d,)
     launch = Launch(quantize_write_kernel, grid, args, cx, options)
     if rotation_route == "shfl":  # the lane masks must match the layout Triton gives the rows: read it back
         try:
@@ -530,7 +546,7 @@ def plan_write(side: Side, x, slot_mapping, *, block_t: int | None = None, block
                           f"({err}); writing by rotation_route={portable!r} instead (the same bytes, slower)",
                           RuntimeWarning, stacklevel=2)
             return plan_write(side, x, slot_mapping, block_t=block_t, block_h=block_h, num_warps=num_warps,
-                              hw_fp8=hw_fp8, f16_cvt=f16_cvt, rotation_route=portable)
+                              hw_fp8=hw_fp8, f16_cvt=f16_cvt, rotation_route=portable, block_d=block_d)
     return launch
 
 
