@@ -436,7 +436,7 @@ def settle_partner_lanes(launch, device, d: int):
 
 def plan_write(side: Side, x, slot_mapping, *, block_t: int | None = None, block_h: int | None = None,
                num_warps: int | None = None, hw_fp8: bool | None = None, f16_cvt: bool | None = None,
-               rotation_route: str | None = None, block_d: int | None = None):
+               rotation_route: str | None = None, block_d: int | None = None, store_as_loaded: bool = False):
     """The launch of :func:`quantize_write` (checked on the host first). ``block_t``/``block_h``/``num_warps``:
     the tile and warps (default :func:`write_tile`, WRITE_WARPS; KIVI keys always take BLOCK_T = G);
     ``hw_fp8``: OCP FP8 codes by the hardware conversion (default: :func:`hardware_fp8_encode` of x's
@@ -447,7 +447,9 @@ def plan_write(side: Side, x, slot_mapping, *, block_t: int | None = None, block
     (``codecs.hadamard_rows``); default :func:`rotation_route_default`. ``block_d`` (KIVI keys, unrotated): channels
     per program, a power of two dividing head_dim (per-channel statistics: each program then quantizes
     [G tokens, block_d channels] of one head, the grid gains an axis of head_dim // block_d channel blocks, the
-    same bytes); default head_dim (one program per head and group)."""
+    same bytes); default head_dim (one program per head and group). ``store_as_loaded`` (KIVI keys): each thread
+    stores the code bytes it packed and its channels' scales and zeros (the stores take the load's layout: no
+    layout conversion through shared memory; the same bytes)."""
     import triton
 
     from kvqref.kernels.codecs import INTERPRET
@@ -523,7 +525,7 @@ def plan_write(side: Side, x, slot_mapping, *, block_t: int | None = None, block
               F16_CVT=f16_cvt_default(x.device) if f16_cvt is None else bool(f16_cvt),
               ROTATE=rotation is not None, RDT=rdt, ROT_ROUTE=ROTATION_ROUTES[rotation_route],
               ROT_LANE_H=16, ROT_LANE_N=8, ROT_SHFL=rotation_route == "shfl",
-              BLOCK_D=0 if block_d == head_dim else block_d)
+              BLOCK_D=0 if block_d == head_dim else block_d, STORE_AS_LOADED=bool(store_as_loaded))
     # rotated: no FP contraction anywhere in the kernel, so the float32 rotation is the oracle's bit for bit
     # whatever consumes it (docs/rotation.md; the butterflies themselves hold no multiply to contract)
     options = {"num_warps": num_warps or (WRITE_WARPS_KIVI_KEYS if cfg["kind"] == "int_k" else WRITE_WARPS)}
@@ -546,7 +548,8 @@ def plan_write(side: Side, x, slot_mapping, *, block_t: int | None = None, block
                           f"({err}); writing by rotation_route={portable!r} instead (the same bytes, slower)",
                           RuntimeWarning, stacklevel=2)
             return plan_write(side, x, slot_mapping, block_t=block_t, block_h=block_h, num_warps=num_warps,
-                              hw_fp8=hw_fp8, f16_cvt=f16_cvt, rotation_route=portable, block_d=block_d)
+                              hw_fp8=hw_fp8, f16_cvt=f16_cvt, rotation_route=portable, block_d=block_d,
+                              store_as_loaded=store_as_loaded)
     return launch
 
 

@@ -128,6 +128,16 @@ def _e2m1_away(y):
 
 
 @triton.jit
+def _runs(N: tl.constexpr, R: tl.constexpr):
+    """0 .. N - 1 as ``k // R * R + k % R`` (R dividing N): the same values, which the compiler sees contiguous
+    only in runs of R (its vectorization, hence a store's layout, follows); R = N: ``tl.arange`` itself."""
+    k = tl.arange(0, N)
+    if R < N:
+        k = k // R * R + k % R
+    return k
+
+
+@triton.jit
 def _pack_bits(codes, BITS: tl.constexpr, N: tl.constexpr, D: tl.constexpr):
     """[N, D] BITS-bit codes -> [N, D*BITS/8] bytes, LSB first along D (4 bits: element 2i in the low nibble)."""
     a, b = tl.split(tl.reshape(codes, (N, D // 2, 2)))        # a: even, b: odd elements
@@ -241,7 +251,7 @@ def quantize_write_kernel(
     BLOCK_H: tl.constexpr, HW_FP8: tl.constexpr, F16_CVT: tl.constexpr,
     ROTATE: tl.constexpr = False, RDT: tl.constexpr = 0, ROT_ROUTE: tl.constexpr = 0,
     ROT_LANE_H: tl.constexpr = 16, ROT_LANE_N: tl.constexpr = 8, ROT_SHFL: tl.constexpr = False,
-    BLOCK_D: tl.constexpr = 0,
+    BLOCK_D: tl.constexpr = 0, STORE_AS_LOADED: tl.constexpr = False,
 ):
     # W: the channels of a row this program holds: all D, or (KIVI keys, BLOCK_D) channels d0 .. d0 + W - 1 of
     # channel block program_id(2) (per-channel statistics: the blocks are independent)
@@ -364,7 +374,10 @@ def quantize_write_kernel(
         else:
             x16 = round_f16(x, F16_CVT)
         PACKW: tl.constexpr = W * BITS // 8  # code bytes of the program's W channels (contiguous in the row)
-        i = d0 * BITS // 8 + tl.arange(0, PACKW)
+        # STORE_AS_LOADED (KIVI keys): the stores' offsets seen contiguous only in runs of one thread's channels
+        # (its 16-byte load: VEC channels, VEC * BITS / 8 code bytes), so Triton gives the stores the load's layout
+        VEC: tl.constexpr = min(128 // X.dtype.element_ty.primitive_bitwidth, W) if STORE_AS_LOADED else W
+        i = d0 * BITS // 8 + _runs(PACKW, VEC * BITS // 8)
         if KIND == 4:
             NG: tl.constexpr = D // G
             xg = tl.reshape(x16, (BLOCK_T, BLOCK_H, NG, G))
@@ -383,9 +396,10 @@ def quantize_write_kernel(
             last = tl.max(tl.where(tm, slot, -1), 0)
             grp = last // G
             gm = hm[:, None] & ((tl.zeros((W,), tl.int64) + last) >= 0)[None, :]
-            hd = hh[:, None] * f1_h + d[None, :]
-            tl.store(F1 + grp * f1_s + hd, tl.reshape(scale, (BLOCK_H, W)).to(tl.float16), mask=gm)
-            tl.store(F2 + grp * f2_s + hh[:, None] * f2_h + d[None, :], mn.to(tl.float16), mask=gm)
+            ds = d0 + _runs(W, VEC)  # = d
+            tl.store(F1 + grp * f1_s + hh[:, None] * f1_h + ds[None, :], tl.reshape(scale, (BLOCK_H, W)).to(tl.float16),
+                     mask=gm)
+            tl.store(F2 + grp * f2_s + hh[:, None] * f2_h + ds[None, :], mn.to(tl.float16), mask=gm)
         codes = tl.reshape(_pack_bits(tl.reshape(q, (BLOCK_T * BLOCK_H, W)), BITS, BLOCK_T * BLOCK_H, W),
                            (BLOCK_T, BLOCK_H, PACKW))
         tl.store(F0 + s3 * f0_s + h3 * f0_h + i[None, None, :], codes, mask=m3)
