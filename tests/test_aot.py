@@ -47,8 +47,11 @@ def test_every_kernel_compiles_for_rocm_and_cuda_targets():
         # + the rotated write cases by their other butterfly routes (``rotation_route``): split/join or sums (the
         # one that is not the default), gather, and on CUDA the warp shuffles
         sums = sum("rotation" in c[1] for c in WRITE_CASES) * (3 if t.startswith("cuda") else 2)
+        # + unrotated KIVI key writes by channel blocks: block_d 64 (2 warps), block_d 32 (1 warp, store_as_loaded)
+        blocks = 2 * sum(c[1].get("role") == "key" and "rotation" not in c[1] for c in WRITE_CASES)
         assert len(rows) == (2 * len(DECODE_CASES) + len(SHARED_KERNELS) + len(WRITE_CASES) + ptx + f16cvt
-                             + rows_off + kt4 + ktile_off + sums), t
+                             + rows_off + kt4 + ktile_off + sums + blocks), t
+        assert blocks and sum(",block_d=" in r["kernel"] for r in rows) == blocks, t
         assert {r["kernel"] for r in rows} >= {*SHARED_KERNELS, "decode[fp8_e4m3+H]", "write[fp4_e2m1-hadamard-5]"}
         assert all(r["code_bytes"] > 1000 for r in rows)
         shfl = [r for r in rows if r["kernel"].endswith(",shfl]")]  # lane masks checked against each layout

@@ -164,6 +164,12 @@ def _launches(target: str, cases: list | None = None, page: int = 16) -> list[tu
             out.append((f"write[{label}]", tb.plan_write(side, x, torch.arange(16), hw_fp8=hw)))
             if "kivi" in name:  # float16 roundings by conversion instructions (plan_write's f16_cvt)
                 out.append((f"write[{label},f16cvt]", tb.plan_write(side, x, torch.arange(16), f16_cvt=True)))
+            if opts.get("role") == "key" and "rotation" not in opts:  # KIVI keys by channel blocks (block_d), one
+                # warp, stores in the load's layout (store_as_loaded)
+                for bd, nw, sal in ((64, 2, False), (32, 1, True)):
+                    out.append((f"write[{label},block_d={bd},w{nw}{',sal' if sal else ''}]",
+                                tb.plan_write(side, x, torch.arange(16), f16_cvt=True, block_d=bd, num_warps=nw,
+                                              store_as_loaded=sal)))
             if "rotation" in opts:  # the butterflies' other routes (plan_write's rotation_route): the portable ones,
                 # and on CUDA the warp shuffles (their lanes settled on sm_90's layout and checked per target below)
                 default = tb.rotation_route_default(tb.kernel_config(side.codec)["kind"])
