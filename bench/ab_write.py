@@ -28,8 +28,11 @@ Checks, before any timing (the run stops with exit code 1 if one fails):
   ``[slot, head, byte, base byte, new byte]``.
 Rounds alternate base and new (and ``new-rows``, NVFP4 writes only: the current kernel with its rows layout,
 ``plan_write(nvfp4_blocks=False)``, whose tile the baseline takes too, while ``new`` has whole blocks per thread).
-``--sweep`` times the new kernel over tile shapes (BLOCK_T, BLOCK_H), warps,
-and for KIVI float16 rounding by conversion instructions, and prints the best per scheme.
+``--sweep`` times the new kernel over tile shapes (BLOCK_T, BLOCK_H), warps, and for KIVI float16 rounding by
+conversion instructions, and prints the best per scheme; for KIVI keys also over channel blocks (``--block-d``,
+``plan_write``'s ``block_d``) x 1 or 2 warps x stores in the load's layout or not (``store_as_loaded``), float16
+roundings by conversion, each such variant's bytes first checked equal to the base's on the random and the edge
+input (a difference fails the run, as above).
 """
 
 from __future__ import annotations
@@ -255,6 +258,8 @@ def main() -> int:
     ap.add_argument("--maxnreg", default="",
                     help="with --sweep: also time the default launch capped at each of these registers per thread "
                          "(comma-separated; Triton's CUDA option maxnreg)")
+    ap.add_argument("--block-d", default="128,64,32",
+                    help="with --sweep, KIVI keys: channels per program to time (comma-separated; block_d)")
     ap.add_argument("--no-proofs", action="store_true")
     ap.add_argument("--smoke", action="store_true",
                     help="CPU plumbing check under TRITON_INTERPRET=1: 256 tokens, exactness only, no timing")
@@ -316,6 +321,13 @@ def main() -> int:
                            tb.plan_write(side, x, slots, block_t=bt, block_h=bh, num_warps=nw, f16_cvt=cvt))
                           for (bt, bh), nw, cvt in ((t, w, c) for t in tiles for w in warps
                                                     for c in ((False, True) if kind >= 4 else (False,)))]
+            checked = []  # KIVI keys by channel blocks: bytes checked against the base before timing
+            for bd, nw, sal in ([(bd, nw, sal) for bd in (int(v) for v in args.block_d.split(",") if v)
+                                 for nw in (1, 2) for sal in (False, True)] if kind == 5 else []):
+                checked.append(({"BLOCK_D": bd, "num_warps": nw, "store_as_loaded": sal, "F16_CVT": True},
+                                tb.plan_write(side, x, slots, num_warps=nw, f16_cvt=True, block_d=bd,
+                                              store_as_loaded=sal)))
+            candidates += checked
             for reg in (int(r) for r in args.maxnreg.split(",") if r):  # the default launch, registers capped
                 launch = tb.plan_write(side, x, slots)
                 launch.options["maxnreg"] = reg
@@ -323,6 +335,14 @@ def main() -> int:
                                                                                          "F16_CVT")},
                                     "num_warps": launch.options["num_warps"]}, launch))
             for cfg, launch in candidates:
+                if any(launch is c[1] for c in checked):
+                    bad = {"random": compare(side, [old, launch], x),
+                           "edges": compare(side, [old, launch], edge_input(x, label))}
+                    doc["exactness"][f"{label} sweep {cfg}"] = bad
+                    if any(bad.values()):
+                        ok = False
+                        print(label, "sweep", cfg, "bytes differing from the base:", bad, flush=True)
+                        continue
                 try:
                     us = bench_ms(launch) * 1e3
                 except Exception as exc:  # noqa: BLE001 - report and go on (e.g. out of registers)

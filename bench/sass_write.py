@@ -1,7 +1,8 @@
 """SASS instruction mix of the quantize-on-write kernel per scheme (sm_90 cubin, built on this CPU machine).
 
     python3 bench/sass_write.py [--cases nvfp4,int4_kivi-k] [--tile BT,BH] [--warps W] [--dump DIR]
-                                [--routes none,split,sums,gather,shfl]
+                                [--routes none,split,sums,gather,shfl] [--block-d 128,64,32]
+                                [--store-as-loaded]
 
 Builds each write launch of ``bench/ab_write.py`` (the same host code, bf16 input, 8 KV heads x 128, the
 default tile and warps unless given) on the CPU, compiles it for sm_90 as ``python3 -m kvqref.kernels.aot``
@@ -12,6 +13,11 @@ shared memory per program come from the compiled kernel. ``--routes``: each case
 rotated (K seed 1) with the butterflies by each ``plan_write`` ``rotation_route`` (default: ``none`` only).
 ``fast path`` column: the instructions one thread executes on the common path (:func:`fast_path`), per element;
 checked against ncu on the H100 for today's NVFP4 kernel (870 per thread = 27.19 per element, ncu 27.19).
+``--block-d``: KIVI keys by channel blocks of each of these sizes (``plan_write``'s ``block_d``; other cases
+and rotated ones keep the whole head_dim); ``--store-as-loaded``: KIVI keys' stores in the load's layout
+(``plan_write``'s ``store_as_loaded``). ``bar``: barrier instructions (``BAR``: cross-warp exchanges through
+shared memory); ``warps/SM``: the resident warps an sm_90 SM allows for the registers, warps and shared memory
+(:func:`resident_warps`).
 Needs a process without TRITON_INTERPRET.
 """
 
@@ -60,6 +66,20 @@ CASES = [("bf16", "bf16", "k"), ("fp8_e4m3", "fp8_e4m3", "k"), ("fp4_e2m1", "fp4
          ("int2_kivi-k", "int2_kivi", "k"), ("int2_kivi-v", "int2_kivi", "v")]
 
 
+#: sm_90 (H100) per-SM limits: registers, warps, thread blocks, shared memory (bytes, with 1 KiB reserved per block)
+SM90 = {"regs": 65536, "warps": 64, "blocks": 32, "smem": 228 * 1024, "smem_reserved": 1024}
+
+
+def resident_warps(regs: int, warps: int, smem: int, sm: dict = SM90) -> int:
+    """Warps of ``warps``-warp programs resident on one SM: registers are allocated per warp in units of 256
+    (8 per thread) from 4 sub-partitions of a quarter of the file each; at most ``blocks`` programs and ``warps``
+    warps; shared memory per program plus the reserve."""
+    per_warp = -(-regs // 8) * 8 * 32
+    by_regs = 4 * ((sm["regs"] // 4) // per_warp) // warps
+    by_smem = sm["smem"] // (smem + sm["smem_reserved"])
+    return min(by_regs, sm["blocks"], by_smem, sm["warps"] // warps) * warps
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cases", default=",".join(c[0] for c in CASES))
@@ -72,6 +92,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dump", help="write each kernel's SASS here")
     ap.add_argument("--routes", default="none", help="none (unrotated) and/or rotated by rotation_route: "
                     "split, sums, gather, shfl (comma-separated)")
+    ap.add_argument("--block-d", default="", help="KIVI keys: channels per program (comma-separated; plan_write's "
+                    "block_d; default the whole head_dim)")
+    ap.add_argument("--store-as-loaded", action="store_true", help="KIVI keys: stores in the load's layout")
     args = ap.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise SystemExit("needs a process without TRITON_INTERPRET=1")
@@ -80,17 +103,23 @@ def main(argv: list[str] | None = None) -> int:
     from kvqref.backends import triton_backend as tb
 
     cols = list(UNITS) + ["other"]
-    print("| kernel | route | tile | warps | regs | smem B | instr. | per elem. | fast path | fast per elem. | "
-          + " | ".join(cols) + " |")
-    print("|---|---|---|---|---|---|---|---|---|---|" + "---|" * len(cols))
-    for (label, scheme_label, side_name), route in ((c, r) for c in CASES if c[0] in args.cases.split(",")
-                                                    for r in args.routes.split(",")):
+    print("| kernel | route | tile | warps | regs | smem B | warps/SM | instr. | per elem. | fast path "
+          "| fast per elem. | bar | " + " | ".join(cols) + " |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|" + "---|" * len(cols))
+    block_ds = [int(v) for v in args.block_d.split(",") if v] or [None]
+    for (label, scheme_label, side_name), route, bd in (
+            (c, r, b) for c in CASES if c[0] in args.cases.split(",") for r in args.routes.split(",")
+            for b in (block_ds if c[0].endswith("kivi-k") and r == "none" else [None])):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             side, x, slots, _ = write_inputs(scheme_label, tokens=256, side=side_name, device="cpu",
                                              rotation=route != "none")
         kw = {} if route == "none" else {"rotation_route": route}
         kw["nvfp4_blocks"] = args.nvfp4_blocks == "1"
+        if bd is not None:
+            kw["block_d"] = bd
+        if args.store_as_loaded and label.endswith("kivi-k") and route == "none":
+            kw["store_as_loaded"] = True
         if args.tile:
             kw["block_t"], kw["block_h"] = (int(v) for v in args.tile.split(","))
         launch = tb.plan_write(side, x, slots, num_warps=args.warps, hw_fp8=True, f16_cvt=args.f16_cvt, **kw)
@@ -99,15 +128,20 @@ def main(argv: list[str] | None = None) -> int:
         sass, regs, smem = sass_of(launch)
         if args.dump:
             Path(args.dump).mkdir(parents=True, exist_ok=True)
-            (Path(args.dump) / f"write_{label}{'' if route == 'none' else '-' + route}.sass").write_text(sass)
+            variant = (('' if route == 'none' else '-' + route) + ('' if bd is None else f'-d{bd}')
+                       + ('-sal' if kw.get("store_as_loaded") else ''))
+            (Path(args.dump) / f"write_{label}{variant}-w{launch.options['num_warps']}.sass").write_text(sass)
         body = parse(sass)
         fast = fast_path(sass)
         c = unit_counts(body)
         cx = launch.constexprs
         warps = launch.options["num_warps"]
-        per_thread = cx["BLOCK_T"] * cx["BLOCK_H"] * cx["D"] / (32 * warps)
-        print(f"| {label} | {route} | {cx['BLOCK_T']}x{cx['BLOCK_H']} | {warps} | {regs} | {smem} | {len(body)} | "
-              f"{len(body) / per_thread:.1f} | {fast} | {fast / per_thread:.2f} | "
+        width = cx.get("BLOCK_D") or cx["D"]
+        per_thread = cx["BLOCK_T"] * cx["BLOCK_H"] * width / (32 * warps)
+        bars = sum(op == "BAR" for _a, op, _m, _args in body)
+        print(f"| {label} | {route} | {cx['BLOCK_T']}x{cx['BLOCK_H']}x{width} | {warps} | {regs} | {smem} | "
+              f"{resident_warps(regs, warps, smem)} | {len(body)} | {len(body) / per_thread:.1f} | {fast} | "
+              f"{fast / per_thread:.2f} | {bars} | "
               + " | ".join(str(c.get(k, 0)) for k in cols) + " |", flush=True)
     return 0
 

@@ -49,9 +49,12 @@ def test_every_kernel_compiles_for_rocm_and_cuda_targets():
         sums = sum("rotation" in c[1] for c in WRITE_CASES) * (3 if t.startswith("cuda") else 2)
         # + unrotated NVFP4 writes with whole blocks per thread (``nvfp4_blocks``), every target
         nvb = sum(c[0] == "nvfp4" and "rotation" not in c[1] for c in WRITE_CASES)
+        # + unrotated KIVI key writes by channel blocks: block_d 64 (1 warp, store_as_loaded), block_d 32 (2 warps)
+        blocks = 2 * sum(c[1].get("role") == "key" and "rotation" not in c[1] for c in WRITE_CASES)
         assert len(rows) == (2 * len(DECODE_CASES) + len(SHARED_KERNELS) + len(WRITE_CASES) + ptx + f16cvt
-                             + rows_off + kt4 + ktile_off + sums + nvb), t
+                             + rows_off + kt4 + ktile_off + sums + nvb + blocks), t
         assert nvb and all(r["ok"] for r in rows if r["kernel"].endswith(",blocks]")), t
+        assert blocks and sum(",block_d=" in r["kernel"] for r in rows) == blocks, t
         assert {r["kernel"] for r in rows} >= {*SHARED_KERNELS, "decode[fp8_e4m3+H]", "write[fp4_e2m1-hadamard-5]"}
         assert all(r["code_bytes"] > 1000 for r in rows)
         shfl = [r for r in rows if r["kernel"].endswith(",shfl]")]  # lane masks checked against each layout

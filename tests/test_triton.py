@@ -323,22 +323,108 @@ def test_kivi_write_of_bfloat16_signed_zeros(name, opts):
     """KIVI from bfloat16 input (the kernel's bfloat16 float16 rounding and its integer-key min/max): groups of
     -0.0 only, of both zeros, of negatives with +0.0 and of positives with -0.0 (the stored min/max follow
     -0.0 < +0.0), and bfloat16 values in float16's subnormal range (rounded to multiples of 2**-24, ties)."""
-    from kvqref.conformance import to_dtype_values
-
     rng = np.random.default_rng(11)
     G = opts["group_size"]
-    x = kv_tensor(rng, 2 * G, 2, 128, outliers=False)
+    x = _signed_zero_input(rng, G)
+    ok, detail = triton_write_matches(name, {**opts, "residual": 0}, x, G, rng, dtype="bfloat16")
+    assert ok, f"{name} {opts}: {detail}"
+
+
+def _signed_zero_input(rng: np.random.Generator, G: int, tokens: int | None = None) -> np.ndarray:
+    """bfloat16 values [tokens (default 2 G), 2, 128] for the KIVI signed-zero checks: groups / key columns of
+    -0.0 only, of both zeros, negatives with +0.0, positives with -0.0, float16-subnormal-range values, and
+    (keys) constant columns, whose scale is 0 and codes 0."""
+    from kvqref.conformance import to_dtype_values
+
+    x = kv_tensor(rng, tokens or 2 * G, 2, 128, outliers=False)
+    n = x.shape[0]
     x[:, 0, :G] = -0.0                                   # value groups / key columns of -0.0 only
-    x[:, 1, :G] = np.where(rng.random((2 * G, G)) < 0.5, -0.0, 0.0)  # both zeros
+    x[:, 1, :G] = np.where(rng.random((n, G)) < 0.5, -0.0, 0.0)  # both zeros
     x[:, 0, G:2 * G] = -np.abs(x[:, 0, G:2 * G])
     x[::3, 0, G:2 * G] = 0.0                             # negatives and +0.0: the max is +0.0
     x[:, 1, G:2 * G] = np.abs(x[:, 1, G:2 * G])
     x[::3, 1, G:2 * G] = -0.0                            # positives and -0.0: the min is -0.0
     tiny = np.array([2.0**-25, 3 * 2.0**-26, 2.0**-20 + 2.0**-27, -(2.0**-24) * 1.5, 2.0**-17 * 1.25, -(2.0**-30)])
     x[5, :, 2 * G:2 * G + tiny.size] = tiny
-    x = to_dtype_values(x, "bfloat16").astype(np.float32)
-    ok, detail = triton_write_matches(name, {**opts, "residual": 0}, x, G, rng, dtype="bfloat16")
-    assert ok, f"{name} {opts}: {detail}"
+    x[:, :, 120:124] = np.array([1.5, -3.0, 0.0, 2.0**-20])  # constant key columns (scale 0)
+    return to_dtype_values(x, "bfloat16").astype(np.float32)
+
+
+KIVI_KEY_CASES = [c for c in KIVI_CASES if c[1]["role"] == "key"]
+#: KIVI key write layouts (plan_write's block_d, num_warps, store_as_loaded): the same bytes
+KEY_LAYOUTS = [{"block_d": 64}, {"block_d": 32, "num_warps": 1}, {"block_d": 16, "store_as_loaded": True},
+               {"store_as_loaded": True}, {"block_d": 64, "num_warps": 1, "store_as_loaded": True}]
+KEY_LAYOUT_IDS = ["-".join(f"{k}={v}" for k, v in o.items()) for o in KEY_LAYOUTS]
+
+
+@pytest.mark.parametrize("launch", KEY_LAYOUTS, ids=KEY_LAYOUT_IDS)
+@pytest.mark.parametrize("name,opts", KIVI_KEY_CASES, ids=[f"{n}-{o['group_size']}" for n, o in KIVI_KEY_CASES])
+def test_kivi_key_write_layouts_equal_oracle(name, opts, launch):
+    """KIVI keys by channel blocks, one warp, and stores in the load's layout: the oracle's bytes on the
+    signed-zero / constant-column input (each program's channels, codes, scales and zeros are its own slice)."""
+    rng = np.random.default_rng(17)
+    G = opts["group_size"]
+    ok, detail = triton_write_matches(name, {**opts, "residual": 0}, _signed_zero_input(rng, G), G, rng,
+                                      dtype="bfloat16", launch=launch)
+    assert ok, f"{name} {opts} {launch}: {detail}"
+
+
+@pytest.mark.parametrize("launch", [{}, *KEY_LAYOUTS], ids=["default", *KEY_LAYOUT_IDS])
+def test_kivi_key_write_leaves_slot_minus_one_rows_out(launch):
+    """Rows with slot -1 in a group are not written and left out of its min/max (the oracle of the written
+    rows: the same scheme with the group size of those rows); a group of -1 rows only writes nothing. An
+    outlier in a skipped row would change every scale of its head if it counted."""
+    from kvqref.paged import PagedKVCache
+
+    rng = np.random.default_rng(19)
+    G, H, D = 16, 2, 128
+    x = _signed_zero_input(rng, G, tokens=2 * G)
+    skipped = [1, 6, G - 1]
+    x[6, :, :] = 30000.0
+    k = schemes.get("int4_kivi", role="key", group_size=G, residual=0)
+    dc = tb.DeviceCache.from_cache(PagedKVCache(k, schemes.get("bf16"), 4, 2 * G, H, D), DEVICE)
+    side = dc.k
+    for t in side.fields.values():
+        t.view(torch.uint8).fill_(0xA5)  # sentinel: bytes never written stay 0xA5
+    slots = torch.arange(G, 3 * G, dtype=torch.int64)  # groups 1 and 2 of the slots
+    slots[skipped] = -1
+    slots[G:] = -1  # the second group: nothing written
+    tb.quantize_write(side, torch.from_numpy(x).to(torch.bfloat16).to(DEVICE), slots.to(DEVICE), **launch)
+    kept = [i for i in range(G) if i not in skipped]
+    want = schemes.get("int4_kivi", role="key", group_size=len(kept), residual=0).quantize(x[kept]).fields
+    got = {f: t.cpu() for f, t in side.fields.items()}
+    assert np.array_equal(got["codes"][[G + i for i in kept]].numpy(), want["codes"]), launch
+    for f in ("scale", "zero"):
+        assert np.array_equal(got[f][1].numpy().view(np.uint16), want[f][0].view(np.uint16)), (f, launch)
+        untouched = [g for g in range(got[f].shape[0]) if g != 1]  # group 2 (all -1) and the unused ones
+        assert (got[f][untouched].view(torch.uint8) == 0xA5).all(), (f, launch)
+    untouched_rows = [i for i in range(got["codes"].shape[0]) if not G <= i < 2 * G or i - G in skipped]
+    assert (got["codes"][untouched_rows] == 0xA5).all(), launch
+
+
+def test_kivi_key_block_d_is_checked_and_adds_a_grid_axis():
+    """plan_write's block_d: KIVI keys without rotation only, a power of two dividing head_dim into whole code
+    bytes; the grid gains head_dim // block_d channel blocks; block_d = head_dim is the default launch."""
+    from kvqref.paged import PagedKVCache
+
+    k = schemes.get("int2_kivi", role="key", group_size=16, residual=0)
+    v = schemes.get("int4_kivi", role="value", group_size=32, residual=0)
+    dc = tb.DeviceCache.from_cache(PagedKVCache(k, v, 2, 16, 2, 128), DEVICE)
+    x, slots = torch.zeros(16, 2, 128, device=DEVICE), torch.full((16,), -1, device=DEVICE)
+    launch = tb.plan_write(dc.k, x, slots, block_d=32)
+    assert launch.grid == (1, 2, 4) and launch.constexprs["BLOCK_D"] == 32
+    default = tb.plan_write(dc.k, x, slots)
+    assert default.grid == tb.plan_write(dc.k, x, slots, block_d=128).grid == (1, 2)
+    assert default.constexprs["BLOCK_D"] == 0 and default.constexprs["STORE_AS_LOADED"] is False
+    for bad in (48, 256, 2, 0):
+        with pytest.raises(ValueError, match="power of two"):
+            tb.plan_write(dc.k, x, slots, block_d=bad)
+    with pytest.raises(ValueError, match="KIVI keys without rotation"):
+        tb.plan_write(dc.v, x, slots, block_d=64)
+    rk = schemes.get("int4_kivi", role="key", group_size=16, residual=0, rotation="hadamard", rotation_seed=3)
+    rdc = tb.DeviceCache.from_cache(PagedKVCache(rk, v, 2, 16, 2, 128), DEVICE)
+    with pytest.raises(ValueError, match="KIVI keys without rotation"):
+        tb.plan_write(rdc.k, x, slots, block_d=64)
 
 
 @pytest.mark.parametrize("blocks", [False, True])
@@ -590,6 +676,40 @@ def test_launch_defaults_are_the_measured_choices():
         assert launch.options["num_warps"] == (2 if pair[0].endswith("kivi") else tb.WRITE_WARPS)
         vlaunch = tb.plan_write(dc.v, x, torch.full((16,), -1, device=DEVICE))  # KIVI values: capped registers
         assert vlaunch.options.get("maxnreg") == (64 if nvidia and pair[0].endswith("kivi") else None), pair[0]
+
+
+@pytest.mark.parametrize("nvidia", [False, True])
+def test_write_layout_defaults_are_the_measured_choices(nvidia, monkeypatch):
+    """Write layouts the H100 A/Bs of session 7 chose (bench/results/ANALYSIS.md): on NVIDIA GPUs NVFP4 writes of
+    bfloat16 input with whole blocks per thread (85.3 -> 70.8 us), 4-bit KIVI keys of head_dim 128 by 64-channel
+    blocks, one warp, stores as loaded (92.6 -> 82.4 us); 2-bit keys (no gain) and head_dim 64 keep whole heads;
+    elsewhere neither. Planned only (``_nvidia_gpu`` stands in for the device, FP8 encoding by integers); an
+    explicit choice wins."""
+    from kvqref.paged import PagedKVCache
+
+    monkeypatch.setattr(tb, "_nvidia_gpu", lambda device: nvidia)
+    slots = torch.full((16,), -1, device=DEVICE)
+    for name, head_dim, chosen in (("int4_kivi", 128, (64, 1, True)), ("int4_kivi", 64, None),
+                                   ("int2_kivi", 128, None)):
+        k, v = (schemes.get(name, role=r, group_size=16, residual=0) for r in ("key", "value"))
+        dc = tb.DeviceCache.from_cache(PagedKVCache(k, v, 2, 16, 8, head_dim), DEVICE)
+        x = torch.zeros(16, 8, head_dim, device=DEVICE)
+        want = chosen if nvidia else None
+        launch = tb.plan_write(dc.k, x, slots, hw_fp8=False)
+        assert launch.constexprs["BLOCK_D"] == (want[0] if want else 0), (name, head_dim)
+        assert launch.options["num_warps"] == (want[1] if want else tb.WRITE_WARPS_KIVI_KEYS), (name, head_dim)
+        assert launch.constexprs["STORE_AS_LOADED"] is (want is not None), (name, head_dim)
+        whole = tb.plan_write(dc.k, x, slots, block_d=head_dim, store_as_loaded=False, hw_fp8=False)
+        assert whole.constexprs["BLOCK_D"] == 0 and whole.constexprs["STORE_AS_LOADED"] is False
+        assert whole.options["num_warps"] == tb.WRITE_WARPS_KIVI_KEYS
+        assert tb.plan_write(dc.v, x, slots, hw_fp8=False).constexprs["BLOCK_D"] == 0  # values: per-token statistics
+    s = schemes.get("nvfp4")
+    dc = tb.DeviceCache.from_cache(PagedKVCache(s, s, 2, 16, 8, 128), DEVICE)
+    x = torch.zeros(16, 8, 128, dtype=torch.bfloat16, device=DEVICE)
+    launch = tb.plan_write(dc.k, x, slots, hw_fp8=False)
+    assert launch.constexprs["NV_BLOCKS"] is nvidia
+    assert launch.constexprs["BLOCK_T"] == (tb.NVFP4_BLOCKS_TILE_ELEMS // (8 * 128) if nvidia else 4)
+    assert tb.plan_write(dc.k, x, slots, nvfp4_blocks=False, hw_fp8=False).constexprs["NV_BLOCKS"] is False
 
 
 @pytest.mark.parametrize("name", ["fp8_e4m3", "fp4_e2m1", "mxfp4", "nvfp4", "int4_kivi", "bf16"])

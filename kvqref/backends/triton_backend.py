@@ -308,9 +308,21 @@ NVFP4_BLOCKS_TILE_ELEMS = 2048
 
 def nvfp4_blocks_default(device) -> bool:
     """Whether NVFP4 writes of bfloat16 input take whole blocks per thread (``NV_BLOCKS``) by default: on NVIDIA
-    GPUs (static sm_90 SASS: 20.1 instead of 27.2 instructions per element, 48 instead of 72 registers; not
-    measured on ROCm)."""
+    GPUs (static sm_90 SASS: 20.1 instead of 27.2 instructions per element, 48 instead of 72 registers; H100:
+    85.3 -> 70.8 us, 0.66 -> 0.80 of the ceiling, bench/results/history/ab-h100-session7-write-nvfp4-blocks.log;
+    not measured on ROCm)."""
     return _nvidia_gpu(device)
+
+
+def kivi_key_blocks_default(bits: int, head_dim: int, device) -> tuple[int, int, bool] | None:
+    """(block_d, num_warps, store_as_loaded) of unrotated KIVI key writes by default, or None for whole heads
+    (WRITE_WARPS_KIVI_KEYS warps, stores converted): on NVIDIA GPUs 4-bit keys of head_dim > 64 by 64-channel
+    blocks, one warp, stores in the load's layout (H100: int4 keys 92.6 -> 82.4 us, 0.62 -> 0.70 of the ceiling;
+    2-bit keys gained nothing, 88.9 us whole against 89.4 at best by blocks:
+    bench/results/history/ab-h100-session7-write-kivi-key-blocks.log); not measured on ROCm."""
+    if bits == 4 and head_dim > 64 and head_dim % 64 == 0 and _nvidia_gpu(device):
+        return 64, 1, True
+    return None
 #: KIVI value writes on NVIDIA GPUs: at most 64 registers per thread (Triton's ``maxnreg``); H100, int4 values with
 #: the reciprocal quotient and three-reduction min/max: 72.8 us (66 registers) -> 70.6 us = 0.82 of the ceiling
 #: (bench/results/history/ab-h100-session6-write-maxnreg.log)
@@ -456,7 +468,8 @@ def settle_partner_lanes(launch, device, d: int):
 
 def plan_write(side: Side, x, slot_mapping, *, block_t: int | None = None, block_h: int | None = None,
                num_warps: int | None = None, hw_fp8: bool | None = None, f16_cvt: bool | None = None,
-               rotation_route: str | None = None, nvfp4_blocks: bool | None = None):
+               rotation_route: str | None = None, nvfp4_blocks: bool | None = None, block_d: int | None = None,
+               store_as_loaded: bool | None = None):
     """The launch of :func:`quantize_write` (checked on the host first). ``block_t``/``block_h``/``num_warps``:
     the tile and warps (default :func:`write_tile`, WRITE_WARPS; KIVI keys always take BLOCK_T = G);
     ``hw_fp8``: OCP FP8 codes by the hardware conversion (default: :func:`hardware_fp8_encode` of x's
@@ -466,7 +479,13 @@ def plan_write(side: Side, x, slot_mapping, *, block_t: int | None = None, block
     a rotated side's butterflies move their data (:data:`ROTATION_ROUTES`), the same bits
     (``codecs.hadamard_rows``); default :func:`rotation_route_default`. ``nvfp4_blocks``: NVFP4 writes of bfloat16
     input (unrotated; ignored otherwise) with whole 16-element blocks per thread, the same bytes (default
-    :func:`nvfp4_blocks_default`; its default tile: NVFP4_BLOCKS_TILE_ELEMS elements)."""
+    :func:`nvfp4_blocks_default`; its default tile: NVFP4_BLOCKS_TILE_ELEMS elements). ``block_d`` (KIVI keys,
+    unrotated): channels per program, a power of two dividing head_dim (per-channel statistics: each program then
+    quantizes [G tokens, block_d channels] of one head, the grid gains an axis of head_dim // block_d channel
+    blocks, the same bytes). ``store_as_loaded`` (KIVI keys): each thread stores the code bytes it packed and its
+    channels' scales and zeros (the stores take the load's layout: no layout conversion through shared memory; the
+    same bytes). Defaults of both, and of the warps with them: :func:`kivi_key_blocks_default` (else head_dim,
+    stores converted)."""
     import triton
 
     from kvqref.kernels.codecs import INTERPRET
@@ -520,6 +539,21 @@ def plan_write(side: Side, x, slot_mapping, *, block_t: int | None = None, block
         nv_blocks = nvfp4_blocks_default(x.device) if nvfp4_blocks is None else bool(nvfp4_blocks)
         nv_blocks = nv_blocks and cfg["kind"] == "nvfp4" and x.dtype == torch.bfloat16 and rotation is None
         block_t = block_t or (max(1, NVFP4_BLOCKS_TILE_ELEMS // (block_h * head_dim)) if nv_blocks else dt)
+    if block_d is None and cfg["kind"] == "int_k" and rotation is None:
+        chosen = kivi_key_blocks_default(cfg["bits"], head_dim, x.device)
+        if chosen is not None:
+            block_d, num_warps = chosen[0], num_warps or chosen[1]
+            store_as_loaded = chosen[2] if store_as_loaded is None else store_as_loaded
+    if block_d is not None and block_d != head_dim:
+        if cfg["kind"] != "int_k" or rotation is not None:
+            raise ValueError(f"block_d: KIVI keys without rotation only (per-channel statistics), got "
+                             f"{side.scheme.name}")
+        if not (isinstance(block_d, int) and 0 < block_d < head_dim and head_dim % block_d == 0
+                and block_d & (block_d - 1) == 0 and block_d * cfg["bits"] % 8 == 0):
+            raise ValueError(f"block_d must be a power of two dividing head_dim {head_dim} into whole code bytes, "
+                             f"got {block_d!r}")
+    else:
+        block_d = head_dim
     sc = side.tensor_scale
     if cfg.get("sglang") == 2:  # torch's x * (1 / s): the reciprocal rounded to float32 once, on the host
         sc = (1.0 / sc.double()).float()
@@ -536,7 +570,8 @@ def plan_write(side: Side, x, slot_mapping, *, block_t: int | None = None, block
               F16_CVT=f16_cvt_default(x.device) if f16_cvt is None else bool(f16_cvt),
               ROTATE=rotation is not None, RDT=rdt, ROT_ROUTE=ROTATION_ROUTES[rotation_route],
               ROT_LANE_H=16, ROT_LANE_N=8, ROT_SHFL=rotation_route == "shfl",
-              NV_BLOCKS=nv_blocks)
+              NV_BLOCKS=nv_blocks, BLOCK_D=0 if block_d == head_dim else block_d,
+              STORE_AS_LOADED=bool(store_as_loaded))
     # rotated: no FP contraction anywhere in the kernel, so the float32 rotation is the oracle's bit for bit
     # whatever consumes it (docs/rotation.md; the butterflies themselves hold no multiply to contract)
     options = {"num_warps": num_warps or (WRITE_WARPS_KIVI_KEYS if cfg["kind"] == "int_k" else WRITE_WARPS)}
@@ -545,6 +580,8 @@ def plan_write(side: Side, x, slot_mapping, *, block_t: int | None = None, block
     if cfg["kind"] == "int_v" and _nvidia_gpu(x.device):
         options["maxnreg"] = WRITE_MAXNREG_KIVI_VALUES
     grid = (triton.cdiv(n, block_t), triton.cdiv(kv_heads, block_h))
+    if block_d != head_dim:
+        grid += (head_dim // block_d,)
     launch = Launch(quantize_write_kernel, grid, args, cx, options)
     if rotation_route == "shfl":  # the lane masks must match the layout Triton gives the rows: read it back
         try:
@@ -558,7 +595,8 @@ def plan_write(side: Side, x, slot_mapping, *, block_t: int | None = None, block
                               f"layout ({err}); writing by rotation_route={portable!r} instead (the same bytes, "
                               "slower)", RuntimeWarning, stacklevel=2)
             return plan_write(side, x, slot_mapping, block_t=block_t, block_h=block_h, num_warps=num_warps,
-                              hw_fp8=hw_fp8, f16_cvt=f16_cvt, rotation_route=portable)
+                              hw_fp8=hw_fp8, f16_cvt=f16_cvt, rotation_route=portable, block_d=block_d,
+                              store_as_loaded=store_as_loaded)
     return launch
 
 

@@ -167,6 +167,12 @@ def _launches(target: str, cases: list | None = None, page: int = 16) -> list[tu
             if name == "nvfp4" and "rotation" not in opts:  # whole blocks per thread (plan_write's nvfp4_blocks)
                 out.append((f"write[{label},blocks]", tb.plan_write(side, x, torch.arange(16), hw_fp8=hw,
                                                                     nvfp4_blocks=True)))
+            if opts.get("role") == "key" and "rotation" not in opts:  # KIVI keys by channel blocks (block_d): 64
+                # channels, one warp, stores in the load's layout (NVIDIA's default for 4-bit keys), and 32 / 2 warps
+                for bd, nw, sal in ((64, 1, True), (32, 2, False)):
+                    out.append((f"write[{label},block_d={bd},w{nw}{',sal' if sal else ''}]",
+                                tb.plan_write(side, x, torch.arange(16), f16_cvt=True, block_d=bd, num_warps=nw,
+                                              store_as_loaded=sal)))
             if "rotation" in opts:  # the butterflies' other routes (plan_write's rotation_route): the portable ones,
                 # and on CUDA the warp shuffles (their lanes settled on sm_90's layout and checked per target below)
                 default = tb.rotation_route_default(tb.kernel_config(side.codec)["kind"])

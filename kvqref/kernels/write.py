@@ -129,6 +129,16 @@ def _e2m1_away(y):
 
 
 @triton.jit
+def _runs(N: tl.constexpr, R: tl.constexpr):
+    """0 .. N - 1 as ``k // R * R + k % R`` (R dividing N): the same values, which the compiler sees contiguous
+    only in runs of R (its vectorization, hence a store's layout, follows); R = N: ``tl.arange`` itself."""
+    k = tl.arange(0, N)
+    if R < N:
+        k = k // R * R + k % R
+    return k
+
+
+@triton.jit
 def _pack_bits(codes, BITS: tl.constexpr, N: tl.constexpr, D: tl.constexpr):
     """[N, D] BITS-bit codes -> [N, D*BITS/8] bytes, LSB first along D (4 bits: element 2i in the low nibble)."""
     a, b = tl.split(tl.reshape(codes, (N, D // 2, 2)))        # a: even, b: odd elements
@@ -275,11 +285,21 @@ def quantize_write_kernel(
     BLOCK_H: tl.constexpr, HW_FP8: tl.constexpr, F16_CVT: tl.constexpr,
     ROTATE: tl.constexpr = False, RDT: tl.constexpr = 0, ROT_ROUTE: tl.constexpr = 0,
     ROT_LANE_H: tl.constexpr = 16, ROT_LANE_N: tl.constexpr = 8, ROT_SHFL: tl.constexpr = False,
-    NV_BLOCKS: tl.constexpr = False,
+    NV_BLOCKS: tl.constexpr = False, BLOCK_D: tl.constexpr = 0, STORE_AS_LOADED: tl.constexpr = False,
 ):
+    # W: the channels of a row this program holds: all D, or (KIVI keys, BLOCK_D) channels d0 .. d0 + W - 1 of
+    # channel block program_id(2) (per-channel statistics: the blocks are independent)
+    W: tl.constexpr = D if BLOCK_D == 0 else BLOCK_D
+    tl.static_assert(W == D or (KIND == 5 and not ROTATE and D % W == 0 and W * BITS % 8 == 0),
+                     "BLOCK_D < D: KIVI keys only, unrotated, dividing D, whole code bytes")
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     hh = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    d = tl.arange(0, D)
+    if W == D:
+        d0 = 0
+        d = tl.arange(0, D)
+    else:
+        d0 = tl.program_id(2) * W
+        d = d0 + tl.arange(0, W)
     tin = t < n_tokens
     slot = tl.load(SLOT + t, mask=tin, other=-1).to(tl.int64)
     tm = tin & (slot >= 0)
@@ -426,8 +446,11 @@ def quantize_write_kernel(
             x16 = round_f16_of_bf16(x)
         else:
             x16 = round_f16(x, F16_CVT)
-        PACKD: tl.constexpr = D * BITS // 8
-        i = tl.arange(0, PACKD)
+        PACKW: tl.constexpr = W * BITS // 8  # code bytes of the program's W channels (contiguous in the row)
+        # STORE_AS_LOADED (KIVI keys): the stores' offsets seen contiguous only in runs of one thread's channels
+        # (its 16-byte load: VEC channels, VEC * BITS / 8 code bytes), so Triton gives the stores the load's layout
+        VEC: tl.constexpr = min(128 // X.dtype.element_ty.primitive_bitwidth, W) if STORE_AS_LOADED else W
+        i = d0 * BITS // 8 + _runs(PACKW, VEC * BITS // 8)
         if KIND == 4:
             NG: tl.constexpr = D // G
             xg = tl.reshape(x16, (BLOCK_T, BLOCK_H, NG, G))
@@ -445,10 +468,11 @@ def quantize_write_kernel(
             # written); one reduction gives both the group and whether anything is written
             last = tl.max(tl.where(tm, slot, -1), 0)
             grp = last // G
-            gm = hm[:, None] & ((tl.zeros((D,), tl.int64) + last) >= 0)[None, :]
-            hd = hh[:, None] * f1_h + d[None, :]
-            tl.store(F1 + grp * f1_s + hd, tl.reshape(scale, (BLOCK_H, D)).to(tl.float16), mask=gm)
-            tl.store(F2 + grp * f2_s + hh[:, None] * f2_h + d[None, :], mn.to(tl.float16), mask=gm)
-        codes = tl.reshape(_pack_bits(tl.reshape(q, (BLOCK_T * BLOCK_H, D)), BITS, BLOCK_T * BLOCK_H, D),
-                           (BLOCK_T, BLOCK_H, PACKD))
+            gm = hm[:, None] & ((tl.zeros((W,), tl.int64) + last) >= 0)[None, :]
+            ds = d0 + _runs(W, VEC)  # = d
+            tl.store(F1 + grp * f1_s + hh[:, None] * f1_h + ds[None, :], tl.reshape(scale, (BLOCK_H, W)).to(tl.float16),
+                     mask=gm)
+            tl.store(F2 + grp * f2_s + hh[:, None] * f2_h + ds[None, :], mn.to(tl.float16), mask=gm)
+        codes = tl.reshape(_pack_bits(tl.reshape(q, (BLOCK_T * BLOCK_H, W)), BITS, BLOCK_T * BLOCK_H, W),
+                           (BLOCK_T, BLOCK_H, PACKW))
         tl.store(F0 + s3 * f0_s + h3 * f0_h + i[None, None, :], codes, mask=m3)
