@@ -11,7 +11,10 @@ unpacking), ``wide`` (0/1: FP4 block scales read as one word per token), ``rows`
 score rows by channel group), ``kt4`` (0/1: FP4 key tiles with tokens as rows), ``ktile`` (0/1: fast KIVI
 keys as c * s + z tiles against the bfloat16 q), ``nreg`` (a register cap), ``p`` (precision: fast/exact).
 Every variant is launched through its module's ``plan_decode`` on the same cache and q; its output is
-compared with the first variant's (max abs difference printed); rounds alternate the variants.
+compared with the first variant's (max abs difference printed); rounds alternate the variants. Each variant's
+launches are timed as the replay of their CUDA graph (as bench/decode_bench.py does; ``--eager``: the Python
+launches), ``hf=1`` puts the KV heads on the grid's fastest axis (``heads_fast``), ``blk`` (0/1): fast NVFP4
+by block rows (``block_rows``).
 """
 
 from __future__ import annotations
@@ -26,12 +29,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from decode_bench import ab_document, bench_ms, make_cache, side_bytes_per_token  # noqa: E402
+from decode_bench import ab_document, bench_ms, graph_replay, make_cache, side_bytes_per_token  # noqa: E402
 
 KEYS = {"bn": ("block_n", int), "w": ("num_warps", int), "s": ("num_stages", int), "sp": ("num_splits", int),
         "ptx": ("ptx_unpack", lambda v: v == "1"), "wide": ("wide_scale_loads", lambda v: v == "1"),
         "rows": ("value_rows", lambda v: v == "1"), "nreg": ("maxnreg", int), "p": ("precision", str),
-        "kt4": ("fp4_keys_by_token", lambda v: v == "1"), "ktile": ("key_tile", lambda v: v == "1")}
+        "kt4": ("fp4_keys_by_token", lambda v: v == "1"), "ktile": ("key_tile", lambda v: v == "1"),
+        "hf": ("heads_fast", lambda v: v == "1"), "blk": ("block_rows", lambda v: v == "1")}
 
 
 def parse_variant(text: str) -> tuple[str, str, dict]:
@@ -55,6 +59,7 @@ def main() -> int:
     ap.add_argument("--variants", default="base; cur")
     ap.add_argument("--shape", default="32,32,8,128,8192")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--eager", action="store_true", help="time the Python launches (default: their CUDA graph)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     mods = {"cur": cur}
@@ -84,7 +89,8 @@ def main() -> int:
                 continue
             diff = 0.0 if ref is None else float((out - ref).abs().max())
             ref = out.clone() if ref is None else ref
-            calls[name] = (lambda launches=launches: [launch() for launch in launches], diff)
+            fn = lambda launches=launches: [launch() for launch in launches]  # noqa: E731
+            calls[name] = (fn if args.eager else graph_replay(fn), diff)
         times: dict[str, list[float]] = {n: [] for n in calls}
         for _ in range(args.rounds):
             for name, (fn, _diff) in calls.items():

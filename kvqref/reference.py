@@ -125,8 +125,9 @@ def fast_rounding(k_scheme: Any, v_scheme: Any, q_dtype: str) -> Rounding16:
     two bfloat16 parts (not rounded once: keys carry outlier channels, and one rounding would cost up to
     2**-8 of each product, a bound that no longer sees one code step); float32 tiles (the KIVI residual)
     are split in two bfloat16 parts.
-    Outputs: p is rounded to bfloat16, or (FP8 values with a tensor scale, NVFP4 values) ``p * 2**14`` to
-    float16; the residual tiles are split in two bfloat16 parts; KIVI values fold the token's group scale into
+    Outputs: p is rounded to bfloat16, or (FP8 values with a tensor scale) ``p * 2**14`` to float16, or (NVFP4
+    values) ``p * 2**14`` or, with fast NVFP4 keys (block rows), ``p * s_v * 2**7`` to float16; the residual tiles
+    are split in two bfloat16 parts; KIVI values fold the token's group scale into
     p (``p * s`` rounded once to bfloat16 against the exact integer codes, the zero term ``p * z`` in float32):
     pass ``V_round = V - Z`` (paged tokens) to :func:`kernel_tolerance`.
     """
@@ -150,7 +151,9 @@ def fast_rounding(k_scheme: Any, v_scheme: Any, q_dtype: str) -> Rounding16:
         u_qs=2.0**-16 * (1 + u_q) if kivi_k else 0.0,  # q * s from the rounded q (|q~| <= (1 + u_q) |q|)
         u_k=2.0**-16 if kivi_k else 0.0,
         u_p=U_F16 if fp16_v else U_BF16,
-        a_p=2.0**-39 if fp16_v else 0.0,
+        # NVFP4 values: p * s_v * 2**7 rounded to float16 (the block rows of fast NVFP4 pairs), an absolute error of at
+        # most 2**-25 / 2**7 per token times |E2M1| = |v| / s_v <= 2**9 |v|; FP8: p * 2**14, 2**-25 / 2**14
+        a_p=2.0**-23 if isinstance(v_scheme, NVFP4Scheme) else (2.0**-39 if fp16_v else 0.0),
         u_v=2.0**-16 if kivi_v else 0.0,
     )
 

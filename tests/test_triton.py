@@ -40,6 +40,7 @@ PAIRS = [
      "int4_kivi", {"role": "value", "group_size": 16, "residual": 32}),
     ("int2_kivi", {"role": "key", "group_size": 16, "residual": 16},
      "int2_kivi", {"role": "value", "group_size": 32, "residual": 16}),
+    ("nvfp4", {}, "nvfp4", {}),
 ]
 IDS = [f"{k}{'-' + '-'.join(f'{a}' for a in ko.values()) if ko else ''}/{v}" for k, ko, v, _ in PAIRS]
 
@@ -214,7 +215,7 @@ def test_tolerance_catches_a_planted_scale_exponent_off_by_one(precision):
     assert (np.abs(lse - ref_lse) > tol_l).any()
 
 
-@pytest.mark.parametrize("pair_index", [1, 5, 6, 7, 8], ids=[IDS[i] for i in (1, 5, 6, 7, 8)])
+@pytest.mark.parametrize("pair_index", [1, 5, 6, 7, 8, 9], ids=[IDS[i] for i in (1, 5, 6, 7, 8, 9)])
 def test_fast_tolerance_catches_one_code_step(pair_index):
     """Fast mode's bound is tight enough to see one stored code off by one step (its lowest bit flipped:
     one FP8 ulp, the neighbouring E2M1 value, an integer code +-1) at the largest element of the token the
@@ -267,6 +268,55 @@ def test_fp4_keys_by_token(pair, precision):
         assert (np.abs(out - ref_out) > tol_o).any()
     with pytest.raises(ValueError, match="fp4_keys_by_token"):
         _run_decode(build_cache(PAIRS[1], SMALL, rng)[0], q, fp4_keys_by_token=True)
+
+
+BLOCK_ROW_SHAPES = [  # (q_heads, kv_heads, head_dim): rows (head_dim / 16) x heads per KV head, padded to fill 16
+    (4, 2, 64), (2, 2, 128), (16, 2, 64), (8, 1, 128)]
+
+
+@pytest.mark.parametrize("q_heads,kv_heads,head_dim", BLOCK_ROW_SHAPES)
+def test_nvfp4_block_rows(q_heads, kv_heads, head_dim):
+    """Fast NVFP4 by block rows (per-block partial dots, block scales on the score and probability rows) meets
+    the oracle's bound with and without the layout; it is the default where the rows fit 32; a planted K block
+    scale (exponent + 1) moves the lse and a planted V block scale the output beyond the bound; other schemes and
+    exact mode refuse it."""
+    from kvqref.kernels.decode import plan_decode
+
+    rng = np.random.default_rng(q_heads * 131 + head_dim)
+    shape = dict(SMALL, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim)
+    cache, _ = build_cache(PAIRS[9], shape, rng)
+    q = torch.from_numpy(rng.standard_normal((3, q_heads, head_dim)).astype(np.float32)).to(torch.bfloat16)
+    q64 = q.float().numpy().astype(np.float64)
+    ref_out, ref_lse, tol_o, tol_l = _oracle(cache, q64, "fast")
+    dc = tb.DeviceCache.from_cache(cache, DEVICE)
+    launches, _, _ = plan_decode(q.to(DEVICE), dc.k.tiles(), dc.v.tiles(), dc.block_table, dc.seq_lens, dc.page_size)
+    rows = (head_dim // 16) * max(triton_next_pow2(q_heads // kv_heads), 16 // (head_dim // 16))
+    assert next(launch for launch in launches if "BLK" in launch.constexprs).constexprs["BLK"] is (rows <= 32)
+    for blk in (True, False):
+        out, lse, _ = _run_decode(cache, q, block_rows=blk)
+        assert (np.abs(out - ref_out) <= tol_o).all(), (blk, np.abs(out - ref_out).max())
+        assert (np.abs(lse - ref_lse) <= tol_l).all(), (blk, np.abs(lse - ref_lse).max())
+    b = 2
+    K, _ = cache.dequantized(b)
+    top = int(np.argmax(K[:, 0, :] @ q64[b, 0]))
+    page, off = divmod(int(cache.slot_mapping(b, top, 1)[0]), cache.page_size)
+    for side, check in (("v", lambda o, lse_: (np.abs(o - ref_out) > tol_o).any()),
+                        ("k", lambda o, lse_: (np.abs(lse_ - ref_lse) > tol_l).any())):
+        scales = getattr(cache, side).storage["scales"]
+        codes = scales[page, off, 0].astype(np.int64)  # the token's largest block scale whose exponent + 1
+        blk_ = int(np.argmax(np.where(codes + 8 <= 0x7E, codes, -1)))  # (E4M3: code + 8) is finite (0x7F: NaN)
+        scales[page, off, 0, blk_] += 8
+        out, lse, _ = _run_decode(cache, q, block_rows=True)
+        assert check(out, lse), side
+        scales[page, off, 0, blk_] -= 8
+    with pytest.raises(ValueError, match="block_rows"):
+        _run_decode(cache, q, block_rows=True, precision="exact")
+    with pytest.raises(ValueError, match="block_rows"):
+        _run_decode(build_cache(PAIRS[6], SMALL, rng)[0], q[:, :4, :64], block_rows=True)
+
+
+def triton_next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
 
 
 def test_splits_and_page_size_one_agree():

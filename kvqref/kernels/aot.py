@@ -30,6 +30,7 @@ DECODE_CASES: list[tuple[str, str, dict, str, dict]] = [
     ("fp8-rocm-fnuz", "fp8_e4m3", {"profile": "rocm"}, "fp8_e5m2", {"profile": "rocm"}),
     ("fp4_e2m1", "fp4_e2m1", {}, "fp4_e2m1", {}),
     ("mxfp4/nvfp4", "mxfp4", {}, "nvfp4", {}),
+    ("nvfp4", "nvfp4", {}, "nvfp4", {}),  # fast mode: block rows (``block_rows``), the default for NVFP4 pairs
     ("int4_kivi", "int4_kivi", {"role": "key", "group_size": 16, "residual": 16},
      "int4_kivi", {"role": "value", "group_size": 16, "residual": 16}),
     ("int2_kivi", "int2_kivi", {"role": "key", "group_size": 16, "residual": 16},

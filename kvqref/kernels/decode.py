@@ -477,6 +477,76 @@ def _softmax_step(s, tmask, m_i, l_i):
 
 
 @triton.jit
+def _nvfp4_block_rows(
+    Q, BT, K0, K1, V0, V1, b, kvh, start, end, stride_qb, stride_qh, stride_btb, k0_s, k0_h, k1_s, k1_h, v0_s, v0_h,
+    v1_s, v1_h, qk_scale, QPK: tl.constexpr, H: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
+    BLOCK_N: tl.constexpr, QB: tl.constexpr, FMT_K: tl.constexpr, FMT_V: tl.constexpr, PTX: tl.constexpr,
+    WSC_K: tl.constexpr, WSC_V: tl.constexpr,
+):
+    """Fast-mode NVFP4 keys and values by block rows (``block_rows``): no block scale touches a tile element.
+
+    Rows are (block b, head h), ``R = (D / QB) * H``. Keys: q's even / odd channels (float16, scaled by a power of
+    two as the FP8 path does), zero outside block b, against the low / high nibbles as float16 E2M1 * 2**-14 (bit
+    placement, exact): row (b, h) of the [R, N] product is block b's partial dot, exact products summed in float32;
+    times the block scale (float32) and summed over b: the scores [H, N]. Values: the same rows hold
+    ``fl16(p * s_v * 2**7)`` (s_v: the token's block scale; at most 448 * 2**7 < 65504) against the E2M1 tile;
+    output channel d of head h is row (block of d, h). Returns (even channels, odd channels) [H, D/2] = sum p v,
+    and the softmax state m, l [H] (base 2), as the main loop leaves them."""
+    NB: tl.constexpr = D // QB
+    R: tl.constexpr = NB * H
+    DH: tl.constexpr = D // 2
+    r = tl.arange(0, R)
+    rb = r // H
+    rh = r % H
+    j = tl.arange(0, DH)
+    qbase = b * stride_qb + (kvh * QPK + rh).to(tl.int64) * stride_qh
+    qm = (rh < QPK)[:, None] & (((2 * j) // QB)[None, :] == rb[:, None])
+    qe = tl.load(Q + qbase[:, None] + (2 * j)[None, :], mask=qm, other=0.0).to(tl.float32)
+    qo = tl.load(Q + qbase[:, None] + (2 * j + 1)[None, :], mask=qm, other=0.0).to(tl.float32)
+    qmax = tl.max(tl.max(tl.maximum(tl.abs(qe), tl.abs(qo)), 1), 0)
+    eq = tl.where(qmax > 0, tl.minimum(14 - floor_log2_f32(qmax), 126), 0)
+    qe16 = _split16(qe * pow2_f32(eq), True)[0]  # (no ``_`` targets here: triton 3.6 carries them through the loop)
+    qo16 = _split16(qo * pow2_f32(eq), True)[0]
+    sc_k = qk_scale * pow2_f32(-eq) * 16384.0  # the tiles hold E2M1 * 2**-14
+    m_i = tl.full((H,), float("-inf"), tl.float32)
+    l_i = tl.zeros((H,), tl.float32)
+    acc_lo = tl.zeros((R, DH), tl.float32)
+    acc_hi = tl.zeros((R, DH), tl.float32)
+    for t0 in range(start, end, BLOCK_N):
+        t = t0 + tl.arange(0, BLOCK_N)
+        tmask = t < end
+        page = tl.load(BT + b * stride_btb + t // PAGE, mask=tmask, other=0).to(tl.int64)
+        slot = page * PAGE + (t % PAGE)
+        kb = tl.load(K0 + slot[None, :] * k0_s + kvh * k0_h + j[:, None], mask=tmask[None, :], other=0)
+        ksc = _block_scales(K1, slot, kvh, k1_s, k1_h, tmask, NB, WSC_K, True)
+        vb = tl.load(V0 + slot[:, None] * v0_s + kvh * v0_h + j[None, :], mask=tmask[:, None], other=0)
+        vsc = _block_scales(V1, slot, kvh, v1_s, v1_h, tmask, NB, WSC_V, True)
+        klo, khi = _e2m1_nibbles_f16(kb, PTX)
+        s2 = _dot_acc(qo16, khi, _dot_acc(qe16, klo, tl.zeros((R, BLOCK_N), tl.float32)))
+        s = tl.sum(tl.reshape(s2, (NB, H, BLOCK_N)) * _block_scale_f32(ksc, FMT_K)[:, None, :], 0) * sc_k
+        p, alpha, m_i, l_i = _softmax_step(s, tmask, m_i, l_i)
+        pr = _split16(tl.reshape(p[None, :, :] * (_block_scale_f32(vsc, FMT_V) * 128.0)[:, None, :], (R, BLOCK_N)),
+                      True)[0]
+        ar = tl.reshape(tl.broadcast_to(alpha[None, :], (NB, H)), (R,))
+        vlo, vhi = _e2m1_nibbles_f16(vb, PTX)
+        acc_lo = _dot_acc(pr, vlo, acc_lo * ar[:, None])
+        acc_hi = _dot_acc(pr, vhi, acc_hi * ar[:, None])
+    sel = tl.arange(0, NB)[:, None, None] == ((2 * j) // QB)[None, None, :]  # the block of channel 2j (and 2j + 1)
+    lo = tl.sum(tl.where(sel, tl.reshape(acc_lo, (NB, H, DH)), 0.0), 0) * (2.0**14 / 128.0)
+    hi = tl.sum(tl.where(sel, tl.reshape(acc_hi, (NB, H, DH)), 0.0), 0) * (2.0**14 / 128.0)
+    return lo, hi, m_i, l_i
+
+
+@triton.jit
+def _block_scale_f32(code, FMT: tl.constexpr):
+    """E4M3FN block-scale codes -> float32 (exact): in hardware where ``FMT`` >= 8, else by integer decoding."""
+    if FMT >= 8 and not INTERPRET:
+        return code.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    else:
+        return decode_f32(code, 0)
+
+
+@triton.jit
 def decode_split_kernel(
     Q,
     BT,
@@ -548,6 +618,8 @@ def decode_split_kernel(
     HV: tl.constexpr = 0,
     KT4: tl.constexpr = False,
     KTILE: tl.constexpr = False,
+    HF: tl.constexpr = False,
+    BLK: tl.constexpr = False,
 ):
     """One (sequence, KV head, split): K tiles are read transposed [D/PACK, N] per phase (the elements
     sharing a byte position), V tiles [N, D/PACK]; no register transposes or interleaves."""
@@ -562,8 +634,8 @@ def decode_split_kernel(
     PP: tl.constexpr = 1 if FAST else 3
     PP16: tl.constexpr = 1 if FAST else 2
     RBS: tl.constexpr = 2 if FAST else 3
-    b = tl.program_id(0).to(tl.int64)
-    kvh = tl.program_id(1)
+    b = tl.program_id(1 if HF else 0).to(tl.int64)
+    kvh = tl.program_id(0 if HF else 1)
     split = tl.program_id(2)
     hh = tl.arange(0, BLOCK_H)
     hmask = hh < QPK
@@ -642,238 +714,253 @@ def decode_split_kernel(
             paged_len = tl.load(SL + b)
         start = split * tokens_per_split
         end = tl.minimum(start + tokens_per_split, paged_len)
-        for t0 in range(start, end, BLOCK_N):
-            t = t0 + tl.arange(0, BLOCK_N)
-            tmask = t < end
-            page = tl.load(BT + b * stride_btb + t // PAGE, mask=tmask, other=0).to(tl.int64)
-            slot = page * PAGE + (t % PAGE)
-            # K: [DK, N] per phase
-            sk = slot[None, :]
-            mk = tmask[None, :]
-            if KIND_K == 5:
-                # KIVI keys: the tile lies inside one token group (BLOCK_N divides G, G divides PAGE), the group
-                # of its first token t0 (always in range)
-                grp = (tl.load(BT + b * stride_btb + t0 // PAGE).to(tl.int64) * PAGE + t0 % PAGE) // G_K
-                kb = tl.load(K0 + slot[None, :] * k0_s + kvh * k0_h + ik[:, None], mask=tmask[None, :], other=0)
-                s = tl.zeros((BLOCK_H, BLOCK_N), tl.float32)
-                s, qz = _kivi_key_phase(qf0, kb, K1, K2, grp, kvh, k1_s, k1_h, k2_s, k2_h, ik, s, 0, PK, BITS_K,
-                                        FAST, KTILE)
-                s, qz_1 = _kivi_key_phase(qf1, kb, K1, K2, grp, kvh, k1_s, k1_h, k2_s, k2_h, ik, s, 1, PK, BITS_K,
-                                          FAST, KTILE)
-                if PK == 4:
-                    s, qz_2 = _kivi_key_phase(qf2, kb, K1, K2, grp, kvh, k1_s, k1_h, k2_s, k2_h, ik, s, 2, PK, BITS_K,
+        if BLK:  # fast NVFP4 by block rows (``_nvfp4_block_rows``)
+            acc0, acc1, m_i, l_i = _nvfp4_block_rows(
+                Q, BT, K0, K1, V0, V1, b, kvh, start, end, stride_qb, stride_qh, stride_btb, k0_s, k0_h, k1_s, k1_h,
+                v0_s, v0_h, v1_s, v1_h, qk_scale, QPK, BLOCK_H, D, PAGE, BLOCK_N, QB_K, FMT_K, FMT_V, PTX, WSC_K,
+                WSC_V)
+        else:
+            for t0 in range(start, end, BLOCK_N):
+                t = t0 + tl.arange(0, BLOCK_N)
+                tmask = t < end
+                page = tl.load(BT + b * stride_btb + t // PAGE, mask=tmask, other=0).to(tl.int64)
+                slot = page * PAGE + (t % PAGE)
+                # K: [DK, N] per phase
+                sk = slot[None, :]
+                mk = tmask[None, :]
+                if KIND_K == 5:
+                    # KIVI keys: the tile lies inside one token group (BLOCK_N divides G, G divides PAGE), the group
+                    # of its first token t0 (always in range)
+                    grp = (tl.load(BT + b * stride_btb + t0 // PAGE).to(tl.int64) * PAGE + t0 % PAGE) // G_K
+                    kb = tl.load(K0 + slot[None, :] * k0_s + kvh * k0_h + ik[:, None], mask=tmask[None, :], other=0)
+                    s = tl.zeros((BLOCK_H, BLOCK_N), tl.float32)
+                    s, qz = _kivi_key_phase(qf0, kb, K1, K2, grp, kvh, k1_s, k1_h, k2_s, k2_h, ik, s, 0, PK, BITS_K,
+                                            FAST, KTILE)
+                    s, qz_1 = _kivi_key_phase(qf1, kb, K1, K2, grp, kvh, k1_s, k1_h, k2_s, k2_h, ik, s, 1, PK, BITS_K,
                                               FAST, KTILE)
-                    s, qz_3 = _kivi_key_phase(qf3, kb, K1, K2, grp, kvh, k1_s, k1_h, k2_s, k2_h, ik, s, 3, PK, BITS_K,
-                                              FAST, KTILE)
-                if not KTILE:  # q . z: the phases' products summed, then one reduction
-                    qz += qz_1
                     if PK == 4:
-                        qz += qz_2 + qz_3
-                    s += tl.sum(qz, 1)[:, None]
-            elif F4K:
-                # fast NVFP4 keys: float16 tiles (``_nvfp4_tile16``), q in float16
-                NBK4: tl.constexpr = D // QB_K
-                bk4 = tl.arange(0, NBK4)
-                jk4 = tl.arange(0, QB_K // 2)
-                koff4 = (bk4[:, None] * (QB_K // 2) + jk4[None, :])[:, :, None]
-                if KT4:  # tokens as rows (the left operand), as the value tiles: scores come out transposed
-                    kbt = tl.load(K0 + slot[:, None] * k0_s + kvh * k0_h + ik[None, :], mask=tmask[:, None], other=0)
-                    ksct = _block_scales(K1, slot, kvh, k1_s, k1_h, tmask, NBK4, WSC_K, False)
-                    kbt = tl.reshape(kbt, (BLOCK_N, NBK4, QB_K // 2))
-                    k4lo, k4hi = _nvfp4_tile16(kbt, ksct[:, :, None], FMT_K, PTX)
-                    s = tl.trans(_mm_t(tl.reshape(k4lo, (BLOCK_N, DK)), q4aT, q4aT, q4aT, 1, True)
-                                 + _mm_t(tl.reshape(k4hi, (BLOCK_N, DK)), q4bT, q4bT, q4bT, 1, True))
+                        s, qz_2 = _kivi_key_phase(qf2, kb, K1, K2, grp, kvh, k1_s, k1_h, k2_s, k2_h, ik, s, 2, PK,
+                                                  BITS_K,
+                                                  FAST, KTILE)
+                        s, qz_3 = _kivi_key_phase(qf3, kb, K1, K2, grp, kvh, k1_s, k1_h, k2_s, k2_h, ik, s, 3, PK,
+                                                  BITS_K,
+                                                  FAST, KTILE)
+                    if not KTILE:  # q . z: the phases' products summed, then one reduction
+                        qz += qz_1
+                        if PK == 4:
+                            qz += qz_2 + qz_3
+                        s += tl.sum(qz, 1)[:, None]
+                elif F4K:
+                    # fast NVFP4 keys: float16 tiles (``_nvfp4_tile16``), q in float16
+                    NBK4: tl.constexpr = D // QB_K
+                    bk4 = tl.arange(0, NBK4)
+                    jk4 = tl.arange(0, QB_K // 2)
+                    koff4 = (bk4[:, None] * (QB_K // 2) + jk4[None, :])[:, :, None]
+                    if KT4:  # tokens as rows (the left operand), as the value tiles: scores come out transposed
+                        kbt = tl.load(K0 + slot[:, None] * k0_s + kvh * k0_h + ik[None, :], mask=tmask[:, None],
+                                      other=0)
+                        ksct = _block_scales(K1, slot, kvh, k1_s, k1_h, tmask, NBK4, WSC_K, False)
+                        kbt = tl.reshape(kbt, (BLOCK_N, NBK4, QB_K // 2))
+                        k4lo, k4hi = _nvfp4_tile16(kbt, ksct[:, :, None], FMT_K, PTX)
+                        s = tl.trans(_mm_t(tl.reshape(k4lo, (BLOCK_N, DK)), q4aT, q4aT, q4aT, 1, True)
+                                     + _mm_t(tl.reshape(k4hi, (BLOCK_N, DK)), q4bT, q4bT, q4bT, 1, True))
+                    else:
+                        kb4 = tl.load(K0 + slot[None, None, :] * k0_s + kvh * k0_h + koff4, mask=tmask[None, None, :],
+                                      other=0)
+                        ksc4 = _block_scales(K1, slot, kvh, k1_s, k1_h, tmask, NBK4, WSC_K, True)
+                        k4lo, k4hi = _nvfp4_tile16(kb4, ksc4[:, None, :], FMT_K, PTX)
+                        s = _mm16(q4a, q4a, tl.reshape(k4lo, (DK, BLOCK_N)), 1)
+                        s += _mm16(q4b, q4b, tl.reshape(k4hi, (DK, BLOCK_N)), 1)
+                elif KIND_K == 2 or KIND_K == 3:
+                    # FP4 blocks: bytes as [blocks, QB/2, N], one scale per (block, token) broadcast
+                    NBK: tl.constexpr = D // QB_K
+                    bk = tl.arange(0, NBK)
+                    jk = tl.arange(0, QB_K // 2)
+                    koff = (bk[:, None] * (QB_K // 2) + jk[None, :])[:, :, None]
+                    if KT4:  # tokens as rows: bytes as [N, blocks, QB/2], scores come out transposed
+                        kb3 = tl.load(K0 + slot[:, None] * k0_s + kvh * k0_h + ik[None, :], mask=tmask[:, None],
+                                      other=0)
+                        kb3 = tl.reshape(kb3, (BLOCK_N, NBK, QB_K // 2))
+                        ksc = _block_scales(K1, slot, kvh, k1_s, k1_h, tmask, NBK, WSC_K, False)[:, :, None]
+                        KSH: tl.constexpr = (BLOCK_N, DK)
+                    else:
+                        kb3 = tl.load(K0 + slot[None, None, :] * k0_s + kvh * k0_h + koff, mask=tmask[None, None, :],
+                                      other=0)
+                        ksc = _block_scales(K1, slot, kvh, k1_s, k1_h, tmask, NBK, WSC_K, True)[:, None, :]
+                        KSH: tl.constexpr = (DK, BLOCK_N)
+                    if MXB_K:  # E8M0 tiles built in bfloat16 (CUDA, fast mode, PTX)
+                        k_lo, k_hi = _mx_tile_bf16(kb3, ksc)
+                        k_lo = tl.reshape(k_lo, KSH)
+                        k_hi = tl.reshape(k_hi, KSH)
+                    else:
+                        ks3 = _fp4_scale(ksc, KIND_K)
+                        k_lo16, k_hi16 = _e2m1_nibbles_f16(kb3, PTX)
+                        k_lo = tl.reshape(k_lo16.to(tl.float32) * 16384.0 * ks3, KSH)
+                        k_hi = tl.reshape(k_hi16.to(tl.float32) * 16384.0 * ks3, KSH)
+                    if KT4:
+                        s = tl.trans(_mm_t(k_lo, q0Th, q0Tm, q0Tl, QP, False)
+                                     + _mm_t(k_hi, q1Th, q1Tm, q1Tl, QP, False))
+                    else:
+                        s = _mm(q0h, q0m, q0l, k_lo, QP, 0) + _mm(q1h, q1m, q1l, k_hi, QP, 0)
+                elif K_T:
+                    # K as the left operand [N, D], loaded in its memory order (lets the compiler keep the
+                    # dequantized tile in registers in the dot-operand layout); scores come out transposed
+                    kn = tl.load(K0 + slot[:, None] * k0_s + kvh * k0_h + ik[None, :], mask=tmask[:, None], other=0)
+                    kt = _phase(
+                        kn,
+                        slot[:, None],
+                        ik[None, :],
+                        tmask[:, None],
+                        kvh,
+                        K1,
+                        K2,
+                        k1_s,
+                        k1_h,
+                        k2_s,
+                        k2_h,
+                        0,
+                        KIND_K,
+                        FMT_K,
+                        QB_K,
+                        G_K,
+                        BITS_K,
+                    )
+                    s = tl.trans(_mm_t(kt, qTh, qTm, qTl, QPT, F16K))
                 else:
-                    kb4 = tl.load(K0 + slot[None, None, :] * k0_s + kvh * k0_h + koff4, mask=tmask[None, None, :],
-                                  other=0)
-                    ksc4 = _block_scales(K1, slot, kvh, k1_s, k1_h, tmask, NBK4, WSC_K, True)
-                    k4lo, k4hi = _nvfp4_tile16(kb4, ksc4[:, None, :], FMT_K, PTX)
-                    s = _mm16(q4a, q4a, tl.reshape(k4lo, (DK, BLOCK_N)), 1)
-                    s += _mm16(q4b, q4b, tl.reshape(k4hi, (DK, BLOCK_N)), 1)
-            elif KIND_K == 2 or KIND_K == 3:
-                # FP4 blocks: bytes as [blocks, QB/2, N], one scale per (block, token) broadcast
-                NBK: tl.constexpr = D // QB_K
-                bk = tl.arange(0, NBK)
-                jk = tl.arange(0, QB_K // 2)
-                koff = (bk[:, None] * (QB_K // 2) + jk[None, :])[:, :, None]
-                if KT4:  # tokens as rows: bytes as [N, blocks, QB/2], scores come out transposed
-                    kb3 = tl.load(K0 + slot[:, None] * k0_s + kvh * k0_h + ik[None, :], mask=tmask[:, None], other=0)
-                    kb3 = tl.reshape(kb3, (BLOCK_N, NBK, QB_K // 2))
-                    ksc = _block_scales(K1, slot, kvh, k1_s, k1_h, tmask, NBK, WSC_K, False)[:, :, None]
-                    KSH: tl.constexpr = (BLOCK_N, DK)
+                    # one byte per element (bf16/FP8 with KT=False): packed kinds have their own branches above
+                    tl.static_assert(PK == 1)
+                    kb = tl.load(K0 + sk * k0_s + kvh * k0_h + ik[:, None], mask=mk, other=0)
+                    k0t = _phase(
+                        kb,
+                        sk,
+                        ik[:, None] * PK,
+                        mk,
+                        kvh,
+                        K1,
+                        K2,
+                        k1_s,
+                        k1_h,
+                        k2_s,
+                        k2_h,
+                        0,
+                        KIND_K,
+                        FMT_K,
+                        QB_K,
+                        G_K,
+                        BITS_K,
+                    )
+                    if F16K:
+                        s = _mm16(q16h, q16l, k0t, QP16)
+                    else:
+                        s = _mm(q0h, q0m, q0l, k0t, QP, 0)
+                if KIND_K == 1 and TSC_K:
+                    s = s * (tl.load(K1 + slot * k1_s + kvh * k1_h, mask=tmask, other=0.0) * sc_k)[None, :]
                 else:
-                    kb3 = tl.load(K0 + slot[None, None, :] * k0_s + kvh * k0_h + koff, mask=tmask[None, None, :],
-                                  other=0)
-                    ksc = _block_scales(K1, slot, kvh, k1_s, k1_h, tmask, NBK, WSC_K, True)[:, None, :]
-                    KSH: tl.constexpr = (DK, BLOCK_N)
-                if MXB_K:  # E8M0 tiles built in bfloat16 (CUDA, fast mode, PTX)
-                    k_lo, k_hi = _mx_tile_bf16(kb3, ksc)
-                    k_lo = tl.reshape(k_lo, KSH)
-                    k_hi = tl.reshape(k_hi, KSH)
-                else:
-                    ks3 = _fp4_scale(ksc, KIND_K)
-                    k_lo16, k_hi16 = _e2m1_nibbles_f16(kb3, PTX)
-                    k_lo = tl.reshape(k_lo16.to(tl.float32) * 16384.0 * ks3, KSH)
-                    k_hi = tl.reshape(k_hi16.to(tl.float32) * 16384.0 * ks3, KSH)
-                if KT4:
-                    s = tl.trans(_mm_t(k_lo, q0Th, q0Tm, q0Tl, QP, False) + _mm_t(k_hi, q1Th, q1Tm, q1Tl, QP, False))
-                else:
-                    s = _mm(q0h, q0m, q0l, k_lo, QP, 0) + _mm(q1h, q1m, q1l, k_hi, QP, 0)
-            elif K_T:
-                # K as the left operand [N, D], loaded in its memory order (lets the compiler keep the
-                # dequantized tile in registers in the dot-operand layout); scores come out transposed
-                kn = tl.load(K0 + slot[:, None] * k0_s + kvh * k0_h + ik[None, :], mask=tmask[:, None], other=0)
-                kt = _phase(
-                    kn,
-                    slot[:, None],
-                    ik[None, :],
-                    tmask[:, None],
-                    kvh,
-                    K1,
-                    K2,
-                    k1_s,
-                    k1_h,
-                    k2_s,
-                    k2_h,
-                    0,
-                    KIND_K,
-                    FMT_K,
-                    QB_K,
-                    G_K,
-                    BITS_K,
-                )
-                s = tl.trans(_mm_t(kt, qTh, qTm, qTl, QPT, F16K))
-            else:
-                # one byte per element (bf16/FP8 with KT=False): packed kinds have their own branches above
-                tl.static_assert(PK == 1)
-                kb = tl.load(K0 + sk * k0_s + kvh * k0_h + ik[:, None], mask=mk, other=0)
-                k0t = _phase(
-                    kb,
-                    sk,
-                    ik[:, None] * PK,
-                    mk,
-                    kvh,
-                    K1,
-                    K2,
-                    k1_s,
-                    k1_h,
-                    k2_s,
-                    k2_h,
-                    0,
-                    KIND_K,
-                    FMT_K,
-                    QB_K,
-                    G_K,
-                    BITS_K,
-                )
-                if F16K:
-                    s = _mm16(q16h, q16l, k0t, QP16)
-                else:
-                    s = _mm(q0h, q0m, q0l, k0t, QP, 0)
-            if KIND_K == 1 and TSC_K:
-                s = s * (tl.load(K1 + slot * k1_s + kvh * k1_h, mask=tmask, other=0.0) * sc_k)[None, :]
-            else:
-                s = s * sc_k
-            p, alpha, m_i, l_i = _softmax_step(s, tmask, m_i, l_i)
-            if KIND_V == 1 and TSC_V:
-                p = p * tl.load(V1 + slot * v1_s + kvh * v1_h, mask=tmask, other=0.0)[None, :]
-            if F16V:
-                p16h, p16l = _split16(p * 16384.0, FAST)  # p <= 1: scaled into float16's normal range
-            else:
-                ph, pm, pl = _split(p, True, FAST)
-            if KIND_V == 4 and HV > 0:
-                # fast KIVI values, rows by group (row r: query head r % HV, channel group r // HV): the group's
-                # scale folded into p (p * s rounded once to bfloat16) against the exact integer codes, the zero
-                # term p * z summed in float32 per (row, token) and reduced once after the loop
-                vbq = tl.load(V0 + slot[:, None] * v0_s + kvh * v0_h + iv[None, :], mask=tmask[:, None], other=0)
-                srow, zrow = _kivi_value_rows(V1, V2, slot, tmask, kvh, v1_s, v1_h, v2_s, v2_h, HV, BLOCK_H, D // G_V)
-                pa, _, _ = _split(p * srow, True, True)
-                zacc = zacc * alpha[:, None] + p * zrow
-                acc0 = _dot_acc(pa, _int_codes16(vbq, 0, BITS_V), acc0 * alpha[:, None])
-                acc1 = _dot_acc(pa, _int_codes16(vbq, 1, BITS_V), acc1 * alpha[:, None])
-                if PV == 4:
-                    acc2 = _dot_acc(pa, _int_codes16(vbq, 2, BITS_V), acc2 * alpha[:, None])
-                    acc3 = _dot_acc(pa, _int_codes16(vbq, 3, BITS_V), acc3 * alpha[:, None])
-            elif KIND_V == 4:
-                # KIVI values: bytes as [N, groups, G/PACK], one scale and zero per (token, group)
-                NGV: tl.constexpr = D // G_V
-                gv = tl.arange(0, NGV)
-                jg = tl.arange(0, G_V // PV)
-                goff = (gv[:, None] * (G_V // PV) + jg[None, :])[None, :, :]
-                vb3 = tl.load(V0 + slot[:, None, None] * v0_s + kvh * v0_h + goff, mask=tmask[:, None, None], other=0)
-                vb3 = vb3.to(tl.int32)
-                vsc = tl.load(V1 + slot[:, None] * v1_s + kvh * v1_h + gv[None, :], mask=tmask[:, None], other=0.0)
-                vz = tl.load(V2 + slot[:, None] * v2_s + kvh * v2_h + gv[None, :], mask=tmask[:, None], other=0.0)
-                vs3 = vsc.to(tl.float32)[:, :, None]
-                vz3 = vz.to(tl.float32)[:, :, None]
-                MASKV: tl.constexpr = (1 << BITS_V) - 1
-                v_0 = tl.reshape((vb3 & MASKV).to(tl.float32) * vs3 + vz3, (BLOCK_N, DV))
-                acc0 = acc0 * alpha[:, None] + _mm(ph, pm, pl, v_0, PP, RBS)
-                v_1 = tl.reshape(((vb3 >> BITS_V) & MASKV).to(tl.float32) * vs3 + vz3, (BLOCK_N, DV))
-                acc1 = acc1 * alpha[:, None] + _mm(ph, pm, pl, v_1, PP, RBS)
-                if PV == 4:
-                    v_2 = tl.reshape(((vb3 >> 4) & MASKV).to(tl.float32) * vs3 + vz3, (BLOCK_N, DV))
-                    acc2 = acc2 * alpha[:, None] + _mm(ph, pm, pl, v_2, PP, RBS)
-                    v_3 = tl.reshape(((vb3 >> 6) & MASKV).to(tl.float32) * vs3 + vz3, (BLOCK_N, DV))
-                    acc3 = acc3 * alpha[:, None] + _mm(ph, pm, pl, v_3, PP, RBS)
-            elif F4V:
-                # fast NVFP4 values: float16 tiles, p * 2**14 in float16: the factors 2**14 cancel
-                NBV4: tl.constexpr = D // QB_V
-                bv4 = tl.arange(0, NBV4)
-                jv4 = tl.arange(0, QB_V // 2)
-                voff4 = (bv4[:, None] * (QB_V // 2) + jv4[None, :])[None, :, :]
-                vb4 = tl.load(V0 + slot[:, None, None] * v0_s + kvh * v0_h + voff4, mask=tmask[:, None, None], other=0)
-                vsc4 = _block_scales(V1, slot, kvh, v1_s, v1_h, tmask, NBV4, WSC_V, False)
-                v4lo, v4hi = _nvfp4_tile16(vb4, vsc4[:, :, None], FMT_V, PTX)
-                acc0 = acc0 * alpha[:, None] + _mm16(p16h, p16l, tl.reshape(v4lo, (BLOCK_N, DV)), 1)
-                acc1 = acc1 * alpha[:, None] + _mm16(p16h, p16l, tl.reshape(v4hi, (BLOCK_N, DV)), 1)
-            elif KIND_V == 2 or KIND_V == 3:
-                NBV: tl.constexpr = D // QB_V
-                bv = tl.arange(0, NBV)
-                jv = tl.arange(0, QB_V // 2)
-                voff = (bv[:, None] * (QB_V // 2) + jv[None, :])[None, :, :]
-                vb3 = tl.load(V0 + slot[:, None, None] * v0_s + kvh * v0_h + voff, mask=tmask[:, None, None], other=0)
-                vsc = _block_scales(V1, slot, kvh, v1_s, v1_h, tmask, NBV, WSC_V, False)
-                if MXB_V:
-                    v_lo, v_hi = _mx_tile_bf16(vb3, vsc[:, :, None])
-                    v_lo = tl.reshape(v_lo, (BLOCK_N, DV))
-                    v_hi = tl.reshape(v_hi, (BLOCK_N, DV))
-                else:
-                    vs3 = _fp4_scale(vsc, KIND_V)[:, :, None]
-                    v_lo16, v_hi16 = _e2m1_nibbles_f16(vb3, PTX)
-                    v_lo = tl.reshape(v_lo16.to(tl.float32) * 16384.0 * vs3, (BLOCK_N, DV))
-                    v_hi = tl.reshape(v_hi16.to(tl.float32) * 16384.0 * vs3, (BLOCK_N, DV))
-                acc0 = acc0 * alpha[:, None] + _mm(ph, pm, pl, v_lo, PP, 0)
-                acc1 = acc1 * alpha[:, None] + _mm(ph, pm, pl, v_hi, PP, 0)
-            else:
-                # V: [N, D], one byte per element (bf16/FP8): packed kinds have their own branches above
-                tl.static_assert(PV == 1)
-                sv = slot[:, None]
-                mv = tmask[:, None]
-                vb = tl.load(V0 + sv * v0_s + kvh * v0_h + iv[None, :], mask=mv, other=0)
-                v0t = _phase(
-                    vb,
-                    sv,
-                    iv[None, :] * PV,
-                    mv,
-                    kvh,
-                    V1,
-                    V2,
-                    v1_s,
-                    v1_h,
-                    v2_s,
-                    v2_h,
-                    0,
-                    KIND_V,
-                    FMT_V,
-                    QB_V,
-                    G_V,
-                    BITS_V,
-                )
+                    s = s * sc_k
+                p, alpha, m_i, l_i = _softmax_step(s, tmask, m_i, l_i)
+                if KIND_V == 1 and TSC_V:
+                    p = p * tl.load(V1 + slot * v1_s + kvh * v1_h, mask=tmask, other=0.0)[None, :]
                 if F16V:
-                    acc0 = acc0 * alpha[:, None] + _mm16(p16h, p16l, v0t, PP16)
+                    p16h, p16l = _split16(p * 16384.0, FAST)  # p <= 1: scaled into float16's normal range
                 else:
-                    acc0 = acc0 * alpha[:, None] + _mm(ph, pm, pl, v0t, PP, 0)
+                    ph, pm, pl = _split(p, True, FAST)
+                if KIND_V == 4 and HV > 0:
+                    # fast KIVI values, rows by group (row r: query head r % HV, channel group r // HV): the group's
+                    # scale folded into p (p * s rounded once to bfloat16) against the exact integer codes, the zero
+                    # term p * z summed in float32 per (row, token) and reduced once after the loop
+                    vbq = tl.load(V0 + slot[:, None] * v0_s + kvh * v0_h + iv[None, :], mask=tmask[:, None], other=0)
+                    srow, zrow = _kivi_value_rows(V1, V2, slot, tmask, kvh, v1_s, v1_h, v2_s, v2_h, HV, BLOCK_H,
+                                                  D // G_V)
+                    pa, _, _ = _split(p * srow, True, True)
+                    zacc = zacc * alpha[:, None] + p * zrow
+                    acc0 = _dot_acc(pa, _int_codes16(vbq, 0, BITS_V), acc0 * alpha[:, None])
+                    acc1 = _dot_acc(pa, _int_codes16(vbq, 1, BITS_V), acc1 * alpha[:, None])
+                    if PV == 4:
+                        acc2 = _dot_acc(pa, _int_codes16(vbq, 2, BITS_V), acc2 * alpha[:, None])
+                        acc3 = _dot_acc(pa, _int_codes16(vbq, 3, BITS_V), acc3 * alpha[:, None])
+                elif KIND_V == 4:
+                    # KIVI values: bytes as [N, groups, G/PACK], one scale and zero per (token, group)
+                    NGV: tl.constexpr = D // G_V
+                    gv = tl.arange(0, NGV)
+                    jg = tl.arange(0, G_V // PV)
+                    goff = (gv[:, None] * (G_V // PV) + jg[None, :])[None, :, :]
+                    vb3 = tl.load(V0 + slot[:, None, None] * v0_s + kvh * v0_h + goff, mask=tmask[:, None, None],
+                                  other=0)
+                    vb3 = vb3.to(tl.int32)
+                    vsc = tl.load(V1 + slot[:, None] * v1_s + kvh * v1_h + gv[None, :], mask=tmask[:, None], other=0.0)
+                    vz = tl.load(V2 + slot[:, None] * v2_s + kvh * v2_h + gv[None, :], mask=tmask[:, None], other=0.0)
+                    vs3 = vsc.to(tl.float32)[:, :, None]
+                    vz3 = vz.to(tl.float32)[:, :, None]
+                    MASKV: tl.constexpr = (1 << BITS_V) - 1
+                    v_0 = tl.reshape((vb3 & MASKV).to(tl.float32) * vs3 + vz3, (BLOCK_N, DV))
+                    acc0 = acc0 * alpha[:, None] + _mm(ph, pm, pl, v_0, PP, RBS)
+                    v_1 = tl.reshape(((vb3 >> BITS_V) & MASKV).to(tl.float32) * vs3 + vz3, (BLOCK_N, DV))
+                    acc1 = acc1 * alpha[:, None] + _mm(ph, pm, pl, v_1, PP, RBS)
+                    if PV == 4:
+                        v_2 = tl.reshape(((vb3 >> 4) & MASKV).to(tl.float32) * vs3 + vz3, (BLOCK_N, DV))
+                        acc2 = acc2 * alpha[:, None] + _mm(ph, pm, pl, v_2, PP, RBS)
+                        v_3 = tl.reshape(((vb3 >> 6) & MASKV).to(tl.float32) * vs3 + vz3, (BLOCK_N, DV))
+                        acc3 = acc3 * alpha[:, None] + _mm(ph, pm, pl, v_3, PP, RBS)
+                elif F4V:
+                    # fast NVFP4 values: float16 tiles, p * 2**14 in float16: the factors 2**14 cancel
+                    NBV4: tl.constexpr = D // QB_V
+                    bv4 = tl.arange(0, NBV4)
+                    jv4 = tl.arange(0, QB_V // 2)
+                    voff4 = (bv4[:, None] * (QB_V // 2) + jv4[None, :])[None, :, :]
+                    vb4 = tl.load(V0 + slot[:, None, None] * v0_s + kvh * v0_h + voff4, mask=tmask[:, None, None],
+                                  other=0)
+                    vsc4 = _block_scales(V1, slot, kvh, v1_s, v1_h, tmask, NBV4, WSC_V, False)
+                    v4lo, v4hi = _nvfp4_tile16(vb4, vsc4[:, :, None], FMT_V, PTX)
+                    acc0 = acc0 * alpha[:, None] + _mm16(p16h, p16l, tl.reshape(v4lo, (BLOCK_N, DV)), 1)
+                    acc1 = acc1 * alpha[:, None] + _mm16(p16h, p16l, tl.reshape(v4hi, (BLOCK_N, DV)), 1)
+                elif KIND_V == 2 or KIND_V == 3:
+                    NBV: tl.constexpr = D // QB_V
+                    bv = tl.arange(0, NBV)
+                    jv = tl.arange(0, QB_V // 2)
+                    voff = (bv[:, None] * (QB_V // 2) + jv[None, :])[None, :, :]
+                    vb3 = tl.load(V0 + slot[:, None, None] * v0_s + kvh * v0_h + voff, mask=tmask[:, None, None],
+                                  other=0)
+                    vsc = _block_scales(V1, slot, kvh, v1_s, v1_h, tmask, NBV, WSC_V, False)
+                    if MXB_V:
+                        v_lo, v_hi = _mx_tile_bf16(vb3, vsc[:, :, None])
+                        v_lo = tl.reshape(v_lo, (BLOCK_N, DV))
+                        v_hi = tl.reshape(v_hi, (BLOCK_N, DV))
+                    else:
+                        vs3 = _fp4_scale(vsc, KIND_V)[:, :, None]
+                        v_lo16, v_hi16 = _e2m1_nibbles_f16(vb3, PTX)
+                        v_lo = tl.reshape(v_lo16.to(tl.float32) * 16384.0 * vs3, (BLOCK_N, DV))
+                        v_hi = tl.reshape(v_hi16.to(tl.float32) * 16384.0 * vs3, (BLOCK_N, DV))
+                    acc0 = acc0 * alpha[:, None] + _mm(ph, pm, pl, v_lo, PP, 0)
+                    acc1 = acc1 * alpha[:, None] + _mm(ph, pm, pl, v_hi, PP, 0)
+                else:
+                    # V: [N, D], one byte per element (bf16/FP8): packed kinds have their own branches above
+                    tl.static_assert(PV == 1)
+                    sv = slot[:, None]
+                    mv = tmask[:, None]
+                    vb = tl.load(V0 + sv * v0_s + kvh * v0_h + iv[None, :], mask=mv, other=0)
+                    v0t = _phase(
+                        vb,
+                        sv,
+                        iv[None, :] * PV,
+                        mv,
+                        kvh,
+                        V1,
+                        V2,
+                        v1_s,
+                        v1_h,
+                        v2_s,
+                        v2_h,
+                        0,
+                        KIND_V,
+                        FMT_V,
+                        QB_V,
+                        G_V,
+                        BITS_V,
+                    )
+                    if F16V:
+                        acc0 = acc0 * alpha[:, None] + _mm16(p16h, p16l, v0t, PP16)
+                    else:
+                        acc0 = acc0 * alpha[:, None] + _mm(ph, pm, pl, v0t, PP, 0)
     if HAS_RES and split >= num_splits:
         # the tail [min(k_len, v_len), seq_len): KIVI keeps the newest keys and values in full precision
         # (float32 residuals [batch, W, kv_heads, D]); K and V switch to their residual at their own length
@@ -1169,6 +1256,8 @@ def plan_decode(
     value_rows: bool | None = None,
     fp4_keys_by_token: bool | None = None,
     key_tile: bool | None = None,
+    heads_fast: bool | None = None,
+    block_rows: bool | None = None,
 ):
     """The launches of decode attention (see :func:`paged_decode`), with their output tensors.
     ``hw_formats``: FP8 format ids converted in hardware (default: what ``q``'s device has); ``maxnreg``:
@@ -1186,7 +1275,13 @@ def plan_decode(
     ``key_tile``: fast-mode KIVI keys dequantized into a tile, c * s + z in two bfloat16 parts, against the bfloat16
     q (False: the group's scale folded into a float32 q, and q . z reduced per tile); default: on for fast-mode
     2-bit KIVI keys where :func:`kivi_key_words` allows (H100: int2 628 -> 517 us; int4 lost, 616 -> 627, so
-    4-bit keys keep the folded path; bench/results/ANALYSIS.md, session 5; docs/kernels.md, "Precision")."""
+    4-bit keys keep the folded path; bench/results/ANALYSIS.md, session 5; docs/kernels.md, "Precision").
+    ``block_rows``: fast-mode NVFP4 keys and values with score rows laid out by (block, query head), so no block
+    scale multiplies a tile element (:func:`_nvfp4_block_rows`; docs/kernels.md, "Precision"); default: on where
+    the rows, (head_dim / 16) x the query heads per KV head rounded up to a power of two, are at most 32 (H100,
+    batch 32 x 8,192: nvfp4 318 -> 239 us; bench/results/ANALYSIS.md, session 8). ``heads_fast``: the KV heads on
+    the grid's fastest axis, so the programs reading one token's rows run together (default False: it raised a
+    loads-only kernel from 61% to 75% of the ceiling, but the decode kernels by at most 2%)."""
     import torch
 
     if precision not in PRECISIONS:
@@ -1243,17 +1338,32 @@ def plan_decode(
     fast_e8m0 = precision == "fast" and k.kind == "mxfp4"
     fast_mx_ptx = fast_e8m0 and wide_k and bool(ptx_unpack)
     fast_nvfp4_ptx = precision == "fast" and k.kind == "nvfp4" and ptx_unpack
+    # fast NVFP4 by block rows (``_nvfp4_block_rows``): rows (block, head) must fill the 16 MMA rows and stay <= 32
+    # (the tensor cores' work grows with them: H100, bench/results/ANALYSIS.md, session 8)
+    nvfp4_pair = (precision == "fast" and k.kind == v.kind == "nvfp4" and k.block == v.block
+                  and residual is None)
+    blk_h = max(triton.next_power_of_2(qpk), 16 // max(1, head_dim // k.block))
+    if block_rows is None:
+        block_rows = nvfp4_pair and not kt4 and (head_dim // k.block) * blk_h <= 32
+    elif block_rows and (not nvfp4_pair or kt4):
+        raise ValueError("block_rows needs NVFP4 keys and values with the same block, precision='fast', no residual "
+                         "and fp4_keys_by_token off")
+    if block_rows:
+        block_h = blk_h
     if block_n is None:
-        block_n = 64 if precision == "fast" and (fast_e8m0 or fast_nvfp4_ptx or k.kind == "bf16") else 32
+        if block_rows:
+            block_n = 128
+        else:
+            block_n = 64 if precision == "fast" and (fast_e8m0 or fast_nvfp4_ptx or k.kind == "bf16") else 32
     if num_warps is None:
-        num_warps = 4 if fast_e8m0 and not fast_mx_ptx else 2
+        num_warps = 4 if (fast_e8m0 and not fast_mx_ptx) or block_rows else 2
     if k.kind == "int_k":  # a tile must lie inside one KIVI token group
         block_n = min(block_n, k.group)
         if k.group % block_n:
             raise ValueError(f"block_n {block_n} must divide the KIVI key group size {k.group}")
     if num_stages is None:
         num_stages = 3 if k.kind in ("fp8", "int_k") or fast_mx_ptx or (precision == "fast" and k.kind == "nvfp4"
-                                                                       and not ptx_unpack) else 2
+                                                                       and not ptx_unpack and not block_rows) else 2
     has_res = residual is not None
     if has_res:
         rk, rv, kl, vl = residual
@@ -1272,7 +1382,8 @@ def plan_decode(
     hw = hardware_fp8_formats(q.device) if hw_formats is None else hw_formats
     op = torch.empty(batch, q_heads, total, head_dim, dtype=torch.float32, device=q.device)
     lp = torch.empty(batch, q_heads, total, dtype=torch.float32, device=q.device)
-    grid = (batch, kv_heads, total)
+    heads_fast = bool(heads_fast)
+    grid = (kv_heads, batch, total) if heads_fast else (batch, kv_heads, total)
     split_args = [
         q,
         block_table,
@@ -1332,6 +1443,8 @@ def plan_decode(
         HV=hv,
         KT4=kt4,
         KTILE=bool(key_tile),
+        HF=heads_fast,
+        BLK=bool(block_rows),
     )
     out = torch.empty(batch, q_heads, head_dim, dtype=torch.float32, device=q.device)
     lse = torch.empty(batch, q_heads, dtype=torch.float32, device=q.device)
