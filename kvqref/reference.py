@@ -131,18 +131,21 @@ def fast_rounding(k_scheme: Any, v_scheme: Any, q_dtype: str) -> Rounding16:
     p (``p * s`` rounded once to bfloat16 against the exact integer codes, the zero term ``p * z`` in float32):
     pass ``V_round = V - Z`` (paged tokens) to :func:`kernel_tolerance`.
     """
-    from kvqref.schemes import FP8Scheme, KiviScheme, NVFP4Scheme
+    from kvqref.schemes import E8M0BlockScheme, FP8Scheme, KiviScheme, NVFP4Scheme
     from kvqref.schemes.rotation import storage_scheme
 
     k_scheme, v_scheme = storage_scheme(k_scheme), storage_scheme(v_scheme)  # a rotated side: its stored values
     if q_dtype not in ("bfloat16", "float16", "float32"):
         raise ValueError(f"q_dtype must be bfloat16, float16 or float32, got {q_dtype!r}")
     kivi_k, kivi_v = isinstance(k_scheme, KiviScheme), isinstance(v_scheme, KiviScheme)
-    fp16_k = isinstance(k_scheme, (FP8Scheme, NVFP4Scheme))
+    # float16 q: FP8 and FP4 keys (FP4 by block rows, the default where the rows fit 32; E8M0 keys otherwise meet q
+    # in bfloat16, so for them both roundings are allowed: the larger u_q, and a_q)
+    fp16_k = isinstance(k_scheme, (FP8Scheme, NVFP4Scheme, E8M0BlockScheme))
     fp16_v = isinstance(v_scheme, NVFP4Scheme) or (
         isinstance(v_scheme, FP8Scheme) and v_scheme.granularity != "token_head")
     if fp16_k:
-        u_q, a_q = (0.0 if q_dtype in ("bfloat16", "float16") else U_F16), 2.0**-39
+        e8m0_k = isinstance(k_scheme, E8M0BlockScheme)
+        u_q, a_q = (0.0 if q_dtype in ("bfloat16", "float16") else (U_BF16 if e8m0_k else U_F16)), 2.0**-39
     else:
         u_q, a_q = (0.0 if q_dtype == "bfloat16" else U_BF16), 0.0
     return Rounding16(

@@ -104,9 +104,10 @@ def test_fast_rounding_constants():
     r = reference.fast_rounding(f8, f8, "bfloat16")
     assert (r.u_q, r.a_q, r.u_p, r.a_p) == (0.0, 2.0**-39, reference.U_F16, 2.0**-39)
     r = reference.fast_rounding(nv, nv, "float32")
-    assert (r.u_q, r.u_p) == (reference.U_F16, reference.U_F16)
-    r = reference.fast_rounding(mx, mx, "bfloat16")
-    assert (r.u_q, r.a_q, r.u_p, r.a_p) == (0.0, 0.0, reference.U_BF16, 0.0)
+    assert (r.u_q, r.u_p, r.a_p) == (reference.U_F16, reference.U_F16, 2.0**-23)  # NVFP4 block rows: p * s * 2**7
+    r = reference.fast_rounding(mx, mx, "bfloat16")  # E8M0 keys: float16 q by block rows, bfloat16 q otherwise
+    assert (r.u_q, r.a_q, r.u_p, r.a_p) == (0.0, 2.0**-39, reference.U_BF16, 0.0)
+    assert reference.fast_rounding(mx, mx, "float32").u_q == reference.U_BF16
     r = reference.fast_rounding(kk, kv, "bfloat16")
     assert (r.u_q, r.u_qs, r.u_k, r.u_p, r.u_v) == (0.0, 2.0**-16, 2.0**-16, reference.U_BF16, 2.0**-16)
 

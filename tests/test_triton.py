@@ -270,27 +270,30 @@ def test_fp4_keys_by_token(pair, precision):
         _run_decode(build_cache(PAIRS[1], SMALL, rng)[0], q, fp4_keys_by_token=True)
 
 
-BLOCK_ROW_SHAPES = [  # (q_heads, kv_heads, head_dim): rows (head_dim / 16) x heads per KV head, padded to fill 16
+BLOCK_ROW_SHAPES = [  # (q_heads, kv_heads, head_dim): rows (head_dim / block) x heads per KV head, padded to 16
     (4, 2, 64), (2, 2, 128), (16, 2, 64), (8, 1, 128)]
+BLOCK_ROW_PAIRS = [PAIRS[9], PAIRS[5], PAIRS[6], ("mxfp4", {}, "mxfp4", {})]
 
 
+@pytest.mark.parametrize("pair", BLOCK_ROW_PAIRS, ids=["nvfp4", "fp4_e2m1", "mxfp4/nvfp4", "mxfp4"])
 @pytest.mark.parametrize("q_heads,kv_heads,head_dim", BLOCK_ROW_SHAPES)
-def test_nvfp4_block_rows(q_heads, kv_heads, head_dim):
-    """Fast NVFP4 by block rows (per-block partial dots, block scales on the score and probability rows) meets
-    the oracle's bound with and without the layout; it is the default where the rows fit 32; a planted K block
-    scale (exponent + 1) moves the lse and a planted V block scale the output beyond the bound; other schemes and
-    exact mode refuse it."""
+def test_fp4_block_rows(pair, q_heads, kv_heads, head_dim):
+    """Fast FP4 by block rows (per-block partial dots, block scales on the score and probability rows; NVFP4 and
+    E8M0 tiles, either side) meets the oracle's bound with and without the layout; it is the default where the
+    rows fit 32; a planted K block scale (exponent + 1) moves the lse and a planted V block scale the output beyond
+    the bound; other schemes and exact mode refuse it."""
     from kvqref.kernels.decode import plan_decode
 
     rng = np.random.default_rng(q_heads * 131 + head_dim)
     shape = dict(SMALL, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim)
-    cache, _ = build_cache(PAIRS[9], shape, rng)
+    cache, _ = build_cache(pair, shape, rng)
     q = torch.from_numpy(rng.standard_normal((3, q_heads, head_dim)).astype(np.float32)).to(torch.bfloat16)
     q64 = q.float().numpy().astype(np.float64)
     ref_out, ref_lse, tol_o, tol_l = _oracle(cache, q64, "fast")
     dc = tb.DeviceCache.from_cache(cache, DEVICE)
     launches, _, _ = plan_decode(q.to(DEVICE), dc.k.tiles(), dc.v.tiles(), dc.block_table, dc.seq_lens, dc.page_size)
-    rows = (head_dim // 16) * max(triton_next_pow2(q_heads // kv_heads), 16 // (head_dim // 16))
+    blocks = [head_dim // t.block for t in (dc.k.tiles(), dc.v.tiles())]
+    rows = max(blocks) * max(triton_next_pow2(q_heads // kv_heads), 16 // min(blocks))
     assert next(launch for launch in launches if "BLK" in launch.constexprs).constexprs["BLK"] is (rows <= 32)
     for blk in (True, False):
         out, lse, _ = _run_decode(cache, q, block_rows=blk)
@@ -302,17 +305,19 @@ def test_nvfp4_block_rows(q_heads, kv_heads, head_dim):
     page, off = divmod(int(cache.slot_mapping(b, top, 1)[0]), cache.page_size)
     for side, check in (("v", lambda o, lse_: (np.abs(o - ref_out) > tol_o).any()),
                         ("k", lambda o, lse_: (np.abs(lse_ - ref_lse) > tol_l).any())):
+        e4m3 = isinstance(getattr(cache, side).scheme, schemes.NVFP4Scheme)
+        step, top_code = (8, 0x7E) if e4m3 else (1, 0xFE)  # exponent + 1; the largest finite code (E4M3 0x7F: NaN)
         scales = getattr(cache, side).storage["scales"]
-        codes = scales[page, off, 0].astype(np.int64)  # the token's largest block scale whose exponent + 1
-        blk_ = int(np.argmax(np.where(codes + 8 <= 0x7E, codes, -1)))  # (E4M3: code + 8) is finite (0x7F: NaN)
-        scales[page, off, 0, blk_] += 8
+        codes = scales[page, off, 0].astype(np.int64)  # the token's largest block scale that stays finite
+        blk_ = int(np.argmax(np.where(codes + step <= top_code, codes, -1)))
+        scales[page, off, 0, blk_] += step
         out, lse, _ = _run_decode(cache, q, block_rows=True)
         assert check(out, lse), side
-        scales[page, off, 0, blk_] -= 8
+        scales[page, off, 0, blk_] -= step
     with pytest.raises(ValueError, match="block_rows"):
         _run_decode(cache, q, block_rows=True, precision="exact")
     with pytest.raises(ValueError, match="block_rows"):
-        _run_decode(build_cache(PAIRS[6], SMALL, rng)[0], q[:, :4, :64], block_rows=True)
+        _run_decode(build_cache(PAIRS[1], SMALL, rng)[0], q[:, :4, :64], block_rows=True)
 
 
 def triton_next_pow2(n: int) -> int:

@@ -477,70 +477,100 @@ def _softmax_step(s, tmask, m_i, l_i):
 
 
 @triton.jit
-def _nvfp4_block_rows(
+def _fp4_block_rows(
     Q, BT, K0, K1, V0, V1, b, kvh, start, end, stride_qb, stride_qh, stride_btb, k0_s, k0_h, k1_s, k1_h, v0_s, v0_h,
     v1_s, v1_h, qk_scale, QPK: tl.constexpr, H: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
-    BLOCK_N: tl.constexpr, QB: tl.constexpr, FMT_K: tl.constexpr, FMT_V: tl.constexpr, PTX: tl.constexpr,
-    WSC_K: tl.constexpr, WSC_V: tl.constexpr,
+    BLOCK_N: tl.constexpr, KIND_K: tl.constexpr, QB_K: tl.constexpr, FMT_K: tl.constexpr, KIND_V: tl.constexpr,
+    QB_V: tl.constexpr, FMT_V: tl.constexpr, PTX: tl.constexpr, WSC_K: tl.constexpr, WSC_V: tl.constexpr,
 ):
-    """Fast-mode NVFP4 keys and values by block rows (``block_rows``): no block scale touches a tile element.
+    """Fast-mode FP4 keys and values by block rows (``block_rows``): no block scale touches a tile element.
 
-    Rows are (block b, head h), ``R = (D / QB) * H``. Keys: q's even / odd channels (float16, scaled by a power of
-    two as the FP8 path does), zero outside block b, against the low / high nibbles as float16 E2M1 * 2**-14 (bit
-    placement, exact): row (b, h) of the [R, N] product is block b's partial dot, exact products summed in float32;
-    times the block scale (float32) and summed over b: the scores [H, N]. Values: the same rows hold
-    ``fl16(p * s_v * 2**7)`` (s_v: the token's block scale; at most 448 * 2**7 < 65504) against the E2M1 tile;
-    output channel d of head h is row (block of d, h). Returns (even channels, odd channels) [H, D/2] = sum p v,
-    and the softmax state m, l [H] (base 2), as the main loop leaves them."""
-    NB: tl.constexpr = D // QB
-    R: tl.constexpr = NB * H
+    Rows are (block b, head h), ``(D / QB) * H`` per side. Keys: q's even / odd channels (float16, scaled by a power
+    of two as the FP8 path does), zero outside block b, against the low / high nibbles as float16 E2M1 * 2**-14 (bit
+    placement, exact): row (b, h) of the [rows, N] product is block b's partial dot, exact products summed in
+    float32; times the block scale (float32: E4M3 or E8M0, exact) and summed over b: the scores [H, N]. Values: the
+    same rows hold the probability times the token's block scale, rounded once: NVFP4 ``fl16(p * s * 2**7)`` (s <=
+    448, so below 448 * 2**7 < 65504) against the float16 E2M1 * 2**-14 tile; E8M0 ``bf16(p * 2**(c - 127))``
+    (bfloat16 has float32's exponent range) against the exact E2M1 values in bfloat16. Output channel d of head h
+    is row (block of d, h). Returns (even channels, odd channels) [H, D/2] = sum p v, and the softmax state m, l [H]
+    (base 2), as the main loop leaves them."""
+    NBK: tl.constexpr = D // QB_K
+    NBV: tl.constexpr = D // QB_V
+    RK: tl.constexpr = NBK * H
+    RV: tl.constexpr = NBV * H
     DH: tl.constexpr = D // 2
-    r = tl.arange(0, R)
-    rb = r // H
-    rh = r % H
+    rk = tl.arange(0, RK)
+    rh = rk % H
     j = tl.arange(0, DH)
     qbase = b * stride_qb + (kvh * QPK + rh).to(tl.int64) * stride_qh
-    qm = (rh < QPK)[:, None] & (((2 * j) // QB)[None, :] == rb[:, None])
+    qm = (rh < QPK)[:, None] & (((2 * j) // QB_K)[None, :] == (rk // H)[:, None])
     qe = tl.load(Q + qbase[:, None] + (2 * j)[None, :], mask=qm, other=0.0).to(tl.float32)
     qo = tl.load(Q + qbase[:, None] + (2 * j + 1)[None, :], mask=qm, other=0.0).to(tl.float32)
     qmax = tl.max(tl.max(tl.maximum(tl.abs(qe), tl.abs(qo)), 1), 0)
     eq = tl.where(qmax > 0, tl.minimum(14 - floor_log2_f32(qmax), 126), 0)
     qe16 = _split16(qe * pow2_f32(eq), True)[0]  # (no ``_`` targets here: triton 3.6 carries them through the loop)
     qo16 = _split16(qo * pow2_f32(eq), True)[0]
-    sc_k = qk_scale * pow2_f32(-eq) * 16384.0  # the tiles hold E2M1 * 2**-14
+    sc_k = qk_scale * pow2_f32(-eq) * 16384.0  # the key tiles hold E2M1 * 2**-14
     m_i = tl.full((H,), float("-inf"), tl.float32)
     l_i = tl.zeros((H,), tl.float32)
-    acc_lo = tl.zeros((R, DH), tl.float32)
-    acc_hi = tl.zeros((R, DH), tl.float32)
+    acc_lo = tl.zeros((RV, DH), tl.float32)
+    acc_hi = tl.zeros((RV, DH), tl.float32)
     for t0 in range(start, end, BLOCK_N):
         t = t0 + tl.arange(0, BLOCK_N)
         tmask = t < end
         page = tl.load(BT + b * stride_btb + t // PAGE, mask=tmask, other=0).to(tl.int64)
         slot = page * PAGE + (t % PAGE)
+        # every load first (the order measured: 165 registers against 227 with the value loads after the softmax)
         kb = tl.load(K0 + slot[None, :] * k0_s + kvh * k0_h + j[:, None], mask=tmask[None, :], other=0)
-        ksc = _block_scales(K1, slot, kvh, k1_s, k1_h, tmask, NB, WSC_K, True)
+        ksc = _block_scales(K1, slot, kvh, k1_s, k1_h, tmask, NBK, WSC_K, True)
         vb = tl.load(V0 + slot[:, None] * v0_s + kvh * v0_h + j[None, :], mask=tmask[:, None], other=0)
-        vsc = _block_scales(V1, slot, kvh, v1_s, v1_h, tmask, NB, WSC_V, True)
+        vsc = _block_scales(V1, slot, kvh, v1_s, v1_h, tmask, NBV, WSC_V, True)
         klo, khi = _e2m1_nibbles_f16(kb, PTX)
-        s2 = _dot_acc(qo16, khi, _dot_acc(qe16, klo, tl.zeros((R, BLOCK_N), tl.float32)))
-        s = tl.sum(tl.reshape(s2, (NB, H, BLOCK_N)) * _block_scale_f32(ksc, FMT_K)[:, None, :], 0) * sc_k
+        s2 = _dot_acc(qo16, khi, _dot_acc(qe16, klo, tl.zeros((RK, BLOCK_N), tl.float32)))
+        s = tl.sum(tl.reshape(s2, (NBK, H, BLOCK_N)) * _scale_f32(ksc, KIND_K, FMT_K)[:, None, :], 0) * sc_k
         p, alpha, m_i, l_i = _softmax_step(s, tmask, m_i, l_i)
-        pr = _split16(tl.reshape(p[None, :, :] * (_block_scale_f32(vsc, FMT_V) * 128.0)[:, None, :], (R, BLOCK_N)),
-                      True)[0]
-        ar = tl.reshape(tl.broadcast_to(alpha[None, :], (NB, H)), (R,))
-        vlo, vhi = _e2m1_nibbles_f16(vb, PTX)
+        ar = tl.reshape(tl.broadcast_to(alpha[None, :], (NBV, H)), (RV,))
+        if KIND_V == 3:
+            pr = _split16(tl.reshape(p[None, :, :] * (_scale_f32(vsc, 3, FMT_V) * 128.0)[:, None, :], (RV, BLOCK_N)),
+                          True)[0]
+            vlo, vhi = _e2m1_nibbles_f16(vb, PTX)
+        else:
+            pr = _split(tl.reshape(p[None, :, :] * e8m0_to_f32(vsc)[:, None, :], (RV, BLOCK_N)), True, True)[0]
+            vlo, vhi = _e2m1_values_bf16(vb, PTX)
         acc_lo = _dot_acc(pr, vlo, acc_lo * ar[:, None])
         acc_hi = _dot_acc(pr, vhi, acc_hi * ar[:, None])
-    sel = tl.arange(0, NB)[:, None, None] == ((2 * j) // QB)[None, None, :]  # the block of channel 2j (and 2j + 1)
-    lo = tl.sum(tl.where(sel, tl.reshape(acc_lo, (NB, H, DH)), 0.0), 0) * (2.0**14 / 128.0)
-    hi = tl.sum(tl.where(sel, tl.reshape(acc_hi, (NB, H, DH)), 0.0), 0) * (2.0**14 / 128.0)
+    sel = tl.arange(0, NBV)[:, None, None] == ((2 * j) // QB_V)[None, None, :]  # the block of channels 2j, 2j + 1
+    f: tl.constexpr = 2.0**14 / 128.0 if KIND_V == 3 else 1.0
+    lo = tl.sum(tl.where(sel, tl.reshape(acc_lo, (NBV, H, DH)), 0.0), 0) * f
+    hi = tl.sum(tl.where(sel, tl.reshape(acc_hi, (NBV, H, DH)), 0.0), 0) * f
     return lo, hi, m_i, l_i
 
 
 @triton.jit
-def _block_scale_f32(code, FMT: tl.constexpr):
-    """E4M3FN block-scale codes -> float32 (exact): in hardware where ``FMT`` >= 8, else by integer decoding."""
-    if FMT >= 8 and not INTERPRET:
+def _e2m1_values_bf16(byte, PTX: tl.constexpr):
+    """The E2M1 values of the low and high nibbles of ``byte`` (uint8), exact, as bfloat16: on CUDA the PTX
+    unpacking's E2M1 * 2**-126 times 2**126 (one packed bfloat16 multiply, exact); elsewhere from the float32
+    decoding (float32 in the interpreter, which cannot bitcast to bfloat16)."""
+    if PTX and not INTERPRET:
+        lo, hi = _e2m1_pairs(byte, True)
+        return lo * 8.507059173023462e37, hi * 8.507059173023462e37  # 2**126
+    else:
+        b = byte.to(tl.int32)
+        lo = decode_f32(b & 15, 4)
+        hi = decode_f32(b >> 4, 4)
+        if INTERPRET:
+            return lo, hi
+        else:
+            return lo.to(tl.bfloat16), hi.to(tl.bfloat16)
+
+
+@triton.jit
+def _scale_f32(code, KIND: tl.constexpr, FMT: tl.constexpr):
+    """FP4 block-scale codes -> float32 (exact): E8M0 (KIND 2) by its bits; E4M3FN (KIND 3) in hardware where
+    ``FMT`` >= 8, else by integer decoding."""
+    if KIND == 2:
+        return e8m0_to_f32(code)
+    elif FMT >= 8 and not INTERPRET:
         return code.to(tl.float8e4nv, bitcast=True).to(tl.float32)
     else:
         return decode_f32(code, 0)
@@ -714,11 +744,11 @@ def decode_split_kernel(
             paged_len = tl.load(SL + b)
         start = split * tokens_per_split
         end = tl.minimum(start + tokens_per_split, paged_len)
-        if BLK:  # fast NVFP4 by block rows (``_nvfp4_block_rows``)
-            acc0, acc1, m_i, l_i = _nvfp4_block_rows(
+        if BLK:  # fast FP4 by block rows (``_fp4_block_rows``)
+            acc0, acc1, m_i, l_i = _fp4_block_rows(
                 Q, BT, K0, K1, V0, V1, b, kvh, start, end, stride_qb, stride_qh, stride_btb, k0_s, k0_h, k1_s, k1_h,
-                v0_s, v0_h, v1_s, v1_h, qk_scale, QPK, BLOCK_H, D, PAGE, BLOCK_N, QB_K, FMT_K, FMT_V, PTX, WSC_K,
-                WSC_V)
+                v0_s, v0_h, v1_s, v1_h, qk_scale, QPK, BLOCK_H, D, PAGE, BLOCK_N, KIND_K, QB_K, FMT_K, KIND_V, QB_V,
+                FMT_V, PTX, WSC_K, WSC_V)
         else:
             for t0 in range(start, end, BLOCK_N):
                 t = t0 + tl.arange(0, BLOCK_N)
@@ -1276,12 +1306,13 @@ def plan_decode(
     q (False: the group's scale folded into a float32 q, and q . z reduced per tile); default: on for fast-mode
     2-bit KIVI keys where :func:`kivi_key_words` allows (H100: int2 628 -> 517 us; int4 lost, 616 -> 627, so
     4-bit keys keep the folded path; bench/results/ANALYSIS.md, session 5; docs/kernels.md, "Precision").
-    ``block_rows``: fast-mode NVFP4 keys and values with score rows laid out by (block, query head), so no block
-    scale multiplies a tile element (:func:`_nvfp4_block_rows`; docs/kernels.md, "Precision"); default: on where
-    the rows, (head_dim / 16) x the query heads per KV head rounded up to a power of two, are at most 32 (H100,
-    batch 32 x 8,192: nvfp4 318 -> 239 us; bench/results/ANALYSIS.md, session 8). ``heads_fast``: the KV heads on
-    the grid's fastest axis, so the programs reading one token's rows run together (default False: it raised a
-    loads-only kernel from 61% to 75% of the ceiling, but the decode kernels by at most 2%)."""
+    ``block_rows``: fast-mode FP4 keys and values (NVFP4 and E8M0 tiles) with score rows laid out by (block, query
+    head), so no block scale multiplies a tile element (:func:`_fp4_block_rows`; docs/kernels.md, "Precision");
+    default: on where the rows, (head_dim / block) x the query heads per KV head rounded up to a power of two, are
+    at most 32 on both sides (H100, batch 32 x 8,192: nvfp4 324 -> 243 us; bench/results/ANALYSIS.md, session 8).
+    ``heads_fast``: the KV heads on the grid's fastest axis, so the programs reading one token's rows run together
+    (default False: it raised a loads-only kernel from 61% to 75% of the ceiling, but the decode kernels by at most
+    2%)."""
     import torch
 
     if precision not in PRECISIONS:
@@ -1338,16 +1369,16 @@ def plan_decode(
     fast_e8m0 = precision == "fast" and k.kind == "mxfp4"
     fast_mx_ptx = fast_e8m0 and wide_k and bool(ptx_unpack)
     fast_nvfp4_ptx = precision == "fast" and k.kind == "nvfp4" and ptx_unpack
-    # fast NVFP4 by block rows (``_nvfp4_block_rows``): rows (block, head) must fill the 16 MMA rows and stay <= 32
-    # (the tensor cores' work grows with them: H100, bench/results/ANALYSIS.md, session 8)
-    nvfp4_pair = (precision == "fast" and k.kind == v.kind == "nvfp4" and k.block == v.block
-                  and residual is None)
-    blk_h = max(triton.next_power_of_2(qpk), 16 // max(1, head_dim // k.block))
+    # fast FP4 by block rows (``_fp4_block_rows``): rows (block, head) of each side must fill the 16 MMA rows and
+    # stay <= 32 (the tensor cores' work grows with them: H100, bench/results/ANALYSIS.md, session 8)
+    fp4_pair = precision == "fast" and k.kind in ("mxfp4", "nvfp4") and v.kind in ("mxfp4", "nvfp4")
+    blocks = max(1, min(head_dim // k.block, head_dim // v.block)) if fp4_pair else 1
+    blk_h = max(triton.next_power_of_2(qpk), 16 // blocks)
     if block_rows is None:
-        block_rows = nvfp4_pair and not kt4 and (head_dim // k.block) * blk_h <= 32
-    elif block_rows and (not nvfp4_pair or kt4):
-        raise ValueError("block_rows needs NVFP4 keys and values with the same block, precision='fast', no residual "
-                         "and fp4_keys_by_token off")
+        block_rows = fp4_pair and not kt4 and max(head_dim // k.block, head_dim // v.block) * blk_h <= 32
+    elif block_rows and (not fp4_pair or kt4):
+        raise ValueError("block_rows needs FP4 keys and values (mxfp4/nvfp4 tiles), precision='fast' and "
+                         "fp4_keys_by_token off")
     if block_rows:
         block_h = blk_h
     if block_n is None:
@@ -1362,8 +1393,9 @@ def plan_decode(
         if k.group % block_n:
             raise ValueError(f"block_n {block_n} must divide the KIVI key group size {k.group}")
     if num_stages is None:
-        num_stages = 3 if k.kind in ("fp8", "int_k") or fast_mx_ptx or (precision == "fast" and k.kind == "nvfp4"
-                                                                       and not ptx_unpack and not block_rows) else 2
+        num_stages = 2 if block_rows else (
+            3 if k.kind in ("fp8", "int_k") or fast_mx_ptx or (precision == "fast" and k.kind == "nvfp4"
+                                                                and not ptx_unpack) else 2)
     has_res = residual is not None
     if has_res:
         rk, rv, kl, vl = residual
