@@ -90,7 +90,9 @@ def main() -> int:
             diff = 0.0 if ref is None else float((out - ref).abs().max())
             ref = out.clone() if ref is None else ref
             fn = lambda launches=launches: [launch() for launch in launches]  # noqa: E731
-            calls[name] = (fn if args.eager else graph_replay(fn), diff)
+            # the graph's replay keeps the graph, not the buffers its launches write: keep ``fn`` (which holds them)
+            replay = fn if args.eager else graph_replay(fn)
+            calls[name] = (lambda replay=replay, fn=fn: replay(), diff)
         times: dict[str, list[float]] = {n: [] for n in calls}
         for _ in range(args.rounds):
             for name, (fn, _diff) in calls.items():

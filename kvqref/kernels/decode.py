@@ -1381,13 +1381,16 @@ def plan_decode(
                          "fp4_keys_by_token off")
     if block_rows:
         block_h = blk_h
+    # block rows: 16 rows (mxfp4 at 4 query heads per KV head) measured best with 64-token tiles and 2 warps, 32 rows
+    # (NVFP4, fp4_e2m1) with 128-token tiles and 4 warps (H100: bench/results/history/ab-h100-session8-fp4.log)
+    blk_wide = block_rows and max(head_dim // k.block, head_dim // v.block) * blk_h > 16
     if block_n is None:
         if block_rows:
-            block_n = 128
+            block_n = 128 if blk_wide else 64
         else:
             block_n = 64 if precision == "fast" and (fast_e8m0 or fast_nvfp4_ptx or k.kind == "bf16") else 32
     if num_warps is None:
-        num_warps = 4 if (fast_e8m0 and not fast_mx_ptx) or block_rows else 2
+        num_warps = 4 if (fast_e8m0 and not fast_mx_ptx and not block_rows) or blk_wide else 2
     if k.kind == "int_k":  # a tile must lie inside one KIVI token group
         block_n = min(block_n, k.group)
         if k.group % block_n:
