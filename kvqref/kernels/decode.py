@@ -836,49 +836,15 @@ def decode_split_kernel(
                     # K as the left operand [N, D], loaded in its memory order (lets the compiler keep the
                     # dequantized tile in registers in the dot-operand layout); scores come out transposed
                     kn = tl.load(K0 + slot[:, None] * k0_s + kvh * k0_h + ik[None, :], mask=tmask[:, None], other=0)
-                    kt = _phase(
-                        kn,
-                        slot[:, None],
-                        ik[None, :],
-                        tmask[:, None],
-                        kvh,
-                        K1,
-                        K2,
-                        k1_s,
-                        k1_h,
-                        k2_s,
-                        k2_h,
-                        0,
-                        KIND_K,
-                        FMT_K,
-                        QB_K,
-                        G_K,
-                        BITS_K,
-                    )
+                    kt = _phase(kn, slot[:, None], ik[None, :], tmask[:, None], kvh, K1, K2, k1_s, k1_h, k2_s, k2_h, 0,
+                                KIND_K, FMT_K, QB_K, G_K, BITS_K)
                     s = tl.trans(_mm_t(kt, qTh, qTm, qTl, QPT, F16K))
                 else:
                     # one byte per element (bf16/FP8 with KT=False): packed kinds have their own branches above
                     tl.static_assert(PK == 1)
                     kb = tl.load(K0 + sk * k0_s + kvh * k0_h + ik[:, None], mask=mk, other=0)
-                    k0t = _phase(
-                        kb,
-                        sk,
-                        ik[:, None] * PK,
-                        mk,
-                        kvh,
-                        K1,
-                        K2,
-                        k1_s,
-                        k1_h,
-                        k2_s,
-                        k2_h,
-                        0,
-                        KIND_K,
-                        FMT_K,
-                        QB_K,
-                        G_K,
-                        BITS_K,
-                    )
+                    k0t = _phase(kb, sk, ik[:, None] * PK, mk, kvh, K1, K2, k1_s, k1_h, k2_s, k2_h, 0, KIND_K, FMT_K,
+                                 QB_K, G_K, BITS_K)
                     if F16K:
                         s = _mm16(q16h, q16l, k0t, QP16)
                     else:
@@ -968,25 +934,8 @@ def decode_split_kernel(
                     sv = slot[:, None]
                     mv = tmask[:, None]
                     vb = tl.load(V0 + sv * v0_s + kvh * v0_h + iv[None, :], mask=mv, other=0)
-                    v0t = _phase(
-                        vb,
-                        sv,
-                        iv[None, :] * PV,
-                        mv,
-                        kvh,
-                        V1,
-                        V2,
-                        v1_s,
-                        v1_h,
-                        v2_s,
-                        v2_h,
-                        0,
-                        KIND_V,
-                        FMT_V,
-                        QB_V,
-                        G_V,
-                        BITS_V,
-                    )
+                    v0t = _phase(vb, sv, iv[None, :] * PV, mv, kvh, V1, V2, v1_s, v1_h, v2_s, v2_h, 0, KIND_V,
+                                 FMT_V, QB_V, G_V, BITS_V)
                     if F16V:
                         acc0 = acc0 * alpha[:, None] + _mm16(p16h, p16l, v0t, PP16)
                     else:
