@@ -299,10 +299,10 @@ def test_fp4_block_rows(pair, q_heads, kv_heads, head_dim):
     if rows <= 32:  # the measured launch: 16 rows 64-token tiles / 2 warps, 32 rows 128 / 4 (ANALYSIS.md, session 8)
         want = (64, 2) if rows <= 16 else (128, 4)
         assert (split.constexprs["BLOCK_N"], split.options["num_warps"], split.options["num_stages"]) == (*want, 2)
-    for blk in (True, False):
-        out, lse, _ = _run_decode(cache, q, block_rows=blk)
-        assert (np.abs(out - ref_out) <= tol_o).all(), (blk, np.abs(out - ref_out).max())
-        assert (np.abs(lse - ref_lse) <= tol_l).all(), (blk, np.abs(lse - ref_lse).max())
+    for blk, words in ((True, False), (True, True), (False, False)):  # value tiles as bytes / 16-bit words
+        out, lse, _ = _run_decode(cache, q, block_rows=blk, value_words=words)
+        assert (np.abs(out - ref_out) <= tol_o).all(), (blk, words, np.abs(out - ref_out).max())
+        assert (np.abs(lse - ref_lse) <= tol_l).all(), (blk, words, np.abs(lse - ref_lse).max())
     b = 2
     K, _ = cache.dequantized(b)
     top = int(np.argmax(K[:, 0, :] @ q64[b, 0]))
@@ -315,13 +315,16 @@ def test_fp4_block_rows(pair, q_heads, kv_heads, head_dim):
         codes = scales[page, off, 0].astype(np.int64)  # the token's largest block scale that stays finite
         blk_ = int(np.argmax(np.where(codes + step <= top_code, codes, -1)))
         scales[page, off, 0, blk_] += step
-        out, lse, _ = _run_decode(cache, q, block_rows=True)
-        assert check(out, lse), side
+        for words in (False, True):
+            out, lse, _ = _run_decode(cache, q, block_rows=True, value_words=words)
+            assert check(out, lse), (side, words)
         scales[page, off, 0, blk_] -= step
     with pytest.raises(ValueError, match="block_rows"):
         _run_decode(cache, q, block_rows=True, precision="exact")
     with pytest.raises(ValueError, match="block_rows"):
         _run_decode(build_cache(PAIRS[1], SMALL, rng)[0], q[:, :4, :64], block_rows=True)
+    with pytest.raises(ValueError, match="value_words needs block_rows"):
+        _run_decode(cache, q, block_rows=False, value_words=True)
 
 
 def triton_next_pow2(n: int) -> int:

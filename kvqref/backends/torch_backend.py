@@ -53,8 +53,10 @@ def dequantize(side: Side, dtype=None):
         if kind == "mxfp4":
             s = torch.exp2(f["scales"].float() - 127)
         else:
-            s = f["scales"].view(torch.float8_e4m3fn).float() * side.tensor_scale[None, :, None]
-        x = (el.unflatten(-1, (s.shape[-1], -1)) * s[..., None]).flatten(-2)
+            s = f["scales"].view(torch.float8_e4m3fn).float()
+        x = (el.unflatten(-1, (s.shape[-1], -1)) * s[..., None]).flatten(-2)  # E2M1 x block scale: exact in float32
+        if kind == "nvfp4":  # then x global scale, one rounding (E2M1 x (block x global) would round twice)
+            x = x * side.tensor_scale[None, :, None]
     else:
         q = _unpack(f["codes"], cfg["bits"]).float()
         G = cfg["group"]

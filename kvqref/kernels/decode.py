@@ -189,15 +189,17 @@ def _e2m1_nibbles_f16(byte, PTX: tl.constexpr):
         return _e2m1_f16(b & 15), _e2m1_f16(b >> 4)
 
 
-def _e2m1_pairs_ptx(lo_shift: int = 9, hi_shift: int = 5, field: int = 0x0E00) -> str:
+def _e2m1_pairs_ptx(lo_shift: int = 9, hi_shift: int = 5, field: int = 0x0E00,
+                    pairs: tuple = (("0x4140", 0, 2), ("0x4342", 1, 3))) -> str:
     """The PTX of :func:`_e2m1_pairs` (defaults: float16; its bfloat16 variant: shifts 6 and 2,
     field 0x01C0): input $4 (bytes 0-3), outputs $0, $1 (low nibbles of bytes 0,1 and 2,3) and $2, $3 (high
     nibbles). Per pair of bytes spread into the halves of y: 16-bit float bits = (y << shift & field per
     half: the code's exponent and mantissa bits in the float's lowest exponent bits and highest mantissa
-    bit) | (y & sign bit) << sign shift."""
+    bit) | (y & sign bit) << sign shift. ``pairs``: (``prmt`` selector of the two bytes, output of their low
+    nibbles, output of their high nibbles); :func:`_e2m1_quads` takes bytes 0, 2 and 1, 3."""
     lines = [".reg .b32 z, y, t, v;", "mov.b32 z, 0;"]
     mask = f"0x{field:04X}{field:04X}"
-    for sel, lo_out, hi_out in (("0x4140", 0, 2), ("0x4342", 1, 3)):
+    for sel, lo_out, hi_out in pairs:
         lines.append(f"prmt.b32 y, $4, z, {sel};")
         for out, shift, sign, sign_shift in ((lo_out, lo_shift, "0x00080008", 12), (hi_out, hi_shift, "0x00800080", 8)):
             lines += [f"shl.b32 t, y, {shift};", f"and.b32 v, y, {sign};", f"shl.b32 v, v, {sign_shift};",
@@ -207,6 +209,47 @@ def _e2m1_pairs_ptx(lo_shift: int = 9, hi_shift: int = 5, field: int = 0x0E00) -
 
 E2M1_PAIRS_PTX = tl.constexpr(_e2m1_pairs_ptx())
 E2M1_PAIRS_BF16_PTX = tl.constexpr(_e2m1_pairs_ptx(6, 2, 0x01C0))
+_QUADS = (("0x4240", 0, 1), ("0x4341", 2, 3))
+E2M1_QUADS_PTX = tl.constexpr(_e2m1_pairs_ptx(pairs=_QUADS))
+E2M1_QUADS_BF16_PTX = tl.constexpr(_e2m1_pairs_ptx(6, 2, 0x01C0, pairs=_QUADS))
+
+
+@triton.jit
+def _e2m1_quads(word, PTX: tl.constexpr, BF16: tl.constexpr):
+    """The four E2M1 codes of each 16-bit ``word`` (int16: two code bytes; channel 4c + k is nibble k) as four
+    tensors: float16 value * 2**-14, or with ``BF16`` the exact values in bfloat16 (float32 in the interpreter, which
+    cannot bitcast to bfloat16). CUDA (``PTX``): two words per 32-bit register, ``prmt`` spreads byte 0 of both into
+    the halves of one word and byte 1 into another, then as :func:`_e2m1_pairs` (bfloat16: value * 2**-126 times
+    2**126, one packed multiply, exact); elsewhere nibble by nibble."""
+    if PTX and not INTERPRET:
+        if BF16:
+            a, b, c, d = tl.inline_asm_elementwise(E2M1_QUADS_BF16_PTX, "=r,=r,=r,=r,r", [word],
+                                                   dtype=(tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16),
+                                                   is_pure=True, pack=2)
+            f: tl.constexpr = 8.507059173023462e37  # 2**126 (a constexpr: the products stay bfloat16)
+            return a * f, b * f, c * f, d * f
+        else:
+            return tl.inline_asm_elementwise(E2M1_QUADS_PTX, "=r,=r,=r,=r,r", [word],
+                                             dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True,
+                                             pack=2)
+    else:
+        w = word.to(tl.int32)
+        return (_e2m1_nibble(w & 15, BF16), _e2m1_nibble((w >> 4) & 15, BF16), _e2m1_nibble((w >> 8) & 15, BF16),
+                _e2m1_nibble((w >> 12) & 15, BF16))
+
+
+@triton.jit
+def _e2m1_nibble(nib, BF16: tl.constexpr):
+    """One E2M1 code (int32 in 0..15): float16 value * 2**-14 (:func:`_e2m1_f16`), or with ``BF16`` the value in
+    bfloat16 (float32 in the interpreter)."""
+    if BF16:
+        v = decode_f32(nib, 4)
+        if INTERPRET:
+            return v
+        else:
+            return v.to(tl.bfloat16)
+    else:
+        return _e2m1_f16(nib)
 
 
 @triton.jit
@@ -482,6 +525,7 @@ def _fp4_block_rows(
     v1_s, v1_h, qk_scale, QPK: tl.constexpr, H: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_N: tl.constexpr, KIND_K: tl.constexpr, QB_K: tl.constexpr, FMT_K: tl.constexpr, KIND_V: tl.constexpr,
     QB_V: tl.constexpr, FMT_V: tl.constexpr, PTX: tl.constexpr, WSC_K: tl.constexpr, WSC_V: tl.constexpr,
+    VW: tl.constexpr = False,
 ):
     """Fast-mode FP4 keys and values by block rows (``block_rows``): no block scale touches a tile element.
 
@@ -492,8 +536,10 @@ def _fp4_block_rows(
     same rows hold the probability times the token's block scale, rounded once: NVFP4 ``fl16(p * s * 2**7)`` (s <=
     448, so below 448 * 2**7 < 65504) against the float16 E2M1 * 2**-14 tile; E8M0 ``bf16(p * 2**(c - 127))``
     (bfloat16 has float32's exponent range) against the exact E2M1 values in bfloat16. Output channel d of head h
-    is row (block of d, h). Returns (even channels, odd channels) [H, D/2] = sum p v, and the softmax state m, l [H]
-    (base 2), as the main loop leaves them."""
+    is row (block of d, h). ``VW``: value tiles read as 16-bit words, four channels each (:func:`_e2m1_quads`), four
+    value products of [rows, D/4]: the tensor cores' operand holds two tokens per register, which 16-bit words get
+    from transposed matrix loads where bytes take one shared load each. Returns (even channels, odd channels)
+    [H, D/2] = sum p v, and the softmax state m, l [H] (base 2), as the main loop leaves them."""
     NBK: tl.constexpr = D // QB_K
     NBV: tl.constexpr = D // QB_V
     RK: tl.constexpr = NBK * H
@@ -513,8 +559,12 @@ def _fp4_block_rows(
     sc_k = qk_scale * pow2_f32(-eq) * 16384.0  # the key tiles hold E2M1 * 2**-14
     m_i = tl.full((H,), float("-inf"), tl.float32)
     l_i = tl.zeros((H,), tl.float32)
-    acc_lo = tl.zeros((RV, DH), tl.float32)
-    acc_hi = tl.zeros((RV, DH), tl.float32)
+    DV: tl.constexpr = D // 4 if VW else D // 2  # value accumulator columns: channel words or channel pairs
+    c = tl.arange(0, D // 4)
+    acc0 = tl.zeros((RV, DV), tl.float32)
+    acc1 = tl.zeros((RV, DV), tl.float32)
+    acc2 = tl.zeros((RV, DV), tl.float32)
+    acc3 = tl.zeros((RV, DV), tl.float32)
     for t0 in range(start, end, BLOCK_N):
         t = t0 + tl.arange(0, BLOCK_N)
         tmask = t < end
@@ -523,7 +573,11 @@ def _fp4_block_rows(
         # every load first (the order measured: 165 registers against 227 with the value loads after the softmax)
         kb = tl.load(K0 + slot[None, :] * k0_s + kvh * k0_h + j[:, None], mask=tmask[None, :], other=0)
         ksc = _block_scales(K1, slot, kvh, k1_s, k1_h, tmask, NBK, WSC_K, True)
-        vb = tl.load(V0 + slot[:, None] * v0_s + kvh * v0_h + j[None, :], mask=tmask[:, None], other=0)
+        if VW:
+            vb = tl.load((V0 + slot[:, None] * v0_s + kvh * v0_h).to(tl.pointer_type(tl.int16)) + c[None, :],
+                         mask=tmask[:, None], other=0)
+        else:
+            vb = tl.load(V0 + slot[:, None] * v0_s + kvh * v0_h + j[None, :], mask=tmask[:, None], other=0)
         vsc = _block_scales(V1, slot, kvh, v1_s, v1_h, tmask, NBV, WSC_V, True)
         klo, khi = _e2m1_nibbles_f16(kb, PTX)
         s2 = _dot_acc(qo16, khi, _dot_acc(qe16, klo, tl.zeros((RK, BLOCK_N), tl.float32)))
@@ -533,17 +587,36 @@ def _fp4_block_rows(
         if KIND_V == 3:
             pr = _split16(tl.reshape(p[None, :, :] * (_scale_f32(vsc, 3, FMT_V) * 128.0)[:, None, :], (RV, BLOCK_N)),
                           True)[0]
-            vlo, vhi = _e2m1_nibbles_f16(vb, PTX)
         else:
             pr = _split(tl.reshape(p[None, :, :] * e8m0_to_f32(vsc)[:, None, :], (RV, BLOCK_N)), True, True)[0]
-            vlo, vhi = _e2m1_values_bf16(vb, PTX)
-        acc_lo = _dot_acc(pr, vlo, acc_lo * ar[:, None])
-        acc_hi = _dot_acc(pr, vhi, acc_hi * ar[:, None])
-    sel = tl.arange(0, NBV)[:, None, None] == ((2 * j) // QB_V)[None, None, :]  # the block of channels 2j, 2j + 1
+        if VW:
+            v0, v1, v2, v3 = _e2m1_quads(vb, PTX, KIND_V == 2)
+            acc2 = _dot_acc(pr, v2, acc2 * ar[:, None])
+            acc3 = _dot_acc(pr, v3, acc3 * ar[:, None])
+        elif KIND_V == 3:
+            v0, v1 = _e2m1_nibbles_f16(vb, PTX)
+        else:
+            v0, v1 = _e2m1_values_bf16(vb, PTX)
+        acc0 = _dot_acc(pr, v0, acc0 * ar[:, None])
+        acc1 = _dot_acc(pr, v1, acc1 * ar[:, None])
     f: tl.constexpr = 2.0**14 / 128.0 if KIND_V == 3 else 1.0
-    lo = tl.sum(tl.where(sel, tl.reshape(acc_lo, (NBV, H, DH)), 0.0), 0) * f
-    hi = tl.sum(tl.where(sel, tl.reshape(acc_hi, (NBV, H, DH)), 0.0), 0) * f
-    return lo, hi, m_i, l_i
+    if VW:  # column c of acc k is channel 4c + k: even channels 4c, 4c + 2 and odd 4c + 1, 4c + 3, in channel order
+        o0 = _block_row_select(acc0, NBV, H, DV, 4 * c // QB_V) * f
+        o1 = _block_row_select(acc1, NBV, H, DV, 4 * c // QB_V) * f
+        o2 = _block_row_select(acc2, NBV, H, DV, 4 * c // QB_V) * f
+        o3 = _block_row_select(acc3, NBV, H, DV, 4 * c // QB_V) * f
+        return tl.reshape(tl.join(o0, o2), (H, DH)), tl.reshape(tl.join(o1, o3), (H, DH)), m_i, l_i
+    else:
+        lo = _block_row_select(acc0, NBV, H, DV, 2 * j // QB_V) * f
+        hi = _block_row_select(acc1, NBV, H, DV, 2 * j // QB_V) * f
+        return lo, hi, m_i, l_i
+
+
+@triton.jit
+def _block_row_select(acc, NB: tl.constexpr, H: tl.constexpr, N: tl.constexpr, blk):
+    """Block rows -> heads: column i of head h is row (blk[i], h) of ``acc`` [NB * H, N] (a selection, exact)."""
+    sel = tl.arange(0, NB)[:, None, None] == blk[None, None, :]
+    return tl.sum(tl.where(sel, tl.reshape(acc, (NB, H, N)), 0.0), 0)
 
 
 @triton.jit
@@ -650,6 +723,7 @@ def decode_split_kernel(
     KTILE: tl.constexpr = False,
     HF: tl.constexpr = False,
     BLK: tl.constexpr = False,
+    VW: tl.constexpr = False,
 ):
     """One (sequence, KV head, split): K tiles are read transposed [D/PACK, N] per phase (the elements
     sharing a byte position), V tiles [N, D/PACK]; no register transposes or interleaves."""
@@ -748,7 +822,7 @@ def decode_split_kernel(
             acc0, acc1, m_i, l_i = _fp4_block_rows(
                 Q, BT, K0, K1, V0, V1, b, kvh, start, end, stride_qb, stride_qh, stride_btb, k0_s, k0_h, k1_s, k1_h,
                 v0_s, v0_h, v1_s, v1_h, qk_scale, QPK, BLOCK_H, D, PAGE, BLOCK_N, KIND_K, QB_K, FMT_K, KIND_V, QB_V,
-                FMT_V, PTX, WSC_K, WSC_V)
+                FMT_V, PTX, WSC_K, WSC_V, VW)
         else:
             for t0 in range(start, end, BLOCK_N):
                 t = t0 + tl.arange(0, BLOCK_N)
@@ -1237,6 +1311,7 @@ def plan_decode(
     key_tile: bool | None = None,
     heads_fast: bool | None = None,
     block_rows: bool | None = None,
+    value_words: bool | None = None,
 ):
     """The launches of decode attention (see :func:`paged_decode`), with their output tensors.
     ``hw_formats``: FP8 format ids converted in hardware (default: what ``q``'s device has); ``maxnreg``:
@@ -1259,6 +1334,8 @@ def plan_decode(
     head), so no block scale multiplies a tile element (:func:`_fp4_block_rows`; docs/kernels.md, "Precision");
     default: on where the rows, (head_dim / block) x the query heads per KV head rounded up to a power of two, are
     at most 32 on both sides (H100, batch 32 x 8,192: nvfp4 324 -> 243 us; bench/results/ANALYSIS.md, session 8).
+    ``value_words``: with ``block_rows``, value code tiles read as 16-bit words of four channels (transposed matrix
+    loads instead of one-byte shared loads; :func:`_fp4_block_rows`); default False.
     ``heads_fast``: the KV heads on the grid's fastest axis, so the programs reading one token's rows run together
     (default False: it raised a loads-only kernel from 61% to 75% of the ceiling, but the decode kernels by at most
     2%)."""
@@ -1330,6 +1407,10 @@ def plan_decode(
                          "fp4_keys_by_token off")
     if block_rows:
         block_h = blk_h
+    if value_words and not block_rows:
+        raise ValueError("value_words needs block_rows (FP4 keys and values in fast mode)")
+    if value_words and (v.fields[0].stride(0) % 2 or v.fields[0].stride(1) % 2 or v.fields[0].data_ptr() % 2):
+        raise ValueError("value_words reads the value codes as 16-bit words: their rows must be 2-byte aligned")
     # block rows: 16 rows (mxfp4 at 4 query heads per KV head) measured best with 64-token tiles and 2 warps, 32 rows
     # (NVFP4, fp4_e2m1) with 128-token tiles and 4 warps (H100: bench/results/history/ab-h100-session8-fp4.log)
     blk_wide = block_rows and max(head_dim // k.block, head_dim // v.block) * blk_h > 16
@@ -1429,6 +1510,7 @@ def plan_decode(
         KTILE=bool(key_tile),
         HF=heads_fast,
         BLK=bool(block_rows),
+        VW=bool(value_words),
     )
     out = torch.empty(batch, q_heads, head_dim, dtype=torch.float32, device=q.device)
     lse = torch.empty(batch, q_heads, dtype=torch.float32, device=q.device)
