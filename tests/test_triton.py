@@ -299,7 +299,12 @@ def test_fp4_block_rows(pair, q_heads, kv_heads, head_dim):
     if rows <= 32:  # the measured launch: 16 rows 64-token tiles / 2 warps, 32 rows 128 / 4 (ANALYSIS.md, session 8)
         want = (64, 2) if rows <= 16 else (128, 4)
         assert (split.constexprs["BLOCK_N"], split.options["num_warps"], split.options["num_stages"]) == (*want, 2)
-    for blk, words in ((True, False), (True, True), (False, False)):  # value tiles as bytes / 16-bit words
+    v_rows = blocks[1] * max(triton_next_pow2(q_heads // kv_heads), 16 // min(blocks))
+    assert split.constexprs["VW"] is (rows <= 32 and v_rows < head_dim // 4)  # value words: the measured default
+    if v_rows > 32:
+        with pytest.raises(ValueError, match="at most 32 value rows"):
+            _run_decode(cache, q, block_rows=True, value_words=True)
+    for blk, words in ((True, False), (True, v_rows <= 32), (False, None)):  # value tiles as bytes / 16-bit words
         out, lse, _ = _run_decode(cache, q, block_rows=blk, value_words=words)
         assert (np.abs(out - ref_out) <= tol_o).all(), (blk, words, np.abs(out - ref_out).max())
         assert (np.abs(lse - ref_lse) <= tol_l).all(), (blk, words, np.abs(lse - ref_lse).max())
@@ -315,7 +320,7 @@ def test_fp4_block_rows(pair, q_heads, kv_heads, head_dim):
         codes = scales[page, off, 0].astype(np.int64)  # the token's largest block scale that stays finite
         blk_ = int(np.argmax(np.where(codes + step <= top_code, codes, -1)))
         scales[page, off, 0, blk_] += step
-        for words in (False, True):
+        for words in (False, v_rows <= 32):
             out, lse, _ = _run_decode(cache, q, block_rows=True, value_words=words)
             assert check(out, lse), (side, words)
         scales[page, off, 0, blk_] -= step

@@ -1335,7 +1335,9 @@ def plan_decode(
     default: on where the rows, (head_dim / block) x the query heads per KV head rounded up to a power of two, are
     at most 32 on both sides (H100, batch 32 x 8,192: nvfp4 324 -> 243 us; bench/results/ANALYSIS.md, session 8).
     ``value_words``: with ``block_rows``, value code tiles read as 16-bit words of four channels (transposed matrix
-    loads instead of one-byte shared loads; :func:`_fp4_block_rows`); default False.
+    loads instead of one-byte shared loads; :func:`_fp4_block_rows`); default: on where the value rows are fewer
+    than head_dim / 4 (mxfp4 at 4 query heads per KV head, D 128: 193 -> 176 us on the H100); refused above 32
+    value rows.
     ``heads_fast``: the KV heads on the grid's fastest axis, so the programs reading one token's rows run together
     (default False: it raised a loads-only kernel from 61% to 75% of the ceiling, but the decode kernels by at most
     2%)."""
@@ -1407,10 +1409,18 @@ def plan_decode(
                          "fp4_keys_by_token off")
     if block_rows:
         block_h = blk_h
-    if value_words and not block_rows:
-        raise ValueError("value_words needs block_rows (FP4 keys and values in fast mode)")
-    if value_words and (v.fields[0].stride(0) % 2 or v.fields[0].stride(1) % 2 or v.fields[0].data_ptr() % 2):
-        raise ValueError("value_words reads the value codes as 16-bit words: their rows must be 2-byte aligned")
+    # value tiles as 16-bit words: only with block rows, value rows <= 32 (64 rows, 8 query heads per KV head with
+    # NVFP4 at D 128, gave wrong results and an illegal address on the H100, not diagnosed), 2-byte aligned rows;
+    # default where the value rows are fewer than D / 4 (the four value products then keep the warps along the
+    # channels; mxfp4 at D 128: 193 -> 176 us on the H100, bench/results/history/ab-h100-session8-value-words.log)
+    v_rows = (head_dim // v.block) * blk_h if block_rows else 0
+    words_ok = (bool(block_rows) and v_rows <= 32 and not (v.fields[0].stride(0) % 2 or v.fields[0].stride(1) % 2
+                                                           or v.fields[0].data_ptr() % 2))
+    if value_words is None:
+        value_words = words_ok and v_rows < head_dim // 4
+    elif value_words and not words_ok:
+        raise ValueError("value_words needs block_rows (FP4 keys and values in fast mode), at most 32 value rows "
+                         f"(here {v_rows}) and value code rows aligned to 2 bytes")
     # block rows: 16 rows (mxfp4 at 4 query heads per KV head) measured best with 64-token tiles and 2 warps, 32 rows
     # (NVFP4, fp4_e2m1) with 128-token tiles and 4 warps (H100: bench/results/history/ab-h100-session8-fp4.log)
     blk_wide = block_rows and max(head_dim // k.block, head_dim // v.block) * blk_h > 16
