@@ -31,6 +31,7 @@ DECODE_CASES: list[tuple[str, str, dict, str, dict]] = [
     ("fp4_e2m1", "fp4_e2m1", {}, "fp4_e2m1", {}),
     ("mxfp4/nvfp4", "mxfp4", {}, "nvfp4", {}),
     ("nvfp4", "nvfp4", {}, "nvfp4", {}),  # fast mode: block rows (``block_rows``), the default for NVFP4 pairs
+    ("mxfp4", "mxfp4", {}, "mxfp4", {}),  # fast mode: block rows with value tiles as 16-bit words (``value_words``)
     ("int4_kivi", "int4_kivi", {"role": "key", "group_size": 16, "residual": 16},
      "int4_kivi", {"role": "value", "group_size": 16, "residual": 16}),
     ("int2_kivi", "int2_kivi", {"role": "key", "group_size": 16, "residual": 16},
