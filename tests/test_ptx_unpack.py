@@ -69,19 +69,24 @@ def _bf16_value(bits: int) -> float:
     return float(np.array([bits << 16], np.uint32).view(np.float32)[0])
 
 
-@pytest.mark.parametrize("ptx,rule", [(decode.E2M1_PAIRS_PTX, _portable), (decode.E2M1_PAIRS_BF16_PTX, _portable_bf16)],
-                         ids=["float16", "bfloat16"])
-def test_ptx_unpacking_matches_the_portable_rule_on_every_byte(ptx, rule):
-    asm = _asm_text(ptx)
-    rng = np.random.default_rng(0)
+def _every_byte_in_every_position(asm: str, seed: int):
+    """(position, byte, the register's 4 bytes, the registers after ``asm``) for every byte value at every position
+    of the input register $4, the other bytes random."""
+    rng = np.random.default_rng(seed)
     for pos in range(4):
         for byte in range(256):
             bs = [int(v) for v in rng.integers(0, 256, 4)]
             bs[pos] = byte
-            regs = run_ptx(asm, {"$4": sum(v << 8 * i for i, v in enumerate(bs))})
-            lo = [(regs[f"${i // 2}"] >> 16 * (i % 2)) & 0xFFFF for i in range(4)]
-            hi = [(regs[f"${2 + i // 2}"] >> 16 * (i % 2)) & 0xFFFF for i in range(4)]
-            assert lo == [rule(v & 15) for v in bs] and hi == [rule(v >> 4) for v in bs], (pos, byte)
+            yield pos, byte, bs, run_ptx(asm, {"$4": sum(v << 8 * i for i, v in enumerate(bs))})
+
+
+@pytest.mark.parametrize("ptx,rule", [(decode.E2M1_PAIRS_PTX, _portable), (decode.E2M1_PAIRS_BF16_PTX, _portable_bf16)],
+                         ids=["float16", "bfloat16"])
+def test_ptx_unpacking_matches_the_portable_rule_on_every_byte(ptx, rule):
+    for pos, byte, bs, regs in _every_byte_in_every_position(_asm_text(ptx), 0):
+        lo = [(regs[f"${i // 2}"] >> 16 * (i % 2)) & 0xFFFF for i in range(4)]
+        hi = [(regs[f"${2 + i // 2}"] >> 16 * (i % 2)) & 0xFFFF for i in range(4)]
+        assert lo == [rule(v & 15) for v in bs] and hi == [rule(v >> 4) for v in bs], (pos, byte)
 
 
 @pytest.mark.parametrize("ptx,rule", [(decode.E2M1_QUADS_PTX, _portable), (decode.E2M1_QUADS_BF16_PTX, _portable_bf16)],
@@ -89,17 +94,11 @@ def test_ptx_unpacking_matches_the_portable_rule_on_every_byte(ptx, rule):
 def test_quads_ptx_matches_the_portable_rule_on_every_byte(ptx, rule):
     """``_e2m1_quads``: two 16-bit words per register (bytes 0, 1 and 2, 3); output k holds channel k (nibble k of
     each word) of both words, in the word's half."""
-    asm = _asm_text(ptx)
-    rng = np.random.default_rng(1)
-    for pos in range(4):
-        for byte in range(256):
-            bs = [int(v) for v in rng.integers(0, 256, 4)]
-            bs[pos] = byte
-            regs = run_ptx(asm, {"$4": sum(v << 8 * i for i, v in enumerate(bs))})
-            words = [bs[0] | bs[1] << 8, bs[2] | bs[3] << 8]
-            for k in range(4):
-                got = [(regs[f"${k}"] >> 16 * w) & 0xFFFF for w in range(2)]
-                assert got == [rule((words[w] >> 4 * k) & 15) for w in range(2)], (pos, byte, k)
+    for pos, byte, bs, regs in _every_byte_in_every_position(_asm_text(ptx), 1):
+        words = [bs[0] | bs[1] << 8, bs[2] | bs[3] << 8]
+        for k in range(4):
+            got = [(regs[f"${k}"] >> 16 * w) & 0xFFFF for w in range(2)]
+            assert got == [rule((words[w] >> 4 * k) & 15) for w in range(2)], (pos, byte, k)
 
 
 def test_the_portable_rule_is_e2m1_times_2_to_the_minus_14():
