@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from kvqref import reference, schemes
 
 torch = pytest.importorskip("torch")
-pytest.importorskip("triton")
+triton = pytest.importorskip("triton")
 
 from kvqref import conformance  # noqa: E402
 from kvqref.backends import triton_backend as tb  # noqa: E402
@@ -293,13 +293,13 @@ def test_fp4_block_rows(pair, q_heads, kv_heads, head_dim):
     dc = tb.DeviceCache.from_cache(cache, DEVICE)
     launches, _, _ = plan_decode(q.to(DEVICE), dc.k.tiles(), dc.v.tiles(), dc.block_table, dc.seq_lens, dc.page_size)
     blocks = [head_dim // t.block for t in (dc.k.tiles(), dc.v.tiles())]
-    rows = max(blocks) * max(triton_next_pow2(q_heads // kv_heads), 16 // min(blocks))
+    rows = max(blocks) * max(triton.next_power_of_2(q_heads // kv_heads), 16 // min(blocks))
     split = next(launch for launch in launches if "BLK" in launch.constexprs)
     assert split.constexprs["BLK"] is (rows <= 32)
     if rows <= 32:  # the measured launch: 16 rows 64-token tiles / 2 warps, 32 rows 128 / 4 (ANALYSIS.md, session 8)
         want = (64, 2) if rows <= 16 else (128, 4)
         assert (split.constexprs["BLOCK_N"], split.options["num_warps"], split.options["num_stages"]) == (*want, 2)
-    v_rows = blocks[1] * max(triton_next_pow2(q_heads // kv_heads), 16 // min(blocks))
+    v_rows = blocks[1] * max(triton.next_power_of_2(q_heads // kv_heads), 16 // min(blocks))
     assert split.constexprs["VW"] is (rows <= 32 and v_rows < head_dim // 4)  # value words: the measured default
     if v_rows > 32:
         with pytest.raises(ValueError, match="at most 32 value rows"):
@@ -330,10 +330,6 @@ def test_fp4_block_rows(pair, q_heads, kv_heads, head_dim):
         _run_decode(build_cache(PAIRS[1], SMALL, rng)[0], q[:, :4, :64], block_rows=True)
     with pytest.raises(ValueError, match="value_words needs block_rows"):
         _run_decode(cache, q, block_rows=False, value_words=True)
-
-
-def triton_next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
 
 
 def test_splits_and_page_size_one_agree():

@@ -209,6 +209,8 @@ def _e2m1_pairs_ptx(lo_shift: int = 9, hi_shift: int = 5, field: int = 0x0E00,
 
 E2M1_PAIRS_PTX = tl.constexpr(_e2m1_pairs_ptx())
 E2M1_PAIRS_BF16_PTX = tl.constexpr(_e2m1_pairs_ptx(6, 2, 0x01C0))
+#: 2**126, from the bfloat16 PTX unpacking's E2M1 * 2**-126 to E2M1 (a constexpr: the products stay bfloat16)
+TWO_126 = tl.constexpr(8.507059173023462e37)
 _QUADS = (("0x4240", 0, 1), ("0x4341", 2, 3))
 E2M1_QUADS_PTX = tl.constexpr(_e2m1_pairs_ptx(pairs=_QUADS))
 E2M1_QUADS_BF16_PTX = tl.constexpr(_e2m1_pairs_ptx(6, 2, 0x01C0, pairs=_QUADS))
@@ -226,8 +228,7 @@ def _e2m1_quads(word, PTX: tl.constexpr, BF16: tl.constexpr):
             a, b, c, d = tl.inline_asm_elementwise(E2M1_QUADS_BF16_PTX, "=r,=r,=r,=r,r", [word],
                                                    dtype=(tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16),
                                                    is_pure=True, pack=2)
-            f: tl.constexpr = 8.507059173023462e37  # 2**126 (a constexpr: the products stay bfloat16)
-            return a * f, b * f, c * f, d * f
+            return a * TWO_126, b * TWO_126, c * TWO_126, d * TWO_126
         else:
             return tl.inline_asm_elementwise(E2M1_QUADS_PTX, "=r,=r,=r,=r,r", [word],
                                              dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True,
@@ -304,11 +305,14 @@ def _block_scales(F1, slot, kvh, f1_s, f1_h, m, NB: tl.constexpr, WIDE: tl.const
 
 
 @triton.jit
-def _fp4_scale(code, KIND: tl.constexpr):
-    """Block scale code -> float32: E8M0 (KIND 2) or E4M3FN (KIND 3, NVFP4), with integer operations (the
-    hardware E4M3 conversion measured 11% slower here in exact mode on the H100: bench/results/ANALYSIS.md)."""
+def _fp4_scale(code, KIND: tl.constexpr, FMT: tl.constexpr = 0):
+    """Block scale code -> float32 (exact): E8M0 (KIND 2) by its bits, or E4M3FN (KIND 3, NVFP4) in hardware where
+    ``FMT`` >= 8, else with integer operations (the per-element paths pass no ``FMT``: the hardware E4M3 conversion
+    measured 11% slower there in exact mode on the H100: bench/results/ANALYSIS.md)."""
     if KIND == 2:
         return e8m0_to_f32(code)
+    elif FMT >= 8 and not INTERPRET:
+        return code.to(tl.float8e4nv, bitcast=True).to(tl.float32)
     else:
         return decode_f32(code, 0)
 
@@ -520,6 +524,12 @@ def _softmax_step(s, tmask, m_i, l_i):
 
 
 @triton.jit
+def _f16_exponent(qmax):
+    """The power of two e that puts q into float16's range: max|q| * 2**e in [2**14, 2**15) (e <= 126; 0 for q = 0)."""
+    return tl.where(qmax > 0, tl.minimum(14 - floor_log2_f32(qmax), 126), 0)
+
+
+@triton.jit
 def _fp4_block_rows(
     Q, BT, K0, K1, V0, V1, b, kvh, start, end, stride_qb, stride_qh, stride_btb, k0_s, k0_h, k1_s, k1_h, v0_s, v0_h,
     v1_s, v1_h, qk_scale, QPK: tl.constexpr, H: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
@@ -553,7 +563,7 @@ def _fp4_block_rows(
     qe = tl.load(Q + qbase[:, None] + (2 * j)[None, :], mask=qm, other=0.0).to(tl.float32)
     qo = tl.load(Q + qbase[:, None] + (2 * j + 1)[None, :], mask=qm, other=0.0).to(tl.float32)
     qmax = tl.max(tl.max(tl.maximum(tl.abs(qe), tl.abs(qo)), 1), 0)
-    eq = tl.where(qmax > 0, tl.minimum(14 - floor_log2_f32(qmax), 126), 0)
+    eq = _f16_exponent(qmax)
     qe16 = _split16(qe * pow2_f32(eq), True)[0]  # (no ``_`` targets here: triton 3.6 carries them through the loop)
     qo16 = _split16(qo * pow2_f32(eq), True)[0]
     sc_k = qk_scale * pow2_f32(-eq) * 16384.0  # the key tiles hold E2M1 * 2**-14
@@ -581,11 +591,11 @@ def _fp4_block_rows(
         vsc = _block_scales(V1, slot, kvh, v1_s, v1_h, tmask, NBV, WSC_V, True)
         klo, khi = _e2m1_nibbles_f16(kb, PTX)
         s2 = _dot_acc(qo16, khi, _dot_acc(qe16, klo, tl.zeros((RK, BLOCK_N), tl.float32)))
-        s = tl.sum(tl.reshape(s2, (NBK, H, BLOCK_N)) * _scale_f32(ksc, KIND_K, FMT_K)[:, None, :], 0) * sc_k
+        s = tl.sum(tl.reshape(s2, (NBK, H, BLOCK_N)) * _fp4_scale(ksc, KIND_K, FMT_K)[:, None, :], 0) * sc_k
         p, alpha, m_i, l_i = _softmax_step(s, tmask, m_i, l_i)
         ar = tl.reshape(tl.broadcast_to(alpha[None, :], (NBV, H)), (RV,))
         if KIND_V == 3:
-            pr = _split16(tl.reshape(p[None, :, :] * (_scale_f32(vsc, 3, FMT_V) * 128.0)[:, None, :], (RV, BLOCK_N)),
+            pr = _split16(tl.reshape(p[None, :, :] * (_fp4_scale(vsc, 3, FMT_V) * 128.0)[:, None, :], (RV, BLOCK_N)),
                           True)[0]
         else:
             pr = _split(tl.reshape(p[None, :, :] * e8m0_to_f32(vsc)[:, None, :], (RV, BLOCK_N)), True, True)[0]
@@ -626,27 +636,11 @@ def _e2m1_values_bf16(byte, PTX: tl.constexpr):
     decoding (float32 in the interpreter, which cannot bitcast to bfloat16)."""
     if PTX and not INTERPRET:
         lo, hi = _e2m1_pairs(byte, True)
-        return lo * 8.507059173023462e37, hi * 8.507059173023462e37  # 2**126
+        return lo * TWO_126, hi * TWO_126
     else:
         b = byte.to(tl.int32)
-        lo = decode_f32(b & 15, 4)
-        hi = decode_f32(b >> 4, 4)
-        if INTERPRET:
-            return lo, hi
-        else:
-            return lo.to(tl.bfloat16), hi.to(tl.bfloat16)
+        return _e2m1_nibble(b & 15, True), _e2m1_nibble(b >> 4, True)
 
-
-@triton.jit
-def _scale_f32(code, KIND: tl.constexpr, FMT: tl.constexpr):
-    """FP4 block-scale codes -> float32 (exact): E8M0 (KIND 2) by its bits; E4M3FN (KIND 3) in hardware where
-    ``FMT`` >= 8, else by integer decoding."""
-    if KIND == 2:
-        return e8m0_to_f32(code)
-    elif FMT >= 8 and not INTERPRET:
-        return code.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-    else:
-        return decode_f32(code, 0)
 
 
 @triton.jit
@@ -774,7 +768,7 @@ def decode_split_kernel(
     if F16K or F4K:
         qf = tl.load(Q + qbase + tl.arange(0, D)[None, :], mask=hmask[:, None], other=0.0).to(tl.float32)
         qmax = tl.max(tl.max(tl.abs(qf), 1), 0)
-        eq = tl.where(qmax > 0, tl.minimum(14 - floor_log2_f32(qmax), 126), 0)
+        eq = _f16_exponent(qmax)
         sc_k = qk_scale * pow2_f32(-eq)
         if F16K:
             q16h, q16l = _split16(qf * pow2_f32(eq), FAST)
@@ -844,11 +838,9 @@ def decode_split_kernel(
                                               FAST, KTILE)
                     if PK == 4:
                         s, qz_2 = _kivi_key_phase(qf2, kb, K1, K2, grp, kvh, k1_s, k1_h, k2_s, k2_h, ik, s, 2, PK,
-                                                  BITS_K,
-                                                  FAST, KTILE)
+                                                  BITS_K, FAST, KTILE)
                         s, qz_3 = _kivi_key_phase(qf3, kb, K1, K2, grp, kvh, k1_s, k1_h, k2_s, k2_h, ik, s, 3, PK,
-                                                  BITS_K,
-                                                  FAST, KTILE)
+                                                  BITS_K, FAST, KTILE)
                     if not KTILE:  # q . z: the phases' products summed, then one reduction
                         qz += qz_1
                         if PK == 4:
@@ -1402,8 +1394,9 @@ def plan_decode(
     fp4_pair = precision == "fast" and k.kind in ("mxfp4", "nvfp4") and v.kind in ("mxfp4", "nvfp4")
     blocks = max(1, min(head_dim // k.block, head_dim // v.block)) if fp4_pair else 1
     blk_h = max(triton.next_power_of_2(qpk), 16 // blocks)
+    blk_rows = max(head_dim // k.block, head_dim // v.block) * blk_h if fp4_pair else 0  # the larger side's rows
     if block_rows is None:
-        block_rows = fp4_pair and not kt4 and max(head_dim // k.block, head_dim // v.block) * blk_h <= 32
+        block_rows = fp4_pair and not kt4 and blk_rows <= 32
     elif block_rows and (not fp4_pair or kt4):
         raise ValueError("block_rows needs FP4 keys and values (mxfp4/nvfp4 tiles), precision='fast' and "
                          "fp4_keys_by_token off")
@@ -1423,7 +1416,7 @@ def plan_decode(
                          f"(here {v_rows}) and value code rows aligned to 2 bytes")
     # block rows: 16 rows (mxfp4 at 4 query heads per KV head) measured best with 64-token tiles and 2 warps, 32 rows
     # (NVFP4, fp4_e2m1) with 128-token tiles and 4 warps (H100: bench/results/history/ab-h100-session8-fp4.log)
-    blk_wide = block_rows and max(head_dim // k.block, head_dim // v.block) * blk_h > 16
+    blk_wide = block_rows and blk_rows > 16
     if block_n is None:
         if block_rows:
             block_n = 128 if blk_wide else 64
