@@ -14,7 +14,8 @@ Every variant is launched through its module's ``plan_decode`` on the same cache
 compared with the first variant's (max abs difference printed); rounds alternate the variants. Each variant's
 launches are timed as the replay of their CUDA graph (as bench/decode_bench.py does; ``--eager``: the Python
 launches), ``hf=1`` puts the KV heads on the grid's fastest axis (``heads_fast``), ``blk`` (0/1): fast FP4
-by block rows (``block_rows``), ``vw`` (0/1): their value tiles as 16-bit words (``value_words``).
+by block rows (``block_rows``), ``vw`` (0/1): their value tiles as 16-bit words (``value_words``), ``kr``
+(0/1): fast KIVI keys by token-group rows (``key_rows``).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ KEYS = {"bn": ("block_n", int), "w": ("num_warps", int), "s": ("num_stages", int
         "rows": ("value_rows", lambda v: v == "1"), "nreg": ("maxnreg", int), "p": ("precision", str),
         "kt4": ("fp4_keys_by_token", lambda v: v == "1"), "ktile": ("key_tile", lambda v: v == "1"),
         "hf": ("heads_fast", lambda v: v == "1"), "blk": ("block_rows", lambda v: v == "1"),
-        "vw": ("value_words", lambda v: v == "1")}
+        "vw": ("value_words", lambda v: v == "1"), "kr": ("key_rows", lambda v: v == "1")}
 
 
 def parse_variant(text: str) -> tuple[str, str, dict]:

@@ -139,6 +139,22 @@ def kivi_key_round(cache: PagedKVCache, Ks):
     return out
 
 
+def kivi_key_scale(cache: PagedKVCache, Ks):
+    """For KIVI keys, each token's group scale per channel (``K_scale`` of
+    :func:`kvqref.reference.kernel_tolerance`: the factor key rows fold into q), 0 on the residual tokens; None
+    for other schemes. ``Ks`` as for :func:`kivi_key_round` (only their shapes are read)."""
+    from kvqref.schemes.rotation import storage_scheme
+
+    codec = storage_scheme(cache.k.scheme)
+    if not isinstance(codec, schemes.KiviScheme):
+        return None
+    out = []
+    for b, K in enumerate(Ks):
+        s = np.repeat(cache.quantized(b, "k").fields["scale"].astype(np.float64), codec.group_size, axis=0)
+        out.append(np.concatenate([s, np.zeros((K.shape[0] - s.shape[0], *K.shape[1:]))]))
+    return out
+
+
 def _oracle_attention(cache: PagedKVCache, q64: np.ndarray):
     Ks, Vs = zip(*(cache.dequantized(b) for b in range(cache.batch)), strict=True)
     out, lse = reference.attention(q64, Ks, Vs)

@@ -92,9 +92,13 @@ class Rounding16:
 
     * ``u_q``: relative error of ``q_d`` rounded once to 16 bits, against ``|q_d k_jd|``;
     * ``a_q``: absolute error of each rounded q element, in units of ``max_d |q_d|`` (float16 underflow);
-    * ``u_qs``: relative error of KIVI's folded factor ``q_d * s_d`` (split in two bfloat16 parts: 2**-16),
-      against ``|q_d| * kr_jd`` with ``kr`` the ``K_round`` magnitudes given to :func:`kernel_tolerance`
-      (``|K - Z| = s * code``; ``|K|`` when not given);
+    * ``u_qs``: relative error of KIVI's folded factor ``q_d * s_d`` (rounded once to float16 by key rows: 2**-11,
+      plus 2**-24 for the float32 product of a float32 q; split in two bfloat16 parts otherwise: 2**-16), against
+      ``|q_d| * kr_jd`` with ``kr`` the ``K_round`` magnitudes given to :func:`kernel_tolerance` (``|K - Z| = s *
+      code``; ``|K|`` when not given);
+    * ``a_qs``: absolute error of each rounded ``q_d * s_d`` (float16 underflow), in units of the largest
+      ``|q_d * s_d|`` of its group (key rows scale each row by a power of two that puts that one in [2**14,
+      2**15), so a float16 subnormal's half ulp 2**-25 is at most 2**-39 of it), times the code ``kr / s``;
     * ``u_k``: relative error of the K tile (a float32 tile split in two bfloat16 parts: 2**-16);
     * ``u_p``, ``a_p``: relative and absolute (float16 underflow) error of each probability ``p_j <= 1``
       rounded to 16 bits before the P @ V product;
@@ -109,22 +113,25 @@ class Rounding16:
     u_q: float = 0.0
     a_q: float = 0.0
     u_qs: float = 0.0
+    a_qs: float = 0.0
     u_k: float = 0.0
     u_p: float = 0.0
     a_p: float = 0.0
     u_v: float = 0.0
 
 
-def fast_rounding(k_scheme: Any, v_scheme: Any, q_dtype: str) -> Rounding16:
+def fast_rounding(k_scheme: Any, v_scheme: Any, q_dtype: str, *, kivi_key_rows: bool = True) -> Rounding16:
     """The :class:`Rounding16` of the Triton decode kernel's ``precision="fast"`` for these schemes and a
     ``q`` of dtype ``q_dtype`` ("bfloat16", "float16" or "float32"); derivation in docs/kernels.md.
+    ``kivi_key_rows``: KIVI keys by key rows (the default layout: ``q * s`` rounded once to float16 per group row),
+    else the key tiles or the folded float32 q (``key_rows=False``: ``q * s`` in two bfloat16 parts).
 
     Scores: q goes to the tensor cores as bfloat16 (bf16 and KIVI-residual tiles) or, scaled by a power of
     two, as float16 (FP8 and NVFP4 tiles; NVFP4 tiles are float16 E2M1 * scale * 2**-14, exact; E8M0 FP4
-    tiles are bfloat16, exact); KIVI keys fold the per-channel scale into q and ``q_d * s_d`` is split in
-    two bfloat16 parts (not rounded once: keys carry outlier channels, and one rounding would cost up to
-    2**-8 of each product, a bound that no longer sees one code step); float32 tiles (the KIVI residual)
-    are split in two bfloat16 parts.
+    tiles are bfloat16, exact); KIVI keys fold the per-channel scale into q: by key rows ``q_d * s_d`` is
+    rounded once to float16 after a power of two per row (2**-11 of each product: float16, not bfloat16, whose
+    2**-8 would no longer see one code step next to outlier channels), otherwise split in two bfloat16 parts
+    from the bfloat16 q; float32 tiles (the KIVI residual) are split in two bfloat16 parts.
     Outputs: p is rounded to bfloat16, or (FP8 values with a tensor scale) ``p * 2**14`` to float16, or (NVFP4
     values) ``p * 2**14`` or, with fast NVFP4 keys (block rows), ``p * s_v * 2**7`` to float16; the residual tiles
     are split in two bfloat16 parts; KIVI values fold the token's group scale into
@@ -143,16 +150,22 @@ def fast_rounding(k_scheme: Any, v_scheme: Any, q_dtype: str) -> Rounding16:
     fp16_k = isinstance(k_scheme, (FP8Scheme, NVFP4Scheme, E8M0BlockScheme))
     fp16_v = isinstance(v_scheme, NVFP4Scheme) or (
         isinstance(v_scheme, FP8Scheme) and v_scheme.granularity != "token_head")
+    rows_k = kivi_k and kivi_key_rows
     if fp16_k:
         e8m0_k = isinstance(k_scheme, E8M0BlockScheme)
         u_q, a_q = (0.0 if q_dtype in ("bfloat16", "float16") else (U_BF16 if e8m0_k else U_F16)), 2.0**-39
-    else:
+    else:  # (key rows round q * s, not q; the residual tokens still meet q rounded once to bfloat16)
         u_q, a_q = (0.0 if q_dtype == "bfloat16" else U_BF16), 0.0
+    if rows_k:
+        u_qs = U_F16 + (2.0**-24 * (1 + U_F16) if q_dtype == "float32" else 0.0)
+    else:
+        u_qs = 2.0**-16 * (1 + u_q) if kivi_k else 0.0  # q * s from the rounded q (|q~| <= (1 + u_q) |q|)
     return Rounding16(
         u_q=u_q,
         a_q=a_q,
-        u_qs=2.0**-16 * (1 + u_q) if kivi_k else 0.0,  # q * s from the rounded q (|q~| <= (1 + u_q) |q|)
-        u_k=2.0**-16 if kivi_k else 0.0,
+        u_qs=u_qs,
+        a_qs=2.0**-39 if rows_k else 0.0,
+        u_k=2.0**-16 if kivi_k and not rows_k else 0.0,
         u_p=U_F16 if fp16_v else U_BF16,
         # NVFP4 values: p * s_v * 2**7 rounded to float16 (the block rows of fast NVFP4 pairs), an absolute error of at
         # most 2**-25 / 2**7 per token times |E2M1| = |v| / s_v <= 2**9 |v|; FP8: p * 2**14, 2**-25 / 2**14
@@ -164,7 +177,8 @@ def fast_rounding(k_scheme: Any, v_scheme: Any, q_dtype: str) -> Rounding16:
 def kernel_tolerance(q: Any, K_list: Sequence[Any], V_list: Sequence[Any], sm_scale: float | None = None,
                      c: float = 4.0, model: str = "probabilistic", *, fast: Rounding16 | None = None,
                      K_round: Sequence[Any] | None = None,
-                     V_round: Sequence[Any] | None = None) -> tuple[np.ndarray, np.ndarray]:
+                     V_round: Sequence[Any] | None = None,
+                     K_scale: Sequence[Any] | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Per-element bounds ``(out_tol [B, Hq, D], lse_tol [B, Hq])`` for a float32-accumulating kernel run on
     the same dequantized values (docs/schemes.md, "Tolerance for kernels"). With ``g(n) = c * sqrt(n) * eps32``
     (``model="probabilistic"``: Higham & Mary's bound for sums of n rounded terms, holding with probability
@@ -179,7 +193,10 @@ def kernel_tolerance(q: Any, K_list: Sequence[Any], V_list: Sequence[Any], sm_sc
     ``fast``: the 16-bit roundings of a fast-mode kernel (:func:`fast_rounding`) are added:
     ``e_j += sm_scale * sum_d |q_d| ((u_q + u_k (1 + u_q)) |k_jd| + u_qs kr_jd) + sm_scale a_q max|q|
     sum_d |k_jd|`` and ``|d out_d| += (u_p + u_v + u_p u_v) sum_j p_j vr_jd + a_p sum_j |v_jd|``
-    (``kr = K_round`` or ``|K|``; ``vr = |V_round|`` or ``|V|``). With ``V_round`` (KIVI values in fast mode:
+    (``kr = K_round`` or ``|K|``; ``vr = |V_round|`` or ``|V|``). With ``K_round`` (KIVI keys: the codes' part
+    ``sum q s c`` and the zero part ``sum q z`` are summed apart in float32) ``e_j += 2 g(D + 2) sm_scale sum_d
+    |q_d| kr_jd``; with ``a_qs`` (key rows) ``e_j += sm_scale a_qs max_d |q_d s_jd| sum_d kr_jd / s_jd``, ``s =
+    K_scale`` (each token's group scale per channel, 0 on the residual; required then). With ``V_round`` (KIVI values in fast mode:
     the codes' part ``sum p s c`` and the zero part ``sum p z`` are accumulated apart in float32, and
     ``|z| <= |v| + |s c|``), ``|d out_d| += 2 g(T + 7) sum_j p_j vr_jd`` too.
     """
@@ -210,6 +227,14 @@ def kernel_tolerance(q: Any, K_list: Sequence[Any], V_list: Sequence[Any], sm_sc
             e += scale * ((fast.u_q + fast.u_k * (1 + fast.u_q)) * np.einsum("hd,thd->ht", aq, ak)
                           + fast.u_qs * np.einsum("hd,thd->ht", aq, kr)
                           + fast.a_q * aq.max(axis=1)[:, None] * ak.sum(axis=2).T)
+            if K_round is not None:
+                e += 2 * g(D + 2) * scale * np.einsum("hd,thd->ht", aq, kr)
+            if fast.a_qs:
+                if K_scale is None:
+                    raise ValueError("fast.a_qs (KIVI key rows) needs K_scale, the keys' group scales")
+                ks = np.abs(np.asarray(K_scale[b], dtype=np.float64))[:, kv_of, :]
+                codes = np.divide(kr, ks, out=np.zeros_like(kr), where=ks > 0)
+                e += scale * fast.a_qs * (aq[None] * ks).max(axis=2).T * codes.sum(axis=2).T
         m = s.max(axis=1, keepdims=True)
         p = np.exp(s - m)
         l = p.sum(axis=1, keepdims=True)
@@ -230,7 +255,8 @@ def kernel_tolerance(q: Any, K_list: Sequence[Any], V_list: Sequence[Any], sm_sc
 
 
 def rotated_kernel_tolerance(q: Any, cache: Any, sm_scale: float | None = None, *, fast: Rounding16 | None = None,
-                             K_round: Sequence[Any] | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray,
+                             K_round: Sequence[Any] | None = None,
+                             K_scale: Sequence[Any] | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray,
                                                                              np.ndarray]:
     """``(out, lse, out_tol, lse_tol)``: :func:`decode_attention` of ``q`` over ``cache`` and the bounds a float32
     kernel reading the cache in its stored domain must meet (docs/rotation.md, "Where each step runs"):
@@ -252,7 +278,7 @@ def rotated_kernel_tolerance(q: Any, cache: Any, sm_scale: float | None = None, 
     stored = cache.storage_view()
     Ks, Vs = zip(*(stored.dequantized(b) for b in range(cache.batch)), strict=True)
     qs = qa if k_rot is None else k_rot.rotate_query(qa)
-    t_o, t_l = kernel_tolerance(qs, Ks, Vs, sm_scale, fast=fast, K_round=K_round)
+    t_o, t_l = kernel_tolerance(qs, Ks, Vs, sm_scale, fast=fast, K_round=K_round, K_scale=K_scale)
     D = qa.shape[2]
     r = (D.bit_length() - 1 + 2) * EPS32
     scale = 1.0 / math.sqrt(D) if sm_scale is None else float(sm_scale)

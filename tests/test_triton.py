@@ -73,19 +73,21 @@ def _value_round(cache, Vs):
     return out
 
 
-def _oracle(cache, q64, precision="fast", qdtype="bfloat16", value_rows=None):
+def _oracle(cache, q64, precision="fast", qdtype="bfloat16", value_rows=None, key_rows=True):
     """Oracle attention and the tolerance of ``precision`` (docs/kernels.md, "Precision"); ``value_rows``: the
-    kernel folds KIVI value scales into p (the fast default), so the bound is taken against ``V - Z``."""
+    kernel folds KIVI value scales into p (the fast default), so the bound is taken against ``V - Z``;
+    ``key_rows``: KIVI keys by key rows (the fast default; False: key tiles or the folded q)."""
     Ks, Vs = zip(*(cache.dequantized(b) for b in range(cache.batch)), strict=True)
     out, lse = reference.attention(q64, Ks, Vs)
-    fast = reference.fast_rounding(cache.k.scheme, cache.v.scheme, qdtype) if precision == "fast" else None
+    fast = reference.fast_rounding(cache.k.scheme, cache.v.scheme, qdtype,
+                                   kivi_key_rows=key_rows) if precision == "fast" else None
     if value_rows is None:  # the kernel's default layout for this cache and query shape
         v = cache.v.scheme
         value_rows = isinstance(v, schemes.KiviScheme) and v.role == "value" and default_value_rows(
             precision, "int_v", q64.shape[1] // cache.kv_heads, cache.head_dim, v.group_size)
     vr = _value_round(cache, Vs) if precision == "fast" and value_rows else None
     tol_o, tol_l = reference.kernel_tolerance(q64, Ks, Vs, fast=fast, K_round=conformance.kivi_key_round(cache, Ks),
-                                              V_round=vr)
+                                              V_round=vr, K_scale=conformance.kivi_key_scale(cache, Ks))
     return out, lse, tol_o, tol_l
 
 
@@ -136,14 +138,73 @@ def test_kivi_keys_with_the_scale_folded_into_q(pair):
     cache, _ = build_cache(pair, SMALL, rng)
     q = torch.from_numpy(rng.standard_normal((3, 4, 64)).astype(np.float32)).to(torch.bfloat16)
     q64 = q.float().numpy().astype(np.float64)
-    ref_out, ref_lse, tol_o, tol_l = _oracle(cache, q64, "fast")
-    folded, lse_f, _ = _run_decode(cache, q, precision="fast", key_tile=False)
+    ref_out, ref_lse, tol_o, tol_l = _oracle(cache, q64, "fast", key_rows=False)
+    folded, lse_f, _ = _run_decode(cache, q, precision="fast", key_tile=False, key_rows=False)
     assert (np.abs(folded - ref_out) <= tol_o).all() and (np.abs(lse_f - ref_lse) <= tol_l).all()
     tiles, lse_t, _ = _run_decode(cache, q, precision="fast", key_tile=True)
     assert (np.abs(tiles - ref_out) <= tol_o).all() and (np.abs(lse_t - ref_lse) <= tol_l).all()
     assert (np.abs(tiles - folded) <= 2 * tol_o).all()
     with pytest.raises(ValueError, match="key_tile"):
         _run_decode(cache, q, precision="exact", key_tile=True)
+
+
+KEY_ROW_SHAPES = [  # (q_heads, kv_heads, head_dim, block_n): key rows (block_n / G_K) x heads, at least 16
+    (4, 2, 64, None), (4, 2, 64, 16), (4, 2, 64, 32), (8, 2, 128, 64), (2, 2, 64, 128)]
+
+
+@pytest.mark.parametrize("pair", PAIRS[7:9], ids=IDS[7:9])
+@pytest.mark.parametrize("q_heads,kv_heads,head_dim,block_n", KEY_ROW_SHAPES)
+def test_kivi_key_rows(pair, q_heads, kv_heads, head_dim, block_n):
+    """``key_rows`` (fast-mode KIVI keys by (token group, head) rows: q * s rounded once to float16 per group row
+    against the exact codes, tiles of one or several key groups) meets the oracle's bound for a bfloat16 and a
+    float32 q; it is the default where the key rows fit 16; it agrees with the folded path (``key_rows=False``)
+    within the sum of both bounds; a planted key code step (+1 at the channel of the largest |q s| of the token
+    the first head attends to most) moves the lse beyond the bound; bad combinations are refused."""
+    from kvqref.kernels.decode import plan_decode
+
+    rng = np.random.default_rng(q_heads * 7 + head_dim + (block_n or 0))
+    shape = dict(SMALL, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim)
+    cache, _ = build_cache(pair, shape, rng)
+    q32 = torch.from_numpy(4 * rng.standard_normal((3, q_heads, head_dim)).astype(np.float32))
+    kw = {} if block_n is None else {"block_n": block_n}
+    for qdtype in ("bfloat16", "float32"):
+        q = q32.to(getattr(torch, qdtype))
+        q64 = q.float().numpy().astype(np.float64)
+        ref_out, ref_lse, tol_o, tol_l = _oracle(cache, q64, "fast", qdtype, value_rows=True)
+        out, lse, _ = _run_decode(cache, q, precision="fast", key_rows=True, value_rows=True, **kw)
+        assert (np.abs(out - ref_out) <= tol_o).all() and (np.abs(lse - ref_lse) <= tol_l).all(), qdtype
+    dc = tb.DeviceCache.from_cache(cache, DEVICE)
+    launches, _, _ = plan_decode(q.to(DEVICE), dc.k.tiles(), dc.v.tiles(), dc.block_table, dc.seq_lens,
+                                 dc.page_size, **kw)
+    split = next(launch for launch in launches if "KR" in launch.constexprs)
+    cx = split.constexprs
+    rows = max(1, cx["BLOCK_N"] // cache.k.scheme.group_size) * triton.next_power_of_2(q_heads // kv_heads)
+    assert cx["KR"] is (cx["HV"] > 0 and rows <= 16)
+    _, _, tol_f, tol_fl = _oracle(cache, q64, "fast", qdtype, value_rows=True, key_rows=False)
+    folded, lse_f, _ = _run_decode(cache, q, precision="fast", key_rows=False, key_tile=False, value_rows=True, **kw)
+    assert (np.abs(out - folded) <= tol_o + tol_f).all() and (np.abs(lse - lse_f) <= tol_l + tol_fl).all()
+    # planted: one key code +1 (or -1 at the top code) in the channel of the largest |q_d s_d|
+    b = 2
+    K, _ = cache.dequantized(b)
+    n = int(cache.k.paged[b])
+    top = int(np.argmax(K[:n, 0, :] @ q64[b, 0]))
+    s = cache.quantized(b, "k").fields["scale"].astype(np.float64)[top // cache.k.scheme.group_size, 0]
+    d = int(np.argmax(np.abs(q64[b, 0] * s)))
+    page, off = divmod(int(cache.slot_mapping(b, top, 1)[0]), cache.page_size)
+    bits = cache.k.scheme.bits
+    byte, shift = divmod(d * bits, 8)
+    codes = cache.k.storage["codes"]
+    code = (int(codes[page, off, 0, byte]) >> shift) & ((1 << bits) - 1)
+    codes[page, off, 0, byte] = (int(codes[page, off, 0, byte]) & ~(((1 << bits) - 1) << shift)
+                                 | ((code + (1 if code == 0 else -1)) << shift))
+    _, lse_p, _ = _run_decode(cache, q, precision="fast", key_rows=True, value_rows=True, **kw)
+    assert (np.abs(lse_p - ref_lse) > tol_l).any()
+    with pytest.raises(ValueError, match="key_rows"):
+        _run_decode(cache, q, precision="exact", key_rows=True)
+    with pytest.raises(ValueError, match="key_rows"):
+        _run_decode(cache, q, precision="fast", key_rows=True, value_rows=False)
+    with pytest.raises(ValueError, match="key_rows"):
+        _run_decode(build_cache(PAIRS[1], SMALL, rng)[0], q[:, :4, :64], key_rows=True)
 
 
 @pytest.mark.skipif(not GPU, reason="inline PTX runs on a CUDA device only (the interpreter takes the portable path)")

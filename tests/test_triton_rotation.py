@@ -312,7 +312,8 @@ def _rotated_decode(pair, precision: str, qdtype: str, seed: int, shape=None, pl
         fast = reference.fast_rounding(cache.k.scheme, cache.v.scheme,
                                        "float32" if cache.k.rotation is not None else qdtype)
     ref, ref_lse, tol_o, tol_l = reference.rotated_kernel_tolerance(
-        q64, cache, fast=fast, K_round=conformance.kivi_key_round(cache, Ks))
+        q64, cache, fast=fast, K_round=conformance.kivi_key_round(cache, Ks),
+        K_scale=conformance.kivi_key_scale(cache, Ks))
     be = backends.get("triton")
     dc = be.prepare(cache)
     if plant is not None:

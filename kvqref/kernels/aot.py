@@ -144,11 +144,16 @@ def _launches(target: str, cases: list | None = None, page: int = 16) -> list[tu
                 launches, _, _ = plan_decode(q, dc.k.tiles(), dc.v.tiles(), dc.block_table, dc.seq_lens, page,
                                              value_rows=rows, **kw)
                 out.append((f"decode[{label},rows={int(rows)}]", split(launches)))
-            if "kivi" in kn:  # fast-mode KIVI keys with the scale folded into q (``key_tile=False``)
+            if "kivi" in kn:  # fast-mode KIVI keys with the scale folded into q (``key_rows=False, key_tile=False``)
                 launches, _, _ = plan_decode(q, dc.k.tiles(), dc.v.tiles(), dc.block_table, dc.seq_lens, page,
                                              residual=residual, max_seq_len=40, num_splits=2,
-                                             hw_formats=_hw_formats(target), key_tile=False)
-                out.append((f"decode[{label},ktile=0]", split(launches)))
+                                             hw_formats=_hw_formats(target), key_tile=False, key_rows=False)
+                out.append((f"decode[{label},ktile=0,kr=0]", split(launches)))
+                if "kivi" in vn:  # key rows (``key_rows``; needs the value rows)
+                    launches, _, _ = plan_decode(q, dc.k.tiles(), dc.v.tiles(), dc.block_table, dc.seq_lens, page,
+                                                 residual=residual, max_seq_len=40, num_splits=2,
+                                                 hw_formats=_hw_formats(target), value_rows=True, key_rows=True)
+                    out.append((f"decode[{label},kr=1]", split(launches)))
             for launch in launches:  # the merge kernel does not depend on the scheme, nor rotate_q
                 name = ("rotate_q" if launch.kernel is rotate_q_kernel else None if launch.kernel is not merge_kernel
                         else "merge[rotated]" if launch.constexprs["ROT_V"] else "merge")

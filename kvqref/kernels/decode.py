@@ -623,6 +623,104 @@ def _fp4_block_rows(
 
 
 @triton.jit
+def _int_codes_f16(byte, P: tl.constexpr, BITS: tl.constexpr):
+    """The ``BITS``-bit integer codes at bit ``P * BITS`` of ``byte`` as float16 (exact), through the float16 magic
+    number: bits ``0x6400 | c`` are 1024 + c, minus 1024 in float16 (exact): no int-to-float conversion."""
+    c = (byte.to(tl.int32) >> (P * BITS)) & ((1 << BITS) - 1)
+    return (c | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - 1024.0
+
+
+@triton.jit
+def _kivi_key_rows(
+    Q, BT, K0, K1, K2, V0, V1, V2, b, kvh, start, end, stride_qb, stride_qh, stride_btb, k0_s, k0_h, k1_s, k1_h,
+    k2_s, k2_h, v0_s, v0_h, v1_s, v1_h, v2_s, v2_h, qk_scale, QPK: tl.constexpr, HV: tl.constexpr,
+    BLOCK_H: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, G_K: tl.constexpr,
+    BITS_K: tl.constexpr, G_V: tl.constexpr, BITS_V: tl.constexpr, RN: tl.constexpr,
+):
+    """Fast-mode KIVI keys by token-group rows (``key_rows``), values by channel-group rows (``value_rows``).
+
+    Key rows are (token group j of the tile, head h), ``max(16, (BLOCK_N / G_K) * HV)``: row (j, h) holds
+    ``fl16(q_h * s_j * 2**e)`` (s_j: group j's per-channel scales; the product in float32, one rounding to float16
+    after a power of two 2**e per row puts its largest element in [2**14, 2**15)) against the exact integer codes
+    in float16, so one MMA per byte phase; its [rows, tokens] product times 2**-e plus the group's zero term
+    ``q_h . z_j`` (float32) is the score of the tokens of group j, selected per token. Values as
+    :func:`_kivi_value_rows` (``p * s`` rounded once to bfloat16 against the exact codes, ``p * z`` summed in
+    float32 per (row, token)). Returns the value accumulators [BLOCK_H, D / PV] per phase, the zero term in the
+    residual tiles' accumulator shape [BLOCK_H, RN] (each row's sum in column 0) and m, l [BLOCK_H] (base 2) in the
+    value rows, as the main loop leaves them."""
+    PK: tl.constexpr = 8 // BITS_K
+    PV: tl.constexpr = 8 // BITS_V
+    DK: tl.constexpr = D // PK
+    DV: tl.constexpr = D // PV
+    NGK: tl.constexpr = BLOCK_N // G_K if BLOCK_N > G_K else 1
+    RK: tl.constexpr = NGK * HV if NGK * HV > 16 else 16
+    GRV: tl.constexpr = BLOCK_H // HV
+    rk = tl.arange(0, RK)
+    rh = rk % HV
+    rg = rk // HV
+    rmask = (rh < QPK) & (rg < NGK)
+    d = tl.arange(0, D)
+    ik = tl.arange(0, DK)
+    iv = tl.arange(0, DV)
+    qbase = b * stride_qb + (kvh * QPK + rh).to(tl.int64) * stride_qh
+    qk = tl.load(Q + qbase[:, None] + d[None, :], mask=rmask[:, None], other=0.0).to(tl.float32)
+    sel = tl.arange(0, RK // HV)[:, None, None] == (tl.arange(0, BLOCK_N) // G_K)[None, None, :]
+    m_i = tl.full((HV,), float("-inf"), tl.float32)
+    l_i = tl.zeros((HV,), tl.float32)
+    acc0 = tl.zeros((BLOCK_H, DV), tl.float32)
+    acc1 = tl.zeros((BLOCK_H, DV), tl.float32)
+    acc2 = tl.zeros((BLOCK_H, DV), tl.float32)
+    acc3 = tl.zeros((BLOCK_H, DV), tl.float32)
+    zacc = tl.zeros((BLOCK_H,), tl.float32)
+    for t0 in range(start, end, BLOCK_N):
+        t = t0 + tl.arange(0, BLOCK_N)
+        tmask = t < end
+        page = tl.load(BT + b * stride_btb + t // PAGE, mask=tmask, other=0).to(tl.int64)
+        slot = page * PAGE + (t % PAGE)
+        tg = t0 + rg * G_K  # the first token of row r's group
+        gmask = rmask & (tg < end)
+        gslot = tl.load(BT + b * stride_btb + tg // PAGE, mask=gmask, other=0).to(tl.int64) * PAGE + tg % PAGE
+        grp = gslot // G_K
+        kb = tl.load(K0 + slot[None, :] * k0_s + kvh * k0_h + ik[:, None], mask=tmask[None, :], other=0)
+        vb = tl.load(V0 + slot[:, None] * v0_s + kvh * v0_h + iv[None, :], mask=tmask[:, None], other=0)
+        ks = tl.load(K1 + grp[:, None] * k1_s + kvh * k1_h + d[None, :], mask=gmask[:, None], other=0.0)
+        kz = tl.load(K2 + grp[:, None] * k2_s + kvh * k2_h + d[None, :], mask=gmask[:, None], other=0.0)
+        srow, zrow = _kivi_value_rows(V1, V2, slot, tmask, kvh, v1_s, v1_h, v2_s, v2_h, HV, BLOCK_H, D // G_V)
+        qs = qk * ks.to(tl.float32)
+        e = _f16_exponent(tl.max(tl.abs(qs), 1))
+        a = _split16(qs * pow2_f32(e)[:, None], True)[0]
+        bias = tl.sum(qk * kz.to(tl.float32), 1)
+        if PK == 2:
+            a0, a1 = tl.split(tl.reshape(a, (RK, DK, 2)))
+            s2 = _dot_acc(a1, _int_codes_f16(kb, 1, BITS_K),
+                          _dot_acc(a0, _int_codes_f16(kb, 0, BITS_K), tl.zeros((RK, BLOCK_N), tl.float32)))
+        else:
+            a02, a13 = tl.split(tl.reshape(a, (RK, DK, 2, 2)))
+            a0, a2 = tl.split(a02)
+            a1, a3 = tl.split(a13)
+            s2 = _dot_acc(a0, _int_codes_f16(kb, 0, BITS_K), tl.zeros((RK, BLOCK_N), tl.float32))
+            s2 = _dot_acc(a1, _int_codes_f16(kb, 1, BITS_K), s2)
+            s2 = _dot_acc(a2, _int_codes_f16(kb, 2, BITS_K), s2)
+            s2 = _dot_acc(a3, _int_codes_f16(kb, 3, BITS_K), s2)
+        s2 = s2 * pow2_f32(-e)[:, None] + bias[:, None]
+        s = tl.sum(tl.where(sel, tl.reshape(s2, (RK // HV, HV, BLOCK_N)), 0.0), 0) * qk_scale
+        p, alpha, m_i, l_i = _softmax_step(s, tmask, m_i, l_i)
+        pr = tl.reshape(tl.broadcast_to(p[None, :, :], (GRV, HV, BLOCK_N)), (BLOCK_H, BLOCK_N))
+        ar = tl.reshape(tl.broadcast_to(alpha[None, :], (GRV, HV)), (BLOCK_H,))
+        pa = _split(pr * srow, True, True)[0]
+        zacc = zacc * ar + tl.sum(pr * zrow, 1)
+        acc0 = _dot_acc(pa, _int_codes16(vb, 0, BITS_V), acc0 * ar[:, None])
+        acc1 = _dot_acc(pa, _int_codes16(vb, 1, BITS_V), acc1 * ar[:, None])
+        if PV == 4:
+            acc2 = _dot_acc(pa, _int_codes16(vb, 2, BITS_V), acc2 * ar[:, None])
+            acc3 = _dot_acc(pa, _int_codes16(vb, 3, BITS_V), acc3 * ar[:, None])
+    m_r = tl.reshape(tl.broadcast_to(m_i[None, :], (GRV, HV)), (BLOCK_H,))
+    l_r = tl.reshape(tl.broadcast_to(l_i[None, :], (GRV, HV)), (BLOCK_H,))
+    zs = tl.where(tl.arange(0, RN)[None, :] == 0, zacc[:, None], 0.0)
+    return acc0, acc1, acc2, acc3, zs, m_r, l_r
+
+
+@triton.jit
 def _block_row_select(acc, NB: tl.constexpr, H: tl.constexpr, N: tl.constexpr, blk):
     """Block rows -> heads: column i of head h is row (blk[i], h) of ``acc`` [NB * H, N] (a selection, exact)."""
     sel = tl.arange(0, NB)[:, None, None] == blk[None, None, :]
@@ -718,6 +816,8 @@ def decode_split_kernel(
     HF: tl.constexpr = False,
     BLK: tl.constexpr = False,
     VW: tl.constexpr = False,
+    KR: tl.constexpr = False,
+    BLOCK_R: tl.constexpr = 0,
 ):
     """One (sequence, KV head, split): K tiles are read transposed [D/PACK, N] per phase (the elements
     sharing a byte position), V tiles [N, D/PACK]; no register transposes or interleaves."""
@@ -784,8 +884,9 @@ def decode_split_kernel(
     acc1 = tl.zeros((BLOCK_H, DV), tl.float32)
     acc2 = tl.zeros((BLOCK_H, DV), tl.float32)
     acc3 = tl.zeros((BLOCK_H, DV), tl.float32)
+    RN: tl.constexpr = BLOCK_R if BLOCK_R > 0 else BLOCK_N  # residual tiles
     if HV > 0:
-        zacc = tl.zeros((BLOCK_H, BLOCK_N), tl.float32)  # KIVI values' zero term p * z per (row, token)
+        zacc = tl.zeros((BLOCK_H, RN), tl.float32)  # KIVI values' zero term p * z per (row, token)
     ik = tl.arange(0, DK)
     iv = tl.arange(0, DV)
     K_T: tl.constexpr = KT and PK == 1 and KIND_K <= 1
@@ -812,7 +913,12 @@ def decode_split_kernel(
             paged_len = tl.load(SL + b)
         start = split * tokens_per_split
         end = tl.minimum(start + tokens_per_split, paged_len)
-        if BLK:  # fast FP4 by block rows (``_fp4_block_rows``)
+        if KR:  # fast KIVI by token-group key rows and channel-group value rows (``_kivi_key_rows``)
+            acc0, acc1, acc2, acc3, zacc, m_i, l_i = _kivi_key_rows(
+                Q, BT, K0, K1, K2, V0, V1, V2, b, kvh, start, end, stride_qb, stride_qh, stride_btb, k0_s, k0_h,
+                k1_s, k1_h, k2_s, k2_h, v0_s, v0_h, v1_s, v1_h, v2_s, v2_h, qk_scale, QPK, HV, BLOCK_H, D, PAGE,
+                BLOCK_N, G_K, BITS_K, G_V, BITS_V, RN)
+        elif BLK:  # fast FP4 by block rows (``_fp4_block_rows``)
             acc0, acc1, m_i, l_i = _fp4_block_rows(
                 Q, BT, K0, K1, V0, V1, b, kvh, start, end, stride_qb, stride_qh, stride_btb, k0_s, k0_h, k1_s, k1_h,
                 v0_s, v0_h, v1_s, v1_h, qk_scale, QPK, BLOCK_H, D, PAGE, BLOCK_N, KIND_K, QB_K, FMT_K, KIND_V, QB_V,
@@ -1012,8 +1118,8 @@ def decode_split_kernel(
         kl = tl.load(KL + b)
         vl = tl.load(VL + b)
         seq_len = tl.load(SL + b)
-        for t0 in range(tl.minimum(kl, vl), seq_len, BLOCK_N):
-            t = t0 + tl.arange(0, BLOCK_N)
+        for t0 in range(tl.minimum(kl, vl), seq_len, RN):
+            t = t0 + tl.arange(0, RN)
             tmask = t < seq_len
             page = tl.load(BT + b * stride_btb + t // PAGE, mask=tmask & (t < tl.maximum(kl, vl)), other=0)
             slot = page.to(tl.int64) * PAGE + (t % PAGE)
@@ -1304,6 +1410,7 @@ def plan_decode(
     heads_fast: bool | None = None,
     block_rows: bool | None = None,
     value_words: bool | None = None,
+    key_rows: bool | None = None,
 ):
     """The launches of decode attention (see :func:`paged_decode`), with their output tensors.
     ``hw_formats``: FP8 format ids converted in hardware (default: what ``q``'s device has); ``maxnreg``:
@@ -1330,6 +1437,11 @@ def plan_decode(
     loads instead of one-byte shared loads; :func:`_fp4_block_rows`); default: on where the value rows are fewer
     than head_dim / 4 (mxfp4 at 4 query heads per KV head, D 128: 193 -> 176 us on the H100); refused above 32
     value rows.
+    ``key_rows``: fast-mode KIVI keys by (token group, query head) rows with values by (channel group, query head)
+    rows (:func:`_kivi_key_rows`): each group's scales fold into a float16 q (one rounding per q x s, relative to a
+    power of two per row), one MMA per byte phase against the exact codes, the zero term q . z once per group row;
+    tiles may span several key groups. Needs ``value_rows``; default: on where ``value_rows`` is and the key rows fit
+    16 (bench/results/ANALYSIS.md, session 9).
     ``heads_fast``: the KV heads on the grid's fastest axis, so the programs reading one token's rows run together
     (default False: it raised a loads-only kernel from 61% to 75% of the ceiling, but the decode kernels by at most
     2%)."""
@@ -1352,11 +1464,18 @@ def plan_decode(
     if value_rows and (precision != "fast" or v.kind != "int_v"):
         raise ValueError("value_rows needs KIVI values (int_v) and precision='fast'")
     if key_tile is None:
-        key_tile = precision == "fast" and k.kind == "int_k" and k.bits == 2 and kivi_key_words(k)
+        key_tile = (precision == "fast" and k.kind == "int_k" and k.bits == 2 and kivi_key_words(k)
+                    and key_rows is False)
     if key_tile and (precision != "fast" or k.kind != "int_k" or not kivi_key_words(k)):
         raise ValueError("key_tile needs KIVI keys (int_k), precision='fast' and, for 2-bit codes, scale and zero "
                          "rows of contiguous float16 aligned to 4 elements")
     hv = triton.next_power_of_2(qpk) if value_rows else 0  # rows per value group (0: rows are query heads)
+    kivi_pair = precision == "fast" and k.kind == "int_k" and v.kind == "int_v"
+    if key_rows is None:
+        key_rows = kivi_pair and bool(value_rows) and not key_tile and max(1, (block_n or 128) // k.group) * hv <= 16
+    elif key_rows and not (kivi_pair and value_rows and not key_tile):
+        raise ValueError("key_rows needs KIVI keys and values (int_k/int_v), precision='fast', value_rows and "
+                         "key_tile off")
     if value_rows:
         block_h = max(16, hv * (head_dim // v.group))
     if sm_scale is None:
@@ -1418,13 +1537,19 @@ def plan_decode(
     # (NVFP4, fp4_e2m1) with 128-token tiles and 4 warps (H100: bench/results/history/ab-h100-session8-fp4.log)
     blk_wide = block_rows and blk_rows > 16
     if block_n is None:
-        if block_rows:
+        if key_rows:
+            block_n = 128
+        elif block_rows:
             block_n = 128 if blk_wide else 64
         else:
             block_n = 64 if precision == "fast" and (fast_e8m0 or fast_nvfp4_ptx or k.kind == "bf16") else 32
     if num_warps is None:
         num_warps = 4 if (fast_e8m0 and not fast_mx_ptx and not block_rows) or blk_wide else 2
-    if k.kind == "int_k":  # a tile must lie inside one KIVI token group
+    if key_rows:  # a tile holds whole KIVI token groups, or lies inside one
+        if block_n % k.group and k.group % block_n:
+            raise ValueError(f"with key_rows, block_n {block_n} must divide or be a multiple of the KIVI key group "
+                             f"size {k.group}")
+    elif k.kind == "int_k":  # a tile must lie inside one KIVI token group
         block_n = min(block_n, k.group)
         if k.group % block_n:
             raise ValueError(f"block_n {block_n} must divide the KIVI key group size {k.group}")
@@ -1514,6 +1639,8 @@ def plan_decode(
         HF=heads_fast,
         BLK=bool(block_rows),
         VW=bool(value_words),
+        KR=bool(key_rows),
+        BLOCK_R=min(block_n, 32) if key_rows else 0,  # residual tiles: 32 tokens (128 measured 188 KB of shared memory)
     )
     out = torch.empty(batch, q_heads, head_dim, dtype=torch.float32, device=q.device)
     lse = torch.empty(batch, q_heads, dtype=torch.float32, device=q.device)
