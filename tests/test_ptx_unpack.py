@@ -26,7 +26,7 @@ def _num(tok: str, regs: dict) -> int:
 
 
 def run_ptx(asm: str, inputs: dict[str, int]) -> dict[str, int]:
-    """Execute the straight-line b32 subset used (mov, prmt, shl, and, lop3) on 32-bit integers."""
+    """Execute the straight-line b32 subset used (mov, prmt, shl, shr, and, lop3) on 32-bit integers."""
     regs = dict(inputs)
     for line in asm.split(";"):
         line = line.strip()
@@ -39,6 +39,8 @@ def run_ptx(asm: str, inputs: dict[str, int]) -> dict[str, int]:
             r = x[0]
         elif op == "shl.b32":
             r = (x[0] << x[1]) & MASK
+        elif op == "shr.b32":
+            r = x[0] >> x[1]
         elif op == "and.b32":
             r = x[0] & x[1]
         elif op == "prmt.b32":  # default mode: selector nibble k (low 3 bits) picks byte k of {b, a}
@@ -69,15 +71,39 @@ def _bf16_value(bits: int) -> float:
     return float(np.array([bits << 16], np.uint32).view(np.float32)[0])
 
 
-def _every_byte_in_every_position(asm: str, seed: int):
+def _every_byte_in_every_position(asm: str, seed: int, inp: str = "$4"):
     """(position, byte, the register's 4 bytes, the registers after ``asm``) for every byte value at every position
-    of the input register $4, the other bytes random."""
+    of the input register ``inp``, the other bytes random."""
     rng = np.random.default_rng(seed)
     for pos in range(4):
         for byte in range(256):
             bs = [int(v) for v in rng.integers(0, 256, 4)]
             bs[pos] = byte
-            yield pos, byte, bs, run_ptx(asm, {"$4": sum(v << 8 * i for i, v in enumerate(bs))})
+            yield pos, byte, bs, run_ptx(asm, {inp: sum(v << 8 * i for i, v in enumerate(bs))})
+
+
+@pytest.mark.parametrize("bits", [4, 2])
+@pytest.mark.parametrize("f16", [True, False], ids=["float16", "bfloat16"])
+def test_int_code_ptx_places_every_code_in_the_magic_number(bits, f16):
+    """``_int_phases`` (KIVI codes by inline PTX): phase p of byte i is half i % 2 of register $(2p + i // 2), and
+    that half is the magic number (float16 1024 = 0x6400, bfloat16 128 = 0x4300) plus code << k with k =
+    ``int_code_bit`` below the float's mantissa width, so the caller's ``x * 2**-k - magic * 2**-k`` is the code,
+    exactly; on every byte in every position."""
+    asm = decode._int_codes_ptx(bits, f16).strip().removeprefix("{").removesuffix("}")
+    phases, magic = 8 // bits, (0x6400 if f16 else 0x4300)
+    ks = [decode.int_code_bit(bits, p, f16) for p in range(phases)]
+    assert all(k + bits <= (10 if f16 else 7) for k in ks)  # inside the mantissa: the exponent stays the magic's
+    for pos, byte, bs, regs in _every_byte_in_every_position(asm, 2, f"${2 * phases}"):
+        for p in range(phases):
+            got = [(regs[f"${2 * p + i // 2}"] >> 16 * (i % 2)) & 0xFFFF for i in range(4)]
+            assert got == [magic | ((v >> p * bits) & ((1 << bits) - 1)) << ks[p] for v in bs], (pos, byte, p)
+
+
+def test_int_code_ptx_catches_a_planted_field_error():
+    """The check above fails when one phase's field is off by one bit (the test can fail)."""
+    asm = decode._int_codes_ptx(4, True).replace("0x00F000F0", "0x00780078")
+    regs = run_ptx(asm.strip().removeprefix("{").removesuffix("}"), {"$4": 0xF0F0F0F0})
+    assert (regs["$2"] & 0xFFFF) != (0x6400 | 0xF << decode.int_code_bit(4, 1, True))
 
 
 @pytest.mark.parametrize("ptx,rule", [(decode.E2M1_PAIRS_PTX, _portable), (decode.E2M1_PAIRS_BF16_PTX, _portable_bf16)],

@@ -148,6 +148,26 @@ def test_kivi_keys_with_the_scale_folded_into_q(pair):
         _run_decode(cache, q, precision="exact", key_tile=True)
 
 
+@pytest.mark.skipif(not GPU, reason="inline PTX runs on a CUDA device only (the interpreter takes the portable path)")
+@pytest.mark.parametrize("pair", PAIRS[7:9], ids=IDS[7:9])
+def test_kivi_key_rows_ptx_equals_the_portable_unpacking(pair):
+    """KIVI key rows with the codes unpacked by inline PTX (``ptx_unpack=True``: :func:`_int_codes_ptx`, keys in
+    float16 and values in bfloat16 through the magic numbers) give bit-identical outputs to the portable unpacking,
+    within the oracle's bound."""
+    if getattr(torch.version, "hip", None):
+        pytest.skip("CUDA only")
+    rng = np.random.default_rng(24)
+    cache, _ = build_cache(pair, BIG, rng)
+    q = torch.from_numpy(rng.standard_normal((BIG["batch"], BIG["q_heads"], BIG["head_dim"])).astype(np.float32))
+    q = q.to(torch.bfloat16)
+    cfg = dict(precision="fast", key_rows=True, value_rows=True, block_n=64, num_warps=4, num_stages=2)
+    out_int, lse_int, _ = _run_decode(cache, q, ptx_unpack=False, **cfg)
+    out_ptx, lse_ptx, _ = _run_decode(cache, q, ptx_unpack=True, **cfg)
+    assert np.array_equal(out_ptx, out_int) and np.array_equal(lse_ptx, lse_int)
+    ref_out, ref_lse, tol_o, tol_l = _oracle(cache, q.float().numpy().astype(np.float64), "fast", value_rows=True)
+    assert (np.abs(out_ptx - ref_out) <= tol_o).all() and (np.abs(lse_ptx - ref_lse) <= tol_l).all()
+
+
 KEY_ROW_SHAPES = [  # (q_heads, kv_heads, head_dim, block_n): key rows (block_n / G_K) x heads, at least 16
     (4, 2, 64, None), (4, 2, 64, 16), (4, 2, 64, 32), (8, 2, 128, 64), (2, 2, 64, 128)]
 

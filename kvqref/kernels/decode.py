@@ -630,12 +630,91 @@ def _int_codes_f16(byte, P: tl.constexpr, BITS: tl.constexpr):
     return (c | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - 1024.0
 
 
+def _int_codes_ptx(bits: int, f16: bool) -> str:
+    """The PTX of :func:`_int_phases`: input ``$(2 * 8 / bits)`` (bytes 0-3), outputs ``$(2P)``, ``$(2P + 1)`` for
+    phase P (the codes at bit P * bits of bytes 0, 1 and 2, 3, one per 16-bit half): ``prmt`` spreads two bytes into
+    the halves of y, then per phase one ``lop3`` ``(y & field) | magic`` puts the code in the mantissa of the magic
+    number (float16 0x6400 = 1024, bfloat16 0x4300 = 128) at bit ``k`` (the code's own bit, or lower by a ``shr``
+    where it would reach the exponent): the half is magic + code * 2**k, which the caller maps back to the code."""
+    mant = 10 if f16 else 7
+    magic = 0x6400 if f16 else 0x4300
+    phases = 8 // bits
+    lines = [".reg .b32 z, y, t;", "mov.b32 z, 0;"]
+    for half, sel in enumerate(("0x4140", "0x4342")):
+        lines.append(f"prmt.b32 y, ${2 * phases}, z, {sel};")
+        for p in range(phases):
+            shift = max(0, p * bits + bits - mant)
+            field = ((1 << bits) - 1) << (p * bits - shift)
+            src = "y"
+            if shift:
+                lines.append(f"shr.b32 t, y, {shift};")
+                src = "t"
+            lines.append(f"lop3.b32 ${2 * p + half}, {src}, 0x{field:04X}{field:04X}, 0x{magic:04X}{magic:04X}, 0xEA;")
+    return "{\n" + "\n".join(lines) + "\n}"
+
+
+def int_code_bit(bits: int, phase: int, f16: bool) -> int:
+    """The bit ``k`` at which :func:`_int_codes_ptx` places the code of ``phase`` (half = magic + code * 2**k)."""
+    return phase * bits - max(0, phase * bits + bits - (10 if f16 else 7))
+
+
+INT4_F16_PTX = tl.constexpr(_int_codes_ptx(4, True))
+INT4_BF16_PTX = tl.constexpr(_int_codes_ptx(4, False))
+INT2_F16_PTX = tl.constexpr(_int_codes_ptx(2, True))
+INT2_BF16_PTX = tl.constexpr(_int_codes_ptx(2, False))
+
+
+@triton.jit
+def _from_magic(x, M: tl.constexpr, K: tl.constexpr):
+    """magic + code * 2**K (float16 or bfloat16) -> code, exact: x * 2**-K - M * 2**-K."""
+    if K == 0:
+        return x - M
+    else:
+        return x * (1.0 / (1 << K)) - M / (1 << K)
+
+
+@triton.jit
+def _int_phases(byte, BITS: tl.constexpr, F16: tl.constexpr, PTX: tl.constexpr):
+    """The integer codes of every phase of ``byte`` (uint8; phase P at bit P * BITS) as exact float16 (``F16``) or
+    bfloat16 values, four tensors (4-bit codes: phases 0, 1, 0, 1). CUDA (``PTX``): :func:`_int_codes_ptx`, two
+    elements per instruction; elsewhere :func:`_int_codes_f16` / :func:`_int_codes16` per phase."""
+    if PTX and not INTERPRET:
+        M: tl.constexpr = 1024.0 if F16 else 128.0
+        if BITS == 4 and F16:
+            a, b = tl.inline_asm_elementwise(INT4_F16_PTX, "=r,=r,=r,=r,r", [byte], dtype=(tl.float16, tl.float16),
+                                             is_pure=True, pack=4)
+        elif BITS == 4:
+            a, b = tl.inline_asm_elementwise(INT4_BF16_PTX, "=r,=r,=r,=r,r", [byte],
+                                             dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+        elif F16:
+            a, b, c, d = tl.inline_asm_elementwise(INT2_F16_PTX, "=r,=r,=r,=r,=r,=r,=r,=r,r", [byte],
+                                                   dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
+                                                   is_pure=True, pack=4)
+        else:
+            a, b, c, d = tl.inline_asm_elementwise(INT2_BF16_PTX, "=r,=r,=r,=r,=r,=r,=r,=r,r", [byte],
+                                                   dtype=(tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16),
+                                                   is_pure=True, pack=4)
+        if BITS == 4:
+            a = _from_magic(a, M, 0)
+            b = _from_magic(b, M, 4 if F16 else 3)
+            return a, b, a, b
+        else:
+            return (_from_magic(a, M, 0), _from_magic(b, M, 2), _from_magic(c, M, 4),
+                    _from_magic(d, M, 6 if F16 else 5))
+    elif F16:
+        return (_int_codes_f16(byte, 0, BITS), _int_codes_f16(byte, 1, BITS), _int_codes_f16(byte, 2 % (8 // BITS), BITS),
+                _int_codes_f16(byte, 3 % (8 // BITS), BITS))
+    else:
+        return (_int_codes16(byte, 0, BITS), _int_codes16(byte, 1, BITS), _int_codes16(byte, 2 % (8 // BITS), BITS),
+                _int_codes16(byte, 3 % (8 // BITS), BITS))
+
+
 @triton.jit
 def _kivi_key_rows(
     Q, BT, K0, K1, K2, V0, V1, V2, b, kvh, start, end, stride_qb, stride_qh, stride_btb, k0_s, k0_h, k1_s, k1_h,
     k2_s, k2_h, v0_s, v0_h, v1_s, v1_h, v2_s, v2_h, qk_scale, QPK: tl.constexpr, HV: tl.constexpr,
     BLOCK_H: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, G_K: tl.constexpr,
-    BITS_K: tl.constexpr, G_V: tl.constexpr, BITS_V: tl.constexpr, RN: tl.constexpr,
+    BITS_K: tl.constexpr, G_V: tl.constexpr, BITS_V: tl.constexpr, RN: tl.constexpr, PTX: tl.constexpr,
 ):
     """Fast-mode KIVI keys by token-group rows (``key_rows``), values by channel-group rows (``value_rows``).
 
@@ -690,18 +769,16 @@ def _kivi_key_rows(
         e = _f16_exponent(tl.max(tl.abs(qs), 1))
         a = _split16(qs * pow2_f32(e)[:, None], True)[0]
         bias = tl.sum(qk * kz.to(tl.float32), 1)
+        k0, k1, k2, k3 = _int_phases(kb, BITS_K, True, PTX)
         if PK == 2:
             a0, a1 = tl.split(tl.reshape(a, (RK, DK, 2)))
-            s2 = _dot_acc(a1, _int_codes_f16(kb, 1, BITS_K),
-                          _dot_acc(a0, _int_codes_f16(kb, 0, BITS_K), tl.zeros((RK, BLOCK_N), tl.float32)))
+            s2 = _dot_acc(a1, k1, _dot_acc(a0, k0, tl.zeros((RK, BLOCK_N), tl.float32)))
         else:
             a02, a13 = tl.split(tl.reshape(a, (RK, DK, 2, 2)))
             a0, a2 = tl.split(a02)
             a1, a3 = tl.split(a13)
-            s2 = _dot_acc(a0, _int_codes_f16(kb, 0, BITS_K), tl.zeros((RK, BLOCK_N), tl.float32))
-            s2 = _dot_acc(a1, _int_codes_f16(kb, 1, BITS_K), s2)
-            s2 = _dot_acc(a2, _int_codes_f16(kb, 2, BITS_K), s2)
-            s2 = _dot_acc(a3, _int_codes_f16(kb, 3, BITS_K), s2)
+            s2 = _dot_acc(a3, k3, _dot_acc(a2, k2, _dot_acc(a1, k1, _dot_acc(a0, k0, tl.zeros((RK, BLOCK_N),
+                                                                                             tl.float32)))))
         s2 = s2 * pow2_f32(-e)[:, None] + bias[:, None]
         s = tl.sum(tl.where(sel, tl.reshape(s2, (RK // HV, HV, BLOCK_N)), 0.0), 0) * qk_scale
         p, alpha, m_i, l_i = _softmax_step(s, tmask, m_i, l_i)
@@ -709,11 +786,12 @@ def _kivi_key_rows(
         ar = tl.reshape(tl.broadcast_to(alpha[None, :], (GRV, HV)), (BLOCK_H,))
         pa = _split(pr * srow, True, True)[0]
         zacc = zacc * ar + tl.sum(pr * zrow, 1)
-        acc0 = _dot_acc(pa, _int_codes16(vb, 0, BITS_V), acc0 * ar[:, None])
-        acc1 = _dot_acc(pa, _int_codes16(vb, 1, BITS_V), acc1 * ar[:, None])
+        v0, v1, v2, v3 = _int_phases(vb, BITS_V, False, PTX)
+        acc0 = _dot_acc(pa, v0, acc0 * ar[:, None])
+        acc1 = _dot_acc(pa, v1, acc1 * ar[:, None])
         if PV == 4:
-            acc2 = _dot_acc(pa, _int_codes16(vb, 2, BITS_V), acc2 * ar[:, None])
-            acc3 = _dot_acc(pa, _int_codes16(vb, 3, BITS_V), acc3 * ar[:, None])
+            acc2 = _dot_acc(pa, v2, acc2 * ar[:, None])
+            acc3 = _dot_acc(pa, v3, acc3 * ar[:, None])
     m_r = tl.reshape(tl.broadcast_to(m_i[None, :], (GRV, HV)), (BLOCK_H,))
     l_r = tl.reshape(tl.broadcast_to(l_i[None, :], (GRV, HV)), (BLOCK_H,))
     zs = tl.where(tl.arange(0, RN)[None, :] == 0, zacc[:, None], 0.0)
@@ -917,7 +995,7 @@ def decode_split_kernel(
             acc0, acc1, acc2, acc3, zacc, m_i, l_i = _kivi_key_rows(
                 Q, BT, K0, K1, K2, V0, V1, V2, b, kvh, start, end, stride_qb, stride_qh, stride_btb, k0_s, k0_h,
                 k1_s, k1_h, k2_s, k2_h, v0_s, v0_h, v1_s, v1_h, v2_s, v2_h, qk_scale, QPK, HV, BLOCK_H, D, PAGE,
-                BLOCK_N, G_K, BITS_K, G_V, BITS_V, RN)
+                BLOCK_N, G_K, BITS_K, G_V, BITS_V, RN, PTX)
         elif BLK:  # fast FP4 by block rows (``_fp4_block_rows``)
             acc0, acc1, m_i, l_i = _fp4_block_rows(
                 Q, BT, K0, K1, V0, V1, b, kvh, start, end, stride_qb, stride_qh, stride_btb, k0_s, k0_h, k1_s, k1_h,
@@ -1544,7 +1622,7 @@ def plan_decode(
         else:
             block_n = 64 if precision == "fast" and (fast_e8m0 or fast_nvfp4_ptx or k.kind == "bf16") else 32
     if num_warps is None:
-        num_warps = 4 if (fast_e8m0 and not fast_mx_ptx and not block_rows) or blk_wide else 2
+        num_warps = 4 if (fast_e8m0 and not fast_mx_ptx and not block_rows) or blk_wide or key_rows else 2
     if key_rows:  # a tile holds whole KIVI token groups, or lies inside one
         if block_n % k.group and k.group % block_n:
             raise ValueError(f"with key_rows, block_n {block_n} must divide or be a multiple of the KIVI key group "
