@@ -1492,9 +1492,9 @@ def plan_decode(
 ):
     """The launches of decode attention (see :func:`paged_decode`), with their output tensors.
     ``hw_formats``: FP8 format ids converted in hardware (default: what ``q``'s device has); ``maxnreg``:
-    a register cap per thread (CUDA only; for tuning occupancy); ``ptx_unpack``: FP4 nibbles unpacked with
-    inline PTX (CUDA only); default (None): where it measured faster on the H100, fast-mode E8M0 (MXFP4,
-    fp4_e2m1) and NVFP4 keys on CUDA (bench/results/ANALYSIS.md); ``wide_scale_loads``: FP4 block
+    a register cap per thread (CUDA only; for tuning occupancy); ``ptx_unpack``: FP4 nibbles (and, with
+    ``key_rows``, KIVI codes) unpacked with inline PTX (CUDA only); default (None): where it measured faster on the
+    H100, fast-mode E8M0 (MXFP4, fp4_e2m1) and NVFP4 keys and KIVI key rows on CUDA (bench/results/ANALYSIS.md); ``wide_scale_loads``: FP4 block
     scales read as one word per token where the layout allows (:func:`wide_scales`); default (None): where it
     measured faster (NVFP4; E8M0 blocks of 32, or of any size with PTX unpacking); False: bytewise;
     ``value_rows``: fast-mode KIVI values with the score rows laid out by (channel group, query head) so the
@@ -1519,7 +1519,8 @@ def plan_decode(
     rows (:func:`_kivi_key_rows`): each group's scales fold into a float16 q (one rounding per q x s, relative to a
     power of two per row), one MMA per byte phase against the exact codes, the zero term q . z once per group row;
     tiles may span several key groups. Needs ``value_rows``; default: on where ``value_rows`` is and the key rows fit
-    16 (bench/results/ANALYSIS.md, session 9).
+    16, with 128-token tiles, 4 warps, 2 stages and (CUDA) the codes unpacked by inline PTX (H100, batch 32 x
+    8,192: int4 618 -> 339 us, int2 519 -> 295; bench/results/ANALYSIS.md, session 9).
     ``heads_fast``: the KV heads on the grid's fastest axis, so the programs reading one token's rows run together
     (default False: it raised a loads-only kernel from 61% to 75% of the ceiling, but the decode kernels by at most
     2%)."""
@@ -1529,6 +1530,7 @@ def plan_decode(
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     if ptx_unpack and getattr(torch.version, "hip", None):
         raise ValueError("ptx_unpack=True needs CUDA (inline PTX); ROCm uses the portable unpacking")
+    ptx_auto = ptx_unpack is None
     if ptx_unpack is None:
         ptx_unpack = (q.is_cuda and not getattr(torch.version, "hip", None) and precision == "fast"
                       and k.kind in ("mxfp4", "nvfp4"))
@@ -1554,6 +1556,8 @@ def plan_decode(
     elif key_rows and not (kivi_pair and value_rows and not key_tile):
         raise ValueError("key_rows needs KIVI keys and values (int_k/int_v), precision='fast', value_rows and "
                          "key_tile off")
+    if key_rows and ptx_auto:  # KIVI codes by inline PTX on CUDA (H100: int4 358 -> 339 us, int2 315 -> 295)
+        ptx_unpack = q.is_cuda and not getattr(torch.version, "hip", None)
     if value_rows:
         block_h = max(16, hv * (head_dim // v.group))
     if sm_scale is None:
@@ -1632,7 +1636,7 @@ def plan_decode(
         if k.group % block_n:
             raise ValueError(f"block_n {block_n} must divide the KIVI key group size {k.group}")
     if num_stages is None:
-        num_stages = 2 if block_rows else (
+        num_stages = 2 if block_rows or key_rows else (
             3 if k.kind in ("fp8", "int_k") or fast_mx_ptx or (precision == "fast" and k.kind == "nvfp4"
                                                                 and not ptx_unpack) else 2)
     has_res = residual is not None
