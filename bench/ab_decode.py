@@ -15,7 +15,8 @@ compared with the first variant's (max abs difference printed); rounds alternate
 launches are timed as the replay of their CUDA graph (as bench/decode_bench.py does; ``--eager``: the Python
 launches), ``hf=1`` puts the KV heads on the grid's fastest axis (``heads_fast``), ``blk`` (0/1): fast FP4
 by block rows (``block_rows``), ``vw`` (0/1): their value tiles as 16-bit words (``value_words``), ``kr``
-(0/1): fast KIVI keys by token-group rows (``key_rows``).
+(0/1): fast KIVI keys by token-group rows (``key_rows``), ``rl`` (0/1): the residual split as its own launch
+(``residual_launch``). KIVI caches carry their residual window, as in bench/decode_bench.py.
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ KEYS = {"bn": ("block_n", int), "w": ("num_warps", int), "s": ("num_stages", int
         "rows": ("value_rows", lambda v: v == "1"), "nreg": ("maxnreg", int), "p": ("precision", str),
         "kt4": ("fp4_keys_by_token", lambda v: v == "1"), "ktile": ("key_tile", lambda v: v == "1"),
         "hf": ("heads_fast", lambda v: v == "1"), "blk": ("block_rows", lambda v: v == "1"),
-        "vw": ("value_words", lambda v: v == "1"), "kr": ("key_rows", lambda v: v == "1")}
+        "vw": ("value_words", lambda v: v == "1"), "kr": ("key_rows", lambda v: v == "1"),
+        "rl": ("residual_launch", lambda v: v == "1")}
 
 
 def parse_variant(text: str) -> tuple[str, str, dict]:
@@ -81,8 +83,9 @@ def main() -> int:
         calls, ref = {}, None
         for name, mod, kw in variants:
             try:
+                residual = (dc.k_residual, dc.v_residual, dc.k_lens, dc.v_lens) if dc.has_residual else None
                 launches, out, _ = mods[mod].plan_decode(q, dc.k.tiles(), dc.v.tiles(), dc.block_table, dc.seq_lens,
-                                                         dc.page_size, max_seq_len=tokens, **kw)
+                                                         dc.page_size, max_seq_len=tokens, residual=residual, **kw)
                 for launch in launches:
                     launch()
                 torch.cuda.synchronize()

@@ -44,7 +44,8 @@ def test_every_kernel_compiles_for_rocm_and_cuda_targets():
         kt4 = sum("fp4" in c[1] for c in DECODE_CASES)
         # + fast-mode KIVI keys with the scale folded into q (``key_tile=False``)
         ktile_off = sum("kivi" in c[1] for c in DECODE_CASES)
-        # + fast-mode KIVI keys by token-group rows (``key_rows``) where the values are KIVI too
+        # + fast-mode KIVI keys by token-group rows (``key_rows``) where the values are KIVI too: the paged splits
+        # and the residual split, its own launch (``residual_launch``)
         key_rows = sum("kivi" in c[1] and "kivi" in c[3] for c in DECODE_CASES)
         # + the rotated write cases by their other butterfly routes (``rotation_route``): split/join or sums (the
         # one that is not the default), gather, and on CUDA the warp shuffles
@@ -54,8 +55,9 @@ def test_every_kernel_compiles_for_rocm_and_cuda_targets():
         # + unrotated KIVI key writes by channel blocks: block_d 64 (1 warp, store_as_loaded), block_d 32 (2 warps)
         blocks = 2 * sum(c[1].get("role") == "key" and "rotation" not in c[1] for c in WRITE_CASES)
         assert len(rows) == (2 * len(DECODE_CASES) + len(SHARED_KERNELS) + len(WRITE_CASES) + ptx + f16cvt
-                             + rows_off + kt4 + ktile_off + key_rows + sums + nvb + blocks), t
+                             + rows_off + kt4 + ktile_off + 2 * key_rows + sums + nvb + blocks), t
         assert key_rows and sum(r["kernel"].endswith(",kr=1]") and r["ok"] for r in rows) == key_rows, t
+        assert sum(r["kernel"].endswith(",kr=1,part=2]") and r["ok"] for r in rows) == key_rows, t
         assert nvb and all(r["ok"] for r in rows if r["kernel"].endswith(",blocks]")), t
         assert blocks and sum(",block_d=" in r["kernel"] for r in rows) == blocks, t
         assert {r["kernel"] for r in rows} >= {*SHARED_KERNELS, "decode[fp8_e4m3+H]", "write[fp4_e2m1-hadamard-5]"}

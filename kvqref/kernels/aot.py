@@ -154,6 +154,9 @@ def _launches(target: str, cases: list | None = None, page: int = 16) -> list[tu
                                                  residual=residual, max_seq_len=40, num_splits=2,
                                                  hw_formats=_hw_formats(target), value_rows=True, key_rows=True)
                     out.append((f"decode[{label},kr=1]", split(launches)))
+                    # the residual split as its own launch (``residual_launch``, the default with key rows)
+                    parts = [launch for launch in launches if launch.kernel is decode_split_kernel]
+                    out.append((f"decode[{label},kr=1,part={parts[-1].constexprs.get('PART', 0)}]", parts[-1]))
             for launch in launches:  # the merge kernel does not depend on the scheme, nor rotate_q
                 name = ("rotate_q" if launch.kernel is rotate_q_kernel else None if launch.kernel is not merge_kernel
                         else "merge[rotated]" if launch.constexprs["ROT_V"] else "merge")

@@ -896,6 +896,7 @@ def decode_split_kernel(
     VW: tl.constexpr = False,
     KR: tl.constexpr = False,
     BLOCK_R: tl.constexpr = 0,
+    PART: tl.constexpr = 0,
 ):
     """One (sequence, KV head, split): K tiles are read transposed [D/PACK, N] per phase (the elements
     sharing a byte position), V tiles [N, D/PACK]; no register transposes or interleaves."""
@@ -912,7 +913,7 @@ def decode_split_kernel(
     RBS: tl.constexpr = 2 if FAST else 3
     b = tl.program_id(1 if HF else 0).to(tl.int64)
     kvh = tl.program_id(0 if HF else 1)
-    split = tl.program_id(2)
+    split = tl.program_id(2) + (num_splits if PART == 2 else 0)
     hh = tl.arange(0, BLOCK_H)
     hmask = hh < QPK
     if HV > 0:  # fast KIVI values: row r is query head r % HV for value channel group r // HV (rows replicate q)
@@ -984,7 +985,7 @@ def decode_split_kernel(
             qTh = tl.trans(q0h)
             qTm = tl.trans(q0m)
             qTl = tl.trans(q0l)
-    if split < num_splits:
+    if PART != 2 and split < num_splits:
         if HAS_RES:
             paged_len = tl.minimum(tl.load(KL + b), tl.load(VL + b))
         else:
@@ -1190,7 +1191,7 @@ def decode_split_kernel(
                         acc0 = acc0 * alpha[:, None] + _mm16(p16h, p16l, v0t, PP16)
                     else:
                         acc0 = acc0 * alpha[:, None] + _mm(ph, pm, pl, v0t, PP, 0)
-    if HAS_RES and split >= num_splits:
+    if HAS_RES and PART != 1 and split >= num_splits:
         # the tail [min(k_len, v_len), seq_len): KIVI keeps the newest keys and values in full precision
         # (float32 residuals [batch, W, kv_heads, D]); K and V switch to their residual at their own length
         kl = tl.load(KL + b)
@@ -1489,6 +1490,7 @@ def plan_decode(
     block_rows: bool | None = None,
     value_words: bool | None = None,
     key_rows: bool | None = None,
+    residual_launch: bool | None = None,
 ):
     """The launches of decode attention (see :func:`paged_decode`), with their output tensors.
     ``hw_formats``: FP8 format ids converted in hardware (default: what ``q``'s device has); ``maxnreg``:
@@ -1521,6 +1523,8 @@ def plan_decode(
     tiles may span several key groups. Needs ``value_rows``; default: on where ``value_rows`` is and the key rows fit
     16, with 128-token tiles, 4 warps, 2 stages and (CUDA) the codes unpacked by inline PTX (H100, batch 32 x
     8,192: int4 618 -> 339 us, int2 519 -> 295; bench/results/ANALYSIS.md, session 9).
+    ``residual_launch``: the residual window's split as its own launch (constexpr ``PART``), so the paged splits
+    do not carry the residual path's registers; default: with ``key_rows`` and a residual window.
     ``heads_fast``: the KV heads on the grid's fastest axis, so the programs reading one token's rows run together
     (default False: it raised a loads-only kernel from 61% to 75% of the ceiling, but the decode kernels by at most
     2%)."""
@@ -1722,6 +1726,7 @@ def plan_decode(
         BLK=bool(block_rows),
         VW=bool(value_words),
         KR=bool(key_rows),
+        PART=0,  # 0: the paged and residual splits in one launch (``residual_launch`` makes 1 and 2)
         BLOCK_R=min(block_n, 32) if key_rows else 0,  # residual tiles: 32 tokens (128 measured 188 KB of shared memory)
     )
     out = torch.empty(batch, q_heads, head_dim, dtype=torch.float32, device=q.device)
@@ -1743,12 +1748,19 @@ def plan_decode(
         lp if v.rotation is None else rotation_vectors(v.rotation.seed, head_dim, q.device)[1],
     ]
     merge_cx = dict(D=head_dim, S_PAD=max(2, triton.next_power_of_2(total)), ROT_V=v.rotation is not None)
-    launches = [
-        *rotate_q,
-        Launch(decode_split_kernel, grid, split_args, split_cx,
-               {"num_warps": num_warps, "num_stages": num_stages, **({"maxnreg": maxnreg} if maxnreg else {})}),
-        Launch(merge_kernel, (batch, q_heads), merge_args, merge_cx, {}),
-    ]
+    opts = {"num_warps": num_warps, "num_stages": num_stages, **({"maxnreg": maxnreg} if maxnreg else {})}
+    if residual_launch is None:
+        residual_launch = bool(key_rows) and has_res
+    elif residual_launch and not has_res:
+        raise ValueError("residual_launch needs a residual window")
+    if residual_launch:  # the paged splits without the residual path's registers; the residual split on its own
+        res_grid = (kv_heads, batch, 1) if heads_fast else (batch, kv_heads, 1)
+        splits = [Launch(decode_split_kernel, (*grid[:2], num_splits), split_args, {**split_cx, "PART": 1}, opts),
+                  Launch(decode_split_kernel, res_grid, split_args, {**split_cx, "PART": 2},
+                         {**opts, "num_warps": 2, "num_stages": 3})]
+    else:
+        splits = [Launch(decode_split_kernel, grid, split_args, split_cx, opts)]
+    launches = [*rotate_q, *splits, Launch(merge_kernel, (batch, q_heads), merge_args, merge_cx, {})]
     return launches, out, lse
 
 
