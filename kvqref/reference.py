@@ -196,7 +196,8 @@ def kernel_tolerance(q: Any, K_list: Sequence[Any], V_list: Sequence[Any], sm_sc
     (``kr = K_round`` or ``|K|``; ``vr = |V_round|`` or ``|V|``). With ``K_round`` (KIVI keys: the codes' part
     ``sum q s c`` and the zero part ``sum q z`` are summed apart in float32) ``e_j += 2 g(D + 2) sm_scale sum_d
     |q_d| kr_jd``; with ``a_qs`` (key rows) ``e_j += sm_scale a_qs max_d |q_d s_jd| sum_d kr_jd / s_jd``, ``s =
-    K_scale`` (each token's group scale per channel, 0 on the residual; required then). With ``V_round`` (KIVI values in fast mode:
+    K_scale`` (each token's group scale per channel, 0 on the residual; required then).
+    With ``V_round`` (KIVI values in fast mode:
     the codes' part ``sum p s c`` and the zero part ``sum p z`` are accumulated apart in float32, and
     ``|z| <= |v| + |s c|``), ``|d out_d| += 2 g(T + 7) sum_j p_j vr_jd`` too.
     """

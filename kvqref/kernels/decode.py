@@ -702,8 +702,8 @@ def _int_phases(byte, BITS: tl.constexpr, F16: tl.constexpr, PTX: tl.constexpr):
             return (_from_magic(a, M, 0), _from_magic(b, M, 2), _from_magic(c, M, 4),
                     _from_magic(d, M, 6 if F16 else 5))
     elif F16:
-        return (_int_codes_f16(byte, 0, BITS), _int_codes_f16(byte, 1, BITS), _int_codes_f16(byte, 2 % (8 // BITS), BITS),
-                _int_codes_f16(byte, 3 % (8 // BITS), BITS))
+        return (_int_codes_f16(byte, 0, BITS), _int_codes_f16(byte, 1, BITS),
+                _int_codes_f16(byte, 2 % (8 // BITS), BITS), _int_codes_f16(byte, 3 % (8 // BITS), BITS))
     else:
         return (_int_codes16(byte, 0, BITS), _int_codes16(byte, 1, BITS), _int_codes16(byte, 2 % (8 // BITS), BITS),
                 _int_codes16(byte, 3 % (8 // BITS), BITS))
@@ -1496,7 +1496,8 @@ def plan_decode(
     ``hw_formats``: FP8 format ids converted in hardware (default: what ``q``'s device has); ``maxnreg``:
     a register cap per thread (CUDA only; for tuning occupancy); ``ptx_unpack``: FP4 nibbles (and, with
     ``key_rows``, KIVI codes) unpacked with inline PTX (CUDA only); default (None): where it measured faster on the
-    H100, fast-mode E8M0 (MXFP4, fp4_e2m1) and NVFP4 keys and KIVI key rows on CUDA (bench/results/ANALYSIS.md); ``wide_scale_loads``: FP4 block
+    H100, fast-mode E8M0 (MXFP4, fp4_e2m1) and NVFP4 keys and KIVI key rows on CUDA (bench/results/ANALYSIS.md);
+    ``wide_scale_loads``: FP4 block
     scales read as one word per token where the layout allows (:func:`wide_scales`); default (None): where it
     measured faster (NVFP4; E8M0 blocks of 32, or of any size with PTX unpacking); False: bytewise;
     ``value_rows``: fast-mode KIVI values with the score rows laid out by (channel group, query head) so the
