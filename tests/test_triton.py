@@ -796,8 +796,9 @@ def test_write_rejects_a_contradicting_model_dtype():
 
 
 def test_launch_defaults_are_the_measured_choices():
-    """The defaults the H100 A/Bs chose (bench/results/ANALYSIS.md, session 5): fast-mode KIVI key tiles for 2-bit
-    keys only (int2 628 -> 517 us, int4 616 -> 627), FP4 keys never laid out by token (nvfp4 314 -> 346 us),
+    """The defaults the H100 A/Bs chose (bench/results/ANALYSIS.md, sessions 5 and 9): fast-mode KIVI key rows
+    where they fit 16 rows (session 9: int4 625 -> 352 us, int2 524 -> 308), else key tiles for 2-bit keys only
+    (int2 628 -> 517 us, int4 616 -> 627), FP4 keys never laid out by token (nvfp4 314 -> 346 us),
     KIVI key writes with 2 warps, float16 roundings by conversion instructions on NVIDIA GPUs only, KIVI value
     writes capped at 64 registers on NVIDIA GPUs (session 6)."""
     from kvqref.kernels.decode import plan_decode
@@ -807,12 +808,19 @@ def test_launch_defaults_are_the_measured_choices():
         cache, _ = build_cache(pair, SMALL, rng)
         dc = tb.DeviceCache.from_cache(cache, DEVICE)
         q = torch.zeros(SMALL["batch"], SMALL["q_heads"], SMALL["head_dim"], device=DEVICE)
+        kivi = pair[0].endswith("kivi")
         for precision in ("fast", "exact"):
             launches, _, _ = plan_decode(q, dc.k.tiles(), dc.v.tiles(), dc.block_table, dc.seq_lens, dc.page_size,
                                          precision=precision)
             split = next(launch for launch in launches if "KTILE" in launch.constexprs)
-            assert split.constexprs["KTILE"] is (ktile and precision == "fast"), (pair[0], precision)
+            assert split.constexprs["KR"] is (kivi and precision == "fast"), (pair[0], precision)
+            assert split.constexprs["KTILE"] is False, (pair[0], precision)
             assert split.constexprs["KT4"] is False
+            if kivi:  # without key rows: key tiles for 2-bit keys only
+                launches, _, _ = plan_decode(q, dc.k.tiles(), dc.v.tiles(), dc.block_table, dc.seq_lens, dc.page_size,
+                                             precision=precision, key_rows=False)
+                split = next(launch for launch in launches if "KTILE" in launch.constexprs)
+                assert split.constexprs["KTILE"] is (ktile and precision == "fast"), (pair[0], precision)
         x = torch.zeros(16, SMALL["kv_heads"], SMALL["head_dim"], device=DEVICE)
         launch = tb.plan_write(dc.k, x, torch.full((16,), -1, device=DEVICE))
         nvidia = GPU and not getattr(torch.version, "hip", None)
