@@ -816,10 +816,11 @@ def test_launch_defaults_are_the_measured_choices():
             assert split.constexprs["KR"] is (kivi and precision == "fast"), (pair[0], precision)
             assert split.constexprs["KTILE"] is False, (pair[0], precision)
             assert split.constexprs["KT4"] is False
-            if kivi:  # without key rows: key tiles for 2-bit keys only
+            if kivi:  # where key rows are off by default (no value rows here): key tiles for 2-bit keys only
                 launches, _, _ = plan_decode(q, dc.k.tiles(), dc.v.tiles(), dc.block_table, dc.seq_lens, dc.page_size,
-                                             precision=precision, key_rows=False)
+                                             precision=precision, value_rows=False)
                 split = next(launch for launch in launches if "KTILE" in launch.constexprs)
+                assert split.constexprs["KR"] is False
                 assert split.constexprs["KTILE"] is (ktile and precision == "fast"), (pair[0], precision)
         x = torch.zeros(16, SMALL["kv_heads"], SMALL["head_dim"], device=DEVICE)
         launch = tb.plan_write(dc.k, x, torch.full((16,), -1, device=DEVICE))

@@ -1548,19 +1548,19 @@ def plan_decode(
         value_rows = default_value_rows(precision, v.kind, qpk, head_dim, v.group)
     if value_rows and (precision != "fast" or v.kind != "int_v"):
         raise ValueError("value_rows needs KIVI values (int_v) and precision='fast'")
-    if key_tile is None:
-        key_tile = (precision == "fast" and k.kind == "int_k" and k.bits == 2 and kivi_key_words(k)
-                    and key_rows is False)
-    if key_tile and (precision != "fast" or k.kind != "int_k" or not kivi_key_words(k)):
-        raise ValueError("key_tile needs KIVI keys (int_k), precision='fast' and, for 2-bit codes, scale and zero "
-                         "rows of contiguous float16 aligned to 4 elements")
     hv = triton.next_power_of_2(qpk) if value_rows else 0  # rows per value group (0: rows are query heads)
     kivi_pair = precision == "fast" and k.kind == "int_k" and v.kind == "int_v"
-    if key_rows is None:
+    if key_rows is None:  # (an explicit key_tile=True keeps the key tiles)
         key_rows = kivi_pair and bool(value_rows) and not key_tile and max(1, (block_n or 128) // k.group) * hv <= 16
     elif key_rows and not (kivi_pair and value_rows and not key_tile):
         raise ValueError("key_rows needs KIVI keys and values (int_k/int_v), precision='fast', value_rows and "
                          "key_tile off")
+    if key_tile is None:  # where key rows are off
+        key_tile = (precision == "fast" and k.kind == "int_k" and k.bits == 2 and kivi_key_words(k)
+                    and not key_rows)
+    if key_tile and (precision != "fast" or k.kind != "int_k" or not kivi_key_words(k)):
+        raise ValueError("key_tile needs KIVI keys (int_k), precision='fast' and, for 2-bit codes, scale and zero "
+                         "rows of contiguous float16 aligned to 4 elements")
     if key_rows and ptx_auto:  # KIVI codes by inline PTX on CUDA (H100: int4 358 -> 339 us, int2 315 -> 295)
         ptx_unpack = q.is_cuda and not getattr(torch.version, "hip", None)
     if value_rows:
