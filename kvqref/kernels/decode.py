@@ -405,12 +405,15 @@ def _load_qf(Q, base, hmask, P: tl.constexpr, PACK: tl.constexpr, DP: tl.constex
 
 
 @triton.jit
-def _int_codes16(byte, P: tl.constexpr, BITS: tl.constexpr):
-    """The ``BITS``-bit integer codes at bit ``P * BITS`` of ``byte`` as bfloat16 (exact: small integers), through
-    the bfloat16 magic number: bits ``0x4300 | c`` are 128 + c, minus 128 in bfloat16 (exact), so no int-to-float
-    conversion instruction; the interpreter (which cannot bitcast to bfloat16) gets the same values in float32."""
+def _int_codes16(byte, P: tl.constexpr, BITS: tl.constexpr, F16: tl.constexpr = False):
+    """The ``BITS``-bit integer codes at bit ``P * BITS`` of ``byte`` as bfloat16, or float16 with ``F16`` (exact:
+    small integers), through the magic number: bits ``0x4300 | c`` are 128 + c in bfloat16 (``0x6400 | c``: 1024 + c
+    in float16), minus 128 (1024), exact, so no int-to-float conversion instruction; the interpreter (which cannot
+    bitcast to bfloat16) gets the bfloat16 path's values in float32."""
     c = (byte.to(tl.int32) >> (P * BITS)) & ((1 << BITS) - 1)
-    if INTERPRET:
+    if F16:
+        return (c | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - 1024.0
+    elif INTERPRET:
         return c.to(tl.float32)
     else:
         return (c | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True) - 128.0
@@ -622,39 +625,32 @@ def _fp4_block_rows(
         return lo, hi, m_i, l_i
 
 
-@triton.jit
-def _int_codes_f16(byte, P: tl.constexpr, BITS: tl.constexpr):
-    """The ``BITS``-bit integer codes at bit ``P * BITS`` of ``byte`` as float16 (exact), through the float16 magic
-    number: bits ``0x6400 | c`` are 1024 + c, minus 1024 in float16 (exact): no int-to-float conversion."""
-    c = (byte.to(tl.int32) >> (P * BITS)) & ((1 << BITS) - 1)
-    return (c | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - 1024.0
-
-
 def _int_codes_ptx(bits: int, f16: bool) -> str:
     """The PTX of :func:`_int_phases`: input ``$(2 * 8 / bits)`` (bytes 0-3), outputs ``$(2P)``, ``$(2P + 1)`` for
     phase P (the codes at bit P * bits of bytes 0, 1 and 2, 3, one per 16-bit half): ``prmt`` spreads two bytes into
     the halves of y, then per phase one ``lop3`` ``(y & field) | magic`` puts the code in the mantissa of the magic
     number (float16 0x6400 = 1024, bfloat16 0x4300 = 128) at bit ``k`` (the code's own bit, or lower by a ``shr``
     where it would reach the exponent): the half is magic + code * 2**k, which the caller maps back to the code."""
-    mant = 10 if f16 else 7
     magic = 0x6400 if f16 else 0x4300
     phases = 8 // bits
     lines = [".reg .b32 z, y, t;", "mov.b32 z, 0;"]
     for half, sel in enumerate(("0x4140", "0x4342")):
         lines.append(f"prmt.b32 y, ${2 * phases}, z, {sel};")
         for p in range(phases):
-            shift = max(0, p * bits + bits - mant)
-            field = ((1 << bits) - 1) << (p * bits - shift)
+            k = int_code_bit(bits, p, f16)
+            field = ((1 << bits) - 1) << k
             src = "y"
-            if shift:
-                lines.append(f"shr.b32 t, y, {shift};")
+            if k < p * bits:
+                lines.append(f"shr.b32 t, y, {p * bits - k};")
                 src = "t"
             lines.append(f"lop3.b32 ${2 * p + half}, {src}, 0x{field:04X}{field:04X}, 0x{magic:04X}{magic:04X}, 0xEA;")
     return "{\n" + "\n".join(lines) + "\n}"
 
 
 def int_code_bit(bits: int, phase: int, f16: bool) -> int:
-    """The bit ``k`` at which :func:`_int_codes_ptx` places the code of ``phase`` (half = magic + code * 2**k)."""
+    """The bit ``k`` at which :func:`_int_codes_ptx` places the code of ``phase`` (half = magic + code * 2**k): its
+    own bit ``phase * bits``, lowered where the code would reach past the mantissa (10 bits in float16, 7 in
+    bfloat16) into the exponent; :func:`_from_magic` applies the same rule."""
     return phase * bits - max(0, phase * bits + bits - (10 if f16 else 7))
 
 
@@ -665,8 +661,12 @@ INT2_BF16_PTX = tl.constexpr(_int_codes_ptx(2, False))
 
 
 @triton.jit
-def _from_magic(x, M: tl.constexpr, K: tl.constexpr):
-    """magic + code * 2**K (float16 or bfloat16) -> code, exact: x * 2**-K - M * 2**-K."""
+def _from_magic(x, P: tl.constexpr, BITS: tl.constexpr, F16: tl.constexpr):
+    """magic + code * 2**K (float16 magic 1024, or bfloat16 128) -> code, exact: x * 2**-K - magic * 2**-K, with K
+    the bit of phase ``P``'s code (:func:`int_code_bit`'s rule)."""
+    M: tl.constexpr = 1024.0 if F16 else 128.0
+    OVER: tl.constexpr = P * BITS + BITS - (10 if F16 else 7)
+    K: tl.constexpr = P * BITS - OVER if OVER > 0 else P * BITS
     if K == 0:
         return x - M
     else:
@@ -677,9 +677,8 @@ def _from_magic(x, M: tl.constexpr, K: tl.constexpr):
 def _int_phases(byte, BITS: tl.constexpr, F16: tl.constexpr, PTX: tl.constexpr):
     """The integer codes of every phase of ``byte`` (uint8; phase P at bit P * BITS) as exact float16 (``F16``) or
     bfloat16 values, four tensors (4-bit codes: phases 0, 1, 0, 1). CUDA (``PTX``): :func:`_int_codes_ptx`, two
-    elements per instruction; elsewhere :func:`_int_codes_f16` / :func:`_int_codes16` per phase."""
+    elements per instruction; elsewhere :func:`_int_codes16` per phase."""
     if PTX and not INTERPRET:
-        M: tl.constexpr = 1024.0 if F16 else 128.0
         if BITS == 4 and F16:
             a, b = tl.inline_asm_elementwise(INT4_F16_PTX, "=r,=r,=r,=r,r", [byte], dtype=(tl.float16, tl.float16),
                                              is_pure=True, pack=4)
@@ -695,18 +694,16 @@ def _int_phases(byte, BITS: tl.constexpr, F16: tl.constexpr, PTX: tl.constexpr):
                                                    dtype=(tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16),
                                                    is_pure=True, pack=4)
         if BITS == 4:
-            a = _from_magic(a, M, 0)
-            b = _from_magic(b, M, 4 if F16 else 3)
+            a = _from_magic(a, 0, BITS, F16)
+            b = _from_magic(b, 1, BITS, F16)
             return a, b, a, b
         else:
-            return (_from_magic(a, M, 0), _from_magic(b, M, 2), _from_magic(c, M, 4),
-                    _from_magic(d, M, 6 if F16 else 5))
-    elif F16:
-        return (_int_codes_f16(byte, 0, BITS), _int_codes_f16(byte, 1, BITS),
-                _int_codes_f16(byte, 2 % (8 // BITS), BITS), _int_codes_f16(byte, 3 % (8 // BITS), BITS))
+            return (_from_magic(a, 0, BITS, F16), _from_magic(b, 1, BITS, F16), _from_magic(c, 2, BITS, F16),
+                    _from_magic(d, 3, BITS, F16))
     else:
-        return (_int_codes16(byte, 0, BITS), _int_codes16(byte, 1, BITS), _int_codes16(byte, 2 % (8 // BITS), BITS),
-                _int_codes16(byte, 3 % (8 // BITS), BITS))
+        PH: tl.constexpr = 8 // BITS
+        return (_int_codes16(byte, 0, BITS, F16), _int_codes16(byte, 1, BITS, F16),
+                _int_codes16(byte, 2 % PH, BITS, F16), _int_codes16(byte, 3 % PH, BITS, F16))
 
 
 @triton.jit
@@ -1120,11 +1117,12 @@ def decode_split_kernel(
                                                   D // G_V)
                     pa, _, _ = _split(p * srow, True, True)
                     zacc = zacc * alpha[:, None] + p * zrow
-                    acc0 = _dot_acc(pa, _int_codes16(vbq, 0, BITS_V), acc0 * alpha[:, None])
-                    acc1 = _dot_acc(pa, _int_codes16(vbq, 1, BITS_V), acc1 * alpha[:, None])
+                    v0, v1, v2, v3 = _int_phases(vbq, BITS_V, False, False)
+                    acc0 = _dot_acc(pa, v0, acc0 * alpha[:, None])
+                    acc1 = _dot_acc(pa, v1, acc1 * alpha[:, None])
                     if PV == 4:
-                        acc2 = _dot_acc(pa, _int_codes16(vbq, 2, BITS_V), acc2 * alpha[:, None])
-                        acc3 = _dot_acc(pa, _int_codes16(vbq, 3, BITS_V), acc3 * alpha[:, None])
+                        acc2 = _dot_acc(pa, v2, acc2 * alpha[:, None])
+                        acc3 = _dot_acc(pa, v3, acc3 * alpha[:, None])
                 elif KIND_V == 4:
                     # KIVI values: bytes as [N, groups, G/PACK], one scale and zero per (token, group)
                     NGV: tl.constexpr = D // G_V
