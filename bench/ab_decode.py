@@ -16,7 +16,8 @@ launches are timed as the replay of their CUDA graph (as bench/decode_bench.py d
 launches), ``hf=1`` puts the KV heads on the grid's fastest axis (``heads_fast``), ``blk`` (0/1): fast FP4
 by block rows (``block_rows``), ``vw`` (0/1): their value tiles as 16-bit words (``value_words``), ``kr``
 (0/1): fast KIVI keys by token-group rows (``key_rows``), ``rl`` (0/1): the residual split as its own launch
-(``residual_launch``). KIVI caches carry their residual window, as in bench/decode_bench.py.
+(``residual_launch``), ``hnd`` (0/1): the cache's fields head-major (``DeviceCache.with_layout("HND")``, a copy
+made once). KIVI caches carry their residual window, as in bench/decode_bench.py.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ KEYS = {"bn": ("block_n", int), "w": ("num_warps", int), "s": ("num_stages", int
         "kt4": ("fp4_keys_by_token", lambda v: v == "1"), "ktile": ("key_tile", lambda v: v == "1"),
         "hf": ("heads_fast", lambda v: v == "1"), "blk": ("block_rows", lambda v: v == "1"),
         "vw": ("value_words", lambda v: v == "1"), "kr": ("key_rows", lambda v: v == "1"),
-        "rl": ("residual_launch", lambda v: v == "1")}
+        "rl": ("residual_launch", lambda v: v == "1"), "hnd": ("layout", lambda v: "HND" if v == "1" else "NHD")}
 
 
 def parse_variant(text: str) -> tuple[str, str, dict]:
@@ -80,12 +81,17 @@ def main() -> int:
         nbytes = batch * tokens * (side_bytes_per_token(ks, kv_heads, head_dim)
                                    + side_bytes_per_token(vs, kv_heads, head_dim)) + 4 * batch * q_heads * head_dim
         q = torch.randn(batch, q_heads, head_dim, device="cuda").to(torch.bfloat16)
-        calls, ref = {}, None
+        calls, ref, laid = {}, None, {"NHD": dc}
         for name, mod, kw in variants:
             try:
-                residual = (dc.k_residual, dc.v_residual, dc.k_lens, dc.v_lens) if dc.has_residual else None
-                launches, out, _ = mods[mod].plan_decode(q, dc.k.tiles(), dc.v.tiles(), dc.block_table, dc.seq_lens,
-                                                         dc.page_size, max_seq_len=tokens, residual=residual, **kw)
+                kw = dict(kw)
+                layout = kw.pop("layout", "NHD")
+                if layout not in laid:
+                    laid[layout] = dc.with_layout(layout)
+                lc = laid[layout]
+                residual = (lc.k_residual, lc.v_residual, lc.k_lens, lc.v_lens) if lc.has_residual else None
+                launches, out, _ = mods[mod].plan_decode(q, lc.k.tiles(), lc.v.tiles(), lc.block_table, lc.seq_lens,
+                                                         lc.page_size, max_seq_len=tokens, residual=residual, **kw)
                 for launch in launches:
                     launch()
                 torch.cuda.synchronize()
@@ -110,7 +116,7 @@ def main() -> int:
             row["ceiling_fraction"] = row["gbs"] / doc["ceiling_gbs"]
             doc["rows"].append(row)
             Path(args.out).write_text(json.dumps(doc, indent=1))
-        del dc
+        del dc, laid, lc
         torch.cuda.empty_cache()
     print("| scheme | variant | us (rounds) | x SDPA | % ceiling | max diff |\n|---|---|---|---|---|---|")
     for row in doc["rows"]:

@@ -27,16 +27,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 @triton.jit
-def _rows_xor(F, slot, kvh, f_s, f_h, tmask, W: tl.constexpr):
-    """xor over the W bytes of each token's row of field F (uint8 view), as int32 [N]."""
+def _rows_xor(F, page, off, kvh, f_p, f_o, f_h, tmask, W: tl.constexpr):
+    """xor over the W bytes of each token's row of field F (uint8 view), as int32 [N]; the row of (page, offset
+    in the page, head) starts at ``page * f_p + off * f_o + kvh * f_h``."""
     w = tl.arange(0, W)
-    x = tl.load(F + slot[:, None] * f_s + kvh * f_h + w[None, :], mask=tmask[:, None], other=0)
+    x = tl.load(F + (page * f_p + off * f_o + kvh * f_h)[:, None] + w[None, :], mask=tmask[:, None], other=0)
     return tl.xor_sum(x.to(tl.int32), 1)
 
 
 @triton.jit
 def loads_kernel(
-    BT, SL, K0, K1, V0, V1, OUT, tokens_per_split, stride_btb, k0_s, k0_h, k1_s, k1_h, v0_s, v0_h, v1_s, v1_h,
+    BT, SL, K0, K1, V0, V1, OUT, tokens_per_split, stride_btb, k0_p, k0_o, k0_h, k1_p, k1_o, k1_h, v0_p, v0_o,
+    v0_h, v1_p, v1_o, v1_h,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, WK0: tl.constexpr, WK1: tl.constexpr, WV0: tl.constexpr,
     WV1: tl.constexpr, HF: tl.constexpr,
 ):
@@ -50,45 +52,50 @@ def loads_kernel(
         t = t0 + tl.arange(0, BLOCK_N)
         tmask = t < end
         page = tl.load(BT + b * stride_btb + t // PAGE, mask=tmask, other=0).to(tl.int64)
-        slot = page * PAGE + (t % PAGE)
-        acc ^= _rows_xor(K0, slot, kvh, k0_s, k0_h, tmask, WK0) ^ _rows_xor(V0, slot, kvh, v0_s, v0_h, tmask, WV0)
+        off = t % PAGE
+        acc ^= (_rows_xor(K0, page, off, kvh, k0_p, k0_o, k0_h, tmask, WK0)
+                ^ _rows_xor(V0, page, off, kvh, v0_p, v0_o, v0_h, tmask, WV0))
         if WK1 > 0:
-            acc ^= _rows_xor(K1, slot, kvh, k1_s, k1_h, tmask, WK1)
+            acc ^= _rows_xor(K1, page, off, kvh, k1_p, k1_o, k1_h, tmask, WK1)
         if WV1 > 0:
-            acc ^= _rows_xor(V1, slot, kvh, v1_s, v1_h, tmask, WV1)
+            acc ^= _rows_xor(V1, page, off, kvh, v1_p, v1_o, v1_h, tmask, WV1)
     pid = (tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(2) + split
     tl.store(OUT + pid, tl.xor_sum(acc, 0))
 
 
-def byte_fields(tiles) -> list:
-    """The side's code field and its per-token scale field (if any), as uint8 views [slot, head, bytes]."""
+def byte_fields(tiles, page: int, layout: str) -> list:
+    """The side's code field and its per-token scale field (if any), as uint8 tensors with their (page, offset,
+    head) strides: ``nhd`` the cache's own [pages, page, heads, bytes]; ``hnd`` a head-major copy [pages, heads,
+    page, bytes] (each head's rows of a page contiguous, as FlashInfer's HND layout)."""
     import torch
 
     out = []
     for f in tiles.fields[:2]:
         if f.dim() < 3 or f.shape[-1] * f.element_size() < 2:
             continue
-        out.append(f.contiguous().view(torch.uint8).view(f.shape[0], f.shape[1], -1))
+        b = f.contiguous().view(torch.uint8).view(f.shape[0] // page, page, f.shape[1], -1)
+        if layout == "hnd":
+            b = b.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3)
+        out.append((b, (b.stride(0), b.stride(1), b.stride(2))))
     return out
 
 
-def launch_loads(dc, block_n: int, warps: int, stages: int, hf: bool, splits_grid):
+def launch_loads(dc, block_n: int, warps: int, stages: int, hf: bool, splits_grid, layout: str = "nhd"):
     """A closure launching the loads-only kernel over ``dc`` on ``splits_grid`` (batch, kv_heads, splits, per)."""
     import torch
 
     batch, kv_heads, splits, per = splits_grid
-    k, v = byte_fields(dc.k.tiles()), byte_fields(dc.v.tiles())
+    k, v = byte_fields(dc.k.tiles(), dc.page_size, layout), byte_fields(dc.v.tiles(), dc.page_size, layout)
     if len(k) > 2 or len(v) > 2 or not k or not v:
         raise ValueError("loads_roofline covers code + block/token-scale fields only")
     k1 = k[1] if len(k) > 1 else k[0]
     v1 = v[1] if len(v) > 1 else v[0]
     out = torch.empty(batch * kv_heads * splits, dtype=torch.int32, device="cuda")
     grid = (kv_heads, batch, splits) if hf else (batch, kv_heads, splits)
-    args = [dc.block_table, dc.seq_lens, k[0], k1, v[0], v1, out, per, dc.block_table.stride(0),
-            k[0].stride(0), k[0].stride(1), k1.stride(0), k1.stride(1), v[0].stride(0), v[0].stride(1),
-            v1.stride(0), v1.stride(1)]
-    cx = dict(PAGE=dc.page_size, BLOCK_N=block_n, WK0=k[0].shape[2], WK1=k[1].shape[2] if len(k) > 1 else 0,
-              WV0=v[0].shape[2], WV1=v[1].shape[2] if len(v) > 1 else 0, HF=hf)
+    args = [dc.block_table, dc.seq_lens, k[0][0], k1[0], v[0][0], v1[0], out, per, dc.block_table.stride(0),
+            *k[0][1], *k1[1], *v[0][1], *v1[1]]
+    cx = dict(PAGE=dc.page_size, BLOCK_N=block_n, WK0=k[0][0].shape[3], WK1=k[1][0].shape[3] if len(k) > 1 else 0,
+              WV0=v[0][0].shape[3], WV1=v[1][0].shape[3] if len(v) > 1 else 0, HF=hf)
     for w in (cx["WK0"], cx["WK1"], cx["WV0"], cx["WV1"]):
         if w and w & (w - 1):
             raise ValueError(f"row of {w} bytes: a power of two is needed")
@@ -110,29 +117,33 @@ def main() -> int:
     ap.add_argument("--shape", default="32,32,8,128,8192")
     ap.add_argument("--configs", default="64,2,2;128,4,2;32,2,3", help="BLOCK_N,warps,stages;...")
     ap.add_argument("--hf", default="0,1", help="heads_fast values")
+    ap.add_argument("--layouts", default="nhd", help="nhd, hnd or both: the field layout the loads read")
+    ap.add_argument("--pages", default="16", help="page sizes")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     shape = tuple(int(v) for v in args.shape.split(","))
     batch, q_heads, kv_heads, head_dim, tokens = shape
     doc = ab_document(shape)
-    for label in args.schemes.split(","):
-        dc, ks, vs = make_cache(label, shape, 16)
+    for label, page in ((lb, int(p)) for lb in args.schemes.split(",") for p in args.pages.split(",")):
+        dc, ks, vs = make_cache(label, shape, page)
         nbytes = batch * tokens * (side_bytes_per_token(ks, kv_heads, head_dim)
                                    + side_bytes_per_token(vs, kv_heads, head_dim))
-        for c in args.configs.split(";"):
+        for c, layout in ((c, lay) for c in args.configs.split(";") for lay in args.layouts.split(",")):
             bn, w, s = (int(x) for x in c.split(","))
             splits, per = choose_splits(batch, kv_heads, tokens, bn, _multiprocessors("cuda"))
             for hf in (v == "1" for v in args.hf.split(",")):
-                fn = launch_loads(dc, bn, w, s, hf, (batch, kv_heads, splits, per))
+                fn = launch_loads(dc, bn, w, s, hf, (batch, kv_heads, splits, per), layout)
                 fn()
                 torch.cuda.synchronize()
                 us = statistics.median([bench_ms(graph_replay(fn)) * 1e3 for _ in range(2)])
-                row = {"scheme": label, "block_n": bn, "num_warps": w, "num_stages": s, "heads_fast": hf,
+                row = {"scheme": label, "page_size": page, "layout": layout, "block_n": bn, "num_warps": w,
+                       "num_stages": s, "heads_fast": hf,
                        "splits": splits, "time_us": us, "gbs": nbytes / (us * 1e-6) / 1e9,
                        "vs_sdpa": doc["sdpa_bf16_us"] / us}
                 row["ceiling_fraction"] = row["gbs"] / doc["ceiling_gbs"]
                 doc["rows"].append(row)
-                print(f"{label} loads-only bn={bn} w={w} s={s} hf={int(hf)}: {us:.1f} us, {row['vs_sdpa']:.2f}x SDPA, "
+                print(f"{label} page={page} {layout} loads-only bn={bn} w={w} s={s} hf={int(hf)}: {us:.1f} us, "
+                      f"{row['vs_sdpa']:.2f}x SDPA, "
                       f"{100 * row['ceiling_fraction']:.0f}% of the ceiling", flush=True)
                 Path(args.out).write_text(json.dumps(doc, indent=1))
         del dc

@@ -273,11 +273,12 @@ def _triton_attention(cache: PagedKVCache, q: np.ndarray) -> tuple[bool, str]:
 
 def triton_write_matches(name: str, opts: dict[str, Any], x: np.ndarray, page_size: int,
                          rng: np.random.Generator, dtype: str = "float32",
-                         launch: dict[str, Any] | None = None) -> tuple[bool, str]:
+                         launch: dict[str, Any] | None = None, layout: str = "NHD") -> tuple[bool, str]:
     """Quantize ``x`` into a shuffled paged cache with the oracle and with the triton write kernel; compare
     every stored byte as integers. Returns (all equal, what differed). ``dtype``: the input is given to both
     as that dtype (``x`` must hold values of it: bfloat16, float16 or float32); ``launch``: launch options of
-    the write kernel (``triton_backend.plan_write``'s keywords)."""
+    the write kernel (``triton_backend.plan_write``'s keywords); ``layout``: the device cache's field layout
+    (``"NHD"`` or ``"HND"``), read back slot by slot."""
     import torch
 
     from kvqref.backends import triton_backend as tb
@@ -308,7 +309,7 @@ def triton_write_matches(name: str, opts: dict[str, Any], x: np.ndarray, page_si
         cache.append(0, xin, xin)
     side_np = cache.k if is_key else cache.v
     n = int(side_np.paged[0])
-    dc = tb.DeviceCache.from_cache(cache, dev)
+    dc = tb.DeviceCache.from_cache(cache, dev, layout=layout)
     side = dc.k if is_key else dc.v
     for t in side.fields.values():
         t.zero_()
@@ -317,7 +318,7 @@ def triton_write_matches(name: str, opts: dict[str, Any], x: np.ndarray, page_si
                       .to(dev), slots, **(launch or {}))
     differ = total = 0
     for f, store in side_np.storage.items():
-        got = side.fields[f].cpu()
+        got = side.slot_rows(f).cpu()
         got = got.view(torch.int16) if got.dtype == torch.bfloat16 else got
         want = store.reshape(-1, *store.shape[2:])
         want = torch.from_numpy(want.view(np.int16) if want.dtype == np.uint16 else want)

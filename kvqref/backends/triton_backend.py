@@ -62,24 +62,48 @@ def kernel_config(scheme: Scheme) -> dict[str, Any]:
     raise ValueError(f"triton backend: no kernel for scheme {scheme!r}")
 
 
-def _flat(t):
-    """[pages, rows, H, ...] -> [pages * rows, H, ...] (a view)."""
-    return t.reshape(t.shape[0] * t.shape[1], *t.shape[2:])
+#: field layouts of a device cache: token-major pages (the paged cache's own, vLLM's) or head-major (FlashInfer's HND)
+LAYOUTS = ("NHD", "HND")
+
+
+def _check_layout(layout: str) -> None:
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+
+
+def _laid_out(t, layout: str):
+    """A field as the paged cache stores it, [pages, rows, H, ...], in ``layout``: NHD ``[pages * rows, H, ...]``
+    (a view), HND ``[pages, H, rows, ...]`` (a copy: each head's rows of a page contiguous)."""
+    if layout == "NHD":
+        return t.reshape(t.shape[0] * t.shape[1], *t.shape[2:])
+    out = t.new_empty((t.shape[0], t.shape[2], t.shape[1], *t.shape[3:]))  # row-major strides, size-1 axes too
+    return out.copy_(t.transpose(1, 2))
 
 
 @dataclass
 class Side:
-    """K or V of a device cache: the scheme, its field tensors (flattened to slots) and tensor scale."""
+    """K or V of a device cache: the scheme, its field tensors and tensor scale. Fields are token-major
+    (``head_major=False``, NHD: [slots, kv_heads, ...], the paged cache's arrays flattened over pages) or
+    head-major (HND: [pages, kv_heads, rows per page, ...]); the bytes of every (slot, head) row are the same."""
 
     scheme: Scheme  # as given: a RotatedScheme for a rotated side
     fields: dict[str, Any]
     tensor_scale: Any  # float32 [kv_heads]
     params: dict[str, Any]
+    head_major: bool = False
 
     @property
     def codec(self) -> Scheme:
         """The scheme that encodes the stored values (the inner scheme of a rotated one)."""
         return storage_scheme(self.scheme)
+
+    def slot_rows(self, name: str):
+        """Field ``name`` as [slots, kv_heads, ...] (slot = page * rows per page + row), whatever the layout (a
+        copy where head-major)."""
+        t = self.fields[name]
+        if not self.head_major:
+            return t
+        return t.transpose(1, 2).reshape(t.shape[0] * t.shape[2], t.shape[1], *t.shape[3:])
 
     def tiles(self):
         from kvqref.kernels.decode import CacheTiles
@@ -88,7 +112,8 @@ class Side:
         fields = [self.fields[f] for f in FIELD_ORDER[cfg["kind"]] if f in self.fields]
         return CacheTiles(cfg["kind"], fields, self.tensor_scale, fmt=cfg.get("fmt", 0),
                           token_scale=cfg.get("token_scale", False), block=cfg.get("block", 16),
-                          group=cfg.get("group", 1), bits=cfg.get("bits", 8), rotation=cfg.get("rotation"))
+                          group=cfg.get("group", 1), bits=cfg.get("bits", 8), rotation=cfg.get("rotation"),
+                          head_major=self.head_major)
 
 
 def _tensor_scale(scheme: Scheme, params: dict[str, Any], kv_heads: int) -> np.ndarray:
@@ -131,21 +156,49 @@ class DeviceCache:
     v_residual: Any
     has_residual: bool
 
+    @property
+    def layout(self) -> str:
+        """``"HND"`` where the fields are head-major, else ``"NHD"``."""
+        return "HND" if self.k.head_major else "NHD"
+
+    @property
+    def num_pages(self) -> int:
+        f = next(iter(self.k.fields.values()))
+        return f.shape[0] if self.k.head_major else f.shape[0] // self.page_size
+
+    def with_layout(self, layout: str) -> DeviceCache:
+        """This cache with its fields in ``layout`` (``"NHD"`` or ``"HND"``): the fields copied (none where the
+        layout is already ``layout``), block table, lengths and residual windows shared."""
+        _check_layout(layout)
+        if layout == self.layout:
+            return self
+        pages, sides = self.num_pages, []
+        for side in (self.k, self.v):
+            fields = {}
+            for f in side.fields:
+                rows = side.slot_rows(f)
+                fields[f] = _laid_out(rows.view(pages, rows.shape[0] // pages, *rows.shape[1:]), layout)
+            sides.append(Side(side.scheme, fields, side.tensor_scale, side.params, head_major=layout == "HND"))
+        return DeviceCache(sides[0], sides[1], self.page_size, self.block_table, self.seq_lens, self.k_lens,
+                           self.v_lens, self.k_residual, self.v_residual, self.has_residual)
+
     @classmethod
-    def from_cache(cls, cache, device: str = "cpu") -> DeviceCache:
+    def from_cache(cls, cache, device: str = "cpu", layout: str = "NHD") -> DeviceCache:
         """``cache`` (a :class:`kvqref.paged.PagedKVCache`) on ``device``: its stored domain (pages and residual
         windows rotated for a rotated side: ``export()`` is ``storage_view().export()``), its schemes as they
-        are (a rotated side keeps its ``RotatedScheme``, hence its rotation)."""
+        are (a rotated side keeps its ``RotatedScheme``, hence its rotation). ``layout``: ``"NHD"`` (the paged
+        cache's token-major pages) or ``"HND"`` (head-major pages: each head's rows of a page contiguous)."""
         torch = _torch()
+        _check_layout(layout)
         ex = cache.storage_view().export()
         sides = []
         for tag, side in (("k", cache.k), ("v", cache.v)):
             fields = {}
             for f in side.specs:
-                fields[f] = _flat(field_tensor(ex[f"{tag}_{f}"]).to(device))
+                fields[f] = _laid_out(field_tensor(ex[f"{tag}_{f}"]).to(device), layout)
             params = {p[len(tag) + 7:]: ex[p] for p in ex if p.startswith(f"{tag}_param_")}
             ts = torch.from_numpy(_tensor_scale(side.scheme, params, cache.kv_heads)).to(device)
-            sides.append(Side(side.scheme, fields, ts, params))
+            sides.append(Side(side.scheme, fields, ts, params, head_major=layout == "HND"))
         has_res = any(isinstance(s.codec, KiviScheme) for s in sides)
 
         def t32(name: str):
@@ -158,11 +211,14 @@ class DeviceCache:
 
 def empty_device_cache(k_scheme: Scheme, v_scheme: Scheme, num_pages: int, page_size: int, kv_heads: int,
                        head_dim: int, block_table, seq_lens, *, k_params: dict[str, Any] | None = None,
-                       v_params: dict[str, Any] | None = None, device: str = "cuda") -> DeviceCache:
-    """A zeroed device cache laid out as :class:`kvqref.paged.PagedKVCache` stores it, to be filled by
-    :func:`quantize_write` (used by the benchmarks, whose caches are too large for the NumPy oracle).
-    KIVI residuals are empty (every token in pages). Rotated schemes store rotated values (as the paged cache)."""
+                       v_params: dict[str, Any] | None = None, device: str = "cuda",
+                       layout: str = "NHD") -> DeviceCache:
+    """A zeroed device cache laid out as :class:`kvqref.paged.PagedKVCache` stores it (``layout="NHD"``) or with
+    head-major pages (``"HND"``), to be filled by :func:`quantize_write` (used by the benchmarks, whose caches
+    are too large for the NumPy oracle). KIVI residuals are empty (every token in pages). Rotated schemes store
+    rotated values (as the paged cache)."""
     torch = _torch()
+    _check_layout(layout)
     sides = []
     for scheme, params in ((k_scheme, k_params or {}), (v_scheme, v_params or {})):
         fields = {}
@@ -170,9 +226,10 @@ def empty_device_cache(k_scheme: Scheme, v_scheme: Scheme, num_pages: int, page_
             rows = page_size if spec.per == "token" else page_size // scheme.token_group
             tdt = {np.dtype(np.uint8): torch.uint8, np.dtype(np.float16): torch.float16,
                    np.dtype(np.float32): torch.float32, np.dtype(np.uint16): torch.bfloat16}[spec.dtype]
-            fields[f] = torch.zeros(num_pages * rows, kv_heads, *spec.shape, dtype=tdt, device=device)
+            shape = (num_pages * rows, kv_heads) if layout == "NHD" else (num_pages, kv_heads, rows)
+            fields[f] = torch.zeros(*shape, *spec.shape, dtype=tdt, device=device)
         ts = torch.from_numpy(_tensor_scale(scheme, params, kv_heads)).to(device)
-        sides.append(Side(scheme, fields, ts, params))
+        sides.append(Side(scheme, fields, ts, params, head_major=layout == "HND"))
     has_res = any(isinstance(s.codec, KiviScheme) for s in sides)
     bt = block_table.to(device=device, dtype=torch.int32)
     sl = seq_lens.to(device=device, dtype=torch.int32)
@@ -222,15 +279,17 @@ def validate_decode(q, dc: DeviceCache) -> None:
     for t in [*dc.k.fields.values(), *dc.v.fields.values(), dc.block_table, dc.seq_lens]:
         if t.device != q.device:
             raise ValueError(f"all tensors must be on {q.device}; found one on {t.device}")
-    num_slots = first.shape[0]
+    if dc.k.head_major != dc.v.head_major:
+        raise ValueError("K and V fields must share one layout (NHD or HND)")
+    num_pages = dc.num_pages
     paged = torch.maximum(dc.k_lens, dc.v_lens) if dc.has_residual else dc.seq_lens
     pages_needed = (paged.to(torch.int64) + dc.page_size - 1) // dc.page_size
     if int(pages_needed.max().item() if batch else 0) > dc.block_table.shape[1]:
         raise ValueError("a sequence is longer than its block table row covers")
     cols = torch.arange(dc.block_table.shape[1], device=q.device)[None, :]
     used = dc.block_table.masked_select(cols < pages_needed[:, None])
-    if used.numel() and (int(used.min()) < 0 or int(used.max()) >= num_slots // dc.page_size):
-        raise ValueError(f"block table holds page indices outside [0, {num_slots // dc.page_size})")
+    if used.numel() and (int(used.min()) < 0 or int(used.max()) >= num_pages):
+        raise ValueError(f"block table holds page indices outside [0, {num_pages})")
 
 
 #: the write kernel's QDT constexpr: the dtype an FP8 quotient is rounded to (0: none, i.e. float32)
@@ -525,9 +584,11 @@ def plan_write(side: Side, x, slot_mapping, *, block_t: int | None = None, block
     slot_mapping = slot_mapping.to(torch.int64).contiguous()
     fields = [side.fields[f] for f in FIELD_ORDER[cfg["kind"]] if f in side.fields]
     fields += [fields[0]] * (3 - len(fields))
+    tiles = side.tiles()
     strides: list[int] = []
     for t in fields:
-        strides += [t.stride(0), t.stride(1)]
+        strides += list(tiles.row_strides(t))
+    page = fields[0].shape[2] if side.head_major else 1  # tokens per page (field 0 is per token); NHD: unused
     dt, dh = write_tile(cfg["kind"], kv_heads, head_dim, cfg.get("group", 1))
     nv_blocks = False
     if cfg["kind"] == "int_k":
@@ -571,7 +632,7 @@ def plan_write(side: Side, x, slot_mapping, *, block_t: int | None = None, block
               ROTATE=rotation is not None, RDT=rdt, ROT_ROUTE=ROTATION_ROUTES[rotation_route],
               ROT_LANE_H=16, ROT_LANE_N=8, ROT_SHFL=rotation_route == "shfl",
               NV_BLOCKS=nv_blocks, BLOCK_D=0 if block_d == head_dim else block_d,
-              STORE_AS_LOADED=bool(store_as_loaded))
+              STORE_AS_LOADED=bool(store_as_loaded), PAGE=page, PAGE_SLOTS=tiles.page_slots(page))
     # rotated: no FP contraction anywhere in the kernel, so the float32 rotation is the oracle's bit for bit
     # whatever consumes it (docs/rotation.md; the butterflies themselves hold no multiply to contract)
     options = {"num_warps": num_warps or (WRITE_WARPS_KIVI_KEYS if cfg["kind"] == "int_k" else WRITE_WARPS)}

@@ -367,3 +367,12 @@ def e4m3_normal_bits(s):
     u = s.to(tl.int32, bitcast=True)
     r = (u + 0x7FFFF + ((u >> 20) & 1)) >> 20
     return r - ((127 - 7) << 3), (r << 20).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def page_slot(page, t, PAGE: tl.constexpr, PAGE_SLOTS: tl.constexpr):
+    """The field row (slot) of token ``t`` held in ``page``: ``page * PAGE_SLOTS + t % PAGE``. ``PAGE_SLOTS`` is
+    PAGE where a page's rows are token-major (fields [slot, head, ...], NHD) and KV_HEADS * PAGE where they are
+    head-major (fields [page, head, slot in page, ...], HND: each head's PAGE rows contiguous, the head stride
+    spanning them); a group of G tokens (G dividing PAGE) is then in group row ``slot // G`` either way."""
+    return page * PAGE_SLOTS + t % PAGE

@@ -40,6 +40,7 @@ from kvqref.kernels.codecs import (
     f32_to_bf16_bits,
     floor_log2_f32,
     hadamard_rows,
+    page_slot,
     pow2_f32,
 )
 
@@ -536,9 +537,9 @@ def _f16_exponent(qmax):
 def _fp4_block_rows(
     Q, BT, K0, K1, V0, V1, b, kvh, start, end, stride_qb, stride_qh, stride_btb, k0_s, k0_h, k1_s, k1_h, v0_s, v0_h,
     v1_s, v1_h, qk_scale, QPK: tl.constexpr, H: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
-    BLOCK_N: tl.constexpr, KIND_K: tl.constexpr, QB_K: tl.constexpr, FMT_K: tl.constexpr, KIND_V: tl.constexpr,
-    QB_V: tl.constexpr, FMT_V: tl.constexpr, PTX: tl.constexpr, WSC_K: tl.constexpr, WSC_V: tl.constexpr,
-    VW: tl.constexpr = False,
+    PAGE_SLOTS: tl.constexpr, BLOCK_N: tl.constexpr, KIND_K: tl.constexpr, QB_K: tl.constexpr, FMT_K: tl.constexpr,
+    KIND_V: tl.constexpr, QB_V: tl.constexpr, FMT_V: tl.constexpr, PTX: tl.constexpr, WSC_K: tl.constexpr,
+    WSC_V: tl.constexpr, VW: tl.constexpr = False,
 ):
     """Fast-mode FP4 keys and values by block rows (``block_rows``): no block scale touches a tile element.
 
@@ -582,7 +583,7 @@ def _fp4_block_rows(
         t = t0 + tl.arange(0, BLOCK_N)
         tmask = t < end
         page = tl.load(BT + b * stride_btb + t // PAGE, mask=tmask, other=0).to(tl.int64)
-        slot = page * PAGE + (t % PAGE)
+        slot = page_slot(page, t, PAGE, PAGE_SLOTS)
         # every load first (the order measured: 165 registers against 227 with the value loads after the softmax)
         kb = tl.load(K0 + slot[None, :] * k0_s + kvh * k0_h + j[:, None], mask=tmask[None, :], other=0)
         ksc = _block_scales(K1, slot, kvh, k1_s, k1_h, tmask, NBK, WSC_K, True)
@@ -710,7 +711,8 @@ def _int_phases(byte, BITS: tl.constexpr, F16: tl.constexpr, PTX: tl.constexpr):
 def _kivi_key_rows(
     Q, BT, K0, K1, K2, V0, V1, V2, b, kvh, start, end, stride_qb, stride_qh, stride_btb, k0_s, k0_h, k1_s, k1_h,
     k2_s, k2_h, v0_s, v0_h, v1_s, v1_h, v2_s, v2_h, qk_scale, QPK: tl.constexpr, HV: tl.constexpr,
-    BLOCK_H: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, G_K: tl.constexpr,
+    BLOCK_H: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, PAGE_SLOTS: tl.constexpr, BLOCK_N: tl.constexpr,
+    G_K: tl.constexpr,
     BITS_K: tl.constexpr, G_V: tl.constexpr, BITS_V: tl.constexpr, RN: tl.constexpr, PTX: tl.constexpr,
 ):
     """Fast-mode KIVI keys by token-group rows (``key_rows``), values by channel-group rows (``value_rows``).
@@ -752,10 +754,11 @@ def _kivi_key_rows(
         t = t0 + tl.arange(0, BLOCK_N)
         tmask = t < end
         page = tl.load(BT + b * stride_btb + t // PAGE, mask=tmask, other=0).to(tl.int64)
-        slot = page * PAGE + (t % PAGE)
+        slot = page_slot(page, t, PAGE, PAGE_SLOTS)
         tg = t0 + rg * G_K  # the first token of row r's group
         gmask = rmask & (tg < end)
-        gslot = tl.load(BT + b * stride_btb + tg // PAGE, mask=gmask, other=0).to(tl.int64) * PAGE + tg % PAGE
+        gslot = page_slot(tl.load(BT + b * stride_btb + tg // PAGE, mask=gmask, other=0).to(tl.int64), tg, PAGE,
+                      PAGE_SLOTS)
         grp = gslot // G_K
         kb = tl.load(K0 + slot[None, :] * k0_s + kvh * k0_h + ik[:, None], mask=tmask[None, :], other=0)
         vb = tl.load(V0 + slot[:, None] * v0_s + kvh * v0_h + iv[None, :], mask=tmask[:, None], other=0)
@@ -865,6 +868,7 @@ def decode_split_kernel(
     BLOCK_H: tl.constexpr,
     D: tl.constexpr,
     PAGE: tl.constexpr,
+    PAGE_SLOTS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     KIND_K: tl.constexpr,
     FMT_K: tl.constexpr,
@@ -993,25 +997,25 @@ def decode_split_kernel(
             acc0, acc1, acc2, acc3, zacc, m_i, l_i = _kivi_key_rows(
                 Q, BT, K0, K1, K2, V0, V1, V2, b, kvh, start, end, stride_qb, stride_qh, stride_btb, k0_s, k0_h,
                 k1_s, k1_h, k2_s, k2_h, v0_s, v0_h, v1_s, v1_h, v2_s, v2_h, qk_scale, QPK, HV, BLOCK_H, D, PAGE,
-                BLOCK_N, G_K, BITS_K, G_V, BITS_V, RN, PTX)
+                PAGE_SLOTS, BLOCK_N, G_K, BITS_K, G_V, BITS_V, RN, PTX)
         elif BLK:  # fast FP4 by block rows (``_fp4_block_rows``)
             acc0, acc1, m_i, l_i = _fp4_block_rows(
                 Q, BT, K0, K1, V0, V1, b, kvh, start, end, stride_qb, stride_qh, stride_btb, k0_s, k0_h, k1_s, k1_h,
-                v0_s, v0_h, v1_s, v1_h, qk_scale, QPK, BLOCK_H, D, PAGE, BLOCK_N, KIND_K, QB_K, FMT_K, KIND_V, QB_V,
-                FMT_V, PTX, WSC_K, WSC_V, VW)
+                v0_s, v0_h, v1_s, v1_h, qk_scale, QPK, BLOCK_H, D, PAGE, PAGE_SLOTS, BLOCK_N, KIND_K, QB_K, FMT_K,
+                KIND_V, QB_V, FMT_V, PTX, WSC_K, WSC_V, VW)
         else:
             for t0 in range(start, end, BLOCK_N):
                 t = t0 + tl.arange(0, BLOCK_N)
                 tmask = t < end
                 page = tl.load(BT + b * stride_btb + t // PAGE, mask=tmask, other=0).to(tl.int64)
-                slot = page * PAGE + (t % PAGE)
+                slot = page_slot(page, t, PAGE, PAGE_SLOTS)
                 # K: [DK, N] per phase
                 sk = slot[None, :]
                 mk = tmask[None, :]
                 if KIND_K == 5:
                     # KIVI keys: the tile lies inside one token group (BLOCK_N divides G, G divides PAGE), the group
                     # of its first token t0 (always in range)
-                    grp = (tl.load(BT + b * stride_btb + t0 // PAGE).to(tl.int64) * PAGE + t0 % PAGE) // G_K
+                    grp = page_slot(tl.load(BT + b * stride_btb + t0 // PAGE).to(tl.int64), t0, PAGE, PAGE_SLOTS) // G_K
                     kb = tl.load(K0 + slot[None, :] * k0_s + kvh * k0_h + ik[:, None], mask=tmask[None, :], other=0)
                     s = tl.zeros((BLOCK_H, BLOCK_N), tl.float32)
                     s, qz = _kivi_key_phase(qf0, kb, K1, K2, grp, kvh, k1_s, k1_h, k2_s, k2_h, ik, s, 0, PK, BITS_K,
@@ -1199,7 +1203,7 @@ def decode_split_kernel(
             t = t0 + tl.arange(0, RN)
             tmask = t < seq_len
             page = tl.load(BT + b * stride_btb + t // PAGE, mask=tmask & (t < tl.maximum(kl, vl)), other=0)
-            slot = page.to(tl.int64) * PAGE + (t % PAGE)
+            slot = page_slot(page.to(tl.int64), t, PAGE, PAGE_SLOTS)
             sk = slot[None, :]
             mk = tmask[None, :]
             pk = mk & (t < kl)[None, :]
@@ -1363,7 +1367,10 @@ class Launch:
 class CacheTiles:
     """How one of K or V is stored, as the kernel reads it: kind, constexprs, field tensors, scales.
 
-    ``fields`` are up to three tensors whose first two axes are [slot (or slot group), kv_head];
+    ``fields`` are up to three tensors, token-major (``head_major=False``, NHD: axes [slot (or slot group),
+    kv_head, ...], as :class:`kvqref.paged.PagedKVCache` stores them, flattened over pages) or head-major
+    (``head_major=True``, HND: axes [page, kv_head, slot (or slot group) in the page, ...], each head's rows of a
+    page contiguous, as FlashInfer's HND layout); the same bytes per (token, head) either way.
     ``tensor_scale`` is a float32 [kv_heads] tensor folded into the softmax scale (K) or the output (V);
     ``rotation``: the ``HadamardRotation`` of stored values (None: unrotated), which :func:`plan_decode` applies
     to q (K's) and undoes on the output (V's).
@@ -1381,12 +1388,38 @@ class CacheTiles:
         group: int = 1,
         bits: int = 8,
         rotation=None,
+        head_major: bool = False,
     ) -> None:
         if kind not in KIND_IDS:
             raise ValueError(f"unknown tile kind {kind!r}; known: {sorted(KIND_IDS)}")
         self.kind, self.fields, self.tensor_scale = kind, list(fields), tensor_scale
         self.fmt, self.token_scale, self.block, self.group, self.bits = fmt, token_scale, block, group, bits
         self.rotation = rotation  # a kvqref.schemes.rotation.HadamardRotation: the tiles hold rotated values
+        self.head_major = bool(head_major)
+        lead = 3 if head_major else 2
+        if any(f.dim() < lead for f in self.fields):
+            raise ValueError(f"{'head-major' if head_major else 'token-major'} fields need at least {lead} axes, got "
+                             f"{[tuple(f.shape) for f in self.fields]}")
+        for f in self.fields if head_major else ():  # page_slot: page p's rows start at row p * kv_heads * rows
+            if f.stride(0) != f.shape[1] * f.shape[2] * f.stride(2):
+                raise ValueError(f"head-major field of shape {tuple(f.shape)} has strides {f.stride()}: the page "
+                                 "stride must be kv_heads x rows x the row stride")
+
+    @property
+    def kv_heads(self) -> int:
+        return self.fields[0].shape[1]
+
+    def page_slots(self, page_size: int) -> int:
+        """The kernels' PAGE_SLOTS (``_slot``): the slot step from one page to the next."""
+        return page_size * self.kv_heads if self.head_major else page_size
+
+    def row_strides(self, t) -> tuple[int, int]:
+        """(slot stride, head stride) of field ``t``, in elements."""
+        return (t.stride(2), t.stride(1)) if self.head_major else (t.stride(0), t.stride(1))
+
+    def row_shape(self, t) -> tuple[int, ...]:
+        """The axes of one (slot, head) row of field ``t``."""
+        return tuple(t.shape[3:] if self.head_major else t.shape[2:])
 
     def field_args(self) -> list:
         f = self.fields + [self.fields[0]] * (3 - len(self.fields))  # unused slots get a valid pointer
@@ -1395,7 +1428,7 @@ class CacheTiles:
     def stride_args(self) -> list[int]:
         out: list[int] = []
         for t in self.field_args():
-            out += [t.stride(0), t.stride(1)]
+            out += list(self.row_strides(t))
         return out
 
 
@@ -1405,9 +1438,9 @@ def wide_scales(t: CacheTiles) -> bool:
     if t.kind not in ("mxfp4", "nvfp4"):
         return False
     f1 = t.fields[1]
-    nb = f1.shape[-1] if f1.dim() == 3 else 0
-    return (nb in (4, 8) and f1.element_size() == 1 and f1.stride(2) == 1 and f1.stride(1) % nb == 0
-            and f1.stride(0) % nb == 0 and f1.data_ptr() % nb == 0)
+    nb = t.row_shape(f1)[0] if len(t.row_shape(f1)) == 1 else 0
+    return (nb in (4, 8) and f1.element_size() == 1 and f1.stride(-1) == 1
+            and all(st % nb == 0 for st in t.row_strides(f1)) and f1.data_ptr() % nb == 0)
 
 
 def kivi_key_words(t: CacheTiles) -> bool:
@@ -1416,8 +1449,8 @@ def kivi_key_words(t: CacheTiles) -> bool:
     and every row start aligned to 4 elements."""
     if t.kind != "int_k" or t.bits != 2:
         return t.kind == "int_k"
-    return all(f.dim() == 3 and f.element_size() == 2 and f.stride(2) == 1 and f.stride(1) % 4 == 0
-               and f.stride(0) % 4 == 0 and f.data_ptr() % 8 == 0 for f in t.fields[1:3])
+    return all(len(t.row_shape(f)) == 1 and f.element_size() == 2 and f.stride(-1) == 1
+               and all(st % 4 == 0 for st in t.row_strides(f)) and f.data_ptr() % 8 == 0 for f in t.fields[1:3])
 
 
 @functools.lru_cache(maxsize=256)
@@ -1539,7 +1572,10 @@ def plan_decode(
                       and k.kind in ("mxfp4", "nvfp4"))
 
     batch, q_heads, head_dim = q.shape
-    kv_heads = k.fields[0].shape[1]
+    kv_heads = k.kv_heads
+    if k.head_major != v.head_major or v.kv_heads != kv_heads:
+        raise ValueError(f"K and V must share one layout and kv_heads: K {'HND' if k.head_major else 'NHD'} "
+                         f"{kv_heads} heads, V {'HND' if v.head_major else 'NHD'} {v.kv_heads}")
     qpk = q_heads // kv_heads
     block_h = max(16, triton.next_power_of_2(qpk))
     if value_rows is None:
@@ -1611,8 +1647,8 @@ def plan_decode(
     # default where the value rows are fewer than D / 4 (the four value products then keep the warps along the
     # channels; mxfp4 at D 128: 193 -> 176 us on the H100, bench/results/history/ab-h100-session8-value-words.log)
     v_rows = (head_dim // v.block) * blk_h if block_rows else 0
-    words_ok = (bool(block_rows) and v_rows <= 32 and not (v.fields[0].stride(0) % 2 or v.fields[0].stride(1) % 2
-                                                           or v.fields[0].data_ptr() % 2))
+    words_ok = (bool(block_rows) and v_rows <= 32
+                and not (any(st % 2 for st in v.row_strides(v.fields[0])) or v.fields[0].data_ptr() % 2))
     if value_words is None:
         value_words = words_ok and v_rows < head_dim // 4
     elif value_words and not words_ok:
@@ -1698,6 +1734,7 @@ def plan_decode(
         BLOCK_H=block_h,
         D=head_dim,
         PAGE=page_size,
+        PAGE_SLOTS=k.page_slots(page_size),
         BLOCK_N=block_n,
         KIND_K=KIND_IDS[k.kind],
         FMT_K=k.fmt + 8 * (k.kind in ("fp8", "nvfp4") and k.fmt in hw),

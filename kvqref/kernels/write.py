@@ -39,6 +39,7 @@ from kvqref.kernels.codecs import (
     f32_to_bf16_bits,
     floor_log2_f32,
     hadamard_rows,
+    page_slot,
     pow2_f32,
     round_f16,
     round_f16_nonneg,
@@ -286,6 +287,7 @@ def quantize_write_kernel(
     ROTATE: tl.constexpr = False, RDT: tl.constexpr = 0, ROT_ROUTE: tl.constexpr = 0,
     ROT_LANE_H: tl.constexpr = 16, ROT_LANE_N: tl.constexpr = 8, ROT_SHFL: tl.constexpr = False,
     NV_BLOCKS: tl.constexpr = False, BLOCK_D: tl.constexpr = 0, STORE_AS_LOADED: tl.constexpr = False,
+    PAGE: tl.constexpr = 1, PAGE_SLOTS: tl.constexpr = 1,
 ):
     # W: the channels of a row this program holds: all D, or (KIVI keys, BLOCK_D) channels d0 .. d0 + W - 1 of
     # channel block program_id(2) (per-channel statistics: the blocks are independent)
@@ -303,6 +305,8 @@ def quantize_write_kernel(
     tin = t < n_tokens
     slot = tl.load(SLOT + t, mask=tin, other=-1).to(tl.int64)
     tm = tin & (slot >= 0)
+    if PAGE_SLOTS != PAGE:  # head-major fields: the slot mapping's page * PAGE + offset is row _slot(page, offset)
+        slot = tl.where(tm, page_slot(slot // PAGE, slot, PAGE, PAGE_SLOTS), -1)
     hm = hh < n_heads
     rm = tm[:, None] & hm[None, :]  # [BLOCK_T, BLOCK_H]: rows to write
     m3 = rm[:, :, None]
