@@ -831,6 +831,35 @@ def test_launch_defaults_are_the_measured_choices():
         assert vlaunch.options.get("maxnreg") == (64 if nvidia and pair[0].endswith("kivi") else None), pair[0]
 
 
+def test_split_counts_are_the_measured_choices():
+    """About 16 programs per multiprocessor by default; one wave of programs for the KIVI key-rows kernel, which
+    holds 2 per multiprocessor (session 10, H100: batch 32 x 8,192 1 split 321 us against 353 us for 8; batch 1
+    x 131,072 32 splits 172 us against 236 us for 256; bench/results/history/ab-h100-session10-hnd-splits.log)."""
+    from kvqref.kernels.decode import KEY_ROWS_RESIDENT, choose_splits
+
+    assert choose_splits(32, 8, 8192, 128, 132) == (8, 1024)  # 9 wanted, whole tiles per split
+    assert choose_splits(1, 8, 131072, 128, 132) == (256, 512)  # at least 4 tiles per split
+    assert KEY_ROWS_RESIDENT == 2
+    assert choose_splits(32, 8, 8192, 128, 132, resident=2) == (1, 8192)
+    assert choose_splits(1, 8, 131072, 128, 132, resident=2) == (32, 4096)
+    assert choose_splits(64, 8, 16384, 128, 132, resident=2) == (1, 16384)  # more programs than a wave: 1 split
+    rng = np.random.default_rng(4)
+    cache, _ = build_cache(PAIRS[7], SMALL, rng)  # fast KIVI: key rows by default
+    dc = tb.DeviceCache.from_cache(cache, DEVICE)
+    q = torch.zeros(SMALL["batch"], SMALL["q_heads"], SMALL["head_dim"], device=DEVICE)
+    from kvqref.kernels.decode import plan_decode
+
+    launches, _, _ = plan_decode(q, dc.k.tiles(), dc.v.tiles(), dc.block_table, dc.seq_lens, dc.page_size,
+                                 max_seq_len=65536, residual=(dc.k_residual, dc.v_residual, dc.k_lens, dc.v_lens))
+    split = next(launch for launch in launches if "KR" in launch.constexprs)
+    sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count if GPU else 4
+    bn, shape = split.constexprs["BLOCK_N"], (SMALL["batch"], SMALL["kv_heads"], 65536)
+    want = choose_splits(*shape, bn, sms, resident=2)[0]
+    assert want != choose_splits(*shape, bn, sms)[0]
+    # the paged splits; the residual window's split has its own launch with key rows (``residual_launch``)
+    assert split.constexprs["KR"] and split.constexprs["PART"] == 1 and split.grid[2] == want
+
+
 @pytest.mark.parametrize("nvidia", [False, True])
 def test_write_layout_defaults_are_the_measured_choices(nvidia, monkeypatch):
     """Write layouts the H100 A/Bs of session 7 chose (bench/results/ANALYSIS.md): on NVIDIA GPUs NVFP4 writes of

@@ -10,10 +10,11 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
 
+from test_triton import BIG, DEVICE, GPU, IDS, PAIRS, SMALL, WRITE_CASES, WRITE_IDS, _oracle, build_cache  # noqa: E402
+
 from kvqref.backends import triton_backend as tb  # noqa: E402
 from kvqref.conformance import kv_tensor, triton_write_matches  # noqa: E402
 from kvqref.kernels.decode import CacheTiles  # noqa: E402
-from test_triton import BIG, DEVICE, GPU, IDS, PAIRS, SMALL, WRITE_CASES, WRITE_IDS, _oracle, build_cache  # noqa: E402
 
 pytestmark = pytest.mark.gpu if GPU else pytest.mark.interpret
 

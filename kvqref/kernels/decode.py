@@ -1482,10 +1482,22 @@ def default_value_rows(precision: str, v_kind: str, q_per_kv: int, head_dim: int
             and triton.next_power_of_2(q_per_kv) * (head_dim // max(v_group, 1)) <= 16)
 
 
-def choose_splits(batch: int, kv_heads: int, max_len: int, block_n: int, num_sms: int) -> tuple[int, int]:
-    """(splits, tokens per split): about 16 programs per multiprocessor (measured best on the H100 for
-    batch x kv_heads = 256), each split a whole number of tiles and at least 4 tiles long."""
-    want = max(1, -(-16 * num_sms // max(1, batch * kv_heads)))
+#: programs of the KIVI key-rows kernel resident per multiprocessor (about 250 registers per thread at 4 warps)
+KEY_ROWS_RESIDENT = 2
+
+
+def choose_splits(batch: int, kv_heads: int, max_len: int, block_n: int, num_sms: int,
+                  resident: int | None = None) -> tuple[int, int]:
+    """(splits, tokens per split), each split a whole number of tiles and at least 4 tiles long. Default: about
+    16 programs per multiprocessor (measured best on the H100 for batch x kv_heads = 256). ``resident``: the
+    programs one multiprocessor holds at once, for a kernel that few fit: one wave of programs,
+    ``max(1, resident * num_sms // (batch * kv_heads))`` splits (KIVI key rows, 2 resident, H100: batch 32 x
+    8,192, 1 split 321 us against 353 us for 8; batch 1 x 131,072, 32 splits 172 us against 236 us for 256 and
+    282 us for 16, bench/results/history/ab-h100-session10-hnd-splits.log)."""
+    if resident is not None:
+        want = max(1, resident * num_sms // max(1, batch * kv_heads))
+    else:
+        want = max(1, -(-16 * num_sms // max(1, batch * kv_heads)))
     most = max(1, -(-max_len // (4 * block_n)))
     splits = min(want, most)
     per = -(-max(max_len, 1) // splits)
@@ -1688,7 +1700,8 @@ def plan_decode(
         max_seq_len = int(seq_lens.max().item()) if seq_lens.numel() else 0
     if num_splits is None:
         sms = _multiprocessors(str(q.device)) if q.is_cuda else 4
-        num_splits, per = choose_splits(batch, kv_heads, max_seq_len, block_n, sms)
+        num_splits, per = choose_splits(batch, kv_heads, max_seq_len, block_n, sms,
+                                        KEY_ROWS_RESIDENT if key_rows else None)
     else:
         per = -(-max(max_seq_len, 1) // num_splits)
         per = -(-per // block_n) * block_n
