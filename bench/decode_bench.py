@@ -7,7 +7,11 @@ no package index:
     python3 bench/decode_bench.py --rotation --out bench/results/rotation_h100.json   # issue 13's rows
     python3 bench/decode_bench.py --rotation-writes --out bench/results/rotation_writes_h100.json
 
-Each result records the device, driver, torch and triton versions, the shape, scheme, bytes moved,
+``--layout`` (default HND): the device cache's field layout of the triton rows (``DeviceCache`` layouts: HND
+head-major pages, NHD token-major as :class:`kvqref.paged.PagedKVCache`); the full run adds the batch-32 decode and
+the write rows in the other layout.
+
+Each result records the device, driver, torch and triton versions, the shape, scheme, layout, bytes moved,
 achieved GB/s and the fraction of a bandwidth ceiling measured in the same run (a large device
 reduction: bytes read / time). Times are medians of ``triton.testing.do_bench`` (which flushes L2
 between rounds) over the replay of the call captured in a CUDA graph, as serving engines run decode
@@ -61,6 +65,11 @@ SCHEMES: list[tuple[str, str, dict[str, Any], dict[str, Any]]] = [
     ("int2_kivi", "int2_kivi", {"role": "key", "residual": 0}, {"role": "value", "residual": 0}),
 ]
 
+
+#: the device cache's field layout of every triton row (``--layout``): head-major pages (HND) measured faster on the
+#: H100 (session 10, bench/results/ANALYSIS.md); ``run`` adds the batch-32 and write rows of the other layout
+LAYOUT = "HND"
+OTHER_LAYOUT = {"HND": "NHD", "NHD": "HND"}
 
 #: issue 13's rotated rows: the schemes, and the rotation of K and V (different seeds)
 ROTATION_LABELS = ("fp8_e4m3", "fp4_e2m1", "nvfp4", "int4_kivi")
@@ -120,9 +129,10 @@ def side_bytes_per_token(scheme, kv_heads: int, head_dim: int) -> float:
     return total
 
 
-def make_cache(label: str, shape, page_size: int, seed: int = 0, rotation: bool = False):
+def make_cache(label: str, shape, page_size: int, seed: int = 0, rotation: bool = False, layout: str = "NHD"):
     """A device cache of random K/V (keys with outlier channels) written by the Triton write kernel;
-    ``rotation``: K and V rotated (``ROTATION_K``, ``ROTATION_V``), the rotation fused into the write."""
+    ``rotation``: K and V rotated (``ROTATION_K``, ``ROTATION_V``), the rotation fused into the write;
+    ``layout``: the fields' layout (``"NHD"`` token-major pages, ``"HND"`` head-major)."""
     import torch
 
     from kvqref import schemes
@@ -148,7 +158,8 @@ def make_cache(label: str, shape, page_size: int, seed: int = 0, rotation: bool 
     elif name == "nvfp4":
         params = {"global_scale": np.float32(6.0 / 2688.0)}
     dc = tb.empty_device_cache(
-        ks, vs, num_pages, page_size, kv_heads, head_dim, block_table, seq_lens, k_params=params, v_params=params
+        ks, vs, num_pages, page_size, kv_heads, head_dim, block_table, seq_lens, k_params=params, v_params=params,
+        layout=layout,
     )
     t = torch.arange(tokens, device="cuda")
     chunk = max(1, 2**24 // (kv_heads * head_dim))  # write in chunks of ~16M elements
@@ -197,22 +208,25 @@ def timed(fn, record: dict[str, Any], graph: bool = True) -> dict[str, Any]:
 
 
 def decode_case(label: str, shape, page_size: int, backend: str = "triton", precision: str = "fast",
-                rotation: bool = False) -> dict[str, Any]:
+                rotation: bool = False, layout: str | None = None) -> dict[str, Any]:
     """One timed decode row (page_size is the one asked for; KIVI runs with pages of 32)."""
-    return timed(*decode_setup(label, shape, page_size, backend, precision, rotation), graph=backend == "triton")
+    return timed(*decode_setup(label, shape, page_size, backend, precision, rotation, layout),
+                 graph=backend == "triton")
 
 
 def decode_setup(label: str, shape, page_size: int, backend: str = "triton", precision: str = "fast",
-                 rotation: bool = False):
+                 rotation: bool = False, layout: str | None = None):
     """(the decode call to time, its record without times): a device cache written by the kernel;
     ``precision``: the triton kernel's ("fast" or "exact"; the torch backend's bfloat16 or float32);
-    ``rotation``: a rotated cache (q rotated and the output un-rotated by the kernels)."""
+    ``rotation``: a rotated cache (q rotated and the output un-rotated by the kernels); ``layout``: the triton
+    cache's field layout (default ``LAYOUT``; the torch backend reads token-major fields only)."""
     import torch
 
     from kvqref.backends import torch_backend, triton_backend
 
     batch, q_heads, kv_heads, head_dim, tokens = shape
-    dc, ks, vs = make_cache(label, shape, page_size, rotation=rotation)
+    layout = "NHD" if backend != "triton" else layout or LAYOUT
+    dc, ks, vs = make_cache(label, shape, page_size, rotation=rotation, layout=layout)
     q = torch.randn(batch, q_heads, head_dim, device="cuda").to(torch.bfloat16)
     if backend == "triton":
         triton_backend.validate_decode(q, dc)  # once, outside the timed region (it synchronizes)
@@ -238,6 +252,7 @@ def decode_setup(label: str, shape, page_size: int, backend: str = "triton", pre
         "head_dim": head_dim,
         "tokens": tokens,
         "page_size": page_size,
+        "layout": layout,
         "bytes": nbytes,
     }
 
@@ -285,9 +300,9 @@ def sdpa_case(shape) -> dict[str, Any]:
 
 
 def write_case(label: str, tokens: int = 65536, kv_heads: int = 8, head_dim: int = 128, rotation: bool = False,
-               block_t: int | None = None) -> dict[str, Any]:
+               block_t: int | None = None, layout: str | None = None) -> dict[str, Any]:
     """One timed quantize-on-write row."""
-    return timed(*write_setup(label, tokens, kv_heads, head_dim, rotation, block_t))
+    return timed(*write_setup(label, tokens, kv_heads, head_dim, rotation, block_t, layout=layout))
 
 
 def rotation_label(rotation: bool) -> str | None:
@@ -295,11 +310,12 @@ def rotation_label(rotation: bool) -> str | None:
 
 
 def write_inputs(label: str, tokens: int = 65536, kv_heads: int = 8, head_dim: int = 128, side: str = "k",
-                 seed: int = 0, device: str = "cuda", rotation: bool = False):
+                 seed: int = 0, device: str = "cuda", rotation: bool = False, layout: str | None = None):
     """(the cache side to write, x, slot mapping, the record without times) of one quantize-on-write row:
     bf16 input, pages of 32 slots in random order (KIVI: consecutive slots, keys in whole groups); ``side``:
     "k" or "v" (KIVI keys and values differ; the other schemes are the same on both sides); ``rotation``:
-    the side rotated (``ROTATION_K``/``ROTATION_V``; the rotation fused into the write kernel)."""
+    the side rotated (``ROTATION_K``/``ROTATION_V``; the rotation fused into the write kernel); ``layout``: the
+    cache's field layout (default ``LAYOUT``)."""
     import torch
 
     from kvqref import schemes
@@ -320,7 +336,7 @@ def write_inputs(label: str, tokens: int = 65536, kv_heads: int = 8, head_dim: i
     table = torch.arange(num_pages, dtype=torch.int32)[None, :]
     dc = tb.empty_device_cache(scheme, scheme, num_pages, page, kv_heads, head_dim, table,
                                torch.tensor([tokens], dtype=torch.int32), k_params=params, v_params=params,
-                               device=device)
+                               device=device, layout=layout or LAYOUT)
     g = torch.Generator(device=device).manual_seed(seed)
     x = torch.randn(tokens, kv_heads, head_dim, device=device, generator=g).to(torch.bfloat16)
     slots = (
@@ -331,19 +347,20 @@ def write_inputs(label: str, tokens: int = 65536, kv_heads: int = 8, head_dim: i
         slots = torch.arange(tokens, device=device)
     nbytes = x.numel() * 2 + slots.numel() * 8 + tokens * side_bytes_per_token(scheme, kv_heads, head_dim)
     record = {"op": "write", "backend": "triton", "scheme": label + ("" if side == "k" else "-v"),
-              "tokens": tokens, "kv_heads": kv_heads, "head_dim": head_dim, "bytes": nbytes}
+              "tokens": tokens, "kv_heads": kv_heads, "head_dim": head_dim, "layout": layout or LAYOUT,
+              "bytes": nbytes}
     return dc.k if side == "k" else dc.v, x, slots, record
 
 
 def write_setup(label: str, tokens: int = 65536, kv_heads: int = 8, head_dim: int = 128, rotation: bool = False,
-                block_t: int | None = None, rotation_route: str | None = None):
+                block_t: int | None = None, rotation_route: str | None = None, layout: str | None = None):
     """(the write call to time, its record without times): pages in random order, bf16 input; ``rotation``:
     K rotated (the rotation fused into the write kernel); ``block_t``: tokens per program (default: the
     kernel's); ``rotation_route``: the rotated butterflies' data movement (``plan_write``; None: the scheme's
     default)."""
     from kvqref.backends import triton_backend as tb
 
-    side, x, slots, record = write_inputs(label, tokens, kv_heads, head_dim, rotation=rotation)
+    side, x, slots, record = write_inputs(label, tokens, kv_heads, head_dim, rotation=rotation, layout=layout)
 
     kw = {} if block_t is None else {"block_t": block_t}
     if rotation_route is not None:
@@ -391,6 +408,8 @@ def run(quick: bool = False, out: Path | None = None) -> dict[str, Any]:
 
     # the target rows first (batch 32, its exact-mode and page-1 rows, batch 1), then the other shapes
     shape_rows(SHAPES[0])
+    for label in labels:  # the other field layout at the target shape
+        emit(decode_case(label, SHAPES[0], 16, layout=OTHER_LAYOUT[LAYOUT]))
     for label in labels[1:]:  # the float32-exact products, for comparison
         emit(decode_case(label, SHAPES[0], 16, precision="exact"))
     if not quick:
@@ -403,7 +422,8 @@ def run(quick: bool = False, out: Path | None = None) -> dict[str, Any]:
             emit(decode_case(label, SHAPES[0], 16, backend="torch"))
         for label in labels:
             emit(write_case(label))
-    return {"environment": env, "ceiling_gbs": ceiling, "results": results}
+            emit(write_case(label, layout=OTHER_LAYOUT[LAYOUT]))
+    return {"environment": env, "ceiling_gbs": ceiling, "layout": LAYOUT, "results": results}
 
 
 def run_rotation(out: Path | None = None, rounds: int = 2) -> dict[str, Any]:
@@ -477,6 +497,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--layout", choices=sorted(OTHER_LAYOUT), default=LAYOUT,
+                    help=f"the triton rows' device-cache field layout (default {LAYOUT})")
     ap.add_argument("--rotation", action="store_true", help="issue 13's rotated vs unrotated rows only")
     ap.add_argument("--rotation-writes", action="store_true",
                     help="issue 13's unrotated vs rotated write rows only, alternating over --rounds rounds")
@@ -489,6 +511,8 @@ def main() -> int:
     if args.rounds < 1:
         ap.error("--rounds must be >= 1")
     args.out.parent.mkdir(parents=True, exist_ok=True)
+    global LAYOUT
+    LAYOUT = args.layout
     if args.rotation_writes:
         doc = run_rotation_writes(args.out, args.rounds, tuple(args.rotation_routes.split(",")),
                                   tuple(args.rotation_schemes.split(",")))

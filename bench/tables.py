@@ -31,9 +31,12 @@ def markdown(doc: dict) -> str:
         "time: the call replayed from a CUDA graph (as serving engines run decode; `eager`: rows timed as "
         "Python calls); eager: the same call made from Python, host launch overhead included.",
         "",
-        "| batch x q_heads x kv_heads x D x tokens | scheme | backend | precision | time (us) | eager (us) | GB/s "
-        "| of ceiling | speed-up vs SDPA bf16 |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "layout: the device cache's fields, `HND` head-major pages, `NHD` token-major (blank: dense, or older "
+        "results, which were NHD).",
+        "",
+        "| batch x q_heads x kv_heads x D x tokens | scheme | backend | precision | layout | time (us) | eager (us) "
+        "| GB/s | of ceiling | speed-up vs SDPA bf16 |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     base = {}
     for r in rows:
@@ -48,7 +51,8 @@ def markdown(doc: dict) -> str:
         b = base.get((r["batch"], r["q_heads"], r["tokens"]))
         sp = f"{b / r['time_us']:.2f}x" if b else ""
         lines.append(
-            f"| {shape} | {r['scheme']} | {r['backend']} | {r.get('precision', '')} | {r['time_us']:.1f} | "
+            f"| {shape} | {r['scheme']} | {r['backend']} | {r.get('precision', '')} | {r.get('layout') or ''} | "
+            f"{r['time_us']:.1f} | "
             f"{eager(r)} | {r['gbs']:.0f} | "
             f"{r['fraction_of_ceiling']:.0%} | {sp} |"
         )
@@ -58,11 +62,12 @@ def markdown(doc: dict) -> str:
             "",
             "### Quantize-on-write (65,536 tokens x 8 heads x 128, bf16 in; bytes = read + written)",
             "",
-            "| scheme | time (us) | eager (us) | GB/s | of ceiling |",
-            "|---|---|---|---|---|",
+            "| scheme | layout | time (us) | eager (us) | GB/s | of ceiling |",
+            "|---|---|---|---|---|---|",
         ]
         for r in writes:
-            lines.append(f"| {r['scheme']} | {r['time_us']:.1f} | {eager(r)} | {r['gbs']:.0f} | "
+            lines.append(f"| {r['scheme']} | {r.get('layout') or ''} | {r['time_us']:.1f} | {eager(r)} | "
+                         f"{r['gbs']:.0f} | "
                          f"{r['fraction_of_ceiling']:.0%} |")
     return "\n".join(lines) + "\n"
 
@@ -78,7 +83,8 @@ def plot(doc: dict, out: Path) -> bool:
     fig, ax = plt.subplots(figsize=(8, 4.5))
     by = {}
     for r in doc["results"]:
-        if r["op"] == "decode" and r["page_size"] in (0, 16) and r.get("precision", "fast") != "exact":
+        main_layout = r["backend"] != "triton" or r.get("layout") in (None, doc.get("layout", r.get("layout")))
+        if r["op"] == "decode" and r["page_size"] in (0, 16) and r.get("precision", "fast") != "exact" and main_layout:
             by.setdefault(f"{r['backend']}:{r['scheme']}", []).append((r["batch"] * r["tokens"], r["gbs"]))
     for k, pts in sorted(by.items()):
         pts.sort()

@@ -56,7 +56,7 @@ def bench_results() -> list[tuple[Path, dict[str, Any]]]:
 
 def fused_gap(results: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """Unfused (torch backend) time / fused (triton) time, per (scheme, shape) measured with both."""
-    key = ("scheme", "batch", "q_heads", "kv_heads", "head_dim", "tokens", "page_size")
+    key = ("scheme", "batch", "q_heads", "kv_heads", "head_dim", "tokens", "page_size", "layout")
     fused = {tuple(r.get(k) for k in key): r for r in results
              if r.get("op") == "decode" and r.get("backend") == "triton"}
     rows = []
