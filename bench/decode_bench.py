@@ -494,6 +494,7 @@ def run_rotation_writes(out: Path | None = None, rounds: int = 5,
 
 
 def main() -> int:
+    global LAYOUT
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--quick", action="store_true")
@@ -511,7 +512,6 @@ def main() -> int:
     if args.rounds < 1:
         ap.error("--rounds must be >= 1")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    global LAYOUT
     LAYOUT = args.layout
     if args.rotation_writes:
         doc = run_rotation_writes(args.out, args.rounds, tuple(args.rotation_routes.split(",")),
