@@ -83,3 +83,17 @@ def test_layouts_convert_both_ways_and_bad_layouts_are_refused():
     hnd.block_table[1, 0] = hnd.num_pages  # one past the last page
     with pytest.raises(ValueError, match="page indices"):
         tb.decode(q, hnd)
+
+
+ROTATED_WRITE_CASES = [WRITE_CASES[i] for i in (1, 9, 12, 13, 15)]  # fp8, fp4_e2m1, nvfp4, KIVI values and keys
+
+
+@pytest.mark.parametrize("name,opts", ROTATED_WRITE_CASES, ids=[f"{n}-{'-'.join(map(str, o.values()))}"
+                                                                for n, o in ROTATED_WRITE_CASES])
+def test_head_major_rotated_write_bytes_equal_oracle(name, opts):
+    """Rotated writes (the butterflies before the quantization, their default route) into head-major fields."""
+    rng = np.random.default_rng(8)
+    x = kv_tensor(rng, 256 if GPU else 64, 2, 64, outliers=True)
+    rotated = {**opts, "rotation": "hadamard", "rotation_seed": 3}
+    ok, detail = triton_write_matches(name, rotated, x, max(16, opts.get("group_size", 1)), rng, layout="HND")
+    assert ok, f"{name} {rotated}: {detail}"
