@@ -8,6 +8,7 @@ GPU the same tests run on the device (marker ``gpu``): ``pytest tests/test_trito
 from __future__ import annotations
 
 import json
+import warnings
 import zlib
 from pathlib import Path
 
@@ -204,6 +205,46 @@ def test_rotated_write_of_16_bit_inputs(name, opts, dtype):
     ok, detail = conformance.triton_write_matches(name, {**opts, **rot(6)}, x, max(16, opts.get("group_size", 1)),
                                                   rng, dtype=dtype)
     assert ok, f"{name} {opts} {dtype}: {detail}"
+
+
+WRITE_TILES = [(2, 2, 1), (1, 2, 1), (4, 2, 2), (1, 8, 1)]  # (block_t, block_h, num_warps)
+
+
+@pytest.mark.parametrize("tile", WRITE_TILES, ids=["x".join(map(str, t)) for t in WRITE_TILES])
+@pytest.mark.parametrize("name,opts", [WRITE_CASES[i] for i in (1, 11, 15)], ids=[WRITE_IDS[i] for i in (1, 11, 15)])
+def test_rotated_write_tiles_of_bfloat16_input(name, opts, tile):
+    """Rotated writes of bfloat16 input at tiles other than the default, by the default route: the oracle's bytes.
+    (H100, triton 3.6: the warp-shuffle butterflies at 2 tokens x 2 heads per program and 1 warp fit the compiled
+    layout by their lane bases and still wrote wrong FP4 code bytes; the probe of ``settle_partner_lanes`` now sends
+    such a launch to the portable route, with a RuntimeWarning.)"""
+    from kvqref.conformance import to_dtype_values
+
+    rng = np.random.default_rng(sum(tile) + len(name))
+    x = to_dtype_values(_write_input(rng, 256 if GPU else 32, subnormal=False), "bfloat16").astype(np.float32)
+    launch = dict(zip(("block_t", "block_h", "num_warps"), tile, strict=True))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # a fallback to the portable route says so
+        ok, detail = conformance.triton_write_matches(name, {**opts, **rot(9)}, x, 32, rng, dtype="bfloat16",
+                                                      launch=launch)
+    assert ok, f"{name} {opts} {tile}: {detail}"
+
+
+@pytest.mark.parametrize("name,opts,layout", [("fp8_e4m3", {}, "NHD"), ("nvfp4", {}, "HND"),
+                                              ("int4_kivi", {"role": "key", "group_size": 32}, "HND")],
+                         ids=["fp8-NHD", "nvfp4-HND", "int4_kivi-key-HND"])
+def test_write_launch_probe_compares_bytes(name, opts, layout):
+    """``write_launches_agree``: two routes of the same butterflies agree on the probe input; a launch that rounds
+    the rotated values to bfloat16 (``RDT``) or encodes another FP8 format does not (a probe that can fail)."""
+    params = {"fp8_e4m3": {"scale": np.float32(0.05)}, "nvfp4": {"global_scale": np.float32(0.01)}}.get(name)
+    s = schemes.get(name, **opts, **rot(2))
+    dc = tb.empty_device_cache(s, s, 8, 32, 2, 64, torch.zeros(1, 8, dtype=torch.int32, device=DEVICE),
+                               torch.tensor([256], dtype=torch.int32, device=DEVICE), device=DEVICE, layout=layout,
+                               k_params=params, v_params=params)
+    x = torch.randn(64, 2, 64, device=DEVICE).to(torch.bfloat16)
+    launch = tb.plan_write(dc.k, x, torch.arange(64, device=DEVICE), rotation_route="gather")
+    assert tb.write_launches_agree(launch, {"ROT_ROUTE": 0}, torch.device(DEVICE))  # split/join
+    other = {"FMT": 1} if name.startswith("fp8") else {"RDT": 1}
+    assert not tb.write_launches_agree(launch, other, torch.device(DEVICE))
 
 
 def test_rotated_write_golden_scheme_vectors():

@@ -477,13 +477,48 @@ def _arch_of(device) -> tuple:
     return (dev.type, torch.cuda.get_device_capability(dev) if dev.type == "cuda" else None)
 
 
+#: tokens of the probe input of :func:`write_launches_agree` (a multiple of every write tile and KIVI group)
+PROBE_TOKENS = 64
+
+
+def write_launches_agree(launch, other_constexprs: dict, device) -> bool:
+    """Whether the write ``launch`` and the same launch with ``other_constexprs`` write the same bytes on a probe
+    input (PROBE_TOKENS random tokens of the launch's dtype, wide magnitudes, one page-aligned run of slots, into
+    zeroed fields of the launch's own strides), compared as integers. Runs both on ``device``."""
+    torch = _torch()
+    x, slots, f0, f1, f2 = launch.args[:5]
+    cx = launch.constexprs
+    head_major = cx["PAGE_SLOTS"] != cx["PAGE"]
+    n = max(PROBE_TOKENS, cx["BLOCK_T"], cx["G"], cx["PAGE"])
+    n = -(-n // cx["PAGE"]) * cx["PAGE"]
+    rows = n // cx["PAGE"] if head_major else n  # leading rows of each probe field (pages where head-major)
+    g = torch.Generator(device=device).manual_seed(1234)
+    mag = torch.exp2(torch.randint(-8, 9, (n, x.shape[1], 1), generator=g, device=device).float())
+    xp = (torch.randn(n, *x.shape[1:], generator=g, device=device) * mag).to(x.dtype)
+    sp = torch.arange(n, dtype=slots.dtype, device=device)
+    outs = []
+    for extra in ({}, other_constexprs):
+        fields = {}
+        for t in (f0, f1, f2):  # aliases (schemes with fewer fields) stay aliases
+            fields.setdefault(id(t), torch.zeros((rows, *t.shape[1:]), dtype=t.dtype, device=device))
+        fp = [fields[id(t)] for t in (f0, f1, f2)]
+        args = [xp, sp, *fp, *launch.args[5:6], n, *launch.args[7:]]
+        grid = (-(-n // cx["BLOCK_T"]), *launch.grid[1:])
+        launch.kernel[grid](*args, **{**cx, **extra}, **launch.options)
+        outs.append([t.view(torch.uint8) for t in fields.values()])  # every byte, as integers
+    return all(torch.equal(a, b) for a, b in zip(*outs, strict=True))
+
+
 def settle_partner_lanes(launch, device, d: int):
     """Fix a shuffle-route write launch's ``ROT_LANE_H``/``ROT_LANE_N`` to the lanes the compiled kernel actually
     gives the butterflies' rows (``kernels/layout.py``): compile, read the lane bases of the shuffled tensor,
     recompile with them until they agree (the layout is Triton's choice over the whole kernel: lanes start at
     column 16 for FP8 on sm_90 at D = 128), else the lane runs up to the row's top, fewest shuffled stages first,
     until one is checked (FP4 and KIVI keys at D = 128: lanes from column 8), each shuffle checked against it.
-    RuntimeError if none is (the failure cached too); cached per constexprs, options, x dtype and target."""
+    On an NVIDIA GPU the settled launch is then run on a probe input beside the portable partner route (``gather``,
+    the same arithmetic) and must write the same bytes (:func:`write_launches_agree`). LanesUnsettled if no lane
+    run is checked or the bytes differ (the failure cached too); cached per constexprs, options, x dtype and
+    target."""
     from kvqref.kernels.layout import check_partner_layout, row_lanes, shuffle_lane_bases
 
     cx = launch.constexprs
@@ -504,6 +539,13 @@ def settle_partner_lanes(launch, device, d: int):
             found = shuffle_lane_bases(ttgir)
             tried.append((lanes, row_lanes(found[0][1], d) if found else None))
             return False
+        if _nvidia_gpu(device) and not write_launches_agree(launch, {"ROT_SHFL": False}, device):
+            # the lane bases fit, yet the compiled kernel wrote other bytes than the same butterflies with their
+            # partners by tl.gather (H100, triton 3.6: bfloat16 input, 2-token x 2-head tiles at 1 warp, FP4 codes)
+            tried.append((lanes, "lanes fit, bytes differ from the gather route on a probe input"))
+            _PARTNER_LANES[key] = None
+            raise LanesUnsettled(f"the warp-shuffle butterflies fit the compiled layout by their lane bases but wrote "
+                                 f"other bytes than rotation_route='gather' on a probe input (lanes {lanes})")
         _PARTNER_LANES[key] = lanes
         return True
 
