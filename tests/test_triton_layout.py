@@ -97,3 +97,17 @@ def test_head_major_rotated_write_bytes_equal_oracle(name, opts):
     rotated = {**opts, "rotation": "hadamard", "rotation_seed": 3}
     ok, detail = triton_write_matches(name, rotated, x, max(16, opts.get("group_size", 1)), rng, layout="HND")
     assert ok, f"{name} {rotated}: {detail}"
+
+
+def test_torch_backend_reads_head_major_fields():
+    """The unfused torch backend over a triton device cache reads the fields slot by slot in either layout."""
+    from kvqref.backends import torch_backend
+
+    rng = np.random.default_rng(12)
+    for index in (6, 7):  # FP4 block scales; KIVI per-group key fields and residual windows
+        cache, _ = build_cache(PAIRS[index], SMALL, rng)
+        q = torch.from_numpy(rng.standard_normal((3, 4, 64)).astype(np.float32)).to(DEVICE)
+        nhd = tb.DeviceCache.from_cache(cache, DEVICE)
+        out_n, _ = torch_backend.decode(q, nhd, precision="exact")
+        out_h, _ = torch_backend.decode(q, nhd.with_layout("HND"), precision="exact")
+        assert torch.equal(out_n, out_h), IDS[index]

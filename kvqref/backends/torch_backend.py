@@ -37,10 +37,11 @@ def _unpack(codes, bits: int):
 
 
 def dequantize(side: Side, dtype=None):
-    """Every slot of ``side`` dequantized: [slots, kv_heads, D] (float32 unless ``dtype``)."""
+    """Every slot of ``side`` dequantized: [slots, kv_heads, D] (float32 unless ``dtype``); the fields read slot by
+    slot whatever their layout (``Side.slot_rows``: head-major fields are copied to [slot, kv_head, ...] first)."""
     torch = _torch()
     cfg = kernel_config(side.scheme)
-    f = side.fields
+    f = {name: side.slot_rows(name) for name in side.fields}
     kind = cfg["kind"]
     if kind == "bf16":
         x = f["data"].float()
