@@ -111,3 +111,16 @@ def test_torch_backend_reads_head_major_fields():
         out_n, _ = torch_backend.decode(q, nhd, precision="exact")
         out_h, _ = torch_backend.decode(q, nhd.with_layout("HND"), precision="exact")
         assert torch.equal(out_n, out_h), IDS[index]
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_write_refuses_slots_outside_the_cache(layout):
+    rng = np.random.default_rng(13)
+    cache, _ = build_cache(PAIRS[1], SMALL, rng)
+    side = tb.DeviceCache.from_cache(cache, DEVICE, layout=layout).k
+    assert side.num_slots == cache.num_pages * SMALL["page_size"]
+    x = torch.zeros(2, SMALL["kv_heads"], SMALL["head_dim"], device=DEVICE)
+    for bad in ([0, side.num_slots], [-2, 0]):
+        with pytest.raises(ValueError, match="outside"):
+            tb.quantize_write(side, x, torch.tensor(bad, device=DEVICE))
+    tb.quantize_write(side, x, torch.tensor([-1, side.num_slots - 1], device=DEVICE))  # -1 skips; the last slot

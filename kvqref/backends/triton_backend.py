@@ -97,6 +97,12 @@ class Side:
         """The scheme that encodes the stored values (the inner scheme of a rotated one)."""
         return storage_scheme(self.scheme)
 
+    @property
+    def num_slots(self) -> int:
+        """Token slots of the cache (pages x page size)."""
+        t = next(iter(self.fields.values()))  # the code field: one row per slot
+        return t.shape[0] * t.shape[2] if self.head_major else t.shape[0]
+
     def slot_rows(self, name: str):
         """Field ``name`` as [slots, kv_heads, ...] (slot = page * rows per page + row), whatever the layout (a
         copy where head-major)."""
@@ -720,6 +726,11 @@ def quantize_write(side: Side, x, slot_mapping, *, validate: bool = True, **laun
     if validate and side.params:  # the scales the kernel divides by: once per call, on the host
         side.scheme.check_params(side.params, x.shape[1] if x.dim() == 3 else None)
     plan = plan_write(side, x, slot_mapping, **launch)
+    if validate and slot_mapping.numel():  # a slot beyond the cache would be written out of bounds
+        lo, hi = int(slot_mapping.min()), int(slot_mapping.max())
+        if lo < -1 or hi >= side.num_slots:
+            raise ValueError(f"slot_mapping holds slots outside [-1, {side.num_slots}) (-1 skips a token): "
+                             f"min {lo}, max {hi}")
     if validate and plan.constexprs["SGLANG"] == 1 and plan.constexprs["QDT"] == QDT_IDS["float16"]:
         s16 = side.tensor_scale.to(torch.float16)
         if not (torch.isfinite(s16).all() and (s16 > 0).all()):
