@@ -726,9 +726,10 @@ def test_fp4_sglang_bf16_rounding_is_caught(dtype):
 
 def ref_fp8_engine(x32: np.ndarray, scale: float, md: str, profile: str, sglang_scale: str = "tensor") -> np.ndarray:
     """FP8 E4M3 codes of ``x32`` (values of a ``md`` model) by the engines' documented arithmetic, with
-    NumPy float32 division and ml_dtypes' casts: sglang: md(x / md(s)) or md(x * f32(1/s)), then a
-    non-saturating E4M3FN cast; rocm: x / (2s) in float32, rounded to float16 in a float16 model, then a
-    saturating E4M3FNUZ cast; vllm: x / s in float32, saturating E4M3FN."""
+    NumPy float32 division and ml_dtypes' casts: sglang: md(x / md(s)) or md(x * f32(1/f32(s))) (torch's
+    ``div_true_kernel_cuda`` converts the Python-float scale to float32 first, then takes its float32
+    reciprocal), then a non-saturating E4M3FN cast; rocm: x / (2s) in float32, rounded to float16 in a float16
+    model, then a saturating E4M3FNUZ cast; vllm: x / s in float32, saturating E4M3FN."""
     def rnd(v):
         return np.asarray(v, np.float32).astype(NP_DTYPES[md]).astype(np.float32)
 
@@ -736,7 +737,7 @@ def ref_fp8_engine(x32: np.ndarray, scale: float, md: str, profile: str, sglang_
         if sglang_scale == "tensor":
             q = rnd(x32 / rnd(np.float32(scale)))
         else:
-            q = rnd(x32 * np.float32(1.0 / scale))
+            q = rnd(x32 * (np.float32(1.0) / np.float32(scale)))  # float32 division: f32(1 / f32(s))
         return q.astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
     if profile == "rocm":
         q = (x32 / np.float32(2 * scale)).astype(np.float32)

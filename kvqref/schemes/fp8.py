@@ -13,7 +13,8 @@ granularity's elements); amax == 0 gives scale 1.0. Profiles (the arithmetic of 
   then ``.to(fp8)``. ``sglang_scale="tensor"`` (default; the checkpoint's ``k_scale`` Parameter, a float32
   0-dim tensor, cast to ``m`` by torch's type promotion): ``m(f32(x) / f32(m(scale)))``;
   ``sglang_scale="float"`` (a Python float, as ``--quantization-param-path`` sets it: torch multiplies by
-  the float32 reciprocal): ``m(f32(x) * f32(1 / scale))``. In a float32 model ``m`` is the identity. The
+  the float32 reciprocal of the scale converted to float32, ``opmath_t(1.0) / iter.scalar_value<opmath_t>(2)``):
+  ``m(f32(x) * f32(1 / f32(scale)))``. In a float32 model ``m`` is the identity. The
   cast is non-saturating (``saturate=False``, torch <= 2.11): overflow gives the NaN code (E4M3FN
   0x7F/0xFF, E5M2 +-Inf) and a warning; ``saturate=True`` models torch >= 2.12, whose e4m3fn cast
   saturates. A tensor scale that is 0 or Inf in a float16 model raises ValueError (SGLang would write

@@ -31,7 +31,7 @@ PROFILES: tuple[dict[str, Any], ...] = (
      "format": "E4M3FN / E5M2",
      "scale rule": "static per-tensor (JSON `--quantization-param-path`: one factor for K and V; default 1.0)",
      "rounding": "in the model dtype m (bf16 / f16 / f32, the input's or model_dtype=): tensor scale: "
-                 "m(f32(x) / f32(m(s))); float scale: m(f32(x * f32(1/s))); then RNE",
+                 "m(f32(x) / f32(m(s))); float scale: m(f32(x) * f32(1/f32(s))); then RNE",
      "overflow": "torch <= 2.11: NaN code (default, with a warning); torch >= 2.12: saturate (saturate=True)",
      "packing": "codes (D,) u8 ([slots, H, D] uint8 pool)",
      "source": "sglang mem_cache/memory_pool.py MHATokenToKVPool.set_kv_buffer (engines.md 2)"},
