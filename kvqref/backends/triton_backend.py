@@ -169,8 +169,7 @@ class DeviceCache:
 
     @property
     def num_pages(self) -> int:
-        f = next(iter(self.k.fields.values()))
-        return f.shape[0] if self.k.head_major else f.shape[0] // self.page_size
+        return self.k.num_slots // self.page_size
 
     def with_layout(self, layout: str) -> DeviceCache:
         """This cache with its fields in ``layout`` (``"NHD"`` or ``"HND"``): the fields copied (none where the
@@ -285,9 +284,7 @@ def validate_decode(q, dc: DeviceCache) -> None:
     for t in [*dc.k.fields.values(), *dc.v.fields.values(), dc.block_table, dc.seq_lens]:
         if t.device != q.device:
             raise ValueError(f"all tensors must be on {q.device}; found one on {t.device}")
-    if dc.k.head_major != dc.v.head_major:
-        raise ValueError("K and V fields must share one layout (NHD or HND)")
-    num_pages = dc.num_pages
+    num_pages = dc.num_pages  # (K and V in one layout: plan_decode checks it)
     paged = torch.maximum(dc.k_lens, dc.v_lens) if dc.has_residual else dc.seq_lens
     pages_needed = (paged.to(torch.int64) + dc.page_size - 1) // dc.page_size
     if int(pages_needed.max().item() if batch else 0) > dc.block_table.shape[1]:
@@ -548,7 +545,6 @@ def settle_partner_lanes(launch, device, d: int):
         if _nvidia_gpu(device) and not write_launches_agree(launch, {"ROT_SHFL": False}, device):
             # the lane bases fit, yet the compiled kernel wrote other bytes than the same butterflies with their
             # partners by tl.gather (H100, triton 3.6: bfloat16 input, 2-token x 2-head tiles at 1 warp, FP4 codes)
-            tried.append((lanes, "lanes fit, bytes differ from the gather route on a probe input"))
             _PARTNER_LANES[key] = None
             raise LanesUnsettled(f"the warp-shuffle butterflies fit the compiled layout by their lane bases but wrote "
                                  f"other bytes than rotation_route='gather' on a probe input (lanes {lanes})")

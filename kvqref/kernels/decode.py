@@ -1410,7 +1410,7 @@ class CacheTiles:
         return self.fields[0].shape[1]
 
     def page_slots(self, page_size: int) -> int:
-        """The kernels' PAGE_SLOTS (``_slot``): the slot step from one page to the next."""
+        """The kernels' PAGE_SLOTS (``codecs.page_slot``): the slot step from one page to the next."""
         return page_size * self.kv_heads if self.head_major else page_size
 
     def row_strides(self, t) -> tuple[int, int]:

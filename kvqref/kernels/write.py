@@ -305,7 +305,7 @@ def quantize_write_kernel(
     tin = t < n_tokens
     slot = tl.load(SLOT + t, mask=tin, other=-1).to(tl.int64)
     tm = tin & (slot >= 0)
-    if PAGE_SLOTS != PAGE:  # head-major fields: the slot mapping's page * PAGE + offset is row _slot(page, offset)
+    if PAGE_SLOTS != PAGE:  # head-major fields: the slot mapping's page * PAGE + offset is row page_slot(page, offset)
         slot = tl.where(tm, page_slot(slot // PAGE, slot, PAGE, PAGE_SLOTS), -1)
     hm = hh < n_heads
     rm = tm[:, None] & hm[None, :]  # [BLOCK_T, BLOCK_H]: rows to write
