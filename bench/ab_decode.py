@@ -17,7 +17,8 @@ launches), ``hf=1`` puts the KV heads on the grid's fastest axis (``heads_fast``
 by block rows (``block_rows``), ``vw`` (0/1): their value tiles as 16-bit words (``value_words``), ``kr``
 (0/1): fast KIVI keys by token-group rows (``key_rows``), ``rl`` (0/1): the residual split as its own launch
 (``residual_launch``), ``hnd`` (0/1): the cache's fields head-major (``DeviceCache.with_layout("HND")``, a copy
-made once). KIVI caches carry their residual window, as in bench/decode_bench.py.
+made once), ``cg`` (0/1): block rows in channel groups (``channel_groups``).
+KIVI caches carry their residual window, as in bench/decode_bench.py.
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ KEYS = {"bn": ("block_n", int), "w": ("num_warps", int), "s": ("num_stages", int
         "kt4": ("fp4_keys_by_token", lambda v: v == "1"), "ktile": ("key_tile", lambda v: v == "1"),
         "hf": ("heads_fast", lambda v: v == "1"), "blk": ("block_rows", lambda v: v == "1"),
         "vw": ("value_words", lambda v: v == "1"), "kr": ("key_rows", lambda v: v == "1"),
-        "rl": ("residual_launch", lambda v: v == "1"), "hnd": ("layout", lambda v: "HND" if v == "1" else "NHD")}
+        "rl": ("residual_launch", lambda v: v == "1"), "hnd": ("layout", lambda v: "HND" if v == "1" else "NHD"),
+        "cg": ("channel_groups", lambda v: v == "1")}
 
 
 def parse_variant(text: str) -> tuple[str, str, dict]:

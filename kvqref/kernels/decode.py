@@ -539,7 +539,7 @@ def _fp4_block_rows(
     v1_s, v1_h, qk_scale, QPK: tl.constexpr, H: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
     PAGE_SLOTS: tl.constexpr, BLOCK_N: tl.constexpr, KIND_K: tl.constexpr, QB_K: tl.constexpr, FMT_K: tl.constexpr,
     KIND_V: tl.constexpr, QB_V: tl.constexpr, FMT_V: tl.constexpr, PTX: tl.constexpr, WSC_K: tl.constexpr,
-    WSC_V: tl.constexpr, VW: tl.constexpr = False,
+    WSC_V: tl.constexpr, VW: tl.constexpr = False, CG_K: tl.constexpr = 1, CG_V: tl.constexpr = 1,
 ):
     """Fast-mode FP4 keys and values by block rows (``block_rows``): no block scale touches a tile element.
 
@@ -552,21 +552,23 @@ def _fp4_block_rows(
     (bfloat16 has float32's exponent range) against the exact E2M1 values in bfloat16. Output channel d of head h
     is row (block of d, h). ``VW``: value tiles read as 16-bit words, four channels each (:func:`_e2m1_quads`), four
     value products of [rows, D/4]: the tensor cores' operand holds two tokens per register, which 16-bit words get
-    from transposed matrix loads where bytes take one shared load each. Returns (even channels, odd channels)
-    [H, D/2] = sum p v, and the softmax state m, l [H] (base 2), as the main loop leaves them."""
+    from transposed matrix loads where bytes take one shared load each. ``CG_K``, ``CG_V``: channel groups
+    (``channel_groups``): row (b, h) meets only block b's channels, so the channels split into CG groups of whole
+    blocks and each group's rows multiply only its channels, one batched [CG, rows / CG, ...] product instead of
+    [rows, D] with CG - 1 of every CG operand blocks zero (the same nonzero products, so the same sums; half the
+    tensor-core work and accumulators at CG 2). Returns (even channels, odd channels) [H, D/2] = sum p v, and the
+    softmax state m, l [H] (base 2), as the main loop leaves them."""
     NBK: tl.constexpr = D // QB_K
     NBV: tl.constexpr = D // QB_V
     RK: tl.constexpr = NBK * H
     RV: tl.constexpr = NBV * H
     DH: tl.constexpr = D // 2
-    rk = tl.arange(0, RK)
-    rh = rk % H
-    j = tl.arange(0, DH)
-    qbase = b * stride_qb + (kvh * QPK + rh).to(tl.int64) * stride_qh
-    qm = (rh < QPK)[:, None] & (((2 * j) // QB_K)[None, :] == (rk // H)[:, None])
-    qe = tl.load(Q + qbase[:, None] + (2 * j)[None, :], mask=qm, other=0.0).to(tl.float32)
-    qo = tl.load(Q + qbase[:, None] + (2 * j + 1)[None, :], mask=qm, other=0.0).to(tl.float32)
-    qmax = tl.max(tl.max(tl.maximum(tl.abs(qe), tl.abs(qo)), 1), 0)
+    krow, kbyte = _group_rows(RK, DH, CG_K)  # key rows, key code bytes: [RK, 1], [1, DH] or [CG, RK / CG, 1], ...
+    qm = (krow % H < QPK) & ((2 * kbyte) // QB_K == krow // H)
+    qrow = b * stride_qb + (kvh * QPK + krow % H).to(tl.int64) * stride_qh
+    qe = tl.load(Q + qrow + 2 * kbyte, mask=qm, other=0.0).to(tl.float32)
+    qo = tl.load(Q + qrow + 2 * kbyte + 1, mask=qm, other=0.0).to(tl.float32)
+    qmax = tl.max(tl.reshape(tl.maximum(tl.abs(qe), tl.abs(qo)), (RK * DH // CG_K,)), 0)
     eq = _f16_exponent(qmax)
     qe16 = _split16(qe * pow2_f32(eq), True)[0]  # (no ``_`` targets here: triton 3.6 carries them through the loop)
     qo16 = _split16(qo * pow2_f32(eq), True)[0]
@@ -575,44 +577,45 @@ def _fp4_block_rows(
     l_i = tl.zeros((H,), tl.float32)
     DV: tl.constexpr = D // 4 if VW else D // 2  # value accumulator columns: channel words or channel pairs
     c = tl.arange(0, D // 4)
-    acc0 = tl.zeros((RV, DV), tl.float32)
-    acc1 = tl.zeros((RV, DV), tl.float32)
-    acc2 = tl.zeros((RV, DV), tl.float32)
-    acc3 = tl.zeros((RV, DV), tl.float32)
+    acc0 = _grouped_zeros(RV, DV // CG_V, CG_V)
+    acc1 = _grouped_zeros(RV, DV // CG_V, CG_V)
+    acc2 = _grouped_zeros(RV, DV // CG_V, CG_V)
+    acc3 = _grouped_zeros(RV, DV // CG_V, CG_V)
     for t0 in range(start, end, BLOCK_N):
         t = t0 + tl.arange(0, BLOCK_N)
         tmask = t < end
         page = tl.load(BT + b * stride_btb + t // PAGE, mask=tmask, other=0).to(tl.int64)
         slot = page_slot(page, t, PAGE, PAGE_SLOTS)
         # every load first (the order measured: 165 registers against 227 with the value loads after the softmax)
-        kb = tl.load(K0 + slot[None, :] * k0_s + kvh * k0_h + j[:, None], mask=tmask[None, :], other=0)
+        kt, km, kc = _group_tile(slot, tmask, DH, CG_K, True)
+        kb = tl.load(K0 + kt * k0_s + kvh * k0_h + kc, mask=km, other=0)
         ksc = _block_scales(K1, slot, kvh, k1_s, k1_h, tmask, NBK, WSC_K, True)
+        vt, vm, vc = _group_tile(slot, tmask, DV, CG_V, False)
         if VW:
-            vb = tl.load((V0 + slot[:, None] * v0_s + kvh * v0_h).to(tl.pointer_type(tl.int16)) + c[None, :],
-                         mask=tmask[:, None], other=0)
+            vb = tl.load((V0 + vt * v0_s + kvh * v0_h).to(tl.pointer_type(tl.int16)) + vc, mask=vm, other=0)
         else:
-            vb = tl.load(V0 + slot[:, None] * v0_s + kvh * v0_h + j[None, :], mask=tmask[:, None], other=0)
+            vb = tl.load(V0 + vt * v0_s + kvh * v0_h + vc, mask=vm, other=0)
         vsc = _block_scales(V1, slot, kvh, v1_s, v1_h, tmask, NBV, WSC_V, True)
         klo, khi = _e2m1_nibbles_f16(kb, PTX)
-        s2 = _dot_acc(qo16, khi, _dot_acc(qe16, klo, tl.zeros((RK, BLOCK_N), tl.float32)))
+        s2 = _dot_acc(qo16, khi, _dot_acc(qe16, klo, _grouped_zeros(RK, BLOCK_N, CG_K)))
         s = tl.sum(tl.reshape(s2, (NBK, H, BLOCK_N)) * _fp4_scale(ksc, KIND_K, FMT_K)[:, None, :], 0) * sc_k
         p, alpha, m_i, l_i = _softmax_step(s, tmask, m_i, l_i)
-        ar = tl.reshape(tl.broadcast_to(alpha[None, :], (NBV, H)), (RV,))
+        ar = _grouped(tl.broadcast_to(alpha[None, :, None], (NBV, H, 1)), RV, 1, CG_V)
         if KIND_V == 3:
-            pr = _split16(tl.reshape(p[None, :, :] * (_fp4_scale(vsc, 3, FMT_V) * 128.0)[:, None, :], (RV, BLOCK_N)),
+            pr = _split16(_grouped(p[None, :, :] * (_fp4_scale(vsc, 3, FMT_V) * 128.0)[:, None, :], RV, BLOCK_N, CG_V),
                           True)[0]
         else:
-            pr = _split(tl.reshape(p[None, :, :] * e8m0_to_f32(vsc)[:, None, :], (RV, BLOCK_N)), True, True)[0]
+            pr = _split(_grouped(p[None, :, :] * e8m0_to_f32(vsc)[:, None, :], RV, BLOCK_N, CG_V), True, True)[0]
         if VW:
             v0, v1, v2, v3 = _e2m1_quads(vb, PTX, KIND_V == 2)
-            acc2 = _dot_acc(pr, v2, acc2 * ar[:, None])
-            acc3 = _dot_acc(pr, v3, acc3 * ar[:, None])
+            acc2 = _dot_acc(pr, v2, acc2 * ar)
+            acc3 = _dot_acc(pr, v3, acc3 * ar)
         elif KIND_V == 3:
             v0, v1 = _e2m1_nibbles_f16(vb, PTX)
         else:
             v0, v1 = _e2m1_values_bf16(vb, PTX)
-        acc0 = _dot_acc(pr, v0, acc0 * ar[:, None])
-        acc1 = _dot_acc(pr, v1, acc1 * ar[:, None])
+        acc0 = _dot_acc(pr, v0, acc0 * ar)
+        acc1 = _dot_acc(pr, v1, acc1 * ar)
     f: tl.constexpr = 2.0**14 / 128.0 if KIND_V == 3 else 1.0
     if VW:  # column c of acc k is channel 4c + k: even channels 4c, 4c + 2 and odd 4c + 1, 4c + 3, in channel order
         o0 = _block_row_select(acc0, NBV, H, DV, 4 * c // QB_V) * f
@@ -621,8 +624,8 @@ def _fp4_block_rows(
         o3 = _block_row_select(acc3, NBV, H, DV, 4 * c // QB_V) * f
         return tl.reshape(tl.join(o0, o2), (H, DH)), tl.reshape(tl.join(o1, o3), (H, DH)), m_i, l_i
     else:
-        lo = _block_row_select(acc0, NBV, H, DV, 2 * j // QB_V) * f
-        hi = _block_row_select(acc1, NBV, H, DV, 2 * j // QB_V) * f
+        lo = _group_row_select(acc0, NBV, H, DV, CG_V, QB_V // 2) * f
+        hi = _group_row_select(acc1, NBV, H, DV, CG_V, QB_V // 2) * f
         return lo, hi, m_i, l_i
 
 
@@ -806,6 +809,68 @@ def _block_row_select(acc, NB: tl.constexpr, H: tl.constexpr, N: tl.constexpr, b
 
 
 @triton.jit
+def _group_row_select(acc, NB: tl.constexpr, H: tl.constexpr, N: tl.constexpr, CG: tl.constexpr, PER: tl.constexpr):
+    """Block rows -> heads over CG channel groups (:func:`_group_rows`): ``acc`` [NB * H, N] or
+    [CG, NB * H / CG, N / CG], column i of a group holding the group's column i, whose block within the group is
+    i // ``PER`` (columns per block); out [H, N] in column order (a selection, exact)."""
+    if CG == 1:
+        return _block_row_select(acc, NB, H, N, tl.arange(0, N) // PER)
+    else:
+        sel = tl.arange(0, NB // CG)[None, :, None, None] == (tl.arange(0, N // CG) // PER)[None, None, None, :]
+        o = tl.sum(tl.where(sel, tl.reshape(acc, (CG, NB // CG, H, N // CG)), 0.0), 1)
+        return tl.reshape(tl.permute(o, (1, 0, 2)), (H, N))
+
+
+@triton.jit
+def _group_rows(R: tl.constexpr, C: tl.constexpr, CG: tl.constexpr):
+    """Row and column indices of a [R, C] operand whose rows and columns split into CG equal groups, group g's
+    rows meeting only its columns: [R, 1] and [1, C] for CG 1, else the diagonal blocks, [CG, R / CG, 1] and
+    [CG, 1, C / CG] (the operand of a batched product)."""
+    if CG == 1:
+        return tl.arange(0, R)[:, None], tl.arange(0, C)[None, :]
+    else:
+        g = tl.arange(0, CG)[:, None, None]
+        rows = g * (R // CG) + tl.arange(0, R // CG)[None, :, None]
+        return rows, g * (C // CG) + tl.arange(0, C // CG)[None, None, :]
+
+
+@triton.jit
+def _group_tile(slot, m, C: tl.constexpr, CG: tl.constexpr, TOKENS_LAST: tl.constexpr):
+    """Token slots, their mask and the column indices of a code tile over ``slot`` [N] (mask ``m``) with its C
+    columns in CG groups, broadcastable to [C, N] (``TOKENS_LAST``) or [N, C] for CG 1, else to [CG, C / CG, N] or
+    [CG, N, C / CG]."""
+    if CG == 1:
+        if TOKENS_LAST:
+            return slot[None, :], m[None, :], tl.arange(0, C)[:, None]
+        else:
+            return slot[:, None], m[:, None], tl.arange(0, C)[None, :]
+    else:
+        g = tl.arange(0, CG)[:, None, None]
+        if TOKENS_LAST:
+            return slot[None, None, :], m[None, None, :], g * (C // CG) + tl.arange(0, C // CG)[None, :, None]
+        else:
+            return slot[None, :, None], m[None, :, None], g * (C // CG) + tl.arange(0, C // CG)[None, None, :]
+
+
+@triton.jit
+def _grouped(x, R: tl.constexpr, N: tl.constexpr, CG: tl.constexpr):
+    """``x`` (R x N elements, row-major) as a product's [R, N] rows in CG groups: [R, N], or [CG, R / CG, N]."""
+    if CG == 1:
+        return tl.reshape(x, (R, N))
+    else:
+        return tl.reshape(x, (CG, R // CG, N))
+
+
+@triton.jit
+def _grouped_zeros(R: tl.constexpr, N: tl.constexpr, CG: tl.constexpr):
+    """float32 zeros of a product's [R, N] rows in CG groups (:func:`_grouped`)."""
+    if CG == 1:
+        return tl.zeros((R, N), tl.float32)
+    else:
+        return tl.zeros((CG, R // CG, N), tl.float32)
+
+
+@triton.jit
 def _e2m1_values_bf16(byte, PTX: tl.constexpr):
     """The E2M1 values of the low and high nibbles of ``byte`` (uint8), exact, as bfloat16: on CUDA the PTX
     unpacking's E2M1 * 2**-126 times 2**126 (one packed bfloat16 multiply, exact); elsewhere from the float32
@@ -896,6 +961,8 @@ def decode_split_kernel(
     BLK: tl.constexpr = False,
     VW: tl.constexpr = False,
     KR: tl.constexpr = False,
+    CG_K: tl.constexpr = 1,
+    CG_V: tl.constexpr = 1,
     BLOCK_R: tl.constexpr = 0,
     PART: tl.constexpr = 0,
 ):
@@ -1002,7 +1069,7 @@ def decode_split_kernel(
             acc0, acc1, m_i, l_i = _fp4_block_rows(
                 Q, BT, K0, K1, V0, V1, b, kvh, start, end, stride_qb, stride_qh, stride_btb, k0_s, k0_h, k1_s, k1_h,
                 v0_s, v0_h, v1_s, v1_h, qk_scale, QPK, BLOCK_H, D, PAGE, PAGE_SLOTS, BLOCK_N, KIND_K, QB_K, FMT_K,
-                KIND_V, QB_V, FMT_V, PTX, WSC_K, WSC_V, VW)
+                KIND_V, QB_V, FMT_V, PTX, WSC_K, WSC_V, VW, CG_K, CG_V)
         else:
             for t0 in range(start, end, BLOCK_N):
                 t = t0 + tl.arange(0, BLOCK_N)
@@ -1326,6 +1393,23 @@ KIND_IDS = {"bf16": 0, "fp8": 1, "mxfp4": 2, "nvfp4": 3, "int_v": 4, "int_k": 5}
 
 
 @functools.lru_cache(maxsize=16)
+def channel_group_counts(head_dim: int, k_block: int, v_block: int, rows_per_block: int,
+                         value_words: bool) -> tuple[int, int]:
+    """Channel groups of the block-rows products (keys, values): rows / 16 for a side of (head_dim / block) x
+    ``rows_per_block`` rows, where the groups hold whole blocks and >= 32 channels (the tensor cores' 16-wide
+    reduction over channel pairs), else 1; 1 for values read as words (``value_words``) and for a side of block 0
+    (no block rows)."""
+
+    def count(block: int) -> int:
+        if not block:
+            return 1
+        blocks = head_dim // block
+        g = blocks * rows_per_block // 16
+        return g if g > 1 and blocks % g == 0 and head_dim // g >= 32 else 1
+
+    return count(k_block), 1 if value_words else count(v_block)
+
+
 def _unused_residual(device: str):
     """The residual arguments of a launch without a residual window (``HAS_RES`` off: never read), made once
     per device instead of one allocation and fill per decode call."""
@@ -1534,6 +1618,7 @@ def plan_decode(
     value_words: bool | None = None,
     key_rows: bool | None = None,
     residual_launch: bool | None = None,
+    channel_groups: bool | None = None,
 ):
     """The launches of decode attention (see :func:`paged_decode`), with their output tensors.
     ``hw_formats``: FP8 format ids converted in hardware (default: what ``q``'s device has); ``maxnreg``:
@@ -1569,6 +1654,11 @@ def plan_decode(
     8,192: int4 618 -> 339 us, int2 519 -> 295; bench/results/ANALYSIS.md, session 9).
     ``residual_launch``: the residual window's split as its own launch (constexpr ``PART``), so the paged splits
     do not carry the residual path's registers; default: with ``key_rows`` and a residual window.
+    ``channel_groups``: with ``block_rows``, each side whose rows exceed 16 splits its channels into groups of whole
+    blocks, rows / 16 of them, and multiplies each group's rows by its channels only (a batched product,
+    :func:`_fp4_block_rows`; the same nonzero products: half the tensor-core work at 32 rows); default: on where
+    ``block_rows`` is. Needs each group to hold whole blocks and at least 32 channels; a side with value words
+    keeps one group.
     ``heads_fast``: the KV heads on the grid's fastest axis, so the programs reading one token's rows run together
     (default False: it raised a loads-only kernel from 61% to 75% of the ceiling, but the decode kernels by at most
     2%)."""
@@ -1666,6 +1756,12 @@ def plan_decode(
     elif value_words and not words_ok:
         raise ValueError("value_words needs block_rows (FP4 keys and values in fast mode), at most 32 value rows "
                          f"(here {v_rows}) and value code rows aligned to 2 bytes")
+    cg_k, cg_v = channel_group_counts(head_dim, k.block if block_rows else 0, v.block if block_rows else 0, blk_h,
+                                      bool(value_words))
+    if channel_groups and not block_rows:
+        raise ValueError("channel_groups needs block_rows (FP4 keys and values in fast mode)")
+    if channel_groups is False:
+        cg_k = cg_v = 1
     # block rows: 16 rows (mxfp4 at 4 query heads per KV head) measured best with 64-token tiles and 2 warps, 32 rows
     # (NVFP4, fp4_e2m1) with 128-token tiles and 4 warps (H100: bench/results/history/ab-h100-session8-fp4.log)
     blk_wide = block_rows and blk_rows > 16
@@ -1775,6 +1871,8 @@ def plan_decode(
         BLK=bool(block_rows),
         VW=bool(value_words),
         KR=bool(key_rows),
+        CG_K=cg_k,
+        CG_V=cg_v,
         PART=0,  # 0: the paged and residual splits in one launch (``residual_launch`` makes 1 and 2)
         BLOCK_R=min(block_n, 32) if key_rows else 0,  # residual tiles: 32 tokens (128 measured 188 KB of shared memory)
     )
