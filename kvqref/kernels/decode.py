@@ -534,12 +534,73 @@ def _f16_exponent(qmax):
 
 
 @triton.jit
+def _block_rows_q(Q, b, kvh, stride_qb, stride_qh, QPK: tl.constexpr, H: tl.constexpr, R: tl.constexpr,
+                  C: tl.constexpr, QB: tl.constexpr, C0: tl.constexpr):
+    """q's even and odd channels (float32 [R, C]) as block rows over code bytes C0 .. C0 + C - 1: row r is (block
+    2 C0 / QB + r // H, head r % H), zero outside its block's channels and for padding heads (h >= QPK)."""
+    r = tl.arange(0, R)
+    jb = C0 + tl.arange(0, C)
+    base = b * stride_qb + (kvh * QPK + r % H).to(tl.int64) * stride_qh
+    m = (r % H < QPK)[:, None] & (((2 * jb) // QB)[None, :] == (2 * C0 // QB + r // H)[:, None])
+    qe = tl.load(Q + base[:, None] + (2 * jb)[None, :], mask=m, other=0.0).to(tl.float32)
+    qo = tl.load(Q + base[:, None] + (2 * jb + 1)[None, :], mask=m, other=0.0).to(tl.float32)
+    return qe, qo
+
+
+@triton.jit
+def _block_rows_scores(qe16, qo16, kb, ks, NB: tl.constexpr, H: tl.constexpr, N: tl.constexpr, PTX: tl.constexpr):
+    """Scores [H, N] (without the softmax scale) of NB blocks: q's block rows (float16 [NB * H, C], even / odd
+    channels) against the code bytes ``kb`` [C, N] as float16 E2M1 * 2**-14, each block's partial dot times its
+    scale ``ks`` (float32 [NB, N]), summed over the blocks."""
+    klo, khi = _e2m1_nibbles_f16(kb, PTX)
+    s2 = _dot_acc(qo16, khi, _dot_acc(qe16, klo, tl.zeros((NB * H, N), tl.float32)))
+    return tl.sum(tl.reshape(s2, (NB, H, N)) * ks[:, None, :], 0)
+
+
+@triton.jit
+def _block_rows_p(p, vs, NB: tl.constexpr, H: tl.constexpr, N: tl.constexpr, KIND_V: tl.constexpr):
+    """The value product's rows (block, head): p [H, N] times the block scale ``vs`` [NB, N] (NVFP4: already times
+    2**7), rounded once: float16 for NVFP4, bfloat16 for E8M0."""
+    x = tl.reshape(p[None, :, :] * vs[:, None, :], (NB * H, N))
+    if KIND_V == 3:
+        return _split16(x, True)[0]
+    else:
+        return _split(x, True, True)[0]
+
+
+@triton.jit
+def _block_rows_values(p, vs, vb, alpha, acc_lo, acc_hi, NB: tl.constexpr, H: tl.constexpr, N: tl.constexpr,
+                       KIND_V: tl.constexpr, PTX: tl.constexpr):
+    """The accumulators of NB blocks' value rows (even / odd channels of the code bytes ``vb`` [N, C]), rescaled by
+    ``alpha`` [H], plus :func:`_block_rows_p` times the codes (NVFP4: float16 E2M1 * 2**-14; E8M0: exact bfloat16)."""
+    ar = tl.reshape(tl.broadcast_to(alpha[None, :], (NB, H)), (NB * H,))
+    pr = _block_rows_p(p, vs, NB, H, N, KIND_V)
+    if KIND_V == 3:
+        v0, v1 = _e2m1_nibbles_f16(vb, PTX)
+    else:
+        v0, v1 = _e2m1_values_bf16(vb, PTX)
+    return _dot_acc(pr, v0, acc_lo * ar[:, None]), _dot_acc(pr, v1, acc_hi * ar[:, None])
+
+
+@triton.jit
+def _row_halves(x, R: tl.constexpr, N: tl.constexpr):
+    """Rows 0 .. R/2 - 1 and R/2 .. R - 1 of ``x`` [R, N]."""
+    return tl.split(tl.permute(tl.reshape(x, (2, R // 2, N)), (1, 2, 0)))
+
+
+@triton.jit
+def _columns_cat(a, b, H: tl.constexpr, C: tl.constexpr):
+    """[a | b]: the columns of ``a`` [H, C], then those of ``b``."""
+    return tl.reshape(tl.permute(tl.join(a, b), (0, 2, 1)), (H, 2 * C))
+
+
+@triton.jit
 def _fp4_block_rows(
     Q, BT, K0, K1, V0, V1, b, kvh, start, end, stride_qb, stride_qh, stride_btb, k0_s, k0_h, k1_s, k1_h, v0_s, v0_h,
     v1_s, v1_h, qk_scale, QPK: tl.constexpr, H: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
     PAGE_SLOTS: tl.constexpr, BLOCK_N: tl.constexpr, KIND_K: tl.constexpr, QB_K: tl.constexpr, FMT_K: tl.constexpr,
     KIND_V: tl.constexpr, QB_V: tl.constexpr, FMT_V: tl.constexpr, PTX: tl.constexpr, WSC_K: tl.constexpr,
-    WSC_V: tl.constexpr, VW: tl.constexpr = False, CG_K: tl.constexpr = 1, CG_V: tl.constexpr = 1,
+    WSC_V: tl.constexpr, VW: tl.constexpr = False, HALF_K: tl.constexpr = False, HALF_V: tl.constexpr = False,
 ):
     """Fast-mode FP4 keys and values by block rows (``block_rows``): no block scale touches a tile element.
 
@@ -552,80 +613,104 @@ def _fp4_block_rows(
     (bfloat16 has float32's exponent range) against the exact E2M1 values in bfloat16. Output channel d of head h
     is row (block of d, h). ``VW``: value tiles read as 16-bit words, four channels each (:func:`_e2m1_quads`), four
     value products of [rows, D/4]: the tensor cores' operand holds two tokens per register, which 16-bit words get
-    from transposed matrix loads where bytes take one shared load each. ``CG_K``, ``CG_V``: channel groups
-    (``channel_groups``): row (b, h) meets only block b's channels, so the channels split into CG groups of whole
-    blocks and each group's rows multiply only its channels, one batched [CG, rows / CG, ...] product instead of
-    [rows, D] with CG - 1 of every CG operand blocks zero (the same nonzero products, so the same sums; half the
-    tensor-core work and accumulators at CG 2). Returns (even channels, odd channels) [H, D/2] = sum p v, and the
-    softmax state m, l [H] (base 2), as the main loop leaves them."""
+    from transposed matrix loads where bytes take one shared load each. ``HALF_K``, ``HALF_V`` (``channel_halves``):
+    row (b, h) meets only block b's channels, so a side's products split into the two channel halves, each with the
+    rows of its blocks: two [rows / 2, D / 2] products instead of one [rows, D] whose every row is zero outside its
+    block (the same nonzero products, so the same sums; half the tensor-core work and value accumulators).
+    Returns (even channels, odd channels) [H, D/2] = sum p v, and the softmax state m, l [H] (base 2), as the main
+    loop leaves them."""
     NBK: tl.constexpr = D // QB_K
     NBV: tl.constexpr = D // QB_V
     RK: tl.constexpr = NBK * H
     RV: tl.constexpr = NBV * H
     DH: tl.constexpr = D // 2
-    krow, kbyte = _group_rows(RK, DH, CG_K)  # key rows, key code bytes: [RK, 1], [1, DH] or [CG, RK / CG, 1], ...
-    qm = (krow % H < QPK) & ((2 * kbyte) // QB_K == krow // H)
-    qrow = b * stride_qb + (kvh * QPK + krow % H).to(tl.int64) * stride_qh
-    qe = tl.load(Q + qrow + 2 * kbyte, mask=qm, other=0.0).to(tl.float32)
-    qo = tl.load(Q + qrow + 2 * kbyte + 1, mask=qm, other=0.0).to(tl.float32)
-    qmax = tl.max(tl.reshape(tl.maximum(tl.abs(qe), tl.abs(qo)), (RK * DH // CG_K,)), 0)
+    j = tl.arange(0, DH)
+    RKP: tl.constexpr = RK // 2 if HALF_K else RK  # rows and code bytes of one key product
+    DKP: tl.constexpr = DH // 2 if HALF_K else DH
+    jk = tl.arange(0, DKP)
+    qe, qo = _block_rows_q(Q, b, kvh, stride_qb, stride_qh, QPK, H, RKP, DKP, QB_K, 0)
+    qmax = tl.max(tl.max(tl.maximum(tl.abs(qe), tl.abs(qo)), 1), 0)
+    if HALF_K:  # the second half's rows: blocks NBK / 2 .. NBK - 1 against code bytes DH / 2 .. DH - 1
+        qe_b, qo_b = _block_rows_q(Q, b, kvh, stride_qb, stride_qh, QPK, H, RKP, DKP, QB_K, DKP)
+        qmax = tl.maximum(qmax, tl.max(tl.max(tl.maximum(tl.abs(qe_b), tl.abs(qo_b)), 1), 0))
+    else:
+        qe_b, qo_b = qe, qo
     eq = _f16_exponent(qmax)
     qe16 = _split16(qe * pow2_f32(eq), True)[0]  # (no ``_`` targets here: triton 3.6 carries them through the loop)
     qo16 = _split16(qo * pow2_f32(eq), True)[0]
+    qe16_b = _split16(qe_b * pow2_f32(eq), True)[0]
+    qo16_b = _split16(qo_b * pow2_f32(eq), True)[0]
     sc_k = qk_scale * pow2_f32(-eq) * 16384.0  # the key tiles hold E2M1 * 2**-14
     m_i = tl.full((H,), float("-inf"), tl.float32)
     l_i = tl.zeros((H,), tl.float32)
-    DV: tl.constexpr = D // 4 if VW else D // 2  # value accumulator columns: channel words or channel pairs
+    # value accumulator rows and columns: channel words (VW), channel pairs of a half (HALF_V: acc0 / acc1 the first
+    # half's even / odd channels, acc2 / acc3 the second's), or channel pairs
+    RVP: tl.constexpr = RV // 2 if HALF_V else RV
+    DV: tl.constexpr = D // 4 if VW or HALF_V else D // 2
     c = tl.arange(0, D // 4)
-    acc0 = _grouped_zeros(RV, DV // CG_V, CG_V)
-    acc1 = _grouped_zeros(RV, DV // CG_V, CG_V)
-    acc2 = _grouped_zeros(RV, DV // CG_V, CG_V)
-    acc3 = _grouped_zeros(RV, DV // CG_V, CG_V)
+    jv = tl.arange(0, DV)
+    acc0 = tl.zeros((RVP, DV), tl.float32)
+    acc1 = tl.zeros((RVP, DV), tl.float32)
+    acc2 = tl.zeros((RVP, DV), tl.float32)
+    acc3 = tl.zeros((RVP, DV), tl.float32)
     for t0 in range(start, end, BLOCK_N):
         t = t0 + tl.arange(0, BLOCK_N)
         tmask = t < end
         page = tl.load(BT + b * stride_btb + t // PAGE, mask=tmask, other=0).to(tl.int64)
         slot = page_slot(page, t, PAGE, PAGE_SLOTS)
         # every load first (the order measured: 165 registers against 227 with the value loads after the softmax)
-        kt, km, kc = _group_tile(slot, tmask, DH, CG_K, True)
-        kb = tl.load(K0 + kt * k0_s + kvh * k0_h + kc, mask=km, other=0)
+        krow = K0 + slot[None, :] * k0_s + kvh * k0_h
+        kb = tl.load(krow + jk[:, None], mask=tmask[None, :], other=0)
+        if HALF_K:
+            kb_b = tl.load(krow + (DKP + jk)[:, None], mask=tmask[None, :], other=0)
         ksc = _block_scales(K1, slot, kvh, k1_s, k1_h, tmask, NBK, WSC_K, True)
-        vt, vm, vc = _group_tile(slot, tmask, DV, CG_V, False)
+        vrow = V0 + slot[:, None] * v0_s + kvh * v0_h
         if VW:
-            vb = tl.load((V0 + vt * v0_s + kvh * v0_h).to(tl.pointer_type(tl.int16)) + vc, mask=vm, other=0)
+            vb = tl.load(vrow.to(tl.pointer_type(tl.int16)) + c[None, :], mask=tmask[:, None], other=0)
         else:
-            vb = tl.load(V0 + vt * v0_s + kvh * v0_h + vc, mask=vm, other=0)
+            vb = tl.load(vrow + jv[None, :], mask=tmask[:, None], other=0)
+            if HALF_V:
+                vb_b = tl.load(vrow + (DV + jv)[None, :], mask=tmask[:, None], other=0)
         vsc = _block_scales(V1, slot, kvh, v1_s, v1_h, tmask, NBV, WSC_V, True)
-        klo, khi = _e2m1_nibbles_f16(kb, PTX)
-        s2 = _dot_acc(qo16, khi, _dot_acc(qe16, klo, _grouped_zeros(RK, BLOCK_N, CG_K)))
-        s = tl.sum(tl.reshape(s2, (NBK, H, BLOCK_N)) * _fp4_scale(ksc, KIND_K, FMT_K)[:, None, :], 0) * sc_k
-        p, alpha, m_i, l_i = _softmax_step(s, tmask, m_i, l_i)
-        ar = _grouped(tl.broadcast_to(alpha[None, :, None], (NBV, H, 1)), RV, 1, CG_V)
-        if KIND_V == 3:
-            pr = _split16(_grouped(p[None, :, :] * (_fp4_scale(vsc, 3, FMT_V) * 128.0)[:, None, :], RV, BLOCK_N, CG_V),
-                          True)[0]
+        ks = _fp4_scale(ksc, KIND_K, FMT_K)
+        if HALF_K:
+            ks_a, ks_b = _row_halves(ks, NBK, BLOCK_N)
+            s = _block_rows_scores(qe16, qo16, kb, ks_a, NBK // 2, H, BLOCK_N, PTX)
+            s += _block_rows_scores(qe16_b, qo16_b, kb_b, ks_b, NBK // 2, H, BLOCK_N, PTX)
         else:
-            pr = _split(_grouped(p[None, :, :] * e8m0_to_f32(vsc)[:, None, :], RV, BLOCK_N, CG_V), True, True)[0]
-        if VW:
+            s = _block_rows_scores(qe16, qo16, kb, ks, NBK, H, BLOCK_N, PTX)
+        p, alpha, m_i, l_i = _softmax_step(s * sc_k, tmask, m_i, l_i)
+        vs = _fp4_scale(vsc, 3, FMT_V) * 128.0 if KIND_V == 3 else e8m0_to_f32(vsc)
+        if HALF_V:
+            vs_a, vs_b = _row_halves(vs, NBV, BLOCK_N)
+            acc0, acc1 = _block_rows_values(p, vs_a, vb, alpha, acc0, acc1, NBV // 2, H, BLOCK_N, KIND_V, PTX)
+            acc2, acc3 = _block_rows_values(p, vs_b, vb_b, alpha, acc2, acc3, NBV // 2, H, BLOCK_N, KIND_V, PTX)
+        elif VW:
+            ar = tl.reshape(tl.broadcast_to(alpha[None, :], (NBV, H)), (RV,))
+            pr = _block_rows_p(p, vs, NBV, H, BLOCK_N, KIND_V)
             v0, v1, v2, v3 = _e2m1_quads(vb, PTX, KIND_V == 2)
-            acc2 = _dot_acc(pr, v2, acc2 * ar)
-            acc3 = _dot_acc(pr, v3, acc3 * ar)
-        elif KIND_V == 3:
-            v0, v1 = _e2m1_nibbles_f16(vb, PTX)
+            acc0 = _dot_acc(pr, v0, acc0 * ar[:, None])
+            acc1 = _dot_acc(pr, v1, acc1 * ar[:, None])
+            acc2 = _dot_acc(pr, v2, acc2 * ar[:, None])
+            acc3 = _dot_acc(pr, v3, acc3 * ar[:, None])
         else:
-            v0, v1 = _e2m1_values_bf16(vb, PTX)
-        acc0 = _dot_acc(pr, v0, acc0 * ar)
-        acc1 = _dot_acc(pr, v1, acc1 * ar)
+            acc0, acc1 = _block_rows_values(p, vs, vb, alpha, acc0, acc1, NBV, H, BLOCK_N, KIND_V, PTX)
     f: tl.constexpr = 2.0**14 / 128.0 if KIND_V == 3 else 1.0
-    if VW:  # column c of acc k is channel 4c + k: even channels 4c, 4c + 2 and odd 4c + 1, 4c + 3, in channel order
+    if HALF_V:  # channel pairs of the first half, then of the second
+        lo_a = _block_row_select(acc0, NBV // 2, H, DV, 2 * jv // QB_V)
+        hi_a = _block_row_select(acc1, NBV // 2, H, DV, 2 * jv // QB_V)
+        lo_b = _block_row_select(acc2, NBV // 2, H, DV, 2 * jv // QB_V)
+        hi_b = _block_row_select(acc3, NBV // 2, H, DV, 2 * jv // QB_V)
+        return _columns_cat(lo_a, lo_b, H, DV) * f, _columns_cat(hi_a, hi_b, H, DV) * f, m_i, l_i
+    elif VW:  # column c of acc k is channel 4c + k: even channels 4c, 4c + 2 and odd 4c + 1, 4c + 3, in channel order
         o0 = _block_row_select(acc0, NBV, H, DV, 4 * c // QB_V) * f
         o1 = _block_row_select(acc1, NBV, H, DV, 4 * c // QB_V) * f
         o2 = _block_row_select(acc2, NBV, H, DV, 4 * c // QB_V) * f
         o3 = _block_row_select(acc3, NBV, H, DV, 4 * c // QB_V) * f
         return tl.reshape(tl.join(o0, o2), (H, DH)), tl.reshape(tl.join(o1, o3), (H, DH)), m_i, l_i
     else:
-        lo = _group_row_select(acc0, NBV, H, DV, CG_V, QB_V // 2) * f
-        hi = _group_row_select(acc1, NBV, H, DV, CG_V, QB_V // 2) * f
+        lo = _block_row_select(acc0, NBV, H, DV, 2 * j // QB_V) * f
+        hi = _block_row_select(acc1, NBV, H, DV, 2 * j // QB_V) * f
         return lo, hi, m_i, l_i
 
 
@@ -809,68 +894,6 @@ def _block_row_select(acc, NB: tl.constexpr, H: tl.constexpr, N: tl.constexpr, b
 
 
 @triton.jit
-def _group_row_select(acc, NB: tl.constexpr, H: tl.constexpr, N: tl.constexpr, CG: tl.constexpr, PER: tl.constexpr):
-    """Block rows -> heads over CG channel groups (:func:`_group_rows`): ``acc`` [NB * H, N] or
-    [CG, NB * H / CG, N / CG], column i of a group holding the group's column i, whose block within the group is
-    i // ``PER`` (columns per block); out [H, N] in column order (a selection, exact)."""
-    if CG == 1:
-        return _block_row_select(acc, NB, H, N, tl.arange(0, N) // PER)
-    else:
-        sel = tl.arange(0, NB // CG)[None, :, None, None] == (tl.arange(0, N // CG) // PER)[None, None, None, :]
-        o = tl.sum(tl.where(sel, tl.reshape(acc, (CG, NB // CG, H, N // CG)), 0.0), 1)
-        return tl.reshape(tl.permute(o, (1, 0, 2)), (H, N))
-
-
-@triton.jit
-def _group_rows(R: tl.constexpr, C: tl.constexpr, CG: tl.constexpr):
-    """Row and column indices of a [R, C] operand whose rows and columns split into CG equal groups, group g's
-    rows meeting only its columns: [R, 1] and [1, C] for CG 1, else the diagonal blocks, [CG, R / CG, 1] and
-    [CG, 1, C / CG] (the operand of a batched product)."""
-    if CG == 1:
-        return tl.arange(0, R)[:, None], tl.arange(0, C)[None, :]
-    else:
-        g = tl.arange(0, CG)[:, None, None]
-        rows = g * (R // CG) + tl.arange(0, R // CG)[None, :, None]
-        return rows, g * (C // CG) + tl.arange(0, C // CG)[None, None, :]
-
-
-@triton.jit
-def _group_tile(slot, m, C: tl.constexpr, CG: tl.constexpr, TOKENS_LAST: tl.constexpr):
-    """Token slots, their mask and the column indices of a code tile over ``slot`` [N] (mask ``m``) with its C
-    columns in CG groups, broadcastable to [C, N] (``TOKENS_LAST``) or [N, C] for CG 1, else to [CG, C / CG, N] or
-    [CG, N, C / CG]."""
-    if CG == 1:
-        if TOKENS_LAST:
-            return slot[None, :], m[None, :], tl.arange(0, C)[:, None]
-        else:
-            return slot[:, None], m[:, None], tl.arange(0, C)[None, :]
-    else:
-        g = tl.arange(0, CG)[:, None, None]
-        if TOKENS_LAST:
-            return slot[None, None, :], m[None, None, :], g * (C // CG) + tl.arange(0, C // CG)[None, :, None]
-        else:
-            return slot[None, :, None], m[None, :, None], g * (C // CG) + tl.arange(0, C // CG)[None, None, :]
-
-
-@triton.jit
-def _grouped(x, R: tl.constexpr, N: tl.constexpr, CG: tl.constexpr):
-    """``x`` (R x N elements, row-major) as a product's [R, N] rows in CG groups: [R, N], or [CG, R / CG, N]."""
-    if CG == 1:
-        return tl.reshape(x, (R, N))
-    else:
-        return tl.reshape(x, (CG, R // CG, N))
-
-
-@triton.jit
-def _grouped_zeros(R: tl.constexpr, N: tl.constexpr, CG: tl.constexpr):
-    """float32 zeros of a product's [R, N] rows in CG groups (:func:`_grouped`)."""
-    if CG == 1:
-        return tl.zeros((R, N), tl.float32)
-    else:
-        return tl.zeros((CG, R // CG, N), tl.float32)
-
-
-@triton.jit
 def _e2m1_values_bf16(byte, PTX: tl.constexpr):
     """The E2M1 values of the low and high nibbles of ``byte`` (uint8), exact, as bfloat16: on CUDA the PTX
     unpacking's E2M1 * 2**-126 times 2**126 (one packed bfloat16 multiply, exact); elsewhere from the float32
@@ -961,8 +984,8 @@ def decode_split_kernel(
     BLK: tl.constexpr = False,
     VW: tl.constexpr = False,
     KR: tl.constexpr = False,
-    CG_K: tl.constexpr = 1,
-    CG_V: tl.constexpr = 1,
+    HALF_K: tl.constexpr = False,
+    HALF_V: tl.constexpr = False,
     BLOCK_R: tl.constexpr = 0,
     PART: tl.constexpr = 0,
 ):
@@ -1069,7 +1092,7 @@ def decode_split_kernel(
             acc0, acc1, m_i, l_i = _fp4_block_rows(
                 Q, BT, K0, K1, V0, V1, b, kvh, start, end, stride_qb, stride_qh, stride_btb, k0_s, k0_h, k1_s, k1_h,
                 v0_s, v0_h, v1_s, v1_h, qk_scale, QPK, BLOCK_H, D, PAGE, PAGE_SLOTS, BLOCK_N, KIND_K, QB_K, FMT_K,
-                KIND_V, QB_V, FMT_V, PTX, WSC_K, WSC_V, VW, CG_K, CG_V)
+                KIND_V, QB_V, FMT_V, PTX, WSC_K, WSC_V, VW, HALF_K, HALF_V)
         else:
             for t0 in range(start, end, BLOCK_N):
                 t = t0 + tl.arange(0, BLOCK_N)
@@ -1393,21 +1416,17 @@ KIND_IDS = {"bf16": 0, "fp8": 1, "mxfp4": 2, "nvfp4": 3, "int_v": 4, "int_k": 5}
 
 
 @functools.lru_cache(maxsize=16)
-def channel_group_counts(head_dim: int, k_block: int, v_block: int, rows_per_block: int,
-                         value_words: bool) -> tuple[int, int]:
-    """Channel groups of the block-rows products (keys, values): rows / 16 for a side of (head_dim / block) x
-    ``rows_per_block`` rows, where the groups hold whole blocks and >= 32 channels (the tensor cores' 16-wide
-    reduction over channel pairs), else 1; 1 for values read as words (``value_words``) and for a side of block 0
-    (no block rows)."""
+def channel_halves_apply(head_dim: int, k_block: int, v_block: int, rows_per_block: int,
+                         value_words: bool) -> tuple[bool, bool]:
+    """Whether the block-rows products of keys and of values split into channel halves: a side of (head_dim / block)
+    x ``rows_per_block`` >= 32 rows with an even number of blocks and >= 16 code bytes per half (the tensor cores'
+    16-wide reduction); never for values read as words (``value_words``) or a side of block 0 (no block rows)."""
 
-    def count(block: int) -> int:
-        if not block:
-            return 1
-        blocks = head_dim // block
-        g = blocks * rows_per_block // 16
-        return g if g > 1 and blocks % g == 0 and head_dim // g >= 32 else 1
+    def half(block: int) -> bool:
+        blocks = head_dim // block if block else 0
+        return bool(block) and blocks % 2 == 0 and blocks * rows_per_block >= 32 and head_dim // 4 >= 16
 
-    return count(k_block), 1 if value_words else count(v_block)
+    return half(k_block), half(v_block) and not value_words
 
 
 def _unused_residual(device: str):
@@ -1618,7 +1637,7 @@ def plan_decode(
     value_words: bool | None = None,
     key_rows: bool | None = None,
     residual_launch: bool | None = None,
-    channel_groups: bool | None = None,
+    channel_halves: bool | None = None,
 ):
     """The launches of decode attention (see :func:`paged_decode`), with their output tensors.
     ``hw_formats``: FP8 format ids converted in hardware (default: what ``q``'s device has); ``maxnreg``:
@@ -1654,11 +1673,10 @@ def plan_decode(
     8,192: int4 618 -> 339 us, int2 519 -> 295; bench/results/ANALYSIS.md, session 9).
     ``residual_launch``: the residual window's split as its own launch (constexpr ``PART``), so the paged splits
     do not carry the residual path's registers; default: with ``key_rows`` and a residual window.
-    ``channel_groups``: with ``block_rows``, each side whose rows exceed 16 splits its channels into groups of whole
-    blocks, rows / 16 of them, and multiplies each group's rows by its channels only (a batched product,
-    :func:`_fp4_block_rows`; the same nonzero products: half the tensor-core work at 32 rows); default: on where
-    ``block_rows`` is. Needs each group to hold whole blocks and at least 32 channels; a side with value words
-    keeps one group.
+    ``channel_halves``: with ``block_rows``, a side of at least 32 rows multiplies each channel half by the rows of
+    its blocks only, two [rows / 2, D / 2] products instead of one [rows, D] (:func:`_fp4_block_rows`; the same
+    nonzero products); default: on where it applies (:func:`channel_halves_apply`); values read as words
+    (``value_words``) keep one product.
     ``heads_fast``: the KV heads on the grid's fastest axis, so the programs reading one token's rows run together
     (default False: it raised a loads-only kernel from 61% to 75% of the ceiling, but the decode kernels by at most
     2%)."""
@@ -1756,12 +1774,12 @@ def plan_decode(
     elif value_words and not words_ok:
         raise ValueError("value_words needs block_rows (FP4 keys and values in fast mode), at most 32 value rows "
                          f"(here {v_rows}) and value code rows aligned to 2 bytes")
-    cg_k, cg_v = channel_group_counts(head_dim, k.block if block_rows else 0, v.block if block_rows else 0, blk_h,
-                                      bool(value_words))
-    if channel_groups and not block_rows:
-        raise ValueError("channel_groups needs block_rows (FP4 keys and values in fast mode)")
-    if channel_groups is False:
-        cg_k = cg_v = 1
+    half_k, half_v = channel_halves_apply(head_dim, k.block if block_rows else 0, v.block if block_rows else 0,
+                                          blk_h, bool(value_words))
+    if channel_halves and not block_rows:
+        raise ValueError("channel_halves needs block_rows (FP4 keys and values in fast mode)")
+    if channel_halves is False:
+        half_k = half_v = False
     # block rows: 16 rows (mxfp4 at 4 query heads per KV head) measured best with 64-token tiles and 2 warps, 32 rows
     # (NVFP4, fp4_e2m1) with 128-token tiles and 4 warps (H100: bench/results/history/ab-h100-session8-fp4.log)
     blk_wide = block_rows and blk_rows > 16
@@ -1871,8 +1889,8 @@ def plan_decode(
         BLK=bool(block_rows),
         VW=bool(value_words),
         KR=bool(key_rows),
-        CG_K=cg_k,
-        CG_V=cg_v,
+        HALF_K=half_k,
+        HALF_V=half_v,
         PART=0,  # 0: the paged and residual splits in one launch (``residual_launch`` makes 1 and 2)
         BLOCK_R=min(block_n, 32) if key_rows else 0,  # residual tiles: 32 tokens (128 measured 188 KB of shared memory)
     )
