@@ -362,7 +362,7 @@ def test_fp4_block_rows(pair, q_heads, kv_heads, head_dim):
     """Fast FP4 by block rows (per-block partial dots, block scales on the score and probability rows; NVFP4 and
     E8M0 tiles, either side) meets the oracle's bound with and without the layout; it is the default where the
     rows fit 32; a planted K block scale (exponent + 1) moves the lse and a planted V block scale the output beyond
-    the bound; other schemes and exact mode refuse it."""
+    the bound, by channel halves and in one product; other schemes and exact mode refuse it."""
     from kvqref.kernels.decode import plan_decode
 
     rng = np.random.default_rng(q_heads * 131 + head_dim)
@@ -377,18 +377,27 @@ def test_fp4_block_rows(pair, q_heads, kv_heads, head_dim):
     rows = max(blocks) * max(triton.next_power_of_2(q_heads // kv_heads), 16 // min(blocks))
     split = next(launch for launch in launches if "BLK" in launch.constexprs)
     assert split.constexprs["BLK"] is (rows <= 32)
-    if rows <= 32:  # the measured launch: 16 rows 64-token tiles / 2 warps, 32 rows 128 / 4 (ANALYSIS.md, session 8)
-        want = (64, 2) if rows <= 16 else (128, 4)
-        assert (split.constexprs["BLOCK_N"], split.options["num_warps"], split.options["num_stages"]) == (*want, 2)
     v_rows = blocks[1] * max(triton.next_power_of_2(q_heads // kv_heads), 16 // min(blocks))
-    assert split.constexprs["VW"] is (rows <= 32 and v_rows < head_dim // 4)  # value words: the measured default
+    k_rows = blocks[0] * max(triton.next_power_of_2(q_heads // kv_heads), 16 // min(blocks))
+    words = rows <= 32 and v_rows < head_dim // 4
+    # channel halves: a side of >= 32 rows (an even number of blocks; values not read as words)
+    halves = (k_rows >= 32 and blocks[0] % 2 == 0, v_rows >= 32 and blocks[1] % 2 == 0 and not words)
+    if rows <= 32:
+        assert (split.constexprs["HALF_K"], split.constexprs["HALF_V"]) == halves
+        # the measured launch: 16 rows per product 64-token tiles / 2 warps, 32 rows 128 / 4 (ANALYSIS.md, sessions
+        # 8 and 11)
+        prod = max(k_rows // (1 + halves[0]), v_rows // (1 + halves[1]))
+        want = (64, 2) if prod <= 16 else (128, 4)
+        assert (split.constexprs["BLOCK_N"], split.options["num_warps"], split.options["num_stages"]) == (*want, 2)
+    assert split.constexprs["VW"] is words  # value words: the measured default
     if v_rows > 32:
         with pytest.raises(ValueError, match="at most 32 value rows"):
             _run_decode(cache, q, block_rows=True, value_words=True)
-    for blk, words in ((True, False), (True, v_rows <= 32), (False, None)):  # value tiles as bytes / 16-bit words
-        out, lse, _ = _run_decode(cache, q, block_rows=blk, value_words=words)
-        assert (np.abs(out - ref_out) <= tol_o).all(), (blk, words, np.abs(out - ref_out).max())
-        assert (np.abs(lse - ref_lse) <= tol_l).all(), (blk, words, np.abs(lse - ref_lse).max())
+    # value tiles as bytes / 16-bit words, by channel halves where they apply or in one product
+    for blk, words, ch in ((True, False, None), (True, v_rows <= 32, None), (True, False, False), (False, None, None)):
+        out, lse, _ = _run_decode(cache, q, block_rows=blk, value_words=words, channel_halves=ch)
+        assert (np.abs(out - ref_out) <= tol_o).all(), (blk, words, ch, np.abs(out - ref_out).max())
+        assert (np.abs(lse - ref_lse) <= tol_l).all(), (blk, words, ch, np.abs(lse - ref_lse).max())
     b = 2
     K, _ = cache.dequantized(b)
     top = int(np.argmax(K[:, 0, :] @ q64[b, 0]))
@@ -401,9 +410,9 @@ def test_fp4_block_rows(pair, q_heads, kv_heads, head_dim):
         codes = scales[page, off, 0].astype(np.int64)  # the token's largest block scale that stays finite
         blk_ = int(np.argmax(np.where(codes + step <= top_code, codes, -1)))
         scales[page, off, 0, blk_] += step
-        for words in (False, v_rows <= 32):
-            out, lse, _ = _run_decode(cache, q, block_rows=True, value_words=words)
-            assert check(out, lse), (side, words)
+        for words, ch in ((False, None), (v_rows <= 32, None), (False, False)):
+            out, lse, _ = _run_decode(cache, q, block_rows=True, value_words=words, channel_halves=ch)
+            assert check(out, lse), (side, words, ch)
         scales[page, off, 0, blk_] -= step
     with pytest.raises(ValueError, match="block_rows"):
         _run_decode(cache, q, block_rows=True, precision="exact")
@@ -411,6 +420,8 @@ def test_fp4_block_rows(pair, q_heads, kv_heads, head_dim):
         _run_decode(build_cache(PAIRS[1], SMALL, rng)[0], q[:, :4, :64], block_rows=True)
     with pytest.raises(ValueError, match="value_words needs block_rows"):
         _run_decode(cache, q, block_rows=False, value_words=True)
+    with pytest.raises(ValueError, match="channel_halves needs block_rows"):
+        _run_decode(cache, q, block_rows=False, channel_halves=True)
 
 
 def test_splits_and_page_size_one_agree():

@@ -548,33 +548,35 @@ def _block_rows_q(Q, b, kvh, stride_qb, stride_qh, QPK: tl.constexpr, H: tl.cons
 
 
 @triton.jit
-def _block_rows_scores(qe16, qo16, kb, ks, NB: tl.constexpr, H: tl.constexpr, N: tl.constexpr, PTX: tl.constexpr):
+def _block_rows_scores(qe16, qo16, kb, ksc, NB: tl.constexpr, H: tl.constexpr, N: tl.constexpr, KIND: tl.constexpr,
+                       FMT: tl.constexpr, PTX: tl.constexpr):
     """Scores [H, N] (without the softmax scale) of NB blocks: q's block rows (float16 [NB * H, C], even / odd
     channels) against the code bytes ``kb`` [C, N] as float16 E2M1 * 2**-14, each block's partial dot times its
-    scale ``ks`` (float32 [NB, N]), summed over the blocks."""
+    scale (codes ``ksc`` [NB, N], :func:`_fp4_scale`), summed over the blocks."""
     klo, khi = _e2m1_nibbles_f16(kb, PTX)
     s2 = _dot_acc(qo16, khi, _dot_acc(qe16, klo, tl.zeros((NB * H, N), tl.float32)))
-    return tl.sum(tl.reshape(s2, (NB, H, N)) * ks[:, None, :], 0)
+    return tl.sum(tl.reshape(s2, (NB, H, N)) * _fp4_scale(ksc, KIND, FMT)[:, None, :], 0)
 
 
 @triton.jit
-def _block_rows_p(p, vs, NB: tl.constexpr, H: tl.constexpr, N: tl.constexpr, KIND_V: tl.constexpr):
-    """The value product's rows (block, head): p [H, N] times the block scale ``vs`` [NB, N] (NVFP4: already times
-    2**7), rounded once: float16 for NVFP4, bfloat16 for E8M0."""
-    x = tl.reshape(p[None, :, :] * vs[:, None, :], (NB * H, N))
+def _block_rows_p(p, vsc, NB: tl.constexpr, H: tl.constexpr, N: tl.constexpr, KIND_V: tl.constexpr,
+                  FMT_V: tl.constexpr):
+    """The value product's rows (block, head): p [H, N] times the block scale (codes ``vsc`` [NB, N]), rounded
+    once: NVFP4 ``fl16(p * s * 2**7)``, E8M0 ``bf16(p * 2**(c - 127))``."""
     if KIND_V == 3:
-        return _split16(x, True)[0]
+        return _split16(tl.reshape(p[None, :, :] * (_fp4_scale(vsc, 3, FMT_V) * 128.0)[:, None, :], (NB * H, N)),
+                        True)[0]
     else:
-        return _split(x, True, True)[0]
+        return _split(tl.reshape(p[None, :, :] * e8m0_to_f32(vsc)[:, None, :], (NB * H, N)), True, True)[0]
 
 
 @triton.jit
-def _block_rows_values(p, vs, vb, alpha, acc_lo, acc_hi, NB: tl.constexpr, H: tl.constexpr, N: tl.constexpr,
-                       KIND_V: tl.constexpr, PTX: tl.constexpr):
+def _block_rows_values(p, vsc, vb, alpha, acc_lo, acc_hi, NB: tl.constexpr, H: tl.constexpr, N: tl.constexpr,
+                       KIND_V: tl.constexpr, FMT_V: tl.constexpr, PTX: tl.constexpr):
     """The accumulators of NB blocks' value rows (even / odd channels of the code bytes ``vb`` [N, C]), rescaled by
     ``alpha`` [H], plus :func:`_block_rows_p` times the codes (NVFP4: float16 E2M1 * 2**-14; E8M0: exact bfloat16)."""
     ar = tl.reshape(tl.broadcast_to(alpha[None, :], (NB, H)), (NB * H,))
-    pr = _block_rows_p(p, vs, NB, H, N, KIND_V)
+    pr = _block_rows_p(p, vsc, NB, H, N, KIND_V, FMT_V)
     if KIND_V == 3:
         v0, v1 = _e2m1_nibbles_f16(vb, PTX)
     else:
@@ -638,8 +640,12 @@ def _fp4_block_rows(
     eq = _f16_exponent(qmax)
     qe16 = _split16(qe * pow2_f32(eq), True)[0]  # (no ``_`` targets here: triton 3.6 carries them through the loop)
     qo16 = _split16(qo * pow2_f32(eq), True)[0]
-    qe16_b = _split16(qe_b * pow2_f32(eq), True)[0]
-    qo16_b = _split16(qo_b * pow2_f32(eq), True)[0]
+    if HALF_K:
+        qe16_b = _split16(qe_b * pow2_f32(eq), True)[0]
+        qo16_b = _split16(qo_b * pow2_f32(eq), True)[0]
+    else:
+        qe16_b = qe16
+        qo16_b = qo16
     sc_k = qk_scale * pow2_f32(-eq) * 16384.0  # the key tiles hold E2M1 * 2**-14
     m_i = tl.full((H,), float("-inf"), tl.float32)
     l_i = tl.zeros((H,), tl.float32)
@@ -672,29 +678,28 @@ def _fp4_block_rows(
             if HALF_V:
                 vb_b = tl.load(vrow + (DV + jv)[None, :], mask=tmask[:, None], other=0)
         vsc = _block_scales(V1, slot, kvh, v1_s, v1_h, tmask, NBV, WSC_V, True)
-        ks = _fp4_scale(ksc, KIND_K, FMT_K)
         if HALF_K:
-            ks_a, ks_b = _row_halves(ks, NBK, BLOCK_N)
-            s = _block_rows_scores(qe16, qo16, kb, ks_a, NBK // 2, H, BLOCK_N, PTX)
-            s += _block_rows_scores(qe16_b, qo16_b, kb_b, ks_b, NBK // 2, H, BLOCK_N, PTX)
+            ks_a, ks_b = _row_halves(ksc, NBK, BLOCK_N)
+            s = _block_rows_scores(qe16, qo16, kb, ks_a, NBK // 2, H, BLOCK_N, KIND_K, FMT_K, PTX)
+            s += _block_rows_scores(qe16_b, qo16_b, kb_b, ks_b, NBK // 2, H, BLOCK_N, KIND_K, FMT_K, PTX)
+            s = s * sc_k
         else:
-            s = _block_rows_scores(qe16, qo16, kb, ks, NBK, H, BLOCK_N, PTX)
-        p, alpha, m_i, l_i = _softmax_step(s * sc_k, tmask, m_i, l_i)
-        vs = _fp4_scale(vsc, 3, FMT_V) * 128.0 if KIND_V == 3 else e8m0_to_f32(vsc)
+            s = _block_rows_scores(qe16, qo16, kb, ksc, NBK, H, BLOCK_N, KIND_K, FMT_K, PTX) * sc_k
+        p, alpha, m_i, l_i = _softmax_step(s, tmask, m_i, l_i)
         if HALF_V:
-            vs_a, vs_b = _row_halves(vs, NBV, BLOCK_N)
-            acc0, acc1 = _block_rows_values(p, vs_a, vb, alpha, acc0, acc1, NBV // 2, H, BLOCK_N, KIND_V, PTX)
-            acc2, acc3 = _block_rows_values(p, vs_b, vb_b, alpha, acc2, acc3, NBV // 2, H, BLOCK_N, KIND_V, PTX)
+            vs_a, vs_b = _row_halves(vsc, NBV, BLOCK_N)
+            acc0, acc1 = _block_rows_values(p, vs_a, vb, alpha, acc0, acc1, NBV // 2, H, BLOCK_N, KIND_V, FMT_V, PTX)
+            acc2, acc3 = _block_rows_values(p, vs_b, vb_b, alpha, acc2, acc3, NBV // 2, H, BLOCK_N, KIND_V, FMT_V, PTX)
         elif VW:
             ar = tl.reshape(tl.broadcast_to(alpha[None, :], (NBV, H)), (RV,))
-            pr = _block_rows_p(p, vs, NBV, H, BLOCK_N, KIND_V)
+            pr = _block_rows_p(p, vsc, NBV, H, BLOCK_N, KIND_V, FMT_V)
             v0, v1, v2, v3 = _e2m1_quads(vb, PTX, KIND_V == 2)
             acc0 = _dot_acc(pr, v0, acc0 * ar[:, None])
             acc1 = _dot_acc(pr, v1, acc1 * ar[:, None])
             acc2 = _dot_acc(pr, v2, acc2 * ar[:, None])
             acc3 = _dot_acc(pr, v3, acc3 * ar[:, None])
         else:
-            acc0, acc1 = _block_rows_values(p, vs, vb, alpha, acc0, acc1, NBV, H, BLOCK_N, KIND_V, PTX)
+            acc0, acc1 = _block_rows_values(p, vsc, vb, alpha, acc0, acc1, NBV, H, BLOCK_N, KIND_V, FMT_V, PTX)
     f: tl.constexpr = 2.0**14 / 128.0 if KIND_V == 3 else 1.0
     if HALF_V:  # channel pairs of the first half, then of the second
         lo_a = _block_row_select(acc0, NBV // 2, H, DV, 2 * jv // QB_V)
@@ -1780,9 +1785,12 @@ def plan_decode(
         raise ValueError("channel_halves needs block_rows (FP4 keys and values in fast mode)")
     if channel_halves is False:
         half_k = half_v = False
-    # block rows: 16 rows (mxfp4 at 4 query heads per KV head) measured best with 64-token tiles and 2 warps, 32 rows
-    # (NVFP4, fp4_e2m1) with 128-token tiles and 4 warps (H100: bench/results/history/ab-h100-session8-fp4.log)
-    blk_wide = block_rows and blk_rows > 16
+    # block rows: 16 rows per product (mxfp4 at 4 query heads per KV head; NVFP4 and fp4_e2m1 by channel halves)
+    # measured best with 64-token tiles and 2 warps, 32 (one product) with 128-token tiles and 4 warps (H100:
+    # bench/results/history/ab-h100-session8-fp4.log, ab-h100-session11-channel-halves.log)
+    prod_rows = max((head_dim // k.block) * blk_h // (2 if half_k else 1),
+                    (head_dim // v.block) * blk_h // (2 if half_v else 1)) if block_rows else 0
+    blk_wide = block_rows and prod_rows > 16
     if block_n is None:
         if key_rows:
             block_n = 128
