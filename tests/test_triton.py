@@ -387,8 +387,10 @@ def test_fp4_block_rows(pair, q_heads, kv_heads, head_dim):
         # the measured launch: 16 rows per product 64-token tiles / 2 warps, 32 rows 128 / 4 (ANALYSIS.md, sessions
         # 8 and 11)
         prod = max(k_rows // (1 + halves[0]), v_rows // (1 + halves[1]))
-        want = (64, 2) if prod <= 16 else (128, 4)
-        assert (split.constexprs["BLOCK_N"], split.options["num_warps"], split.options["num_stages"]) == (*want, 2)
+        e8m0_16 = halves[1] and pair[2] == "fp4_e2m1"  # E8M0 value blocks of 16 by halves: 128 / 4
+        want = (64, 2) if prod <= 16 and not e8m0_16 else (128, 4)
+        stages = 3 if all(halves) and pair[0] == pair[2] == "nvfp4" else 2  # NVFP4 by halves: 3 stages
+        assert (split.constexprs["BLOCK_N"], split.options["num_warps"], split.options["num_stages"]) == (*want, stages)
     assert split.constexprs["VW"] is words  # value words: the measured default
     if v_rows > 32:
         with pytest.raises(ValueError, match="at most 32 value rows"):

@@ -1785,12 +1785,15 @@ def plan_decode(
         raise ValueError("channel_halves needs block_rows (FP4 keys and values in fast mode)")
     if channel_halves is False:
         half_k = half_v = False
-    # block rows: 16 rows per product (mxfp4 at 4 query heads per KV head; NVFP4 and fp4_e2m1 by channel halves)
-    # measured best with 64-token tiles and 2 warps, 32 (one product) with 128-token tiles and 4 warps (H100:
-    # bench/results/history/ab-h100-session8-fp4.log, ab-h100-session11-channel-halves.log)
+    # block rows: 16 rows per product measured best with 64-token tiles and 2 warps (mxfp4 at 4 query heads per KV
+    # head; NVFP4 by channel halves, 3 stages: 235 -> 195 us; mxfp4 at 8 by halves: 903 -> 774), 32 (one product)
+    # and E8M0 blocks of 16 by halves (fp4_e2m1: 286 -> 261 us; 275 at 64 / 2) with 128-token tiles and 4 warps
+    # (H100: bench/results/history/ab-h100-session8-fp4.log, ab-h100-session11-channel-halves-2.log)
     prod_rows = max((head_dim // k.block) * blk_h // (2 if half_k else 1),
                     (head_dim // v.block) * blk_h // (2 if half_v else 1)) if block_rows else 0
-    blk_wide = block_rows and prod_rows > 16
+    e8m0_16_halves = half_v and v.kind == "mxfp4" and v.block == 16
+    nvfp4_halves = half_k and half_v and k.kind == v.kind == "nvfp4"
+    blk_wide = block_rows and (prod_rows > 16 or e8m0_16_halves)
     if block_n is None:
         if key_rows:
             block_n = 128
@@ -1809,7 +1812,7 @@ def plan_decode(
         if k.group % block_n:
             raise ValueError(f"block_n {block_n} must divide the KIVI key group size {k.group}")
     if num_stages is None:
-        num_stages = 2 if block_rows or key_rows else (
+        num_stages = 3 if nvfp4_halves else 2 if block_rows or key_rows else (
             3 if k.kind in ("fp8", "int_k") or fast_mx_ptx or (precision == "fast" and k.kind == "nvfp4"
                                                                 and not ptx_unpack) else 2)
     has_res = residual is not None
