@@ -66,6 +66,7 @@ def main() -> int:
     ap.add_argument("--variants", default="base; cur")
     ap.add_argument("--shape", default="32,32,8,128,8192")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--page", type=int, default=16, help="page size in tokens (default 16; KIVI pages as decode_bench)")
     ap.add_argument("--eager", action="store_true", help="time the Python launches (default: their CUDA graph)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
@@ -79,7 +80,7 @@ def main() -> int:
     batch, q_heads, kv_heads, head_dim, tokens = shape
     doc = ab_document(shape)
     for label in args.schemes.split(","):
-        dc, ks, vs = make_cache(label, shape, 16)
+        dc, ks, vs = make_cache(label, shape, args.page)
         nbytes = batch * tokens * (side_bytes_per_token(ks, kv_heads, head_dim)
                                    + side_bytes_per_token(vs, kv_heads, head_dim)) + 4 * batch * q_heads * head_dim
         q = torch.randn(batch, q_heads, head_dim, device="cuda").to(torch.bfloat16)
