@@ -426,6 +426,26 @@ def test_fp4_block_rows(pair, q_heads, kv_heads, head_dim):
         _run_decode(cache, q, block_rows=False, channel_halves=True)
 
 
+@pytest.mark.parametrize("page_size,want", [(16, (128, 4, 2)), (1, (64, 2, 2))])
+def test_fp4_e2m1_halves_tiles_by_page_size(page_size, want):
+    """fp4_e2m1 by channel halves (4 query heads per KV head, D 128: 32 rows per side) takes the tiles measured for
+    its page size on the H100: 128 tokens / 4 warps in pages of 16 (261 us against 275 at 64 / 2), 64 / 2 in pages
+    of 1 (290 us against 316; bench/results/ANALYSIS.md, session 11); NVFP4 by halves 64 / 2 with 3 stages."""
+    from kvqref.kernels.decode import plan_decode
+
+    rng = np.random.default_rng(5)
+    for pair, expect in ((PAIRS[5], want), (PAIRS[9], (64, 2, 3))):
+        shape = dict(SMALL, q_heads=8, kv_heads=2, head_dim=128, page_size=page_size)
+        cache, _ = build_cache(pair, shape, rng)
+        dc = tb.DeviceCache.from_cache(cache, DEVICE)
+        q = torch.zeros(3, 8, 128, dtype=torch.bfloat16, device=DEVICE)
+        launches, _, _ = plan_decode(q, dc.k.tiles(), dc.v.tiles(), dc.block_table, dc.seq_lens, dc.page_size)
+        split = next(launch for launch in launches if "BLK" in launch.constexprs)
+        assert split.constexprs["HALF_K"] and split.constexprs["HALF_V"]
+        got = (split.constexprs["BLOCK_N"], split.options["num_warps"], split.options["num_stages"])
+        assert got == expect, (pair[0], page_size, got)
+
+
 def test_splits_and_page_size_one_agree():
     rng = np.random.default_rng(11)
     shape = dict(SMALL, page_size=1)

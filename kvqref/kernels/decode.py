@@ -1791,7 +1791,8 @@ def plan_decode(
     # (H100: bench/results/history/ab-h100-session8-fp4.log, ab-h100-session11-channel-halves-2.log)
     prod_rows = max((head_dim // k.block) * blk_h // (2 if half_k else 1),
                     (head_dim // v.block) * blk_h // (2 if half_v else 1)) if block_rows else 0
-    e8m0_16_halves = half_v and v.kind == "mxfp4" and v.block == 16
+    # (at page size 1 fp4_e2m1 by halves measured 316 us at 128 / 4 and 290 at 64 / 2: ab-h100-session11-page1.log)
+    e8m0_16_halves = half_v and v.kind == "mxfp4" and v.block == 16 and page_size > 1
     nvfp4_halves = half_k and half_v and k.kind == v.kind == "nvfp4"
     blk_wide = block_rows and (prod_rows > 16 or e8m0_16_halves)
     if block_n is None:
