@@ -635,17 +635,12 @@ def _fp4_block_rows(
     if HALF_K:  # the second half's rows: blocks NBK / 2 .. NBK - 1 against code bytes DH / 2 .. DH - 1
         qe_b, qo_b = _block_rows_q(Q, b, kvh, stride_qb, stride_qh, QPK, H, RKP, DKP, QB_K, DKP)
         qmax = tl.maximum(qmax, tl.max(tl.max(tl.maximum(tl.abs(qe_b), tl.abs(qo_b)), 1), 0))
-    else:
-        qe_b, qo_b = qe, qo
     eq = _f16_exponent(qmax)
     qe16 = _split16(qe * pow2_f32(eq), True)[0]  # (no ``_`` targets here: triton 3.6 carries them through the loop)
     qo16 = _split16(qo * pow2_f32(eq), True)[0]
     if HALF_K:
         qe16_b = _split16(qe_b * pow2_f32(eq), True)[0]
         qo16_b = _split16(qo_b * pow2_f32(eq), True)[0]
-    else:
-        qe16_b = qe16
-        qo16_b = qo16
     sc_k = qk_scale * pow2_f32(-eq) * 16384.0  # the key tiles hold E2M1 * 2**-14
     m_i = tl.full((H,), float("-inf"), tl.float32)
     l_i = tl.zeros((H,), tl.float32)
@@ -1420,7 +1415,6 @@ PRECISIONS = ("fast", "exact")
 KIND_IDS = {"bf16": 0, "fp8": 1, "mxfp4": 2, "nvfp4": 3, "int_v": 4, "int_k": 5}
 
 
-@functools.lru_cache(maxsize=16)
 def channel_halves_apply(head_dim: int, k_block: int, v_block: int, rows_per_block: int,
                          value_words: bool) -> tuple[bool, bool]:
     """Whether the block-rows products of keys and of values split into channel halves: a side of (head_dim / block)
@@ -1434,6 +1428,7 @@ def channel_halves_apply(head_dim: int, k_block: int, v_block: int, rows_per_blo
     return half(k_block), half(v_block) and not value_words
 
 
+@functools.lru_cache(maxsize=16)
 def _unused_residual(device: str):
     """The residual arguments of a launch without a residual window (``HAS_RES`` off: never read), made once
     per device instead of one allocation and fill per decode call."""
