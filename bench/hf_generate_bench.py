@@ -71,17 +71,20 @@ class Timer:
 
 def decode_run(model, make_cache, prompt: torch.Tensor, steps: int, timer: Timer | None):
     """Prefill ``prompt``, then ``steps`` greedy decode steps (timed when ``timer``); returns (ms, cache)."""
+    from kvqref.hf import cache_kwargs
+
     cache = make_cache()
+    kw = cache_kwargs(model, cache)
     with torch.no_grad():
-        out = model(prompt, past_key_values=cache, use_cache=True)
+        out = model(prompt, **kw, use_cache=True)
         nxt = out.logits[:, -1:].argmax(-1)
         if timer is None:
             for _ in range(steps):
-                nxt = model(nxt, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+                nxt = model(nxt, **kw, use_cache=True).logits[:, -1:].argmax(-1)
             return None, cache
         with timer:
             for _ in range(steps):
-                nxt = model(nxt, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+                nxt = model(nxt, **kw, use_cache=True).logits[:, -1:].argmax(-1)
     return timer.ms, cache
 
 

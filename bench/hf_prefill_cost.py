@@ -60,8 +60,8 @@ def main(argv: list[str] | None = None) -> dict:
     H.set_attention(model, "kvqref")
     for scheme, opts in ROWS:
         timed(f"kvqref as_decoded {scheme}", opts, lambda s=scheme, o=opts: model(
-            ids, past_key_values=H.QuantizedKVCache(model.config, s, backend=args.backend, k_options=o,
-                                                    v_options=o)))
+            ids, **H.cache_kwargs(model, H.QuantizedKVCache(model.config, s, backend=args.backend, k_options=o,
+                                                            v_options=o))))
     H.set_attention(model, "sdpa")
     timed("sdpa, no cache (again)", {}, lambda: model(ids, use_cache=False))
     if args.json:

@@ -31,8 +31,9 @@ def test_teacher_forcing_reproduces_generation_through_the_quantized_cache(smoll
     cache = hf.QuantizedKVCache(model.config, config.scheme, k_options=config.k_options,
                                 v_options=config.v_options, prefill="as_decoded", precision="exact")
     with llm.attention(model, "kvqref"):
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=8,
-                             min_new_tokens=8, do_sample=False, top_p=None, top_k=None, temperature=None)
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), **hf.cache_kwargs(model, cache),
+                             max_new_tokens=8, min_new_tokens=8, do_sample=False, top_p=None, top_k=None,
+                             temperature=None)
     new = out[0, ids.shape[1]:]
     logits, _ = llm.quantized_logits(model, out[:, :-1], config, keep=new.numel())
     assert first_divergence(new, logits[0]) == new.numel()

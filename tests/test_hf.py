@@ -61,6 +61,30 @@ def _capture_kv(cache) -> dict[int, list]:
     return seen
 
 
+def test_cache_kwargs_follows_the_forward_signature():
+    """The keyword is read from the forward: ``cache`` where it exists (recent transformers), else
+    ``past_key_values``; neither raises. The tiny Llama gets the installed transformers' name."""
+    class New:
+        def forward(self, input_ids, cache=None, past_key_values=None): ...
+
+    class Old:
+        def forward(self, input_ids, past_key_values=None): ...
+
+    class Neither:
+        def forward(self, input_ids): ...
+
+    marker = object()
+    assert H.cache_kwargs(New(), marker) == {"cache": marker}
+    assert H.cache_kwargs(Old(), marker) == {"past_key_values": marker}
+    with pytest.raises(TypeError, match="neither cache= nor past_key_values="):
+        H.cache_kwargs(Neither(), marker)
+    import inspect
+
+    model = _model()
+    (name,) = H.cache_kwargs(model, marker)
+    assert name in inspect.signature(type(model).forward).parameters
+
+
 # -- stored form ------------------------------------------------------------------------------------
 @pytest.mark.parametrize("scheme,opts", CASES, ids=[f"{s}-{'-'.join(map(str, o.values()))}" for s, o in CASES])
 def test_stored_bytes_are_the_oracles(scheme, opts):
@@ -78,9 +102,9 @@ def _assert_stored_is_oracle(model, cache) -> None:
     seen = _capture_kv(cache)
     ids = _ids(40, batch=2)
     with torch.no_grad():
-        out = model(ids, past_key_values=cache)
+        out = model(ids, **H.cache_kwargs(model, cache))
         for _ in range(2):
-            out = model(out.logits[:, -1:].argmax(-1), past_key_values=cache)
+            out = model(out.logits[:, -1:].argmax(-1), **H.cache_kwargs(model, cache))
     for li, layer in enumerate(cache.layers):
         k = torch.cat([kv[0] for kv in seen[li]], 2)
         v = torch.cat([kv[1] for kv in seen[li]], 2)
@@ -111,8 +135,8 @@ def test_triton_writes_the_oracles_bytes_and_decodes(scheme, opts):
     for backend in ("torch", "triton"):
         cache = _cache(model, scheme, opts, backend=backend, precision="exact")
         with torch.no_grad():
-            model(ids, past_key_values=cache)
-            outs.append(model(ids[:, :1], past_key_values=cache).logits)
+            model(ids, **H.cache_kwargs(model, cache))
+            outs.append(model(ids[:, :1], **H.cache_kwargs(model, cache)).logits)
         caches.append(cache)
     a, b = caches[0].layers[0], caches[1].layers[0]
     for sa, sb in ((a.k, b.k), (a.v, b.v)):
@@ -126,7 +150,7 @@ def test_triton_writes_the_oracles_bytes_and_decodes(scheme, opts):
 def test_triton_backend_names_a_model_on_the_wrong_device():
     model = _model(num_hidden_layers=1)  # on the CPU, while the kernels run on the GPU
     with pytest.raises(ValueError, match="move the model there"):
-        model(_ids(8), past_key_values=_cache(model, "fp8_e4m3", {}, backend="triton"))
+        model(_ids(8), **H.cache_kwargs(model, _cache(model, "fp8_e4m3", {}, backend="triton")))
 
 
 # -- given (calibrated) tensor-level params --------------------------------------------------------------
@@ -176,7 +200,7 @@ def test_given_params_one_dict_or_scale_set_and_logits_change():
                      ("scale set", {"k_params": ss, "v_params": ss})):
         cache = _cache(model, "fp8_e4m3", {}, prefill="dequantized", **kw)
         with torch.no_grad():
-            logits[name] = model(ids, past_key_values=cache).logits
+            logits[name] = model(ids, **H.cache_kwargs(model, cache)).logits
         for li, layer in enumerate(cache.layers):
             if name == "one dict":
                 assert layer.k.params["scale"] == np.float32(0.003) == layer.v.params["scale"]
@@ -232,7 +256,7 @@ def test_triton_writes_given_params_bit_exactly():
         cache = _cache(model, "fp8_e4m3", {"granularity": "head"}, backend=backend, precision="exact",
                        k_params={"scale": ks}, v_params={"scale": vs})
         with torch.no_grad():
-            model(_ids(40).to(dev), past_key_values=cache)
+            model(_ids(40).to(dev), **H.cache_kwargs(model, cache))
         caches.append(cache.layers[0])
     for sa, sb, want in ((caches[0].k, caches[1].k, ks), (caches[0].v, caches[1].v, vs)):
         np.testing.assert_array_equal(sb.params["scale"], want)
@@ -251,9 +275,9 @@ def test_as_decoded_prefill_equals_token_by_token(scheme, opts):
     model = _model()
     ids = _ids(70)
     with torch.no_grad():
-        full = model(ids, past_key_values=_cache(model, scheme, opts, "numpy")).logits[0]
+        full = model(ids, **H.cache_kwargs(model, _cache(model, scheme, opts, "numpy"))).logits[0]
         cache = _cache(model, scheme, opts, "numpy")
-        steps = torch.stack([model(ids[:, i:i + 1], past_key_values=cache).logits[0, 0] for i in range(70)])
+        steps = torch.stack([model(ids[:, i:i + 1], **H.cache_kwargs(model, cache)).logits[0, 0] for i in range(70)])
     torch.testing.assert_close(full, steps, rtol=0, atol=1e-9)
 
 
@@ -299,9 +323,9 @@ def test_as_decoded_torch_backend_one_layer():
     model = _model(num_hidden_layers=1)
     ids = _ids(100)
     with torch.no_grad():
-        full = model(ids, past_key_values=_cache(model, "int4_kivi", KIVI, precision="exact")).logits[0]
+        full = model(ids, **H.cache_kwargs(model, _cache(model, "int4_kivi", KIVI, precision="exact"))).logits[0]
         cache = _cache(model, "int4_kivi", KIVI, precision="exact")
-        steps = torch.stack([model(ids[:, i:i + 1], past_key_values=cache).logits[0, 0] for i in range(100)])
+        steps = torch.stack([model(ids[:, i:i + 1], **H.cache_kwargs(model, cache)).logits[0, 0] for i in range(100)])
     torch.testing.assert_close(full, steps, rtol=0, atol=1e-4)
 
 
@@ -314,8 +338,8 @@ def test_prefill_modes_differ_where_they_should_and_match_standard_attention():
         model = _model(attn, num_hidden_layers=1)
         for mode in ("full", "dequantized") + (("as_decoded",) if attn == "kvqref" else ()):
             with torch.no_grad():
-                logits[attn, mode] = model(ids, past_key_values=_cache(model, "int4_kivi", KIVI, "numpy",
-                                                                       prefill=mode)).logits[0]
+                logits[attn, mode] = model(ids, **H.cache_kwargs(model, _cache(model, "int4_kivi", KIVI, "numpy",
+                                                                               prefill=mode))).logits[0]
     for mode in ("full", "dequantized"):
         torch.testing.assert_close(logits["kvqref", mode], logits["sdpa", mode], rtol=0, atol=1e-5)
     for a, b in (("full", "as_decoded"), ("as_decoded", "dequantized"), ("full", "dequantized")):
@@ -325,7 +349,7 @@ def test_prefill_modes_differ_where_they_should_and_match_standard_attention():
 def test_sdpa_rejects_as_decoded_prompt_with_residual_window():
     model = _model("sdpa")
     with pytest.raises(ValueError, match="attn_implementation='kvqref'"), torch.no_grad():
-        model(_ids(80), past_key_values=_cache(model, "int4_kivi", KIVI))
+        model(_ids(80), **H.cache_kwargs(model, _cache(model, "int4_kivi", KIVI)))
 
 
 # -- generate, batch, beams, crop -------------------------------------------------------------------
@@ -348,9 +372,10 @@ def test_generate_left_padded_batch_matches_single(scheme, opts, backend):
     batch[0], batch[1, 17:] = a, b
     mask = (torch.arange(37)[None, :] >= torch.tensor([[0], [17]])).long()
     kw = dict(max_new_tokens=4, do_sample=False, pad_token_id=pad)
-    both = model.generate(batch, attention_mask=mask, past_key_values=_cache(model, scheme, opts, backend), **kw)
+    both = model.generate(batch, attention_mask=mask, **H.cache_kwargs(model, _cache(model, scheme, opts, backend)),
+                          **kw)
     for i, p in enumerate((a, b)):
-        solo = model.generate(p[None], past_key_values=_cache(model, scheme, opts, backend), **kw)
+        solo = model.generate(p[None], **H.cache_kwargs(model, _cache(model, scheme, opts, backend)), **kw)
         assert both[i, -4:].tolist() == solo[0, -4:].tolist()
 
 
@@ -361,7 +386,7 @@ def test_generate_with_sdpa_and_eager():
     outs = []
     for attn in ("sdpa", "eager", "kvqref"):
         model = _model(attn)
-        outs.append(model.generate(ids, past_key_values=_cache(model, "fp4_e2m1", {}), max_new_tokens=5,
+        outs.append(model.generate(ids, **H.cache_kwargs(model, _cache(model, "fp4_e2m1", {})), max_new_tokens=5,
                                    do_sample=False, pad_token_id=0)[:, -5:].tolist())
     assert outs[0] == outs[1] == outs[2]
 
@@ -369,12 +394,12 @@ def test_generate_with_sdpa_and_eager():
 def test_beam_search_and_reorder():
     model = _model()
     cache = _cache(model, "int4_kivi", KIVI)
-    out = model.generate(_ids(40), past_key_values=cache, num_beams=3, max_new_tokens=6, do_sample=False,
+    out = model.generate(_ids(40), **H.cache_kwargs(model, cache), num_beams=3, max_new_tokens=6, do_sample=False,
                          pad_token_id=0)
     assert out.shape == (1, 46)
     c = _cache(model, "fp8_e4m3", {"granularity": "token_head"})
     with torch.no_grad():
-        model(_ids(33, batch=2), past_key_values=c)
+        model(_ids(33, batch=2), **H.cache_kwargs(model, c))
     layer = c.layers[1]
     before = [layer.k.dequantized(b, 33, "oracle", torch.float64) for b in (0, 1)]
     c.reorder_cache(torch.tensor([1, 1]))
@@ -387,24 +412,24 @@ def test_crop():
     c = _cache(model, "fp8_e4m3", {"granularity": "token_head"})
     ids = _ids(30)
     with torch.no_grad():
-        model(ids, past_key_values=c)
+        model(ids, **H.cache_kwargs(model, c))
         c.crop(-5)
         assert c.get_seq_length() == 25
-        again = model(ids[:, 25:26], past_key_values=c).logits
+        again = model(ids[:, 25:26], **H.cache_kwargs(model, c)).logits
         ref = _cache(model, "fp8_e4m3", {"granularity": "token_head"})
-        model(ids[:, :25], past_key_values=ref)
-        want = model(ids[:, 25:26], past_key_values=ref).logits
+        model(ids[:, :25], **H.cache_kwargs(model, ref))
+        want = model(ids[:, 25:26], **H.cache_kwargs(model, ref)).logits
     torch.testing.assert_close(again, want, rtol=0, atol=1e-6)
     k = H.QuantizedKVCache(model.config, "int4_kivi", k_options=KIVI, v_options={"residual": 0})
     with torch.no_grad():
-        model(_ids(70), past_key_values=k)
+        model(_ids(70), **H.cache_kwargs(model, k))
     k.crop(-4)  # 66 tokens: K keeps its 64 quantized + 2 residual tokens; V (no window) drops 4 quantized
     assert k.get_seq_length() == 66 and k.layers[0].k.paged[0] == 64 and k.layers[0].v.paged[0] == 66
     with pytest.raises(ValueError, match="cannot crop"):
         k.crop(-4)  # 62: keys 32..61 would be full precision, but they were quantized
     v = _cache(model, "int4_kivi", KIVI)
     with torch.no_grad():
-        model(_ids(40), past_key_values=v)
+        model(_ids(40), **H.cache_kwargs(model, v))
     with pytest.raises(ValueError, match=r"\(V\) already quantized"):
         v.crop(-1)  # V's window of 32 slid past token 7
 
@@ -415,16 +440,16 @@ def test_bytes_held_match_bits_per_element(scheme, opts):
     model = _model()
     cache = _cache(model, scheme, opts)
     with torch.no_grad():
-        model(_ids(64, batch=2), past_key_values=cache)
+        model(_ids(64, batch=2), **H.cache_kwargs(model, cache))
     cfg = model.config
     d = cache.nbytes(detail=True)
     k_s, v_s = cache.k_scheme, cache.v_scheme
-    layers, H, D = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
+    layers, heads, D = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
     for label, s in (("K", k_s), ("V", v_s)):
         tokens = 2 * s.paged_tokens(64) * layers
-        assert d[f"{label}_fields"] * 8 == tokens * H * D * s.bits_per_element(D, H)
-        assert d[f"{label}_residual"] == (2 * 64 * layers - tokens) * H * D * 4
-    assert cache.bits_per_element() == pytest.approx(k_s.bits_per_element(D, H))
+        assert d[f"{label}_fields"] * 8 == tokens * heads * D * s.bits_per_element(D, heads)
+        assert d[f"{label}_residual"] == (2 * 64 * layers - tokens) * heads * D * 4
+    assert cache.bits_per_element() == pytest.approx(k_s.bits_per_element(D, heads))
     assert cache.nbytes() == sum(d.values())
 
 
@@ -483,13 +508,13 @@ def test_smollm2_paris_through_the_quantized_cache():
     and with fp8_e4m3 (per-tensor, sdpa reading update()'s K/V)."""
     model, tok = _smollm2()
     ids = tok("The capital of France is", return_tensors="pt").input_ids
-    out = model.generate(ids, past_key_values=H.QuantizedKVCache(model.config, "bf16"), max_new_tokens=2,
+    out = model.generate(ids, **H.cache_kwargs(model, H.QuantizedKVCache(model.config, "bf16")), max_new_tokens=2,
                          do_sample=False)
     assert tok.decode(out[0, ids.shape[1]:]).startswith(" Paris")
     H.set_attention(model, "sdpa")
     try:
-        out = model.generate(ids, past_key_values=H.QuantizedKVCache(model.config, "fp8_e4m3"), max_new_tokens=2,
-                             do_sample=False)
+        out = model.generate(ids, **H.cache_kwargs(model, H.QuantizedKVCache(model.config, "fp8_e4m3")),
+                             max_new_tokens=2, do_sample=False)
     finally:
         H.set_attention(model, "kvqref")
     assert tok.decode(out[0, ids.shape[1]:]).startswith(" Paris")
@@ -503,9 +528,9 @@ def test_smollm2_int4_kivi_teacher_forced_close_to_bf16():
             "the capital of Germany. Rome is the capital of Italy. ") * 2
     ids = tok(text, return_tensors="pt").input_ids[:, :160]
     with torch.no_grad():
-        ref = model(ids, past_key_values=H.QuantizedKVCache(model.config, "bf16")).logits[0]
-        q = model(ids, past_key_values=H.QuantizedKVCache(model.config, "int4_kivi", k_options=KIVI,
-                                                          v_options=KIVI)).logits[0]
+        ref = model(ids, **H.cache_kwargs(model, H.QuantizedKVCache(model.config, "bf16"))).logits[0]
+        q = model(ids, **H.cache_kwargs(model, H.QuantizedKVCache(model.config, "int4_kivi", k_options=KIVI,
+                                                                  v_options=KIVI))).logits[0]
     assert torch.isfinite(q).all()
     agree = (q.argmax(-1) == ref.argmax(-1)).float().mean().item()
     assert agree > 0.8, agree

@@ -56,7 +56,7 @@ def test_residual_window_holds_rotated_values_bit_for_bit():
     cache = _rcache(model, "int4_kivi", KIVI, prefill="dequantized")
     seen = _capture_kv(cache)
     with torch.no_grad():
-        model(_ids(40), past_key_values=cache)
+        model(_ids(40), **H.cache_kwargs(model, cache))
     for li, layer in enumerate(cache.layers):
         k = seen[li][0][0][0].transpose(0, 1).float().numpy()  # [T, H, D]
         n = int(layer.k.paged[0])
@@ -72,7 +72,7 @@ def test_bytes_held_unchanged_by_rotation(scheme, opts):
     plain, rot = _cache(model, scheme, opts), _rcache(model, scheme, opts)
     with torch.no_grad():
         for c in (plain, rot):
-            model(_ids(64, batch=2), past_key_values=c)
+            model(_ids(64, batch=2), **H.cache_kwargs(model, c))
     assert rot.nbytes(detail=True) == plain.nbytes(detail=True)
     assert rot.bits_per_element() == plain.bits_per_element()
 
@@ -89,10 +89,10 @@ def test_as_decoded_prefill_equals_token_by_token(scheme, opts):
     model = _model()
     ids = _ids(70)
     with torch.no_grad():
-        full = model(ids, past_key_values=_rcache(model, scheme, opts, "numpy")).logits[0]
+        full = model(ids, **H.cache_kwargs(model, _rcache(model, scheme, opts, "numpy"))).logits[0]
         cache = _rcache(model, scheme, opts, "numpy")
-        steps = torch.stack([model(ids[:, i:i + 1], past_key_values=cache).logits[0, 0] for i in range(70)])
-        plain = model(ids, past_key_values=_cache(model, scheme, opts, "numpy")).logits[0]
+        steps = torch.stack([model(ids[:, i:i + 1], **H.cache_kwargs(model, cache)).logits[0, 0] for i in range(70)])
+        plain = model(ids, **H.cache_kwargs(model, _cache(model, scheme, opts, "numpy"))).logits[0]
     torch.testing.assert_close(full, steps, rtol=0, atol=1e-9)
     assert (full - plain).abs().max() > 1e-4
 
@@ -102,9 +102,9 @@ def test_as_decoded_torch_backend_one_layer():
     model = _model(num_hidden_layers=1)
     ids = _ids(100)
     with torch.no_grad():
-        full = model(ids, past_key_values=_rcache(model, "int4_kivi", KIVI, precision="exact")).logits[0]
+        full = model(ids, **H.cache_kwargs(model, _rcache(model, "int4_kivi", KIVI, precision="exact"))).logits[0]
         cache = _rcache(model, "int4_kivi", KIVI, precision="exact")
-        steps = torch.stack([model(ids[:, i:i + 1], past_key_values=cache).logits[0, 0] for i in range(100)])
+        steps = torch.stack([model(ids[:, i:i + 1], **H.cache_kwargs(model, cache)).logits[0, 0] for i in range(100)])
     torch.testing.assert_close(full, steps, rtol=0, atol=1e-4)
 
 
@@ -118,8 +118,8 @@ def test_torch_and_numpy_backends_agree(scheme, opts):
     for backend in ("numpy", "torch"):
         cache = _rcache(model, scheme, opts, backend, precision="exact")
         with torch.no_grad():
-            lo = [model(ids[:, :40], past_key_values=cache).logits[0, -1]]
-            lo += [model(ids[:, i:i + 1], past_key_values=cache).logits[0, 0] for i in range(40, 50)]
+            lo = [model(ids[:, :40], **H.cache_kwargs(model, cache)).logits[0, -1]]
+            lo += [model(ids[:, i:i + 1], **H.cache_kwargs(model, cache)).logits[0, 0] for i in range(40, 50)]
         outs.append(torch.stack(lo))
     torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=1e-4)
 
@@ -133,8 +133,8 @@ def test_rotated_cache_matches_attention_over_the_dequantized_values():
         model = _model(attn, num_hidden_layers=1)
         for mode in ("full", "dequantized"):
             with torch.no_grad():
-                logits[attn, mode] = model(ids, past_key_values=_rcache(model, "int4_kivi", KIVI, "numpy",
-                                                                        prefill=mode)).logits[0]
+                logits[attn, mode] = model(ids, **H.cache_kwargs(model, _rcache(model, "int4_kivi", KIVI, "numpy",
+                                                                                prefill=mode))).logits[0]
     for mode in ("full", "dequantized"):
         torch.testing.assert_close(logits["kvqref", mode], logits["sdpa", mode], rtol=0, atol=1e-9)
 
@@ -155,7 +155,7 @@ def test_standard_attention_reads_the_original_domain():
 
     cache.update = spy
     with torch.no_grad():
-        model(_ids(30), past_key_values=cache)
+        model(_ids(30), **H.cache_kwargs(model, cache))
     k_in = seen[0][0][0]
     k_out = returned[0][0]
     # bf16 rounds each rotated element (relative 2^-9); un-rotating is orthonormal, so per (token, head) vector
@@ -176,7 +176,7 @@ def test_given_static_scales_apply_to_the_rotated_values(backend):
     cache = _rcache(model, "fp8_e4m3", {}, backend, k_params=params, v_params=params, prefill="dequantized")
     seen = _capture_kv(cache)
     with torch.no_grad():
-        model(_ids(20), past_key_values=cache)
+        model(_ids(20), **H.cache_kwargs(model, cache))
     layer = cache.layers[1]
     x = seen[1][0][0][0].transpose(0, 1).float().numpy()
     got = layer.k.quantized(0)
@@ -207,10 +207,10 @@ def test_rotated_k_only_as_decoded_equals_token_by_token():
     ids = _ids(50)
     opts = {"k_options": {**KIVI, **ROT, "rotation_seed": 1}, "v_options": KIVI}
     with torch.no_grad():
-        full = model(ids, past_key_values=H.QuantizedKVCache(model.config, "int4_kivi", backend="numpy",
-                                                             **opts)).logits[0]
+        full = model(ids, **H.cache_kwargs(model, H.QuantizedKVCache(model.config, "int4_kivi", backend="numpy",
+                                                                     **opts))).logits[0]
         cache = H.QuantizedKVCache(model.config, "int4_kivi", backend="numpy", **opts)
-        steps = torch.stack([model(ids[:, i:i + 1], past_key_values=cache).logits[0, 0] for i in range(50)])
+        steps = torch.stack([model(ids[:, i:i + 1], **H.cache_kwargs(model, cache)).logits[0, 0] for i in range(50)])
     torch.testing.assert_close(full, steps, rtol=0, atol=1e-9)
 
 
@@ -218,8 +218,8 @@ def test_generate_and_beam_search_with_a_rotated_cache():
     model = _model()
     ids = _ids(12, batch=2)
     with torch.no_grad():
-        out = model.generate(ids, past_key_values=_rcache(model, "int4_kivi", {"residual": 0}), max_new_tokens=4,
-                             do_sample=False, num_beams=2, attention_mask=torch.ones_like(ids))
+        out = model.generate(ids, **H.cache_kwargs(model, _rcache(model, "int4_kivi", {"residual": 0})),
+                             max_new_tokens=4, do_sample=False, num_beams=2, attention_mask=torch.ones_like(ids))
     assert out.shape == (2, 16)
 
 
@@ -285,8 +285,8 @@ def test_triton_backend_refuses_or_matches_torch():
     for backend in ("torch", "triton"):
         cache = _rcache(model, "fp8_e4m3", {"granularity": "token_head"}, backend, precision="exact")
         with torch.no_grad():
-            model(ids, past_key_values=cache)
-            outs.append(model(ids[:, :1], past_key_values=cache).logits)
+            model(ids, **H.cache_kwargs(model, cache))
+            outs.append(model(ids[:, :1], **H.cache_kwargs(model, cache)).logits)
     torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=1e-5)
 
 
@@ -295,7 +295,7 @@ def test_container_of_another_seed_is_refused():
     model = _model("sdpa")
     cache = _rcache(model, "fp4_e2m1", {}, prefill="dequantized")
     with torch.no_grad():
-        model(_ids(10), past_key_values=cache)
+        model(_ids(10), **H.cache_kwargs(model, cache))
     q = cache.layers[0].k.quantized(0)
     with pytest.raises(ValueError, match="mixed up"):
         schemes.get("fp4_e2m1", rotation="hadamard", rotation_seed=4).dequantize(q)

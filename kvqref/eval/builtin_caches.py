@@ -93,14 +93,15 @@ def unavailable_reason() -> str | None:
 def transformers_logits(model: Any, ids: torch.Tensor, row: Row) -> tuple[torch.Tensor, Any]:
     """Logits ``[T, V]``: ``row.first_prompt`` tokens prefilled into transformers' QuantizedCache, then one
     token per forward (SDPA attention over what the cache returns)."""
+    from kvqref import hf
     from kvqref.hf import builtin_caches
 
     cache = builtin_caches.quantized_cache(model.config, row.backend, **row.options)
     p = row.first_prompt
     with attention(model, REFERENCE_ATTENTION):
-        out = [model(ids[:, :p], past_key_values=cache, use_cache=True).logits[0]]
+        out = [model(ids[:, :p], **hf.cache_kwargs(model, cache), use_cache=True).logits[0]]
         for t in range(p, ids.shape[1]):
-            out.append(model(ids[:, t:t + 1], past_key_values=cache, use_cache=True).logits[0])
+            out.append(model(ids[:, t:t + 1], **hf.cache_kwargs(model, cache), use_cache=True).logits[0])
     return torch.cat(out).float(), cache
 
 
@@ -114,9 +115,10 @@ def kvqref_logits(model: Any, ids: torch.Tensor, row: Row) -> tuple[torch.Tensor
                                 prefill="full", precision="exact")
     p = row.first_prompt
     with attention(model, "kvqref"):
-        first = model(ids[:, :p], past_key_values=cache, use_cache=True).logits[0]
+        first = model(ids[:, :p], **hf.cache_kwargs(model, cache), use_cache=True).logits[0]
         cache.prefill = "as_decoded"
-        rest = model(ids[:, p:], past_key_values=cache, use_cache=True).logits[0] if ids.shape[1] > p else first[:0]
+        rest = (model(ids[:, p:], **hf.cache_kwargs(model, cache), use_cache=True).logits[0] if ids.shape[1] > p
+                else first[:0])
     return torch.cat([first, rest]).float(), cache
 
 

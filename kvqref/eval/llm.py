@@ -299,7 +299,7 @@ def quantized_logits(model: Any, ids: torch.Tensor, config: LLMConfig, keep: int
                                 v_options=config.v_options, prefill="as_decoded", precision="exact",
                                 k_params=k_params, v_params=v_params)
     with attention(model, "kvqref"):
-        out = model(ids, past_key_values=cache, use_cache=True, logits_to_keep=keep)
+        out = model(ids, **hf.cache_kwargs(model, cache), use_cache=True, logits_to_keep=keep)
     return out.logits.float(), int(cache.nbytes())
 
 
@@ -414,7 +414,7 @@ class Runner:
             for i, (k, v) in enumerate(pk.states):
                 cache.update(k, v, i)
             for t in range(pk.answer.numel() - 1):
-                out.append(self.model(pk.answer[None, t:t + 1], past_key_values=cache,
+                out.append(self.model(pk.answer[None, t:t + 1], **hf.cache_kwargs(self.model, cache),
                                       use_cache=True).logits[0, -1].float())
         return torch.stack(out)
 

@@ -18,7 +18,15 @@ from transformers import AttentionInterface
 
 from kvqref.hf.attention import kvqref_attention, kvqref_mask
 from kvqref.hf.cache import PREFILL_MODES, QuantizedKVCache, QuantizedKVLayer, TritonQuantizedKVLayer
-from kvqref.hf.model import SMOLLM2_INSTALL, load_smollm2, random_model, set_attention, smollm2_path, tiny_config
+from kvqref.hf.model import (
+    SMOLLM2_INSTALL,
+    cache_kwargs,
+    load_smollm2,
+    random_model,
+    set_attention,
+    smollm2_path,
+    tiny_config,
+)
 
 ATTENTION_NAME = "kvqref"
 
@@ -36,5 +44,5 @@ def register() -> None:
 register()
 
 __all__ = ["ATTENTION_NAME", "PREFILL_MODES", "SMOLLM2_INSTALL", "QuantizedKVCache", "QuantizedKVLayer",
-           "TritonQuantizedKVLayer", "kvqref_attention", "load_smollm2", "random_model", "register", "set_attention",
-           "smollm2_path", "tiny_config"]
+           "TritonQuantizedKVLayer", "cache_kwargs", "kvqref_attention", "load_smollm2", "random_model", "register",
+           "set_attention", "smollm2_path", "tiny_config"]

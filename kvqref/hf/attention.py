@@ -179,8 +179,9 @@ def kvqref_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
         raise ValueError("kvqref attention: only causal self-attention is supported (no encoder or cross-attention)")
     layer = getattr(key, "_kvqref_layer", None)
     if layer is None:
-        raise ValueError("kvqref attention needs past_key_values=kvqref.hf.QuantizedKVCache(...) (and use_cache=True): "
-                         "it attends over the quantized cache")
+        raise ValueError("kvqref attention needs a kvqref.hf.QuantizedKVCache passed as the model's cache "
+                         "(cache=, or past_key_values= in older transformers; kvqref.hf.cache_kwargs picks it) and "
+                         "use_cache=True: it attends over the quantized cache")
     del key._kvqref_layer
     return layer.attend(query, attention_mask, scaling), None
 

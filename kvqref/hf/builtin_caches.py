@@ -17,6 +17,8 @@ import transformers
 import transformers.cache_utils
 from transformers import DynamicCache, QuantizedCache
 
+from kvqref.hf.model import cache_kwargs
+
 #: what each backend needs besides transformers (module to look for, package to install)
 BACKEND_PACKAGES = {"fp8": None, "quanto": ("optimum.quanto", "optimum-quanto"), "hqq": ("hqq", "hqq")}
 
@@ -68,5 +70,5 @@ def reference_states(model: Any, ids: torch.Tensor, keep: int = 1) -> tuple[list
     """Full-precision (K, V) ``[B, kv_heads, T, head_dim]`` of every layer for ``ids`` (one forward into a
     ``DynamicCache`` with the model's current attention), and the logits of the last ``keep`` positions."""
     cache = DynamicCache()
-    out = model(ids, past_key_values=cache, use_cache=True, logits_to_keep=keep)
+    out = model(ids, **cache_kwargs(model, cache), use_cache=True, logits_to_keep=keep)
     return [(layer.keys, layer.values) for layer in cache.layers], out.logits

