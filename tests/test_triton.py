@@ -424,6 +424,9 @@ def test_fp4_block_rows(pair, q_heads, kv_heads, head_dim):
         _run_decode(cache, q, block_rows=False, value_words=True)
     with pytest.raises(ValueError, match="channel_halves needs block_rows"):
         _run_decode(cache, q, block_rows=False, channel_halves=True)
+    if rows <= 32 and not halves[0] and not (v_rows >= 32 and blocks[1] % 2 == 0):  # no side could split
+        with pytest.raises(ValueError, match="channel_halves needs a side of >= 32 block rows"):
+            _run_decode(cache, q, block_rows=True, channel_halves=True)
 
 
 @pytest.mark.parametrize("page_size,want", [(16, (128, 4, 2)), (1, (64, 2, 2))])

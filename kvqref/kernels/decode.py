@@ -1676,7 +1676,7 @@ def plan_decode(
     ``channel_halves``: with ``block_rows``, a side of at least 32 rows multiplies each channel half by the rows of
     its blocks only, two [rows / 2, D / 2] products instead of one [rows, D] (:func:`_fp4_block_rows`; the same
     nonzero products); default: on where it applies (:func:`channel_halves_apply`); values read as words
-    (``value_words``) keep one product.
+    (``value_words``) keep one product; ``True`` where no side applies raises.
     ``heads_fast``: the KV heads on the grid's fastest axis, so the programs reading one token's rows run together
     (default False: it raised a loads-only kernel from 61% to 75% of the ceiling, but the decode kernels by at most
     2%)."""
@@ -1778,6 +1778,10 @@ def plan_decode(
                                           blk_h, bool(value_words))
     if channel_halves and not block_rows:
         raise ValueError("channel_halves needs block_rows (FP4 keys and values in fast mode)")
+    if channel_halves and not (half_k or half_v):
+        raise ValueError("channel_halves needs a side of >= 32 block rows with an even number of blocks (here keys "
+                         f"{(head_dim // k.block) * blk_h}, values {(head_dim // v.block) * blk_h} rows); values read "
+                         "as words (value_words) keep one product")
     if channel_halves is False:
         half_k = half_v = False
     # block rows: 16 rows per product measured best with 64-token tiles and 2 warps (mxfp4 at 4 query heads per KV
