@@ -54,8 +54,12 @@ def test_every_kernel_compiles_for_rocm_and_cuda_targets():
         nvb = sum(c[0] == "nvfp4" and "rotation" not in c[1] for c in WRITE_CASES)
         # + unrotated KIVI key writes by channel blocks: block_d 64 (1 warp, store_as_loaded), block_d 32 (2 warps)
         blocks = 2 * sum(c[1].get("role") == "key" and "rotation" not in c[1] for c in WRITE_CASES)
+        # + FP4 block rows whose values (blocks of 16: 32 rows at 4 query heads per KV head) split into channel
+        # halves read as words by default: their byte tiles (``value_words=False``)
+        vw_off = sum("fp4" in c[1] and c[3] in ("fp4_e2m1", "nvfp4") for c in DECODE_CASES)
         assert len(rows) == (2 * len(DECODE_CASES) + len(SHARED_KERNELS) + len(WRITE_CASES) + ptx + f16cvt
-                             + rows_off + kt4 + ktile_off + 2 * key_rows + sums + nvb + blocks), t
+                             + rows_off + kt4 + ktile_off + 2 * key_rows + sums + nvb + blocks + vw_off), t
+        assert sum(",vw=0" in r["kernel"] for r in rows) == vw_off, t
         assert key_rows and sum(r["kernel"].endswith(",kr=1]") and r["ok"] for r in rows) == key_rows, t
         assert sum(r["kernel"].endswith(",kr=1,part=2]") and r["ok"] for r in rows) == key_rows, t
         assert nvb and all(r["ok"] for r in rows if r["kernel"].endswith(",blocks]")), t

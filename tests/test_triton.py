@@ -233,18 +233,64 @@ def test_kivi_key_rows(pair, q_heads, kv_heads, head_dim, block_n):
                          ids=[IDS[5], IDS[6], "nvfp4/nvfp4"])
 def test_ptx_unpacking_equals_the_portable_one(pair, precision):
     """``ptx_unpack=True`` (FP4 nibbles unpacked by inline PTX) builds the same E2M1 values as the portable
-    integer code, so the outputs are bit-identical, and within the tolerance of the oracle."""
+    integer code, so with value tiles as bytes the outputs are bit-identical, and within the tolerance of the oracle.
+    With value tiles as 16-bit words (the default by channel halves) both routes meet the oracle's bound; they need
+    not be bit-identical: fp4_e2m1's two routes compile to different orders of the token products (the quads
+    themselves are: ``test_e2m1_quads_ptx_equals_the_portable_one``; H100, triton 3.6: last-bit differences, max
+    1e-6, session 12)."""
     if getattr(torch.version, "hip", None):
         pytest.skip("CUDA only")
     rng = np.random.default_rng(16)
     cache, _ = build_cache(pair, BIG, rng)
     q = torch.from_numpy(rng.standard_normal((BIG["batch"], BIG["q_heads"], BIG["head_dim"])).astype(np.float32))
     cfg = dict(precision=precision, block_n=64, num_warps=2, num_stages=2)  # one tiling: same summation order
+    if precision == "fast":
+        cfg["value_words"] = False
     out_int, lse_int, _ = _run_decode(cache, q, ptx_unpack=False, **cfg)
     out_ptx, lse_ptx, _ = _run_decode(cache, q, ptx_unpack=True, **cfg)
     assert np.array_equal(out_ptx, out_int) and np.array_equal(lse_ptx, lse_int)
-    ref_out, _, tol_o, _ = _oracle(cache, q.numpy().astype(np.float64), precision, "float32")
+    ref_out, ref_lse, tol_o, tol_l = _oracle(cache, q.numpy().astype(np.float64), precision, "float32")
     assert (np.abs(out_ptx - ref_out) <= tol_o).all()
+    for ptx in (True, False):  # the default launch (value words where they apply), each route
+        out, lse, _ = _run_decode(cache, q, ptx_unpack=ptx, precision=precision)
+        assert (np.abs(out - ref_out) <= tol_o).all() and (np.abs(lse - ref_lse) <= tol_l).all(), ptx
+
+
+@pytest.mark.skipif(not GPU, reason="inline PTX runs on a CUDA device only (the interpreter takes the portable path)")
+@pytest.mark.parametrize("bf16", [True, False], ids=["bfloat16", "float16"])
+@pytest.mark.parametrize("rows,cols,warps", [(32, 16, 1), (32, 16, 2), (32, 32, 4)])
+def test_e2m1_quads_ptx_equals_the_portable_one(bf16, rows, cols, warps):
+    """The value-word unpacking (``_e2m1_quads``) by inline PTX gives the portable route's bits for every one of the
+    65,536 16-bit words, as float16 E2M1 * 2**-14 and as bfloat16 E2M1, in the tile shapes and warps the decode
+    kernel uses."""
+    if getattr(torch.version, "hip", None):
+        pytest.skip("CUDA only")
+    import triton
+    import triton.language as tl
+
+    from kvqref.kernels.decode import _e2m1_quads
+
+    @triton.jit
+    def quads(W, O, PTX: tl.constexpr, BF16: tl.constexpr, R: tl.constexpr, C: tl.constexpr):
+        at = (tl.program_id(0) * R + tl.arange(0, R)[:, None]) * C + tl.arange(0, C)[None, :]
+        a, b, c, d = _e2m1_quads(tl.load(W + at), PTX, BF16)
+        tl.store(O + at * 4, a.to(tl.float32))
+        tl.store(O + at * 4 + 1, b.to(tl.float32))
+        tl.store(O + at * 4 + 2, c.to(tl.float32))
+        tl.store(O + at * 4 + 3, d.to(tl.float32))
+
+    words = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).to(DEVICE)
+    got = []
+    for ptx in (True, False):
+        out = torch.full((4 * 65536,), float("nan"), dtype=torch.float32, device=DEVICE)
+        quads[(65536 // (rows * cols),)](words, out, PTX=ptx, BF16=bf16, R=rows, C=cols, num_warps=warps)
+        got.append(out.cpu().numpy().view(np.int32))
+    assert np.array_equal(got[0], got[1])
+    nib = (np.arange(-32768, 32768)[:, None] >> (4 * np.arange(4))[None, :]) & 15  # channel 4c + k: nibble k
+    e2m1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
+                    np.float32)  # code s e1 e0 m (the definition), -0.0 for code 8
+    want = e2m1[nib].reshape(-1) * np.float32(1.0 if bf16 else 2.0**-14)
+    assert np.array_equal(got[1], want.view(np.int32))  # as bits: signed zeros included
 
 
 @pytest.mark.skipif(not GPU, reason="inline PTX runs on a CUDA device only (the interpreter takes the portable path)")
@@ -265,11 +311,15 @@ def test_bf16_e8m0_tiles_are_exact_at_extreme_scale_codes(pair):
         idx = rng.choice(flat.size, size=min(flat.size, 4000), replace=False)
         flat[idx] = rng.choice(np.array([0, 1, 2, 150], dtype=flat.dtype), size=idx.size)
     q = torch.from_numpy(rng.standard_normal((BIG["batch"], BIG["q_heads"], BIG["head_dim"])).astype(np.float32))
-    cfg = dict(precision="fast", block_n=64, num_warps=2, num_stages=3)
+    cfg = dict(precision="fast", block_n=64, num_warps=2, num_stages=3, value_words=False)  # bytes: same order
     out_int, lse_int, _ = _run_decode(cache, q, ptx_unpack=False, **cfg)
     out_ptx, lse_ptx, _ = _run_decode(cache, q, ptx_unpack=True, **cfg)
     assert np.isfinite(out_int).all()
     assert np.array_equal(out_ptx, out_int) and np.array_equal(lse_ptx, lse_int)
+    ref_out, ref_lse, tol_o, tol_l = _oracle(cache, q.numpy().astype(np.float64), "fast", "float32")
+    for ptx in (True, False):  # the default launch (value words by channel halves for fp4_e2m1), each route
+        out, lse, _ = _run_decode(cache, q, ptx_unpack=ptx)
+        assert (np.abs(out - ref_out) <= tol_o).all() and (np.abs(lse - ref_lse) <= tol_l).all(), ptx
 
 
 @pytest.mark.parametrize("precision", ["fast", "exact"])
@@ -379,24 +429,24 @@ def test_fp4_block_rows(pair, q_heads, kv_heads, head_dim):
     assert split.constexprs["BLK"] is (rows <= 32)
     v_rows = blocks[1] * max(triton.next_power_of_2(q_heads // kv_heads), 16 // min(blocks))
     k_rows = blocks[0] * max(triton.next_power_of_2(q_heads // kv_heads), 16 // min(blocks))
-    words = rows <= 32 and v_rows < head_dim // 4
-    # channel halves: a side of >= 32 rows (an even number of blocks; values not read as words)
-    halves = (k_rows >= 32 and blocks[0] % 2 == 0, v_rows >= 32 and blocks[1] % 2 == 0 and not words)
+    # channel halves: a side of >= 32 rows (an even number of blocks)
+    halves = (k_rows >= 32 and blocks[0] % 2 == 0, v_rows >= 32 and blocks[1] % 2 == 0)
+    # value words: where the value rows are fewer than D / 4 or split into halves (at most 32 value rows)
+    words = rows <= 32 and (v_rows < head_dim // 4 or halves[1])
     if rows <= 32:
         assert (split.constexprs["HALF_K"], split.constexprs["HALF_V"]) == halves
-        # the measured launch: 16 rows per product 64-token tiles / 2 warps, 32 rows 128 / 4 (ANALYSIS.md, sessions
-        # 8 and 11)
+        # the measured launch: value words by halves 32-token tiles / 1 warp (session 12), else 16 rows per product
+        # 64-token tiles / 2 warps, 32 rows 128 / 4 (ANALYSIS.md, sessions 8 and 11)
         prod = max(k_rows // (1 + halves[0]), v_rows // (1 + halves[1]))
-        e8m0_16 = halves[1] and pair[2] == "fp4_e2m1"  # E8M0 value blocks of 16 by halves: 128 / 4
-        want = (64, 2) if prod <= 16 and not e8m0_16 else (128, 4)
-        stages = 3 if all(halves) and pair[0] == pair[2] == "nvfp4" else 2  # NVFP4 by halves: 3 stages
-        assert (split.constexprs["BLOCK_N"], split.options["num_warps"], split.options["num_stages"]) == (*want, stages)
+        want = (32, 1, 2) if words and halves[1] else (64, 2, 2) if prod <= 16 else (128, 4, 2)
+        assert (split.constexprs["BLOCK_N"], split.options["num_warps"], split.options["num_stages"]) == want
     assert split.constexprs["VW"] is words  # value words: the measured default
     if v_rows > 32:
         with pytest.raises(ValueError, match="at most 32 value rows"):
             _run_decode(cache, q, block_rows=True, value_words=True)
     # value tiles as bytes / 16-bit words, by channel halves where they apply or in one product
-    for blk, words, ch in ((True, False, None), (True, v_rows <= 32, None), (True, False, False), (False, None, None)):
+    for blk, words, ch in ((True, False, None), (True, v_rows <= 32, None), (True, False, False),
+                           (True, v_rows <= 32, False), (False, None, None)):
         out, lse, _ = _run_decode(cache, q, block_rows=blk, value_words=words, channel_halves=ch)
         assert (np.abs(out - ref_out) <= tol_o).all(), (blk, words, ch, np.abs(out - ref_out).max())
         assert (np.abs(lse - ref_lse) <= tol_l).all(), (blk, words, ch, np.abs(lse - ref_lse).max())
@@ -412,7 +462,7 @@ def test_fp4_block_rows(pair, q_heads, kv_heads, head_dim):
         codes = scales[page, off, 0].astype(np.int64)  # the token's largest block scale that stays finite
         blk_ = int(np.argmax(np.where(codes + step <= top_code, codes, -1)))
         scales[page, off, 0, blk_] += step
-        for words, ch in ((False, None), (v_rows <= 32, None), (False, False)):
+        for words, ch in ((False, None), (v_rows <= 32, None), (False, False), (v_rows <= 32, False)):
             out, lse, _ = _run_decode(cache, q, block_rows=True, value_words=words, channel_halves=ch)
             assert check(out, lse), (side, words, ch)
         scales[page, off, 0, blk_] -= step
@@ -430,23 +480,28 @@ def test_fp4_block_rows(pair, q_heads, kv_heads, head_dim):
 
 
 @pytest.mark.parametrize("page_size,want", [(16, (128, 4, 2)), (1, (64, 2, 2))])
-def test_fp4_e2m1_halves_tiles_by_page_size(page_size, want):
-    """fp4_e2m1 by channel halves (4 query heads per KV head, D 128: 32 rows per side) takes the tiles measured for
-    its page size on the H100: 128 tokens / 4 warps in pages of 16 (261 us against 275 at 64 / 2), 64 / 2 in pages
-    of 1 (290 us against 316; bench/results/ANALYSIS.md, session 11); NVFP4 by halves 64 / 2 with 3 stages."""
+def test_fp4_halves_tiles_by_page_size(page_size, want):
+    """FP4 by channel halves (4 query heads per KV head, D 128: 32 rows per side) reads its value tiles as words by
+    default, in 32-token tiles with one warp at every page size (H100, session 12: fp4_e2m1 261 -> 235 us at page
+    16, 294 -> 248 at page 1; NVFP4 194 -> 183); with value bytes (``value_words=False``) fp4_e2m1 takes the tiles
+    measured for its page size: 128 tokens / 4 warps in pages of 16 (261 us against 275 at 64 / 2), 64 / 2 in pages
+    of 1 (290 us against 316; bench/results/ANALYSIS.md, session 11), and NVFP4 64 / 2 with 3 stages."""
     from kvqref.kernels.decode import plan_decode
 
     rng = np.random.default_rng(5)
-    for pair, expect in ((PAIRS[5], want), (PAIRS[9], (64, 2, 3))):
+    for pair, bytes_launch in ((PAIRS[5], want), (PAIRS[9], (64, 2, 3))):
         shape = dict(SMALL, q_heads=8, kv_heads=2, head_dim=128, page_size=page_size)
         cache, _ = build_cache(pair, shape, rng)
         dc = tb.DeviceCache.from_cache(cache, DEVICE)
         q = torch.zeros(3, 8, 128, dtype=torch.bfloat16, device=DEVICE)
-        launches, _, _ = plan_decode(q, dc.k.tiles(), dc.v.tiles(), dc.block_table, dc.seq_lens, dc.page_size)
-        split = next(launch for launch in launches if "BLK" in launch.constexprs)
-        assert split.constexprs["HALF_K"] and split.constexprs["HALF_V"]
-        got = (split.constexprs["BLOCK_N"], split.options["num_warps"], split.options["num_stages"])
-        assert got == expect, (pair[0], page_size, got)
+        for words, expect in ((None, (32, 1, 2)), (False, bytes_launch)):
+            launches, _, _ = plan_decode(q, dc.k.tiles(), dc.v.tiles(), dc.block_table, dc.seq_lens, dc.page_size,
+                                         value_words=words)
+            split = next(launch for launch in launches if "BLK" in launch.constexprs)
+            assert split.constexprs["HALF_K"] and split.constexprs["HALF_V"]
+            assert split.constexprs["VW"] is (words is None)
+            got = (split.constexprs["BLOCK_N"], split.options["num_warps"], split.options["num_stages"])
+            assert got == expect, (pair[0], page_size, words, got)
 
 
 def test_splits_and_page_size_one_agree():
@@ -871,7 +926,7 @@ def test_split_counts_are_the_measured_choices():
     """About 16 programs per multiprocessor by default; one wave of programs for the KIVI key-rows kernel, which
     holds 2 per multiprocessor (session 10, H100: batch 32 x 8,192 1 split 321 us against 353 us for 8; batch 1
     x 131,072 32 splits 172 us against 236 us for 256; bench/results/history/ab-h100-session10-hnd-splits.log)."""
-    from kvqref.kernels.decode import KEY_ROWS_RESIDENT, choose_splits
+    from kvqref.kernels.decode import KEY_ROWS_RESIDENT, WORDS_HALVES_RESIDENT, choose_splits
 
     assert choose_splits(32, 8, 8192, 128, 132) == (8, 1024)  # 9 wanted, whole tiles per split
     assert choose_splits(1, 8, 131072, 128, 132) == (256, 512)  # at least 4 tiles per split
@@ -879,6 +934,12 @@ def test_split_counts_are_the_measured_choices():
     assert choose_splits(32, 8, 8192, 128, 132, resident=2) == (1, 8192)
     assert choose_splits(1, 8, 131072, 128, 132, resident=2) == (32, 4096)
     assert choose_splits(64, 8, 16384, 128, 132, resident=2) == (1, 16384)  # more programs than a wave: 1 split
+    # one-warp FP4 value words by halves: the default's programs rounded to whole waves of 12 per multiprocessor
+    # (session 12, H100: batch 1 x 131,072 nvfp4 114 -> 94 us, batch 32 x 8,192 184 -> 170)
+    assert choose_splits(1, 8, 131072, 32, 132, waves_of=12) == (196, 672)  # 2,112 programs -> 1 wave: 198 wanted
+    assert choose_splits(32, 8, 8192, 32, 132, waves_of=12) == (6, 1376)  # 2,304 -> 1 wave (1,584): 6
+    assert choose_splits(128, 8, 4096, 32, 132, waves_of=12) == (3, 1376)  # 3,072 -> 2 waves: 3, as the default
+    assert choose_splits(1, 8, 131072, 32, 132) == (256, 512)
     rng = np.random.default_rng(4)
     cache, _ = build_cache(PAIRS[7], SMALL, rng)  # fast KIVI: key rows by default
     dc = tb.DeviceCache.from_cache(cache, DEVICE)
@@ -894,6 +955,16 @@ def test_split_counts_are_the_measured_choices():
     assert want != choose_splits(*shape, bn, sms)[0]
     # the paged splits; the residual window's split has its own launch with key rows (``residual_launch``)
     assert split.constexprs["KR"] and split.constexprs["PART"] == 1 and split.grid[2] == want
+    cache, _ = build_cache(PAIRS[9], dict(SMALL, q_heads=8, kv_heads=2, head_dim=128), rng)  # NVFP4 value words
+    dc = tb.DeviceCache.from_cache(cache, DEVICE)  # by halves: whole waves
+    q = torch.zeros(SMALL["batch"], 8, 128, dtype=torch.bfloat16, device=DEVICE)
+    launches, _, _ = plan_decode(q, dc.k.tiles(), dc.v.tiles(), dc.block_table, dc.seq_lens, dc.page_size,
+                                 max_seq_len=65536)
+    split = next(launch for launch in launches if "BLK" in launch.constexprs)
+    assert split.constexprs["VW"] and split.constexprs["HALF_V"] and split.options["num_warps"] == 1
+    want = choose_splits(SMALL["batch"], 2, 65536, 32, sms, waves_of=WORDS_HALVES_RESIDENT)[0]
+    assert WORDS_HALVES_RESIDENT == 12 and want != choose_splits(SMALL["batch"], 2, 65536, 32, sms)[0]
+    assert split.grid[2] == want
 
 
 @pytest.mark.parametrize("nvidia", [False, True])

@@ -132,6 +132,14 @@ def _launches(target: str, cases: list | None = None, page: int = 16) -> list[tu
                                              max_seq_len=40, num_splits=2, hw_formats=_hw_formats(target),
                                              ptx_unpack=True)
                 out.append((f"decode[{label},ptx]", split(launches)))
+            fast = split(plan_decode(q, dc.k.tiles(), dc.v.tiles(), dc.block_table, dc.seq_lens, page,
+                                     max_seq_len=40, num_splits=2, hw_formats=_hw_formats(target))[0])
+            if fast.constexprs.get("BLK") and fast.constexprs["VW"] and fast.constexprs["HALF_V"]:  # block rows'
+                # value tiles by channel halves as bytes (``value_words=False``), where words are the default
+                launches, _, _ = plan_decode(q, dc.k.tiles(), dc.v.tiles(), dc.block_table, dc.seq_lens, page,
+                                             max_seq_len=40, num_splits=2, hw_formats=_hw_formats(target),
+                                             value_words=False, ptx_unpack=target.startswith("cuda"))
+                out.append((f"decode[{label},vw=0{',ptx' if target.startswith('cuda') else ''}]", split(launches)))
             if "fp4" in kn:  # FP4 keys with tokens as rows (fp4_keys_by_token; default on CUDA for blocks of 16)
                 launches, _, _ = plan_decode(q, dc.k.tiles(), dc.v.tiles(), dc.block_table, dc.seq_lens, page,
                                              max_seq_len=40, num_splits=2, hw_formats=_hw_formats(target),

@@ -585,6 +585,31 @@ def _block_rows_values(p, vsc, vb, alpha, acc_lo, acc_hi, NB: tl.constexpr, H: t
 
 
 @triton.jit
+def _block_rows_value_words(p, vsc, vw, alpha, a0, a1, a2, a3, NB: tl.constexpr, H: tl.constexpr, N: tl.constexpr,
+                            KIND_V: tl.constexpr, FMT_V: tl.constexpr, PTX: tl.constexpr):
+    """The four accumulators of NB blocks' value rows against the code words ``vw`` [N, C] (int16; nibble k of word c
+    is channel 4c + k, :func:`_e2m1_quads`), each rescaled by ``alpha`` [H], plus :func:`_block_rows_p` times its
+    quad of channels."""
+    ar = tl.reshape(tl.broadcast_to(alpha[None, :], (NB, H)), (NB * H,))
+    pr = _block_rows_p(p, vsc, NB, H, N, KIND_V, FMT_V)
+    v0, v1, v2, v3 = _e2m1_quads(vw, PTX, KIND_V == 2)
+    return (_dot_acc(pr, v0, a0 * ar[:, None]), _dot_acc(pr, v1, a1 * ar[:, None]), _dot_acc(pr, v2, a2 * ar[:, None]),
+            _dot_acc(pr, v3, a3 * ar[:, None]))
+
+
+@triton.jit
+def _word_channels(a0, a1, a2, a3, NB: tl.constexpr, H: tl.constexpr, C: tl.constexpr, QB: tl.constexpr):
+    """Block rows of the word accumulators (column c of ``ak`` [NB * H, C]: channel 4c + k) -> the even and the odd
+    channels [H, 2C] of the heads, in channel order (even: 4c, 4c + 2; odd: 4c + 1, 4c + 3)."""
+    blk = 4 * tl.arange(0, C) // QB
+    o0 = _block_row_select(a0, NB, H, C, blk)
+    o1 = _block_row_select(a1, NB, H, C, blk)
+    o2 = _block_row_select(a2, NB, H, C, blk)
+    o3 = _block_row_select(a3, NB, H, C, blk)
+    return tl.reshape(tl.join(o0, o2), (H, 2 * C)), tl.reshape(tl.join(o1, o3), (H, 2 * C))
+
+
+@triton.jit
 def _row_halves(x, R: tl.constexpr, N: tl.constexpr):
     """Rows 0 .. R/2 - 1 and R/2 .. R - 1 of ``x`` [R, N]."""
     return tl.split(tl.permute(tl.reshape(x, (2, R // 2, N)), (1, 2, 0)))
@@ -618,7 +643,8 @@ def _fp4_block_rows(
     from transposed matrix loads where bytes take one shared load each. ``HALF_K``, ``HALF_V`` (``channel_halves``):
     row (b, h) meets only block b's channels, so a side's products split into the two channel halves, each with the
     rows of its blocks: two [rows / 2, D / 2] products instead of one [rows, D] whose every row is zero outside its
-    block (the same nonzero products, so the same sums; half the tensor-core work and value accumulators).
+    block (the same nonzero products, so the same sums; half the tensor-core work and value accumulators); with
+    ``VW`` each half's value words make four products of [rows / 2, D / 8].
     Returns (even channels, odd channels) [H, D/2] = sum p v, and the softmax state m, l [H] (base 2), as the main
     loop leaves them."""
     NBK: tl.constexpr = D // QB_K
@@ -644,16 +670,21 @@ def _fp4_block_rows(
     sc_k = qk_scale * pow2_f32(-eq) * 16384.0  # the key tiles hold E2M1 * 2**-14
     m_i = tl.full((H,), float("-inf"), tl.float32)
     l_i = tl.zeros((H,), tl.float32)
-    # value accumulator rows and columns: channel words (VW), channel pairs of a half (HALF_V: acc0 / acc1 the first
+    # value accumulator rows and columns: channel words of a half (VW and HALF_V: acc0 .. acc3 the first half's
+    # quads, acc4 .. acc7 the second's), channel words (VW), channel pairs of a half (HALF_V: acc0 / acc1 the first
     # half's even / odd channels, acc2 / acc3 the second's), or channel pairs
     RVP: tl.constexpr = RV // 2 if HALF_V else RV
-    DV: tl.constexpr = D // 4 if VW or HALF_V else D // 2
-    c = tl.arange(0, D // 4)
+    DV: tl.constexpr = (D // 8 if HALF_V else D // 4) if VW else (D // 4 if HALF_V else D // 2)
     jv = tl.arange(0, DV)
     acc0 = tl.zeros((RVP, DV), tl.float32)
     acc1 = tl.zeros((RVP, DV), tl.float32)
     acc2 = tl.zeros((RVP, DV), tl.float32)
     acc3 = tl.zeros((RVP, DV), tl.float32)
+    if VW and HALF_V:
+        acc4 = tl.zeros((RVP, DV), tl.float32)
+        acc5 = tl.zeros((RVP, DV), tl.float32)
+        acc6 = tl.zeros((RVP, DV), tl.float32)
+        acc7 = tl.zeros((RVP, DV), tl.float32)
     for t0 in range(start, end, BLOCK_N):
         t = t0 + tl.arange(0, BLOCK_N)
         tmask = t < end
@@ -667,7 +698,9 @@ def _fp4_block_rows(
         ksc = _block_scales(K1, slot, kvh, k1_s, k1_h, tmask, NBK, WSC_K, True)
         vrow = V0 + slot[:, None] * v0_s + kvh * v0_h
         if VW:
-            vb = tl.load(vrow.to(tl.pointer_type(tl.int16)) + c[None, :], mask=tmask[:, None], other=0)
+            vb = tl.load(vrow.to(tl.pointer_type(tl.int16)) + jv[None, :], mask=tmask[:, None], other=0)
+            if HALF_V:
+                vb_b = tl.load(vrow.to(tl.pointer_type(tl.int16)) + (DV + jv)[None, :], mask=tmask[:, None], other=0)
         else:
             vb = tl.load(vrow + jv[None, :], mask=tmask[:, None], other=0)
             if HALF_V:
@@ -681,33 +714,35 @@ def _fp4_block_rows(
         else:
             s = _block_rows_scores(qe16, qo16, kb, ksc, NBK, H, BLOCK_N, KIND_K, FMT_K, PTX) * sc_k
         p, alpha, m_i, l_i = _softmax_step(s, tmask, m_i, l_i)
-        if HALF_V:
+        if VW and HALF_V:
+            vs_a, vs_b = _row_halves(vsc, NBV, BLOCK_N)
+            acc0, acc1, acc2, acc3 = _block_rows_value_words(p, vs_a, vb, alpha, acc0, acc1, acc2, acc3, NBV // 2, H,
+                                                             BLOCK_N, KIND_V, FMT_V, PTX)
+            acc4, acc5, acc6, acc7 = _block_rows_value_words(p, vs_b, vb_b, alpha, acc4, acc5, acc6, acc7, NBV // 2,
+                                                             H, BLOCK_N, KIND_V, FMT_V, PTX)
+        elif HALF_V:
             vs_a, vs_b = _row_halves(vsc, NBV, BLOCK_N)
             acc0, acc1 = _block_rows_values(p, vs_a, vb, alpha, acc0, acc1, NBV // 2, H, BLOCK_N, KIND_V, FMT_V, PTX)
             acc2, acc3 = _block_rows_values(p, vs_b, vb_b, alpha, acc2, acc3, NBV // 2, H, BLOCK_N, KIND_V, FMT_V, PTX)
         elif VW:
-            ar = tl.reshape(tl.broadcast_to(alpha[None, :], (NBV, H)), (RV,))
-            pr = _block_rows_p(p, vsc, NBV, H, BLOCK_N, KIND_V, FMT_V)
-            v0, v1, v2, v3 = _e2m1_quads(vb, PTX, KIND_V == 2)
-            acc0 = _dot_acc(pr, v0, acc0 * ar[:, None])
-            acc1 = _dot_acc(pr, v1, acc1 * ar[:, None])
-            acc2 = _dot_acc(pr, v2, acc2 * ar[:, None])
-            acc3 = _dot_acc(pr, v3, acc3 * ar[:, None])
+            acc0, acc1, acc2, acc3 = _block_rows_value_words(p, vsc, vb, alpha, acc0, acc1, acc2, acc3, NBV, H, BLOCK_N,
+                                                             KIND_V, FMT_V, PTX)
         else:
             acc0, acc1 = _block_rows_values(p, vsc, vb, alpha, acc0, acc1, NBV, H, BLOCK_N, KIND_V, FMT_V, PTX)
     f: tl.constexpr = 2.0**14 / 128.0 if KIND_V == 3 else 1.0
-    if HALF_V:  # channel pairs of the first half, then of the second
+    if VW and HALF_V:  # the channels of the first half's words, then of the second's
+        lo_a, hi_a = _word_channels(acc0, acc1, acc2, acc3, NBV // 2, H, DV, QB_V)
+        lo_b, hi_b = _word_channels(acc4, acc5, acc6, acc7, NBV // 2, H, DV, QB_V)
+        return _columns_cat(lo_a, lo_b, H, 2 * DV) * f, _columns_cat(hi_a, hi_b, H, 2 * DV) * f, m_i, l_i
+    elif HALF_V:  # channel pairs of the first half, then of the second
         lo_a = _block_row_select(acc0, NBV // 2, H, DV, 2 * jv // QB_V)
         hi_a = _block_row_select(acc1, NBV // 2, H, DV, 2 * jv // QB_V)
         lo_b = _block_row_select(acc2, NBV // 2, H, DV, 2 * jv // QB_V)
         hi_b = _block_row_select(acc3, NBV // 2, H, DV, 2 * jv // QB_V)
         return _columns_cat(lo_a, lo_b, H, DV) * f, _columns_cat(hi_a, hi_b, H, DV) * f, m_i, l_i
-    elif VW:  # column c of acc k is channel 4c + k: even channels 4c, 4c + 2 and odd 4c + 1, 4c + 3, in channel order
-        o0 = _block_row_select(acc0, NBV, H, DV, 4 * c // QB_V) * f
-        o1 = _block_row_select(acc1, NBV, H, DV, 4 * c // QB_V) * f
-        o2 = _block_row_select(acc2, NBV, H, DV, 4 * c // QB_V) * f
-        o3 = _block_row_select(acc3, NBV, H, DV, 4 * c // QB_V) * f
-        return tl.reshape(tl.join(o0, o2), (H, DH)), tl.reshape(tl.join(o1, o3), (H, DH)), m_i, l_i
+    elif VW:
+        lo, hi = _word_channels(acc0, acc1, acc2, acc3, NBV, H, DV, QB_V)
+        return lo * f, hi * f, m_i, l_i
     else:
         lo = _block_row_select(acc0, NBV, H, DV, 2 * j // QB_V) * f
         hi = _block_row_select(acc1, NBV, H, DV, 2 * j // QB_V) * f
@@ -1415,17 +1450,16 @@ PRECISIONS = ("fast", "exact")
 KIND_IDS = {"bf16": 0, "fp8": 1, "mxfp4": 2, "nvfp4": 3, "int_v": 4, "int_k": 5}
 
 
-def channel_halves_apply(head_dim: int, k_block: int, v_block: int, rows_per_block: int,
-                         value_words: bool) -> tuple[bool, bool]:
+def channel_halves_apply(head_dim: int, k_block: int, v_block: int, rows_per_block: int) -> tuple[bool, bool]:
     """Whether the block-rows products of keys and of values split into channel halves: a side of (head_dim / block)
     x ``rows_per_block`` >= 32 rows with an even number of blocks and >= 16 code bytes per half (the tensor cores'
-    16-wide reduction); never for values read as words (``value_words``) or a side of block 0 (no block rows)."""
+    16-wide reduction); never a side of block 0 (no block rows)."""
 
     def half(block: int) -> bool:
         blocks = head_dim // block if block else 0
         return bool(block) and blocks % 2 == 0 and blocks * rows_per_block >= 32 and head_dim // 4 >= 16
 
-    return half(k_block), half(v_block) and not value_words
+    return half(k_block), half(v_block)
 
 
 @functools.lru_cache(maxsize=16)
@@ -1587,18 +1621,28 @@ def default_value_rows(precision: str, v_kind: str, q_per_kv: int, head_dim: int
 
 #: programs of the KIVI key-rows kernel resident per multiprocessor (about 250 registers per thread at 4 warps)
 KEY_ROWS_RESIDENT = 2
+#: one-warp programs of FP4 value words by channel halves resident per multiprocessor (<= 168 registers per thread)
+WORDS_HALVES_RESIDENT = 12
 
 
 def choose_splits(batch: int, kv_heads: int, max_len: int, block_n: int, num_sms: int,
-                  resident: int | None = None) -> tuple[int, int]:
+                  resident: int | None = None, waves_of: int | None = None) -> tuple[int, int]:
     """(splits, tokens per split), each split a whole number of tiles and at least 4 tiles long. Default: about
     16 programs per multiprocessor (measured best on the H100 for batch x kv_heads = 256). ``resident``: the
     programs one multiprocessor holds at once, for a kernel that few fit: one wave of programs,
     ``max(1, resident * num_sms // (batch * kv_heads))`` splits (KIVI key rows, 2 resident, H100: batch 32 x
     8,192, 1 split 321 us against 353 us for 8; batch 1 x 131,072, 32 splits 172 us against 236 us for 256 and
-    282 us for 16, bench/results/history/ab-h100-session10-hnd-splits.log)."""
+    282 us for 16, bench/results/history/ab-h100-session10-hnd-splits.log). ``waves_of``: the programs one
+    multiprocessor holds at once, for a kernel whose last partial wave costs (one-warp programs): the default's
+    programs rounded to whole waves, ``max(1, round(default / wave)) * wave // (batch * kv_heads)`` splits (FP4 value
+    words by halves, 12 resident, H100: batch 1 x 131,072 nvfp4 114 -> 97 us at 192 splits against 264,
+    history/ab-h100-session12-value-words-halves.log)."""
+    pairs = max(1, batch * kv_heads)
     if resident is not None:
-        want = max(1, resident * num_sms // max(1, batch * kv_heads))
+        want = max(1, resident * num_sms // pairs)
+    elif waves_of is not None:
+        wave = waves_of * num_sms
+        want = max(1, max(1, round(-(-16 * num_sms // pairs) * pairs / wave)) * wave // pairs)
     else:
         want = max(1, -(-16 * num_sms // max(1, batch * kv_heads)))
     most = max(1, -(-max_len // (4 * block_n)))
@@ -1675,8 +1719,8 @@ def plan_decode(
     do not carry the residual path's registers; default: with ``key_rows`` and a residual window.
     ``channel_halves``: with ``block_rows``, a side of at least 32 rows multiplies each channel half by the rows of
     its blocks only, two [rows / 2, D / 2] products instead of one [rows, D] (:func:`_fp4_block_rows`; the same
-    nonzero products); default: on where it applies (:func:`channel_halves_apply`); values read as words
-    (``value_words``) keep one product; ``True`` where no side applies raises.
+    nonzero products; values read as words split too, into four word products per half); default: on where it
+    applies (:func:`channel_halves_apply`); ``True`` where no side applies raises.
     ``heads_fast``: the KV heads on the grid's fastest axis, so the programs reading one token's rows run together
     (default False: it raised a loads-only kernel from 61% to 75% of the ceiling, but the decode kernels by at most
     2%)."""
@@ -1762,28 +1806,29 @@ def plan_decode(
                          "fp4_keys_by_token off")
     if block_rows:
         block_h = blk_h
-    # value tiles as 16-bit words: only with block rows, value rows <= 32 (64 rows, 8 query heads per KV head with
-    # NVFP4 at D 128, gave wrong results and an illegal address on the H100, not diagnosed), 2-byte aligned rows;
-    # default where the value rows are fewer than D / 4 (the four value products then keep the warps along the
-    # channels; mxfp4 at D 128: 193 -> 176 us on the H100, bench/results/history/ab-h100-session8-value-words.log)
-    v_rows = (head_dim // v.block) * blk_h if block_rows else 0
-    words_ok = (bool(block_rows) and v_rows <= 32
-                and not (any(st % 2 for st in v.row_strides(v.fields[0])) or v.fields[0].data_ptr() % 2))
-    if value_words is None:
-        value_words = words_ok and v_rows < head_dim // 4
-    elif value_words and not words_ok:
-        raise ValueError("value_words needs block_rows (FP4 keys and values in fast mode), at most 32 value rows "
-                         f"(here {v_rows}) and value code rows aligned to 2 bytes")
     half_k, half_v = channel_halves_apply(head_dim, k.block if block_rows else 0, v.block if block_rows else 0,
-                                          blk_h, bool(value_words))
+                                          blk_h)
     if channel_halves and not block_rows:
         raise ValueError("channel_halves needs block_rows (FP4 keys and values in fast mode)")
     if channel_halves and not (half_k or half_v):
         raise ValueError("channel_halves needs a side of >= 32 block rows with an even number of blocks (here keys "
-                         f"{(head_dim // k.block) * blk_h}, values {(head_dim // v.block) * blk_h} rows); values read "
-                         "as words (value_words) keep one product")
+                         f"{(head_dim // k.block) * blk_h}, values {(head_dim // v.block) * blk_h} rows)")
     if channel_halves is False:
         half_k = half_v = False
+    # value tiles as 16-bit words: only with block rows, value rows <= 32 (64 rows, 8 query heads per KV head with
+    # NVFP4 at D 128, gave wrong results and an illegal address on the H100, not diagnosed), 2-byte aligned rows;
+    # default where the value rows are fewer than D / 4 (the four value products then keep the warps along the
+    # channels; mxfp4 at D 128: 193 -> 176 us on the H100, bench/results/history/ab-h100-session8-value-words.log)
+    # or split into channel halves (with 32-token tiles and one warp: NVFP4 191 -> 184 us, fp4_e2m1 253 -> 237;
+    # history/ab-h100-session12-value-words-halves.log)
+    v_rows = (head_dim // v.block) * blk_h if block_rows else 0
+    words_ok = (bool(block_rows) and v_rows <= 32
+                and not (any(st % 2 for st in v.row_strides(v.fields[0])) or v.fields[0].data_ptr() % 2))
+    if value_words is None:
+        value_words = words_ok and (v_rows < head_dim // 4 or half_v)
+    elif value_words and not words_ok:
+        raise ValueError("value_words needs block_rows (FP4 keys and values in fast mode), at most 32 value rows "
+                         f"(here {v_rows}) and value code rows aligned to 2 bytes")
     # block rows: 16 rows per product measured best with 64-token tiles and 2 warps (mxfp4 at 4 query heads per KV
     # head; NVFP4 by channel halves, 3 stages: 235 -> 195 us; mxfp4 at 8 by halves: 903 -> 774), 32 (one product)
     # and E8M0 blocks of 16 by halves (fp4_e2m1: 286 -> 261 us; 275 at 64 / 2) with 128-token tiles and 4 warps
@@ -1792,17 +1837,22 @@ def plan_decode(
                     (head_dim // v.block) * blk_h // (2 if half_v else 1)) if block_rows else 0
     # (at page size 1 fp4_e2m1 by halves measured 316 us at 128 / 4 and 290 at 64 / 2: ab-h100-session11-page1.log)
     e8m0_16_halves = half_v and v.kind == "mxfp4" and v.block == 16 and page_size > 1
-    nvfp4_halves = half_k and half_v and k.kind == v.kind == "nvfp4"
-    blk_wide = block_rows and (prod_rows > 16 or e8m0_16_halves)
+    words_halves = bool(value_words) and half_v  # one warp, 32-token tiles (the value word products' layout
+    # replicates them across the warps of a larger program: sm_90 SASS of 2 warps issues the 1-warp loop's MMAs)
+    nvfp4_halves = half_k and half_v and k.kind == v.kind == "nvfp4" and not words_halves
+    blk_wide = block_rows and (prod_rows > 16 or e8m0_16_halves) and not words_halves
     if block_n is None:
         if key_rows:
             block_n = 128
+        elif words_halves:
+            block_n = 32
         elif block_rows:
             block_n = 128 if blk_wide else 64
         else:
             block_n = 64 if precision == "fast" and (fast_e8m0 or fast_nvfp4_ptx or k.kind == "bf16") else 32
     if num_warps is None:
-        num_warps = 4 if (fast_e8m0 and not fast_mx_ptx and not block_rows) or blk_wide or key_rows else 2
+        num_warps = (1 if words_halves else
+                     4 if (fast_e8m0 and not fast_mx_ptx and not block_rows) or blk_wide or key_rows else 2)
     if key_rows:  # a tile holds whole KIVI token groups, or lies inside one
         if block_n % k.group and k.group % block_n:
             raise ValueError(f"with key_rows, block_n {block_n} must divide or be a multiple of the KIVI key group "
@@ -1826,7 +1876,8 @@ def plan_decode(
     if num_splits is None:
         sms = _multiprocessors(str(q.device)) if q.is_cuda else 4
         num_splits, per = choose_splits(batch, kv_heads, max_seq_len, block_n, sms,
-                                        KEY_ROWS_RESIDENT if key_rows else None)
+                                        KEY_ROWS_RESIDENT if key_rows else None,
+                                        WORDS_HALVES_RESIDENT if words_halves else None)
     else:
         per = -(-max(max_seq_len, 1) // num_splits)
         per = -(-per // block_n) * block_n
