@@ -926,7 +926,7 @@ def test_split_counts_are_the_measured_choices():
     """About 16 programs per multiprocessor by default; one wave of programs for the KIVI key-rows kernel, which
     holds 2 per multiprocessor (session 10, H100: batch 32 x 8,192 1 split 321 us against 353 us for 8; batch 1
     x 131,072 32 splits 172 us against 236 us for 256; bench/results/history/ab-h100-session10-hnd-splits.log)."""
-    from kvqref.kernels.decode import KEY_ROWS_RESIDENT, WORDS_HALVES_RESIDENT, choose_splits
+    from kvqref.kernels.decode import KEY_ROWS_RESIDENT, TWO_WARP_RESIDENT, WORDS_HALVES_RESIDENT, choose_splits
 
     assert choose_splits(32, 8, 8192, 128, 132) == (8, 1024)  # 9 wanted, whole tiles per split
     assert choose_splits(1, 8, 131072, 128, 132) == (256, 512)  # at least 4 tiles per split
@@ -940,6 +940,11 @@ def test_split_counts_are_the_measured_choices():
     assert choose_splits(32, 8, 8192, 32, 132, waves_of=12) == (6, 1376)  # 2,304 -> 1 wave (1,584): 6
     assert choose_splits(128, 8, 4096, 32, 132, waves_of=12) == (3, 1376)  # 3,072 -> 2 waves: 3, as the default
     assert choose_splits(1, 8, 131072, 32, 132) == (256, 512)
+    # FP8 and mxfp4 at 2 warps with fewer KV pairs than multiprocessors: whole waves of 6, rounded down (batch 1 x
+    # 131,072 fp8 132 -> 121 us; rounded to the nearest, 3 waves, 297 splits: 172)
+    assert choose_splits(1, 8, 131072, 32, 132, waves_of=6, down=True) == (196, 672)  # 2,112 programs -> 2 waves
+    assert choose_splits(1, 8, 131072, 32, 132, waves_of=6) == (293, 448)  # -> 3 waves, the measured loss
+    assert choose_splits(8, 8, 32768, 32, 132, waves_of=6, down=True) == (24, 1376)
     rng = np.random.default_rng(4)
     cache, _ = build_cache(PAIRS[7], SMALL, rng)  # fast KIVI: key rows by default
     dc = tb.DeviceCache.from_cache(cache, DEVICE)
@@ -965,6 +970,22 @@ def test_split_counts_are_the_measured_choices():
     want = choose_splits(SMALL["batch"], 2, 65536, 32, sms, waves_of=WORDS_HALVES_RESIDENT)[0]
     assert WORDS_HALVES_RESIDENT == 12 and want != choose_splits(SMALL["batch"], 2, 65536, 32, sms)[0]
     assert split.grid[2] == want
+    for batch, pair in ((1, PAIRS[1]), (4, PAIRS[1]), (64, PAIRS[1]), (1, ("mxfp4", {}, "mxfp4", {}))):
+        cache, _ = build_cache(pair, dict(SMALL, batch=batch, lens=(5,) * batch, q_heads=8, kv_heads=2, head_dim=128),
+                               rng)
+        dc = tb.DeviceCache.from_cache(cache, DEVICE)
+        q = torch.zeros(batch, 8, 128, dtype=torch.bfloat16, device=DEVICE)
+        long = 262144  # long enough that no split count is capped by the 4 tiles per split (132 multiprocessors)
+        launches, _, _ = plan_decode(q, dc.k.tiles(), dc.v.tiles(), dc.block_table, dc.seq_lens, dc.page_size,
+                                     max_seq_len=long)
+        split = next(launch for launch in launches if "BLK" in launch.constexprs)
+        assert split.options["num_warps"] == 2
+        few = batch * 2 < sms  # fewer KV pairs than multiprocessors: whole waves, rounded down
+        bn = split.constexprs["BLOCK_N"]
+        rule = dict(waves_of=TWO_WARP_RESIDENT, down=True) if few else {}
+        assert split.grid[2] == choose_splits(batch, 2, long, bn, sms, **rule)[0], (batch, pair[0])
+        if few:
+            assert split.grid[2] != choose_splits(batch, 2, long, bn, sms)[0]
 
 
 @pytest.mark.parametrize("nvidia", [False, True])

@@ -1623,10 +1623,13 @@ def default_value_rows(precision: str, v_kind: str, q_per_kv: int, head_dim: int
 KEY_ROWS_RESIDENT = 2
 #: one-warp programs of FP4 value words by channel halves resident per multiprocessor (<= 168 registers per thread)
 WORDS_HALVES_RESIDENT = 12
+#: two-warp programs of fast FP8 and of mxfp4 block rows resident per multiprocessor, as the H100's split counts
+#: measure it (whole waves of 6 per multiprocessor are fast, of 7 are not: history/ab-h100-session12-splits-2warp.log)
+TWO_WARP_RESIDENT = 6
 
 
 def choose_splits(batch: int, kv_heads: int, max_len: int, block_n: int, num_sms: int,
-                  resident: int | None = None, waves_of: int | None = None) -> tuple[int, int]:
+                  resident: int | None = None, waves_of: int | None = None, down: bool = False) -> tuple[int, int]:
     """(splits, tokens per split), each split a whole number of tiles and at least 4 tiles long. Default: about
     16 programs per multiprocessor (measured best on the H100 for batch x kv_heads = 256). ``resident``: the
     programs one multiprocessor holds at once, for a kernel that few fit: one wave of programs,
@@ -1636,13 +1639,16 @@ def choose_splits(batch: int, kv_heads: int, max_len: int, block_n: int, num_sms
     multiprocessor holds at once, for a kernel whose last partial wave costs (one-warp programs): the default's
     programs rounded to whole waves, ``max(1, round(default / wave)) * wave // (batch * kv_heads)`` splits (FP4 value
     words by halves, 12 resident, H100: batch 1 x 131,072 nvfp4 114 -> 97 us at 192 splits against 264,
-    history/ab-h100-session12-value-words-halves.log)."""
+    history/ab-h100-session12-value-words-halves.log); ``down``: rounded down instead, ``max(1, default // wave)``
+    waves (FP8 and mxfp4 at 2 warps, 6 resident, with fewer KV pairs than multiprocessors: batch 1 x 131,072 fp8
+    132 -> 121 us at 198 splits, where 297, the nearest, took 172; history/ab-h100-session12-splits-2warp.log)."""
     pairs = max(1, batch * kv_heads)
     if resident is not None:
         want = max(1, resident * num_sms // pairs)
     elif waves_of is not None:
         wave = waves_of * num_sms
-        want = max(1, max(1, round(-(-16 * num_sms // pairs) * pairs / wave)) * wave // pairs)
+        programs = -(-16 * num_sms // pairs) * pairs
+        want = max(1, max(1, programs // wave if down else round(programs / wave)) * wave // pairs)
     else:
         want = max(1, -(-16 * num_sms // max(1, batch * kv_heads)))
     most = max(1, -(-max_len // (4 * block_n)))
@@ -1875,9 +1881,14 @@ def plan_decode(
         max_seq_len = int(seq_lens.max().item()) if seq_lens.numel() else 0
     if num_splits is None:
         sms = _multiprocessors(str(q.device)) if q.is_cuda else 4
+        # FP8 and mxfp4 at 2 warps with fewer KV pairs than multiprocessors (long contexts, few sequences): whole
+        # waves, rounded down (with more pairs the split count is too coarse to hit them: ANALYSIS.md, session 12)
+        two_warp_waves = (num_warps == 2 and precision == "fast" and batch * kv_heads < sms
+                          and (k.kind == v.kind == "fp8" or (bool(block_rows) and k.kind == v.kind == "mxfp4")))
         num_splits, per = choose_splits(batch, kv_heads, max_seq_len, block_n, sms,
                                         KEY_ROWS_RESIDENT if key_rows else None,
-                                        WORDS_HALVES_RESIDENT if words_halves else None)
+                                        WORDS_HALVES_RESIDENT if words_halves else
+                                        TWO_WARP_RESIDENT if two_warp_waves else None, down=two_warp_waves)
     else:
         per = -(-max(max_seq_len, 1) // num_splits)
         per = -(-per // block_n) * block_n
