@@ -121,20 +121,21 @@ def _launches(target: str, cases: list | None = None, page: int = 16) -> list[tu
             dc = tb.DeviceCache.from_cache(cache, "cpu")
             q = torch.zeros(2, 8, 128, dtype=torch.bfloat16)
             residual = (dc.k_residual, dc.v_residual, dc.k_lens, dc.v_lens) if dc.has_residual else None
+            default = {}  # the split launch of each precision's defaults
             for precision in PRECISIONS:
                 launches, _, _ = plan_decode(q, dc.k.tiles(), dc.v.tiles(), dc.block_table, dc.seq_lens, page,
                                              residual=residual, max_seq_len=40, num_splits=2,
                                              hw_formats=_hw_formats(target), precision=precision)
+                default[precision] = split(launches)
                 out.append((f"decode[{label}]" if precision == "fast" else f"decode[{label},{precision}]",
-                            split(launches)))
+                            default[precision]))
             if target.startswith("cuda") and "fp4" in kn + vn:  # FP4 nibbles unpacked by inline PTX (ptx_unpack)
                 launches, _, _ = plan_decode(q, dc.k.tiles(), dc.v.tiles(), dc.block_table, dc.seq_lens, page,
                                              max_seq_len=40, num_splits=2, hw_formats=_hw_formats(target),
                                              ptx_unpack=True)
                 out.append((f"decode[{label},ptx]", split(launches)))
-            fast = split(plan_decode(q, dc.k.tiles(), dc.v.tiles(), dc.block_table, dc.seq_lens, page,
-                                     max_seq_len=40, num_splits=2, hw_formats=_hw_formats(target))[0])
-            if fast.constexprs.get("BLK") and fast.constexprs["VW"] and fast.constexprs["HALF_V"]:  # block rows'
+            fast = default["fast"].constexprs
+            if fast.get("BLK") and fast["VW"] and fast["HALF_V"]:  # block rows'
                 # value tiles by channel halves as bytes (``value_words=False``), where words are the default
                 launches, _, _ = plan_decode(q, dc.k.tiles(), dc.v.tiles(), dc.block_table, dc.seq_lens, page,
                                              max_seq_len=40, num_splits=2, hw_formats=_hw_formats(target),

@@ -1638,19 +1638,17 @@ def choose_splits(batch: int, kv_heads: int, max_len: int, block_n: int, num_sms
     282 us for 16, bench/results/history/ab-h100-session10-hnd-splits.log). ``waves_of``: the programs one
     multiprocessor holds at once, for a kernel whose last partial wave costs (one-warp programs): the default's
     programs rounded to whole waves, ``max(1, round(default / wave)) * wave // (batch * kv_heads)`` splits (FP4 value
-    words by halves, 12 resident, H100: batch 1 x 131,072 nvfp4 114 -> 97 us at 192 splits against 264,
-    history/ab-h100-session12-value-words-halves.log); ``down``: rounded down instead, ``max(1, default // wave)``
+    words by halves, 12 resident, H100: batch 1 x 131,072 nvfp4 114 -> 94 us at 196 splits against 256,
+    history/ab-h100-session12-waves.log); ``down``: rounded down instead, ``max(1, default // wave)``
     waves (FP8 and mxfp4 at 2 warps, 6 resident, with fewer KV pairs than multiprocessors: batch 1 x 131,072 fp8
     132 -> 121 us at 198 splits, where 297, the nearest, took 172; history/ab-h100-session12-splits-2warp.log)."""
     pairs = max(1, batch * kv_heads)
+    want = max(1, -(-16 * num_sms // pairs))  # the default
     if resident is not None:
         want = max(1, resident * num_sms // pairs)
     elif waves_of is not None:
-        wave = waves_of * num_sms
-        programs = -(-16 * num_sms // pairs) * pairs
+        wave, programs = waves_of * num_sms, want * pairs
         want = max(1, max(1, programs // wave if down else round(programs / wave)) * wave // pairs)
-    else:
-        want = max(1, -(-16 * num_sms // max(1, batch * kv_heads)))
     most = max(1, -(-max_len // (4 * block_n)))
     splits = min(want, most)
     per = -(-max(max_len, 1) // splits)
