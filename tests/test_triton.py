@@ -227,6 +227,78 @@ def test_kivi_key_rows(pair, q_heads, kv_heads, head_dim, block_n):
         _run_decode(build_cache(PAIRS[1], SMALL, rng)[0], q[:, :4, :64], key_rows=True)
 
 
+KIVI_WORD_PAIRS = [  # KIVI key groups of 32 (a 128-token tile holds four), 4- and 2-bit codes
+    ("int4_kivi", {"role": "key", "group_size": 32, "residual": 32},
+     "int4_kivi", {"role": "value", "group_size": 32, "residual": 32}),
+    ("int2_kivi", {"role": "key", "group_size": 32, "residual": 32},
+     "int2_kivi", {"role": "value", "group_size": 64, "residual": 32}),
+]
+
+
+def _plant_code_step(cache, side: str, b: int, token: int, channel: int) -> None:
+    """Code +1 (-1 at the top code) of ``token``'s channel ``channel`` in KV head 0 of sequence ``b``."""
+    page, off = divmod(int(cache.slot_mapping(b, token, 1)[0]), cache.page_size)
+    bits = getattr(cache, side).scheme.bits
+    byte, shift = divmod(channel * bits, 8)
+    codes = getattr(cache, side).storage["codes"]
+    code = (int(codes[page, off, 0, byte]) >> shift) & ((1 << bits) - 1)
+    codes[page, off, 0, byte] = (int(codes[page, off, 0, byte]) & ~(((1 << bits) - 1) << shift)
+                                 | ((code + (1 if code == 0 else -1)) << shift))
+
+
+@pytest.mark.parametrize("pair", KIVI_WORD_PAIRS, ids=["int4", "int2"])
+@pytest.mark.parametrize("q_heads,block_n", [(8, None), (8, 64), (4, 32)])
+def test_kivi_words(pair, q_heads, block_n):
+    """``kivi_words`` (KIVI key rows with the codes read as words of eight codes, one product per code position;
+    the values' products per chunk of 32 tokens) meets the oracle's bound of the key rows for a bfloat16 and a
+    float32 q, and agrees with the byte phases within the sum of both bounds. A planted key code step (the channel
+    of the largest |q s| of the paged token a head attends to most) moves that head's lse beyond the bound; a planted
+    value code step (a channel of the largest value scale of such a token, at a code position other than 0) changes
+    that head's output in the planted channel only. Bad combinations are refused."""
+    rng = np.random.default_rng(q_heads * 11 + (block_n or 0) + (pair[0] == "int2_kivi"))
+    shape = dict(SMALL, q_heads=q_heads, kv_heads=2, head_dim=128, page_size=32, lens=(1, 150, 300))
+    cache, _ = build_cache(pair, shape, rng)
+    q32 = torch.from_numpy(4 * rng.standard_normal((3, q_heads, 128)).astype(np.float32))
+    kw = dict(precision="fast", key_rows=True, value_rows=True, **({} if block_n is None else {"block_n": block_n}))
+    for qdtype in ("bfloat16", "float32"):
+        q = q32.to(getattr(torch, qdtype))
+        q64 = q.float().numpy().astype(np.float64)
+        ref_out, ref_lse, tol_o, tol_l = _oracle(cache, q64, "fast", qdtype, value_rows=True)
+        out, lse, _ = _run_decode(cache, q, kivi_words=True, **kw)
+        assert (np.abs(out - ref_out) <= tol_o).all() and (np.abs(lse - ref_lse) <= tol_l).all(), qdtype
+        byte, lse_b, _ = _run_decode(cache, q, kivi_words=False, **kw)
+        assert (np.abs(out - byte) <= 2 * tol_o).all() and (np.abs(lse - lse_b) <= 2 * tol_l).all(), qdtype
+    b = 2
+    K, _ = cache.dequantized(b)
+
+    def top_token(side):  # a query head of KV head 0 that attends most to a paged (quantized) token of ``side``
+        return next((h, int(np.argmax(K[:, 0, :] @ q64[b, h]))) for h in range(q_heads // 2)
+                    if np.argmax(K[:, 0, :] @ q64[b, h]) < int(getattr(cache, side).paged[b]))
+
+    kh, top = top_token("k")
+    s = cache.quantized(b, "k").fields["scale"].astype(np.float64)[top // cache.k.scheme.group_size, 0]
+    key_ch = int(np.argmax(np.abs(q64[b, kh] * s)))
+    vh, vtop = top_token("v")
+    vs = np.repeat(cache.quantized(b, "v").fields["scale"].astype(np.float64)[vtop, 0], cache.v.scheme.group_size)
+    vs[::8] = 0  # a channel 8c + p with p > 0: not the first code of its word
+    val_ch = int(np.argmax(vs))
+    for side, token, ch in (("k", top, key_ch), ("v", vtop, val_ch)):
+        planted, _ = build_cache(pair, shape, np.random.default_rng(q_heads * 11 + (block_n or 0)
+                                                                    + (pair[0] == "int2_kivi")))
+        _plant_code_step(planted, side, b, token, ch)
+        out_p, lse_p, _ = _run_decode(planted, q, kivi_words=True, **kw)
+        if side == "k":
+            assert np.abs(lse_p - ref_lse)[b, kh] > tol_l[b, kh], side
+        else:  # the step shows in the planted channel of that head's output, and only there
+            step = np.abs(out_p - out)[b, vh]
+            assert step.argmax() == ch and np.delete(step, ch).max() < 1e-3 * step[ch], side
+    with pytest.raises(ValueError, match="kivi_words"):
+        _run_decode(cache, q, precision="fast", key_rows=False, kivi_words=True)
+    small, _ = build_cache(pair, dict(shape, head_dim=64), rng)
+    with pytest.raises(ValueError, match="kivi_words needs.*head_dim >= 128"):
+        _run_decode(small, q[:, :, :64], kivi_words=True, **kw)
+
+
 @pytest.mark.skipif(not GPU, reason="inline PTX runs on a CUDA device only (the interpreter takes the portable path)")
 @pytest.mark.parametrize("precision", ["fast", "exact"])
 @pytest.mark.parametrize("pair", [PAIRS[5], PAIRS[6], ("nvfp4", {}, "nvfp4", {})],

@@ -486,15 +486,24 @@ def _kivi_key_phase(
 
 
 @triton.jit
+def _group_rows(x, GR: tl.constexpr, HV: tl.constexpr, N: tl.constexpr):
+    """Rows ``g * HV + h`` (h < HV) of the result [GR * HV, N] are row g of ``x`` [GR, N]."""
+    return tl.reshape(tl.broadcast_to(x[:, None, :], (GR, HV, N)), (GR * HV, N))
+
+
+@triton.jit
 def _kivi_value_rows(V1, V2, slot, m, kvh, v1_s, v1_h, v2_s, v2_h, HV: tl.constexpr, M: tl.constexpr,
                      NG: tl.constexpr):
     """KIVI values with rows by group (``HV`` > 0): the scale and zero of channel group ``r // HV`` of token j,
-    as float32 [M, N] tiles in the layout of the scores (0 where ``m[j]`` is false or the group does not exist)."""
-    g = tl.arange(0, M) // HV
+    as float32 [M, N] tiles in the layout of the scores (0 where ``m[j]`` is false or the group does not exist). Each
+    (group, token) is loaded once (a token's groups are contiguous) and broadcast over the HV rows of its group."""
+    GR: tl.constexpr = M // HV
+    g = tl.arange(0, GR)
+    N: tl.constexpr = slot.shape[0]
     mm = m[None, :] & (g < NG)[:, None]
-    sr = tl.load(V1 + slot[None, :] * v1_s + kvh * v1_h + g[:, None], mask=mm, other=0.0).to(tl.float32)
-    zr = tl.load(V2 + slot[None, :] * v2_s + kvh * v2_h + g[:, None], mask=mm, other=0.0).to(tl.float32)
-    return sr, zr
+    sg = tl.load(V1 + slot[None, :] * v1_s + kvh * v1_h + g[:, None], mask=mm, other=0.0).to(tl.float32)
+    zg = tl.load(V2 + slot[None, :] * v2_s + kvh * v2_h + g[:, None], mask=mm, other=0.0).to(tl.float32)
+    return _group_rows(sg, GR, HV, N), _group_rows(zg, GR, HV, N)
 
 
 @triton.jit
@@ -793,8 +802,8 @@ def _from_magic(x, P: tl.constexpr, BITS: tl.constexpr, F16: tl.constexpr):
     K: tl.constexpr = P * BITS - OVER if OVER > 0 else P * BITS
     if K == 0:
         return x - M
-    else:
-        return x * (1.0 / (1 << K)) - M / (1 << K)
+    else:  # (x * 2**-K is exact, so fused or not the same value)
+        return tl.fma(x, tl.cast(1.0 / (1 << K), x.dtype), tl.cast(-M / (1 << K), x.dtype))
 
 
 @triton.jit
@@ -830,6 +839,95 @@ def _int_phases(byte, BITS: tl.constexpr, F16: tl.constexpr, PTX: tl.constexpr):
                 _int_codes16(byte, 2 % PH, BITS, F16), _int_codes16(byte, 3 % PH, BITS, F16))
 
 
+def _int_words_ptx(bits: int, f16: bool) -> str:
+    """The PTX of :func:`_int_word_phases`: outputs ``$p`` (p = 0..7), inputs ``$8`` (4-bit codes: ``$8``, ``$9``, two
+    32-bit words; 2-bit codes: ``$8``, two 16-bit words in its halves). Output p holds code p of the first word in its
+    low half and of the second in its high half as magic + code * 2**k (float16 magic 0x6400 = 1024, bfloat16 0x4300 =
+    128; k as :func:`int_code_bit`). 4-bit codes: per byte j a ``prmt`` spreads byte j of both words into the low
+    bytes of the halves, then one ``lop3`` ``(y & field) | magic`` per code (bfloat16's high nibble after a ``shr`` by
+    1); 2-bit codes: the halves are the words, one ``lop3`` per code (after a ``shr`` where the code would reach the
+    exponent)."""
+    magic = 0x6400 if f16 else 0x4300
+    lines = [".reg .b32 y, t;"]
+
+    def code(out: int, src_bit: int, phase: int) -> None:
+        k = int_code_bit(bits, phase, f16)
+        field = ((1 << bits) - 1) << k
+        src = "y"
+        if k < src_bit:
+            lines.append(f"shr.b32 t, y, {src_bit - k};")
+            src = "t"
+        lines.append(f"lop3.b32 ${out}, {src}, 0x{field:04X}{field:04X}, 0x{magic:04X}{magic:04X}, 0xEA;")
+
+    if bits == 4:
+        for j in range(4):
+            lines.append(f"prmt.b32 y, $8, $9, 0x{((j + 4) << 8) | j:04X};")
+            code(2 * j, 0, 0)
+            code(2 * j + 1, 4, 1)
+    else:
+        lines.append("mov.b32 y, $8;")
+        for p in range(8):
+            code(p, 2 * p, p)
+    return "{\n" + "\n".join(lines) + "\n}"
+
+
+INT4_WORDS_F16_PTX = tl.constexpr(_int_words_ptx(4, True))
+INT4_WORDS_BF16_PTX = tl.constexpr(_int_words_ptx(4, False))
+INT2_WORDS_F16_PTX = tl.constexpr(_int_words_ptx(2, True))
+INT2_WORDS_BF16_PTX = tl.constexpr(_int_words_ptx(2, False))
+
+
+@triton.jit
+def _int_word_phases(w, BITS: tl.constexpr, F16: tl.constexpr, PTX: tl.constexpr):
+    """The eight integer codes of each code word ``w`` (int32 of 4-bit codes, int16 of 2-bit codes; code p at bit
+    ``p * BITS``: channel 8c + p of word c) as exact float16 (``F16``) or bfloat16 values, eight tensors in code order.
+    CUDA (``PTX``): :func:`_int_words_ptx`, two words per call, 0.75 (4-bit) or 0.6 (2-bit) integer instructions per
+    code, then :func:`_from_magic` (one packed 16-bit operation per two codes); elsewhere :func:`_int_codes16` per
+    code."""
+    if PTX and not INTERPRET:
+        if F16:
+            dt = tl.float16
+        else:
+            dt = tl.bfloat16
+        if BITS == 4:
+            c0, c1, c2, c3, c4, c5, c6, c7 = tl.inline_asm_elementwise(
+                INT4_WORDS_F16_PTX if F16 else INT4_WORDS_BF16_PTX, "=r,=r,=r,=r,=r,=r,=r,=r,r,r", [w],
+                dtype=(dt, dt, dt, dt, dt, dt, dt, dt), is_pure=True, pack=2)
+            return (_from_magic(c0, 0, 4, F16), _from_magic(c1, 1, 4, F16), _from_magic(c2, 0, 4, F16),
+                    _from_magic(c3, 1, 4, F16), _from_magic(c4, 0, 4, F16), _from_magic(c5, 1, 4, F16),
+                    _from_magic(c6, 0, 4, F16), _from_magic(c7, 1, 4, F16))
+        else:
+            c0, c1, c2, c3, c4, c5, c6, c7 = tl.inline_asm_elementwise(
+                INT2_WORDS_F16_PTX if F16 else INT2_WORDS_BF16_PTX, "=r,=r,=r,=r,=r,=r,=r,=r,r", [w],
+                dtype=(dt, dt, dt, dt, dt, dt, dt, dt), is_pure=True, pack=2)
+            return (_from_magic(c0, 0, 2, F16), _from_magic(c1, 1, 2, F16), _from_magic(c2, 2, 2, F16),
+                    _from_magic(c3, 3, 2, F16), _from_magic(c4, 4, 2, F16), _from_magic(c5, 5, 2, F16),
+                    _from_magic(c6, 6, 2, F16), _from_magic(c7, 7, 2, F16))
+    else:
+        return (_int_codes16(w, 0, BITS, F16), _int_codes16(w, 1, BITS, F16), _int_codes16(w, 2, BITS, F16),
+                _int_codes16(w, 3, BITS, F16), _int_codes16(w, 4, BITS, F16), _int_codes16(w, 5, BITS, F16),
+                _int_codes16(w, 6, BITS, F16), _int_codes16(w, 7, BITS, F16))
+
+
+@triton.jit
+def _eighths(x, R: tl.constexpr, C: tl.constexpr):
+    """Columns 8c + p of ``x`` [R, 8C] as eight [R, C] tensors, p = 0..7."""
+    e, o = tl.split(tl.reshape(x, (R, C, 2, 2, 2)))  # bit 0 of p
+    e0, e1 = tl.split(e)  # bit 1
+    o0, o1 = tl.split(o)
+    x0, x4 = tl.split(e0)  # bit 2
+    x2, x6 = tl.split(e1)
+    x1, x5 = tl.split(o0)
+    x3, x7 = tl.split(o1)
+    return x0, x1, x2, x3, x4, x5, x6, x7
+
+
+@triton.jit
+def _quarters_interleaved(a, b, c, d, R: tl.constexpr, C: tl.constexpr):
+    """[R, 4C] with column 4c + k taken from the k-th of ``a``, ``b``, ``c``, ``d`` [R, C]."""
+    return tl.reshape(tl.join(tl.join(a, c), tl.join(b, d)), (R, 4 * C))
+
+
 @triton.jit
 def _kivi_key_rows(
     Q, BT, K0, K1, K2, V0, V1, V2, b, kvh, start, end, stride_qb, stride_qh, stride_btb, k0_s, k0_h, k1_s, k1_h,
@@ -837,6 +935,7 @@ def _kivi_key_rows(
     BLOCK_H: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, PAGE_SLOTS: tl.constexpr, BLOCK_N: tl.constexpr,
     G_K: tl.constexpr,
     BITS_K: tl.constexpr, G_V: tl.constexpr, BITS_V: tl.constexpr, RN: tl.constexpr, PTX: tl.constexpr,
+    KW: tl.constexpr = False,
 ):
     """Fast-mode KIVI keys by token-group rows (``key_rows``), values by channel-group rows (``value_rows``).
 
@@ -848,7 +947,14 @@ def _kivi_key_rows(
     :func:`_kivi_value_rows` (``p * s`` rounded once to bfloat16 against the exact codes, ``p * z`` summed in
     float32 per (row, token)). Returns the value accumulators [BLOCK_H, D / PV] per phase, the zero term in the
     residual tiles' accumulator shape [BLOCK_H, RN] (each row's sum in column 0) and m, l [BLOCK_H] (base 2) in the
-    value rows, as the main loop leaves them."""
+    value rows, as the main loop leaves them.
+
+    ``KW`` (code words): key and value codes read as words of eight codes (int32 of 4-bit codes, int16 of 2-bit
+    codes; channel 8c + p is code p of word c) and unpacked by :func:`_int_word_phases`, one product per code p on
+    each side. Keys: the key rows' columns 8c + p [rows, D / 8] against the words' codes p [D / 8, tokens]; values:
+    per chunk of 32 tokens (a batched product, so the warps split the tokens instead of repeating a [rows, D / 8]
+    product), the value rows [chunk, rows, 32] against the codes p [chunk, 32, D / 8], the chunks summed after the
+    loop. The same nonzero products as the byte phases, summed in another order."""
     PK: tl.constexpr = 8 // BITS_K
     PV: tl.constexpr = 8 // BITS_V
     DK: tl.constexpr = D // PK
@@ -860,6 +966,7 @@ def _kivi_key_rows(
     rh = rk % HV
     rg = rk // HV
     rmask = (rh < QPK) & (rg < NGK)
+    kg = tl.arange(0, RK // HV)
     d = tl.arange(0, D)
     ik = tl.arange(0, DK)
     iv = tl.arange(0, DV)
@@ -873,30 +980,63 @@ def _kivi_key_rows(
     acc2 = tl.zeros((BLOCK_H, DV), tl.float32)
     acc3 = tl.zeros((BLOCK_H, DV), tl.float32)
     zacc = tl.zeros((BLOCK_H,), tl.float32)
+    DW: tl.constexpr = D // 8  # code words per token (KW)
+    NCH: tl.constexpr = BLOCK_N // 32 if BLOCK_N > 32 else 1  # value chunks (KW)
+    WTK: tl.constexpr = tl.int32 if BITS_K == 4 else tl.int16
+    WTV: tl.constexpr = tl.int32 if BITS_V == 4 else tl.int16
+    KWB: tl.constexpr = BITS_K  # bytes per code word: 4 (4-bit codes), 2 (2-bit)
+    VWB: tl.constexpr = BITS_V
+    iw = tl.arange(0, DW)
+    if KW:
+        w0 = tl.zeros((NCH, BLOCK_H, DW), tl.float32)
+        w1 = tl.zeros((NCH, BLOCK_H, DW), tl.float32)
+        w2 = tl.zeros((NCH, BLOCK_H, DW), tl.float32)
+        w3 = tl.zeros((NCH, BLOCK_H, DW), tl.float32)
+        w4 = tl.zeros((NCH, BLOCK_H, DW), tl.float32)
+        w5 = tl.zeros((NCH, BLOCK_H, DW), tl.float32)
+        w6 = tl.zeros((NCH, BLOCK_H, DW), tl.float32)
+        w7 = tl.zeros((NCH, BLOCK_H, DW), tl.float32)
     for t0 in range(start, end, BLOCK_N):
         t = t0 + tl.arange(0, BLOCK_N)
         tmask = t < end
         page = tl.load(BT + b * stride_btb + t // PAGE, mask=tmask, other=0).to(tl.int64)
         slot = page_slot(page, t, PAGE, PAGE_SLOTS)
-        tg = t0 + rg * G_K  # the first token of row r's group
-        gmask = rmask & (tg < end)
+        tg = t0 + kg * G_K  # the first token of each key group of the tile
+        gmask = (kg < NGK) & (tg < end)
         gslot = page_slot(tl.load(BT + b * stride_btb + tg // PAGE, mask=gmask, other=0).to(tl.int64), tg, PAGE,
                       PAGE_SLOTS)
         grp = gslot // G_K
-        kb = tl.load(K0 + slot[None, :] * k0_s + kvh * k0_h + ik[:, None], mask=tmask[None, :], other=0)
-        vb = tl.load(V0 + slot[:, None] * v0_s + kvh * v0_h + iv[None, :], mask=tmask[:, None], other=0)
+        if KW:  # (strides in words, so the rows' alignment is known to the compiler: vector loads)
+            kw = tl.load(K0.to(tl.pointer_type(WTK)) + slot[:, None] * (k0_s // KWB) + kvh * (k0_h // KWB)
+                         + iw[None, :], mask=tmask[:, None], other=0)
+            slot3 = tl.reshape(slot, (NCH, BLOCK_N // NCH))[:, :, None]  # (loaded in the product's chunks)
+            vw = tl.load(V0.to(tl.pointer_type(WTV)) + slot3 * (v0_s // VWB) + kvh * (v0_h // VWB)
+                         + iw[None, None, :], mask=tl.reshape(tmask, (NCH, BLOCK_N // NCH))[:, :, None], other=0)
+        else:
+            kb = tl.load(K0 + slot[None, :] * k0_s + kvh * k0_h + ik[:, None], mask=tmask[None, :], other=0)
+            vb = tl.load(V0 + slot[:, None] * v0_s + kvh * v0_h + iv[None, :], mask=tmask[:, None], other=0)
+        # the groups' scales and zeros, loaded once per group and broadcast over its rows (j, h)
         ks = tl.load(K1 + grp[:, None] * k1_s + kvh * k1_h + d[None, :], mask=gmask[:, None], other=0.0)
         kz = tl.load(K2 + grp[:, None] * k2_s + kvh * k2_h + d[None, :], mask=gmask[:, None], other=0.0)
+        ks = _group_rows(ks.to(tl.float32), RK // HV, HV, D)
+        kz = _group_rows(kz.to(tl.float32), RK // HV, HV, D)
         srow, zrow = _kivi_value_rows(V1, V2, slot, tmask, kvh, v1_s, v1_h, v2_s, v2_h, HV, BLOCK_H, D // G_V)
-        qs = qk * ks.to(tl.float32)
+        qs = qk * ks
         e = _f16_exponent(tl.max(tl.abs(qs), 1))
         a = _split16(qs * pow2_f32(e)[:, None], True)[0]
-        bias = tl.sum(qk * kz.to(tl.float32), 1)
-        k0, k1, k2, k3 = _int_phases(kb, BITS_K, True, PTX)
-        if PK == 2:
+        bias = tl.sum(qk * kz, 1)
+        if KW:
+            c0, c1, c2, c3, c4, c5, c6, c7 = _int_word_phases(tl.trans(kw), BITS_K, True, PTX)
+            a0, a1, a2, a3, a4, a5, a6, a7 = _eighths(a, RK, DW)
+            s2 = _dot_acc(a0, c0, tl.zeros((RK, BLOCK_N), tl.float32))
+            s2 = _dot_acc(a7, c7, _dot_acc(a6, c6, _dot_acc(a5, c5, _dot_acc(a4, c4, s2))))
+            s2 = _dot_acc(a3, c3, _dot_acc(a2, c2, _dot_acc(a1, c1, s2)))
+        elif PK == 2:
+            k0, k1, k2, k3 = _int_phases(kb, BITS_K, True, PTX)
             a0, a1 = tl.split(tl.reshape(a, (RK, DK, 2)))
             s2 = _dot_acc(a1, k1, _dot_acc(a0, k0, tl.zeros((RK, BLOCK_N), tl.float32)))
         else:
+            k0, k1, k2, k3 = _int_phases(kb, BITS_K, True, PTX)
             a02, a13 = tl.split(tl.reshape(a, (RK, DK, 2, 2)))
             a0, a2 = tl.split(a02)
             a1, a3 = tl.split(a13)
@@ -909,12 +1049,36 @@ def _kivi_key_rows(
         ar = tl.reshape(tl.broadcast_to(alpha[None, :], (GRV, HV)), (BLOCK_H,))
         pa = _split(pr * srow, True, True)[0]
         zacc = zacc * ar + tl.sum(pr * zrow, 1)
-        v0, v1, v2, v3 = _int_phases(vb, BITS_V, False, PTX)
-        acc0 = _dot_acc(pa, v0, acc0 * ar[:, None])
-        acc1 = _dot_acc(pa, v1, acc1 * ar[:, None])
-        if PV == 4:
-            acc2 = _dot_acc(pa, v2, acc2 * ar[:, None])
-            acc3 = _dot_acc(pa, v3, acc3 * ar[:, None])
+        if KW:  # per chunk of 32 tokens: [NCH, rows, 32] x [NCH, 32, D / 8] for each code p
+            pa3 = tl.permute(tl.reshape(pa, (BLOCK_H, NCH, BLOCK_N // NCH)), (1, 0, 2))
+            v0, v1, v2, v3, v4, v5, v6, v7 = _int_word_phases(vw, BITS_V, False, PTX)
+            ar3 = ar[None, :, None]
+            w0 = _dot_acc(pa3, v0, w0 * ar3)
+            w1 = _dot_acc(pa3, v1, w1 * ar3)
+            w2 = _dot_acc(pa3, v2, w2 * ar3)
+            w3 = _dot_acc(pa3, v3, w3 * ar3)
+            w4 = _dot_acc(pa3, v4, w4 * ar3)
+            w5 = _dot_acc(pa3, v5, w5 * ar3)
+            w6 = _dot_acc(pa3, v6, w6 * ar3)
+            w7 = _dot_acc(pa3, v7, w7 * ar3)
+        else:
+            v0, v1, v2, v3 = _int_phases(vb, BITS_V, False, PTX)
+            acc0 = _dot_acc(pa, v0, acc0 * ar[:, None])
+            acc1 = _dot_acc(pa, v1, acc1 * ar[:, None])
+            if PV == 4:
+                acc2 = _dot_acc(pa, v2, acc2 * ar[:, None])
+                acc3 = _dot_acc(pa, v3, acc3 * ar[:, None])
+    if KW:  # chunks summed; code p of word c is channel 8c + p = element i * PV + P of accumulator P
+        o0, o1, o2, o3 = tl.sum(w0, 0), tl.sum(w1, 0), tl.sum(w2, 0), tl.sum(w3, 0)
+        o4, o5, o6, o7 = tl.sum(w4, 0), tl.sum(w5, 0), tl.sum(w6, 0), tl.sum(w7, 0)
+        if PV == 2:
+            acc0 = _quarters_interleaved(o0, o2, o4, o6, BLOCK_H, DW)
+            acc1 = _quarters_interleaved(o1, o3, o5, o7, BLOCK_H, DW)
+        else:
+            acc0 = tl.reshape(tl.join(o0, o4), (BLOCK_H, DV))
+            acc1 = tl.reshape(tl.join(o1, o5), (BLOCK_H, DV))
+            acc2 = tl.reshape(tl.join(o2, o6), (BLOCK_H, DV))
+            acc3 = tl.reshape(tl.join(o3, o7), (BLOCK_H, DV))
     m_r = tl.reshape(tl.broadcast_to(m_i[None, :], (GRV, HV)), (BLOCK_H,))
     l_r = tl.reshape(tl.broadcast_to(l_i[None, :], (GRV, HV)), (BLOCK_H,))
     zs = tl.where(tl.arange(0, RN)[None, :] == 0, zacc[:, None], 0.0)
@@ -1019,6 +1183,7 @@ def decode_split_kernel(
     BLK: tl.constexpr = False,
     VW: tl.constexpr = False,
     KR: tl.constexpr = False,
+    KW: tl.constexpr = False,
     HALF_K: tl.constexpr = False,
     HALF_V: tl.constexpr = False,
     BLOCK_R: tl.constexpr = 0,
@@ -1122,7 +1287,7 @@ def decode_split_kernel(
             acc0, acc1, acc2, acc3, zacc, m_i, l_i = _kivi_key_rows(
                 Q, BT, K0, K1, K2, V0, V1, V2, b, kvh, start, end, stride_qb, stride_qh, stride_btb, k0_s, k0_h,
                 k1_s, k1_h, k2_s, k2_h, v0_s, v0_h, v1_s, v1_h, v2_s, v2_h, qk_scale, QPK, HV, BLOCK_H, D, PAGE,
-                PAGE_SLOTS, BLOCK_N, G_K, BITS_K, G_V, BITS_V, RN, PTX)
+                PAGE_SLOTS, BLOCK_N, G_K, BITS_K, G_V, BITS_V, RN, PTX, KW)
         elif BLK:  # fast FP4 by block rows (``_fp4_block_rows``)
             acc0, acc1, m_i, l_i = _fp4_block_rows(
                 Q, BT, K0, K1, V0, V1, b, kvh, start, end, stride_qb, stride_qh, stride_btb, k0_s, k0_h, k1_s, k1_h,
@@ -1684,6 +1849,7 @@ def plan_decode(
     block_rows: bool | None = None,
     value_words: bool | None = None,
     key_rows: bool | None = None,
+    kivi_words: bool | None = None,
     residual_launch: bool | None = None,
     channel_halves: bool | None = None,
 ):
@@ -1719,6 +1885,10 @@ def plan_decode(
     tiles may span several key groups. Needs ``value_rows``; default: on where ``value_rows`` is and the key rows fit
     16, with 128-token tiles, 4 warps, 2 stages and (CUDA) the codes unpacked by inline PTX (H100, batch 32 x
     8,192: int4 618 -> 339 us, int2 519 -> 295; bench/results/ANALYSIS.md, session 9).
+    ``kivi_words``: with ``key_rows``, the key and value codes read as words of eight codes (int32 / int16) and
+    unpacked two words per PTX call, one product per code position (:func:`_kivi_key_rows`, constexpr ``KW``; the
+    same nonzero products, summed in another order); needs head_dim >= 128, tiles of at least 32 tokens and code rows
+    aligned to their word; default: off.
     ``residual_launch``: the residual window's split as its own launch (constexpr ``PART``), so the paged splits
     do not carry the residual path's registers; default: with ``key_rows`` and a residual window.
     ``channel_halves``: with ``block_rows``, a side of at least 32 rows multiplies each channel half by the rows of
@@ -1865,6 +2035,16 @@ def plan_decode(
         block_n = min(block_n, k.group)
         if k.group % block_n:
             raise ValueError(f"block_n {block_n} must divide the KIVI key group size {k.group}")
+    if kivi_words is None:
+        kivi_words = False
+    if kivi_words:
+        word_bytes = {4: 4, 2: 2}
+        aligned = all(not (any(st % word_bytes[t.bits] for st in t.row_strides(t.fields[0]))
+                           or t.fields[0].data_ptr() % word_bytes[t.bits]) for t in (k, v))
+        if not (key_rows and head_dim >= 128 and block_n >= 32 and aligned):
+            raise ValueError("kivi_words needs key_rows, head_dim >= 128 (here "
+                             f"{head_dim}), tiles of at least 32 tokens (here {block_n}) and code rows aligned to "
+                             "their word (4 bytes for 4-bit codes, 2 for 2-bit)")
     if num_stages is None:
         num_stages = 3 if nvfp4_halves else 2 if block_rows or key_rows else (
             3 if k.kind in ("fp8", "int_k") or fast_mx_ptx or (precision == "fast" and k.kind == "nvfp4"
@@ -1960,6 +2140,7 @@ def plan_decode(
         BLK=bool(block_rows),
         VW=bool(value_words),
         KR=bool(key_rows),
+        KW=bool(kivi_words),
         HALF_K=half_k,
         HALF_V=half_v,
         PART=0,  # 0: the paged and residual splits in one launch (``residual_launch`` makes 1 and 2)
