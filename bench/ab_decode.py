@@ -17,7 +17,8 @@ launches), ``hf=1`` puts the KV heads on the grid's fastest axis (``heads_fast``
 by block rows (``block_rows``), ``vw`` (0/1): their value tiles as 16-bit words (``value_words``), ``kr``
 (0/1): fast KIVI keys by token-group rows (``key_rows``), ``rl`` (0/1): the residual split as its own launch
 (``residual_launch``), ``hnd`` (0/1): the cache's fields head-major (``DeviceCache.with_layout("HND")``, a copy
-made once), ``ch`` (0/1): block rows by channel halves (``channel_halves``).
+made once), ``ch`` (0/1): block rows by channel halves (``channel_halves``), ``kw`` (0/1): KIVI codes as words of
+eight (``kivi_words``).
 KIVI caches carry their residual window, as in bench/decode_bench.py.
 """
 
@@ -42,7 +43,7 @@ KEYS = {"bn": ("block_n", int), "w": ("num_warps", int), "s": ("num_stages", int
         "hf": ("heads_fast", lambda v: v == "1"), "blk": ("block_rows", lambda v: v == "1"),
         "vw": ("value_words", lambda v: v == "1"), "kr": ("key_rows", lambda v: v == "1"),
         "rl": ("residual_launch", lambda v: v == "1"), "hnd": ("layout", lambda v: "HND" if v == "1" else "NHD"),
-        "ch": ("channel_halves", lambda v: v == "1")}
+        "ch": ("channel_halves", lambda v: v == "1"), "kw": ("kivi_words", lambda v: v == "1")}
 
 
 def parse_variant(text: str) -> tuple[str, str, dict]:

@@ -45,7 +45,8 @@ def test_every_kernel_compiles_for_rocm_and_cuda_targets():
         # + fast-mode KIVI keys with the scale folded into q (``key_tile=False``)
         ktile_off = sum("kivi" in c[1] for c in DECODE_CASES)
         # + fast-mode KIVI keys by token-group rows (``key_rows``) where the values are KIVI too: the paged splits
-        # and the residual split, its own launch (``residual_launch``)
+        # and the residual split, its own launch (``residual_launch``), and the key rows with the codes as bytes
+        # (``kivi_words=False``)
         key_rows = sum("kivi" in c[1] and "kivi" in c[3] for c in DECODE_CASES)
         # + the rotated write cases by their other butterfly routes (``rotation_route``): split/join or sums (the
         # one that is not the default), gather, and on CUDA the warp shuffles
@@ -58,10 +59,11 @@ def test_every_kernel_compiles_for_rocm_and_cuda_targets():
         # halves read as words by default: their byte tiles (``value_words=False``)
         vw_off = sum("fp4" in c[1] and c[3] in ("fp4_e2m1", "nvfp4") for c in DECODE_CASES)
         assert len(rows) == (2 * len(DECODE_CASES) + len(SHARED_KERNELS) + len(WRITE_CASES) + ptx + f16cvt
-                             + rows_off + kt4 + ktile_off + 2 * key_rows + sums + nvb + blocks + vw_off), t
+                             + rows_off + kt4 + ktile_off + 3 * key_rows + sums + nvb + blocks + vw_off), t
         assert sum(",vw=0" in r["kernel"] for r in rows) == vw_off, t
         assert key_rows and sum(r["kernel"].endswith(",kr=1]") and r["ok"] for r in rows) == key_rows, t
         assert sum(r["kernel"].endswith(",kr=1,part=2]") and r["ok"] for r in rows) == key_rows, t
+        assert sum(r["kernel"].endswith(",kr=1,kw=0]") and r["ok"] for r in rows) == key_rows, t
         assert nvb and all(r["ok"] for r in rows if r["kernel"].endswith(",blocks]")), t
         assert blocks and sum(",block_d=" in r["kernel"] for r in rows) == blocks, t
         assert {r["kernel"] for r in rows} >= {*SHARED_KERNELS, "decode[fp8_e4m3+H]", "write[fp4_e2m1-hadamard-5]"}

@@ -254,7 +254,9 @@ def test_kivi_words(pair, q_heads, block_n):
     float32 q, and agrees with the byte phases within the sum of both bounds. A planted key code step (the channel
     of the largest |q s| of the paged token a head attends to most) moves that head's lse beyond the bound; a planted
     value code step (a channel of the largest value scale of such a token, at a code position other than 0) changes
-    that head's output in the planted channel only. Bad combinations are refused."""
+    that head's output in the planted channel only. Bad combinations are refused. Planted bugs fail it: key codes 1
+    and 2 swapped (6 of 6), the 4-bit value codes interleaved in the wrong order (the 3 int4 cases), one value
+    accumulator not rescaled (6 of 6)."""
     rng = np.random.default_rng(q_heads * 11 + (block_n or 0) + (pair[0] == "int2_kivi"))
     shape = dict(SMALL, q_heads=q_heads, kv_heads=2, head_dim=128, page_size=32, lens=(1, 150, 300))
     cache, _ = build_cache(pair, shape, rng)
@@ -363,6 +365,52 @@ def test_e2m1_quads_ptx_equals_the_portable_one(bf16, rows, cols, warps):
                     np.float32)  # code s e1 e0 m (the definition), -0.0 for code 8
     want = e2m1[nib].reshape(-1) * np.float32(1.0 if bf16 else 2.0**-14)
     assert np.array_equal(got[1], want.view(np.int32))  # as bits: signed zeros included
+
+
+@pytest.mark.skipif(not GPU, reason="inline PTX runs on a CUDA device only (the interpreter takes the portable path)")
+@pytest.mark.parametrize("bits", [4, 2])
+@pytest.mark.parametrize("f16", [True, False], ids=["float16", "bfloat16"])
+@pytest.mark.parametrize("rows,cols,warps", [(128, 16, 4), (32, 16, 1)])
+def test_int_word_phases_ptx_equals_the_portable_one(bits, f16, rows, cols, warps):
+    """The KIVI code-word unpacking (``_int_word_phases``) by inline PTX gives the portable route's bits and the
+    codes themselves (code p at bit p * bits, exact in float16 and bfloat16) for 2**20 words: every 16-bit word
+    (2-bit codes), random and all-ones / all-zeros / one-hot 32-bit words (4-bit codes)."""
+    if getattr(torch.version, "hip", None):
+        pytest.skip("CUDA only")
+    import triton
+    import triton.language as tl
+
+    from kvqref.kernels.decode import _int_word_phases
+
+    @triton.jit
+    def phases(W, O, PTX: tl.constexpr, BITS: tl.constexpr, F16: tl.constexpr, R: tl.constexpr, C: tl.constexpr):
+        at = (tl.program_id(0) * R + tl.arange(0, R)[:, None]) * C + tl.arange(0, C)[None, :]
+        c0, c1, c2, c3, c4, c5, c6, c7 = _int_word_phases(tl.load(W + at), BITS, F16, PTX)
+        tl.store(O + at * 8, c0.to(tl.float32))
+        tl.store(O + at * 8 + 1, c1.to(tl.float32))
+        tl.store(O + at * 8 + 2, c2.to(tl.float32))
+        tl.store(O + at * 8 + 3, c3.to(tl.float32))
+        tl.store(O + at * 8 + 4, c4.to(tl.float32))
+        tl.store(O + at * 8 + 5, c5.to(tl.float32))
+        tl.store(O + at * 8 + 6, c6.to(tl.float32))
+        tl.store(O + at * 8 + 7, c7.to(tl.float32))
+
+    n = 1 << 20
+    if bits == 2:
+        w = np.resize(np.arange(-32768, 32768, dtype=np.int16), n)
+    else:
+        w = np.random.default_rng(5).integers(-2**31, 2**31, n, dtype=np.int64).astype(np.int32)
+        w[:34] = [0, -1] + [np.int32(np.uint32(1 << k).astype(np.int32)) for k in range(32)]
+    words = torch.from_numpy(w).to(DEVICE)
+    got = []
+    for ptx in (True, False):
+        out = torch.full((8 * n,), float("nan"), dtype=torch.float32, device=DEVICE)
+        phases[(n // (rows * cols),)](words, out, PTX=ptx, BITS=bits, F16=f16, R=rows, C=cols, num_warps=warps)
+        got.append(out.cpu().numpy())
+    assert np.array_equal(got[0].view(np.int32), got[1].view(np.int32))
+    u = w.astype(np.int64) & ((1 << (8 * w.itemsize)) - 1)
+    want = (u[:, None] >> (bits * np.arange(8))[None, :]) & ((1 << bits) - 1)
+    assert np.array_equal(got[0], want.reshape(-1).astype(np.float32))
 
 
 @pytest.mark.skipif(not GPU, reason="inline PTX runs on a CUDA device only (the interpreter takes the portable path)")
