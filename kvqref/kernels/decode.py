@@ -889,20 +889,16 @@ def _int_word_phases(w, BITS: tl.constexpr, F16: tl.constexpr, PTX: tl.constexpr
             dt = tl.float16
         else:
             dt = tl.bfloat16
-        if BITS == 4:
-            c0, c1, c2, c3, c4, c5, c6, c7 = tl.inline_asm_elementwise(
-                INT4_WORDS_F16_PTX if F16 else INT4_WORDS_BF16_PTX, "=r,=r,=r,=r,=r,=r,=r,=r,r,r", [w],
-                dtype=(dt, dt, dt, dt, dt, dt, dt, dt), is_pure=True, pack=2)
-            return (_from_magic(c0, 0, 4, F16), _from_magic(c1, 1, 4, F16), _from_magic(c2, 0, 4, F16),
-                    _from_magic(c3, 1, 4, F16), _from_magic(c4, 0, 4, F16), _from_magic(c5, 1, 4, F16),
-                    _from_magic(c6, 0, 4, F16), _from_magic(c7, 1, 4, F16))
-        else:
-            c0, c1, c2, c3, c4, c5, c6, c7 = tl.inline_asm_elementwise(
-                INT2_WORDS_F16_PTX if F16 else INT2_WORDS_BF16_PTX, "=r,=r,=r,=r,=r,=r,=r,=r,r", [w],
-                dtype=(dt, dt, dt, dt, dt, dt, dt, dt), is_pure=True, pack=2)
-            return (_from_magic(c0, 0, 2, F16), _from_magic(c1, 1, 2, F16), _from_magic(c2, 2, 2, F16),
-                    _from_magic(c3, 3, 2, F16), _from_magic(c4, 4, 2, F16), _from_magic(c5, 5, 2, F16),
-                    _from_magic(c6, 6, 2, F16), _from_magic(c7, 7, 2, F16))
+        Q: tl.constexpr = 2 if BITS == 4 else 8  # codes per 16-bit half of the input (byte of 4-bit codes, word)
+        c0, c1, c2, c3, c4, c5, c6, c7 = tl.inline_asm_elementwise(
+            (INT4_WORDS_F16_PTX if F16 else INT4_WORDS_BF16_PTX) if BITS == 4 else
+            (INT2_WORDS_F16_PTX if F16 else INT2_WORDS_BF16_PTX),
+            "=r,=r,=r,=r,=r,=r,=r,=r,r,r" if BITS == 4 else "=r,=r,=r,=r,=r,=r,=r,=r,r", [w],
+            dtype=(dt, dt, dt, dt, dt, dt, dt, dt), is_pure=True, pack=2)
+        return (_from_magic(c0, 0, BITS, F16), _from_magic(c1, 1 % Q, BITS, F16), _from_magic(c2, 2 % Q, BITS, F16),
+                _from_magic(c3, 3 % Q, BITS, F16), _from_magic(c4, 4 % Q, BITS, F16),
+                _from_magic(c5, 5 % Q, BITS, F16), _from_magic(c6, 6 % Q, BITS, F16),
+                _from_magic(c7, 7 % Q, BITS, F16))
     else:
         return (_int_codes16(w, 0, BITS, F16), _int_codes16(w, 1, BITS, F16), _int_codes16(w, 2, BITS, F16),
                 _int_codes16(w, 3, BITS, F16), _int_codes16(w, 4, BITS, F16), _int_codes16(w, 5, BITS, F16),
