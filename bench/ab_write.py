@@ -260,6 +260,14 @@ def main() -> int:
                          "(comma-separated; Triton's CUDA option maxnreg)")
     ap.add_argument("--block-d", default="128,64,32",
                     help="with --sweep, KIVI keys: channels per program to time (comma-separated; block_d)")
+    ap.add_argument("--tiles", default="",
+                    help="with --sweep: the (BLOCK_T, BLOCK_H) tiles to time instead of the built-in lists, as "
+                         "'BT,BH;BT,BH', or 'none'")
+    ap.add_argument("--warps", default="", help="with --sweep: the warps to time (comma-separated; default per kind)")
+    ap.add_argument("--launches", default="",
+                    help="with --sweep: launches to time, each 'k=v,k=v' and separated by ';': lower-case keys "
+                         "are plan_write's arguments (ints), upper-case ones kernel constexprs, 'maxnreg' the "
+                         "register cap; each one's bytes are checked against the base first")
     ap.add_argument("--no-proofs", action="store_true")
     ap.add_argument("--smoke", action="store_true",
                     help="CPU plumbing check under TRITON_INTERPRET=1: 256 tokens, exactness only, no timing")
@@ -317,6 +325,12 @@ def main() -> int:
             warps = (2, 4, 8) if kind == 5 else (4, 8)  # KIVI keys: fewer warps, fewer cross-warp reduction steps
             if new.constexprs.get("NV_BLOCKS"):  # NVFP4 whole blocks: 16 or 32 elements per thread
                 tiles, warps = [(1, 8), (2, 8), (4, 8)], (2, 4, 8)
+            if args.tiles == "none":
+                tiles = []
+            elif args.tiles and kind != 5:
+                tiles = [tuple(int(v) for v in tile.split(",")) for tile in args.tiles.split(";") if tile]
+            if args.warps:
+                warps = tuple(int(v) for v in args.warps.split(",") if v)
             candidates = [({"BLOCK_T": bt, "BLOCK_H": bh, "num_warps": nw, "F16_CVT": cvt},
                            tb.plan_write(side, x, slots, block_t=bt, block_h=bh, num_warps=nw, f16_cvt=cvt))
                           for (bt, bh), nw, cvt in ((t, w, c) for t in tiles for w in warps
@@ -327,6 +341,14 @@ def main() -> int:
                 checked.append(({"BLOCK_D": bd, "num_warps": nw, "store_as_loaded": sal, "F16_CVT": True},
                                 tb.plan_write(side, x, slots, num_warps=nw, f16_cvt=True, block_d=bd,
                                               store_as_loaded=sal)))
+            for text in (t for t in args.launches.split(";") if t.strip()):
+                pairs = dict(kv.split("=") for kv in text.replace(" ", "").split(","))
+                launch = tb.plan_write(side, x, slots, **{k: int(v) for k, v in pairs.items()
+                                                          if k.islower() and k != "maxnreg"})
+                launch.constexprs.update({k: int(v) for k, v in pairs.items() if k.isupper()})
+                if "maxnreg" in pairs:
+                    launch.options["maxnreg"] = int(pairs["maxnreg"])
+                checked.append(({"launch": text}, launch))
             candidates += checked
             for reg in (int(r) for r in args.maxnreg.split(",") if r):  # the default launch, registers capped
                 launch = tb.plan_write(side, x, slots)

@@ -89,6 +89,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="plan_write's nvfp4_blocks (default 1, as on an NVIDIA GPU)")
     ap.add_argument("--maxnreg", type=int, help="Triton's CUDA option maxnreg (registers per thread cap)")
     ap.add_argument("--f16-cvt", action="store_true", help="KIVI float16 roundings by conversion instructions")
+    ap.add_argument("--cx", default="", help="extra kernel constexprs NAME=INT,... (A/B variants)")
     ap.add_argument("--dump", help="write each kernel's SASS here")
     ap.add_argument("--routes", default="none", help="none (unrotated) and/or rotated by rotation_route: "
                     "split, sums, gather, shfl (comma-separated)")
@@ -123,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.tile:
             kw["block_t"], kw["block_h"] = (int(v) for v in args.tile.split(","))
         launch = tb.plan_write(side, x, slots, num_warps=args.warps, hw_fp8=True, f16_cvt=args.f16_cvt, **kw)
+        launch.constexprs.update({k: int(v) for k, v in (c.split('=') for c in args.cx.split(',') if c)})
         if args.maxnreg:
             launch.options["maxnreg"] = args.maxnreg
         sass, regs, smem = sass_of(launch)

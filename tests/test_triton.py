@@ -1038,6 +1038,9 @@ def test_launch_defaults_are_the_measured_choices():
         nvidia = GPU and not getattr(torch.version, "hip", None)
         assert launch.constexprs["F16_CVT"] is nvidia
         assert launch.options["num_warps"] == (2 if pair[0].endswith("kivi") else tb.WRITE_WARPS)
+        # KIVI keys of whole heads (head_dim 64 here): capped registers on NVIDIA GPUs
+        want_cap = tb.WRITE_MAXNREG_KIVI_KEYS if nvidia and pair[0].endswith("kivi") else None
+        assert launch.options.get("maxnreg") == want_cap, pair[0]
         vlaunch = tb.plan_write(dc.v, x, torch.full((16,), -1, device=DEVICE))  # KIVI values: capped registers
         assert vlaunch.options.get("maxnreg") == (64 if nvidia and pair[0].endswith("kivi") else None), pair[0]
 
@@ -1046,7 +1049,14 @@ def test_split_counts_are_the_measured_choices():
     """About 16 programs per multiprocessor by default; one wave of programs for the KIVI key-rows kernel, which
     holds 2 per multiprocessor (session 10, H100: batch 32 x 8,192 1 split 321 us against 353 us for 8; batch 1
     x 131,072 32 splits 172 us against 236 us for 256; bench/results/history/ab-h100-session10-hnd-splits.log)."""
-    from kvqref.kernels.decode import KEY_ROWS_RESIDENT, TWO_WARP_RESIDENT, WORDS_HALVES_RESIDENT, choose_splits
+    from kvqref.kernels.decode import (
+        KEY_ROWS_RESIDENT,
+        KIVI_WORDS_2BIT_MAXNREG,
+        TWO_WARP_RESIDENT,
+        WORDS_HALVES_RESIDENT,
+        choose_splits,
+        key_rows_resident,
+    )
 
     assert choose_splits(32, 8, 8192, 128, 132) == (8, 1024)  # 9 wanted, whole tiles per split
     assert choose_splits(1, 8, 131072, 128, 132) == (256, 512)  # at least 4 tiles per split
@@ -1054,6 +1064,14 @@ def test_split_counts_are_the_measured_choices():
     assert choose_splits(32, 8, 8192, 128, 132, resident=2) == (1, 8192)
     assert choose_splits(1, 8, 131072, 128, 132, resident=2) == (32, 4096)
     assert choose_splits(64, 8, 16384, 128, 132, resident=2) == (1, 16384)  # more programs than a wave: 1 split
+    # 3 resident (2-bit KIVI words at 168 registers, session 14, H100: batch 32 3 splits 215 us against 233 / 267 /
+    # 233 for 1 / 2 / 4; batch 1 49 splits 114.5 us against 137 / 151 for 33 / 66): the fewest splits whose last
+    # wave of 396 programs is at least 95% full
+    assert choose_splits(32, 8, 8192, 128, 132, resident=3) == (3, 2816)  # 768 programs: 1.94 waves
+    assert choose_splits(1, 8, 131072, 128, 132, resident=3) == (49, 2688)  # 48 wanted gives 47 by whole tiles
+    assert choose_splits(8, 8, 32768, 128, 132, resident=3) == (6, 5504)
+    assert key_rows_resident(4, None) == 2 and key_rows_resident(4, KIVI_WORDS_2BIT_MAXNREG) == 3
+    assert key_rows_resident(4, 255) == 2
     # one-warp FP4 value words by halves: the default's programs rounded to whole waves of 12 per multiprocessor
     # (session 12, H100: batch 1 x 131,072 nvfp4 114 -> 94 us, batch 32 x 8,192 184 -> 170)
     assert choose_splits(1, 8, 131072, 32, 132, waves_of=12) == (196, 672)  # 2,112 programs -> 1 wave: 198 wanted
@@ -1080,6 +1098,17 @@ def test_split_counts_are_the_measured_choices():
     assert want != choose_splits(*shape, bn, sms)[0]
     # the paged splits; the residual window's split has its own launch with key rows (``residual_launch``)
     assert split.constexprs["KR"] and split.constexprs["PART"] == 1 and split.grid[2] == want
+    # 2-bit KIVI code words: registers capped on NVIDIA GPUs (3 programs per multiprocessor), not elsewhere
+    cache, _ = build_cache(PAIRS[8], dict(SMALL, head_dim=128), rng)
+    dc = tb.DeviceCache.from_cache(cache, DEVICE)
+    q = torch.zeros(SMALL["batch"], SMALL["q_heads"], 128, dtype=torch.bfloat16, device=DEVICE)
+    launches, _, _ = plan_decode(q, dc.k.tiles(), dc.v.tiles(), dc.block_table, dc.seq_lens, dc.page_size,
+                                 max_seq_len=65536, residual=(dc.k_residual, dc.v_residual, dc.k_lens, dc.v_lens))
+    split = next(launch for launch in launches if "KR" in launch.constexprs)
+    nvidia = GPU and not getattr(torch.version, "hip", None)
+    assert split.constexprs["KW"] and split.options.get("maxnreg") == (KIVI_WORDS_2BIT_MAXNREG if nvidia else None)
+    assert split.grid[2] == choose_splits(SMALL["batch"], SMALL["kv_heads"], 65536, split.constexprs["BLOCK_N"], sms,
+                                          resident=3 if nvidia else 2)[0]
     cache, _ = build_cache(PAIRS[9], dict(SMALL, q_heads=8, kv_heads=2, head_dim=128), rng)  # NVFP4 value words
     dc = tb.DeviceCache.from_cache(cache, DEVICE)  # by halves: whole waves
     q = torch.zeros(SMALL["batch"], 8, 128, dtype=torch.bfloat16, device=DEVICE)
@@ -1113,8 +1142,9 @@ def test_write_layout_defaults_are_the_measured_choices(nvidia, monkeypatch):
     """Write layouts the H100 A/Bs of session 7 chose (bench/results/ANALYSIS.md): on NVIDIA GPUs NVFP4 writes of
     bfloat16 input with whole blocks per thread (85.3 -> 70.8 us), 4-bit KIVI keys of head_dim 128 by 64-channel
     blocks, one warp, stores as loaded (92.6 -> 82.4 us); 2-bit keys (no gain) and head_dim 64 keep whole heads;
-    elsewhere neither. Planned only (``_nvidia_gpu`` stands in for the device, FP8 encoding by integers); an
-    explicit choice wins."""
+    elsewhere neither; session 14: NVFP4 whole blocks at 2 warps (74.1 -> 70.1 us), whole-head keys at <= 96
+    registers. Planned only (``_nvidia_gpu`` stands in for the device, FP8 encoding by integers); an explicit
+    choice wins."""
     from kvqref.paged import PagedKVCache
 
     monkeypatch.setattr(tb, "_nvidia_gpu", lambda device: nvidia)
@@ -1129,6 +1159,9 @@ def test_write_layout_defaults_are_the_measured_choices(nvidia, monkeypatch):
         assert launch.constexprs["BLOCK_D"] == (want[0] if want else 0), (name, head_dim)
         assert launch.options["num_warps"] == (want[1] if want else tb.WRITE_WARPS_KIVI_KEYS), (name, head_dim)
         assert launch.constexprs["STORE_AS_LOADED"] is (want is not None), (name, head_dim)
+        # whole heads capped at WRITE_MAXNREG_KIVI_KEYS registers (session 14: int2 keys 86.2 -> 82.8 us)
+        cap = tb.WRITE_MAXNREG_KIVI_KEYS if nvidia and chosen is None else None
+        assert launch.options.get("maxnreg") == cap, (name, head_dim)
         whole = tb.plan_write(dc.k, x, slots, block_d=head_dim, store_as_loaded=False, hw_fp8=False)
         assert whole.constexprs["BLOCK_D"] == 0 and whole.constexprs["STORE_AS_LOADED"] is False
         assert whole.options["num_warps"] == tb.WRITE_WARPS_KIVI_KEYS
@@ -1139,6 +1172,7 @@ def test_write_layout_defaults_are_the_measured_choices(nvidia, monkeypatch):
     launch = tb.plan_write(dc.k, x, slots, hw_fp8=False)
     assert launch.constexprs["NV_BLOCKS"] is nvidia
     assert launch.constexprs["BLOCK_T"] == (tb.NVFP4_BLOCKS_TILE_ELEMS // (8 * 128) if nvidia else 4)
+    assert launch.options["num_warps"] == (tb.NVFP4_BLOCKS_WARPS if nvidia else tb.WRITE_WARPS)
     assert tb.plan_write(dc.k, x, slots, nvfp4_blocks=False, hw_fp8=False).constexprs["NV_BLOCKS"] is False
 
 

@@ -363,9 +363,12 @@ WRITE_WARPS = 4
 WRITE_WARPS_KIVI_KEYS = 2
 WRITE_MAX_BLOCK_H = 8
 #: NVFP4 writes of bfloat16 input (unrotated) with whole 16-element blocks per thread (plan_write's ``nvfp4_blocks``,
-#: the kernel's NV_BLOCKS) take tiles of about this many elements (2 tokens x 8 heads x 128: one block per thread
-#: with 4 warps, 48 registers on sm_90 against 80 with two blocks per thread)
+#: the kernel's NV_BLOCKS) take tiles of about this many elements (2 tokens x 8 heads x 128; session 7, token-major
+#: pages: 48 registers on sm_90 at one block per thread with 4 warps, 80 with two blocks per thread)
 NVFP4_BLOCKS_TILE_ELEMS = 2048
+#: ... and this many warps (two blocks per thread; H100, head-major pages: 74.1 -> 70.1 us, 0.76 -> 0.80 of the
+#: ceiling; 4 tokens x 4 heads 69.8, 8 x 2 70.0: bench/results/history/ab-h100-session14-write.log)
+NVFP4_BLOCKS_WARPS = 2
 
 
 def nvfp4_blocks_default(device) -> bool:
@@ -385,6 +388,10 @@ def kivi_key_blocks_default(bits: int, head_dim: int, device) -> tuple[int, int,
     if bits == 4 and head_dim > 64 and head_dim % 64 == 0 and _nvidia_gpu(device):
         return 64, 1, True
     return None
+#: KIVI key writes of whole heads (2-bit keys by default) on NVIDIA GPUs: at most 96 registers per thread (H100, int2
+#: keys 86.2 -> 82.8 us, 0.61 -> 0.63 of the ceiling; 4-bit keys by 64-channel blocks gained nothing from a cap:
+#: bench/results/history/ab-h100-session14-write.log)
+WRITE_MAXNREG_KIVI_KEYS = 96
 #: KIVI value writes on NVIDIA GPUs: at most 64 registers per thread (Triton's ``maxnreg``); H100, int4 values with
 #: the reciprocal quotient and three-reduction min/max: 72.8 us (66 registers) -> 70.6 us = 0.82 of the ceiling
 #: (bench/results/history/ab-h100-session6-write-maxnreg.log)
@@ -582,13 +589,14 @@ def plan_write(side: Side, x, slot_mapping, *, block_t: int | None = None, block
     a rotated side's butterflies move their data (:data:`ROTATION_ROUTES`), the same bits
     (``codecs.hadamard_rows``); default :func:`rotation_route_default`. ``nvfp4_blocks``: NVFP4 writes of bfloat16
     input (unrotated; ignored otherwise) with whole 16-element blocks per thread, the same bytes (default
-    :func:`nvfp4_blocks_default`; its default tile: NVFP4_BLOCKS_TILE_ELEMS elements). ``block_d`` (KIVI keys,
-    unrotated): channels per program, a power of two dividing head_dim (per-channel statistics: each program then
-    quantizes [G tokens, block_d channels] of one head, the grid gains an axis of head_dim // block_d channel
-    blocks, the same bytes). ``store_as_loaded`` (KIVI keys): each thread stores the code bytes it packed and its
-    channels' scales and zeros (the stores take the load's layout: no layout conversion through shared memory; the
-    same bytes). Defaults of both, and of the warps with them: :func:`kivi_key_blocks_default` (else head_dim,
-    stores converted)."""
+    :func:`nvfp4_blocks_default`; its default tile: NVFP4_BLOCKS_TILE_ELEMS elements, NVFP4_BLOCKS_WARPS warps).
+    ``block_d`` (KIVI keys, unrotated): channels per program, a power of two dividing head_dim (per-channel
+    statistics: each program then quantizes [G tokens, block_d channels] of one head, the grid gains an axis of
+    head_dim // block_d channel blocks, the same bytes). ``store_as_loaded`` (KIVI keys): each thread stores the code
+    bytes it packed and its channels' scales and zeros (the stores take the load's layout: no layout conversion
+    through shared memory; the same bytes). Defaults of both, and of the warps with them:
+    :func:`kivi_key_blocks_default` (else head_dim, stores converted, and on NVIDIA GPUs at most
+    WRITE_MAXNREG_KIVI_KEYS registers per thread)."""
     import triton
 
     from kvqref.kernels.codecs import INTERPRET
@@ -682,8 +690,12 @@ def plan_write(side: Side, x, slot_mapping, *, block_t: int | None = None, block
     options = {"num_warps": num_warps or (WRITE_WARPS_KIVI_KEYS if cfg["kind"] == "int_k" else WRITE_WARPS)}
     if rotation is not None:
         options["enable_fp_fusion"] = False
+    if nv_blocks and num_warps is None:
+        options["num_warps"] = NVFP4_BLOCKS_WARPS
     if cfg["kind"] == "int_v" and _nvidia_gpu(x.device):
         options["maxnreg"] = WRITE_MAXNREG_KIVI_VALUES
+    elif cfg["kind"] == "int_k" and rotation is None and block_d == head_dim and _nvidia_gpu(x.device):
+        options["maxnreg"] = WRITE_MAXNREG_KIVI_KEYS
     grid = (triton.cdiv(n, block_t), triton.cdiv(kv_heads, block_h))
     if block_d != head_dim:
         grid += (head_dim // block_d,)

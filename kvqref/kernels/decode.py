@@ -1782,6 +1782,19 @@ def default_value_rows(precision: str, v_kind: str, q_per_kv: int, head_dim: int
 
 #: programs of the KIVI key-rows kernel resident per multiprocessor (about 250 registers per thread at 4 warps)
 KEY_ROWS_RESIDENT = 2
+#: 2-bit KIVI code words on NVIDIA GPUs: registers capped at this many per thread (Triton's ``maxnreg``), so that 3
+#: programs of 4 warps fit a multiprocessor (:func:`key_rows_resident`; H100, int2_kivi: batch 32 x 8,192 224 -> 215
+#: us with 3 splits, batch 1 x 131,072 128 -> 114.5 us with 49; 4-bit words lost at 168: 255 -> 262 us;
+#: bench/results/history/ab-h100-session13-kivi-words-2.log, ab-h100-session14-int2-registers.log)
+KIVI_WORDS_2BIT_MAXNREG = 168
+#: ``choose_splits(resident=...)``: the fewest splits whose programs fill their last wave to at least this fraction
+WAVE_FILL = 0.95
+
+
+def key_rows_resident(num_warps: int, maxnreg: int | None) -> int:
+    """Programs of the KIVI key-rows kernel one multiprocessor holds: KEY_ROWS_RESIDENT, or with registers capped at
+    ``maxnreg`` per thread what a 65,536-register file holds of them, if more (168 at 4 warps: 3)."""
+    return max(KEY_ROWS_RESIDENT, 65536 // (32 * num_warps * maxnreg) if maxnreg else 0)
 #: one-warp programs of FP4 value words by channel halves resident per multiprocessor (<= 168 registers per thread)
 WORDS_HALVES_RESIDENT = 12
 #: two-warp programs of fast FP8 and of mxfp4 block rows resident per multiprocessor, as the H100's split counts
@@ -1793,10 +1806,13 @@ def choose_splits(batch: int, kv_heads: int, max_len: int, block_n: int, num_sms
                   resident: int | None = None, waves_of: int | None = None, down: bool = False) -> tuple[int, int]:
     """(splits, tokens per split), each split a whole number of tiles and at least 4 tiles long. Default: about
     16 programs per multiprocessor (measured best on the H100 for batch x kv_heads = 256). ``resident``: the
-    programs one multiprocessor holds at once, for a kernel that few fit: one wave of programs,
-    ``max(1, resident * num_sms // (batch * kv_heads))`` splits (KIVI key rows, 2 resident, H100: batch 32 x
-    8,192, 1 split 321 us against 353 us for 8; batch 1 x 131,072, 32 splits 172 us against 236 us for 256 and
-    282 us for 16, bench/results/history/ab-h100-session10-hnd-splits.log). ``waves_of``: the programs one
+    programs one multiprocessor holds at once, for a kernel that few fit: the fewest splits whose programs fill
+    whole waves of ``resident * num_sms``, the last one to at least WAVE_FILL (else one wave's worth,
+    ``max(1, resident * num_sms // (batch * kv_heads))``). KIVI key rows, 2 resident, H100: batch 32 x 8,192,
+    1 split 321 us against 353 us for 8; batch 1 x 131,072, 32 splits 172 us against 236 us for 256 and 282 us
+    for 16 (bench/results/history/ab-h100-session10-hnd-splits.log); 2-bit code words, 3 resident: batch 32, 3
+    splits (1.94 waves) 215 us against 233 / 267 / 233 for 1 / 2 / 4; batch 1, 49 splits (0.99 waves) 114.5 us
+    against 137 / 151 for 33 / 66 (history/ab-h100-session14-int2-registers.log). ``waves_of``: the programs one
     multiprocessor holds at once, for a kernel whose last partial wave costs (one-warp programs): the default's
     programs rounded to whole waves, ``max(1, round(default / wave)) * wave // (batch * kv_heads)`` splits (FP4 value
     words by halves, 12 resident, H100: batch 1 x 131,072 nvfp4 114 -> 94 us at 196 splits against 256,
@@ -1805,16 +1821,22 @@ def choose_splits(batch: int, kv_heads: int, max_len: int, block_n: int, num_sms
     132 -> 121 us at 198 splits, where 297, the nearest, took 172; history/ab-h100-session12-splits-2warp.log)."""
     pairs = max(1, batch * kv_heads)
     want = max(1, -(-16 * num_sms // pairs))  # the default
+    most = max(1, -(-max_len // (4 * block_n)))
+
+    def tiled(splits: int) -> tuple[int, int]:  # (splits, tokens per split) with whole tiles per split
+        per = -(-max(max_len, 1) // splits)
+        per = -(-per // block_n) * block_n
+        return -(-max(max_len, 1) // per), per
+
     if resident is not None:
-        want = max(1, resident * num_sms // pairs)
+        wave = resident * num_sms
+        want = next((s for s in range(1, most + 1)
+                     if tiled(s)[0] * pairs >= WAVE_FILL * -(-tiled(s)[0] * pairs // wave) * wave),
+                    max(1, wave // pairs))
     elif waves_of is not None:
         wave, programs = waves_of * num_sms, want * pairs
         want = max(1, max(1, programs // wave if down else round(programs / wave)) * wave // pairs)
-    most = max(1, -(-max_len // (4 * block_n)))
-    splits = min(want, most)
-    per = -(-max(max_len, 1) // splits)
-    per = -(-per // block_n) * block_n
-    return -(-max(max_len, 1) // per), per
+    return tiled(min(want, most))
 
 
 def plan_decode(
@@ -2041,6 +2063,8 @@ def plan_decode(
             raise ValueError("kivi_words needs key_rows, head_dim >= 128 (here "
                              f"{head_dim}), tiles of at least 32 tokens (here {block_n}) and code rows aligned to "
                              "their word (4 bytes for 4-bit codes, 2 for 2-bit)")
+        if (maxnreg is None and k.bits == v.bits == 2 and q.is_cuda and not getattr(torch.version, "hip", None)):
+            maxnreg = KIVI_WORDS_2BIT_MAXNREG
     if num_stages is None:
         num_stages = 3 if nvfp4_halves or kivi_words else 2 if block_rows or key_rows else (
             3 if k.kind in ("fp8", "int_k") or fast_mx_ptx or (precision == "fast" and k.kind == "nvfp4"
@@ -2060,7 +2084,7 @@ def plan_decode(
         two_warp_waves = (num_warps == 2 and precision == "fast" and batch * kv_heads < sms
                           and (k.kind == v.kind == "fp8" or (bool(block_rows) and k.kind == v.kind == "mxfp4")))
         num_splits, per = choose_splits(batch, kv_heads, max_seq_len, block_n, sms,
-                                        KEY_ROWS_RESIDENT if key_rows else None,
+                                        key_rows_resident(num_warps, maxnreg) if key_rows else None,
                                         WORDS_HALVES_RESIDENT if words_halves else
                                         TWO_WARP_RESIDENT if two_warp_waves else None, down=two_warp_waves)
     else:
