@@ -1173,6 +1173,9 @@ def test_write_layout_defaults_are_the_measured_choices(nvidia, monkeypatch):
     assert launch.constexprs["NV_BLOCKS"] is nvidia
     assert launch.constexprs["BLOCK_T"] == (tb.NVFP4_BLOCKS_TILE_ELEMS // (8 * 128) if nvidia else 4)
     assert launch.options["num_warps"] == (tb.NVFP4_BLOCKS_WARPS if nvidia else tb.WRITE_WARPS)
+    hnd = dc.with_layout("HND")  # head-major pages: 4 tokens x 4 heads
+    launch = tb.plan_write(hnd.k, x, slots, hw_fp8=False)
+    assert (launch.constexprs["BLOCK_T"], launch.constexprs["BLOCK_H"]) == ((4, 4) if nvidia else (4, 8))
     assert tb.plan_write(dc.k, x, slots, nvfp4_blocks=False, hw_fp8=False).constexprs["NV_BLOCKS"] is False
 
 

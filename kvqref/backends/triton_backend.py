@@ -369,6 +369,10 @@ NVFP4_BLOCKS_TILE_ELEMS = 2048
 #: ... and this many warps (two blocks per thread; H100, head-major pages: 74.1 -> 70.1 us, 0.76 -> 0.80 of the
 #: ceiling; 4 tokens x 4 heads 69.8, 8 x 2 70.0: bench/results/history/ab-h100-session14-write.log)
 NVFP4_BLOCKS_WARPS = 2
+#: ... with head-major pages, at most this many heads per tile (4 tokens x 4 heads: a head's 4 code rows and their
+#: 32 bytes of block scales are contiguous there; H100 69.8-70.0 us against 70.1-70.7 for 2 x 8 in three A/Bs,
+#: 0.81 of the ceiling: history/ab-h100-session14-write.log, ab-h100-session14-write-2.log)
+NVFP4_BLOCKS_HEADS_HND = 4
 
 
 def nvfp4_blocks_default(device) -> bool:
@@ -648,9 +652,9 @@ def plan_write(side: Side, x, slot_mapping, *, block_t: int | None = None, block
         if n % block_t:
             raise ValueError(f"{side.scheme.name} keys are written in whole groups of {block_t} tokens, got {n}")
     else:
-        block_h = block_h or dh
         nv_blocks = nvfp4_blocks_default(x.device) if nvfp4_blocks is None else bool(nvfp4_blocks)
         nv_blocks = nv_blocks and cfg["kind"] == "nvfp4" and x.dtype == torch.bfloat16 and rotation is None
+        block_h = block_h or (min(dh, NVFP4_BLOCKS_HEADS_HND) if nv_blocks and side.head_major else dh)
         block_t = block_t or (max(1, NVFP4_BLOCKS_TILE_ELEMS // (block_h * head_dim)) if nv_blocks else dt)
     if block_d is None and cfg["kind"] == "int_k" and rotation is None:
         chosen = kivi_key_blocks_default(cfg["bits"], head_dim, x.device)
