@@ -691,11 +691,10 @@ def plan_write(side: Side, x, slot_mapping, *, block_t: int | None = None, block
               STORE_AS_LOADED=bool(store_as_loaded), PAGE=page, PAGE_SLOTS=tiles.page_slots(page))
     # rotated: no FP contraction anywhere in the kernel, so the float32 rotation is the oracle's bit for bit
     # whatever consumes it (docs/rotation.md; the butterflies themselves hold no multiply to contract)
-    options = {"num_warps": num_warps or (WRITE_WARPS_KIVI_KEYS if cfg["kind"] == "int_k" else WRITE_WARPS)}
+    options = {"num_warps": num_warps or (WRITE_WARPS_KIVI_KEYS if cfg["kind"] == "int_k" else
+                                          NVFP4_BLOCKS_WARPS if nv_blocks else WRITE_WARPS)}
     if rotation is not None:
         options["enable_fp_fusion"] = False
-    if nv_blocks and num_warps is None:
-        options["num_warps"] = NVFP4_BLOCKS_WARPS
     if cfg["kind"] == "int_v" and _nvidia_gpu(x.device):
         options["maxnreg"] = WRITE_MAXNREG_KIVI_VALUES
     elif cfg["kind"] == "int_k" and rotation is None and block_d == head_dim and _nvidia_gpu(x.device):

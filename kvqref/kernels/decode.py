@@ -1632,6 +1632,13 @@ def _unused_residual(device: str):
     return torch.empty(1, 1, 1, 1, dtype=torch.float32, device=device)
 
 
+def _nvidia_cuda(t) -> bool:
+    """Whether tensor ``t`` is on a CUDA device of an NVIDIA build (not ROCm): inline PTX and ``maxnreg`` apply."""
+    import torch
+
+    return t.is_cuda and not getattr(torch.version, "hip", None)
+
+
 @functools.lru_cache(maxsize=16)
 def _multiprocessors(device: str) -> int:
     import torch
@@ -1830,9 +1837,12 @@ def choose_splits(batch: int, kv_heads: int, max_len: int, block_n: int, num_sms
 
     if resident is not None:
         wave = resident * num_sms
-        want = next((s for s in range(1, most + 1)
-                     if tiled(s)[0] * pairs >= WAVE_FILL * -(-tiled(s)[0] * pairs // wave) * wave),
-                    max(1, wave // pairs))
+
+        def fills(splits: int) -> bool:  # the last wave of the programs at least WAVE_FILL full
+            programs = tiled(splits)[0] * pairs
+            return programs >= WAVE_FILL * -(-programs // wave) * wave
+
+        want = next((s for s in range(1, most + 1) if fills(s)), max(1, wave // pairs))
     elif waves_of is not None:
         wave, programs = waves_of * num_sms, want * pairs
         want = max(1, max(1, programs // wave if down else round(programs / wave)) * wave // pairs)
@@ -1924,8 +1934,7 @@ def plan_decode(
         raise ValueError("ptx_unpack=True needs CUDA (inline PTX); ROCm uses the portable unpacking")
     ptx_auto = ptx_unpack is None
     if ptx_unpack is None:
-        ptx_unpack = (q.is_cuda and not getattr(torch.version, "hip", None) and precision == "fast"
-                      and k.kind in ("mxfp4", "nvfp4"))
+        ptx_unpack = _nvidia_cuda(q) and precision == "fast" and k.kind in ("mxfp4", "nvfp4")
 
     batch, q_heads, head_dim = q.shape
     kv_heads = k.kv_heads
@@ -1952,7 +1961,7 @@ def plan_decode(
         raise ValueError("key_tile needs KIVI keys (int_k), precision='fast' and, for 2-bit codes, scale and zero "
                          "rows of contiguous float16 aligned to 4 elements")
     if key_rows and ptx_auto:  # KIVI codes by inline PTX on CUDA (H100: int4 358 -> 339 us, int2 315 -> 295)
-        ptx_unpack = q.is_cuda and not getattr(torch.version, "hip", None)
+        ptx_unpack = _nvidia_cuda(q)
     if value_rows:
         block_h = max(16, hv * (head_dim // v.group))
     if sm_scale is None:
@@ -2063,7 +2072,7 @@ def plan_decode(
             raise ValueError("kivi_words needs key_rows, head_dim >= 128 (here "
                              f"{head_dim}), tiles of at least 32 tokens (here {block_n}) and code rows aligned to "
                              "their word (4 bytes for 4-bit codes, 2 for 2-bit)")
-        if (maxnreg is None and k.bits == v.bits == 2 and q.is_cuda and not getattr(torch.version, "hip", None)):
+        if maxnreg is None and k.bits == v.bits == 2 and _nvidia_cuda(q):
             maxnreg = KIVI_WORDS_2BIT_MAXNREG
     if num_stages is None:
         num_stages = 3 if nvfp4_halves or kivi_words else 2 if block_rows or key_rows else (
