@@ -18,9 +18,7 @@ by block rows (``block_rows``), ``vw`` (0/1): their value tiles as 16-bit words 
 (0/1): fast KIVI keys by token-group rows (``key_rows``), ``rl`` (0/1): the residual split as its own launch
 (``residual_launch``), ``hnd`` (0/1): the cache's fields head-major (``DeviceCache.with_layout("HND")``, a copy
 made once), ``ch`` (0/1): block rows by channel halves (``channel_halves``), ``kw`` (0/1): KIVI codes as words of
-eight (``kivi_words``), ``fm`` (0/1): the merge fused into the split kernel
-(``fused_merge``), ``msc``: its splits per step (``MERGE_SPLITS``), ``pdl`` (0/1): the merge as a programmatic
-dependent launch (``merge_pdl``), ``merge`` (0/1): ``merge=0`` times the split launches without the merge launch (the
+eight (``kivi_words``), ``merge`` (0/1): ``merge=0`` times the split launches without the merge launch (the
 output is then not the attention: for measuring what the merge costs inside the graph).
 KIVI caches carry their residual window, as in bench/decode_bench.py.
 """
@@ -47,8 +45,7 @@ KEYS = {"bn": ("block_n", int), "w": ("num_warps", int), "s": ("num_stages", int
         "vw": ("value_words", lambda v: v == "1"), "kr": ("key_rows", lambda v: v == "1"),
         "rl": ("residual_launch", lambda v: v == "1"), "hnd": ("layout", lambda v: "HND" if v == "1" else "NHD"),
         "ch": ("channel_halves", lambda v: v == "1"), "kw": ("kivi_words", lambda v: v == "1"),
-        "merge": ("merge", lambda v: v == "1"), "fm": ("fused_merge", lambda v: v == "1"),
-        "pdl": ("merge_pdl", lambda v: v == "1"), "msc": ("merge_splits", int)}
+        "merge": ("merge", lambda v: v == "1")}
 
 
 def parse_variant(text: str) -> tuple[str, str, dict]:
@@ -96,17 +93,12 @@ def main() -> int:
                 kw = dict(kw)
                 layout = kw.pop("layout", "NHD")
                 merge = kw.pop("merge", True)
-                merge_splits = mods[mod].__dict__.get("MERGE_SPLITS")
-                if "merge_splits" in kw:  # the fused merge's splits per step (module constant MERGE_SPLITS)
-                    mods[mod].MERGE_SPLITS = kw.pop("merge_splits")
                 if layout not in laid:
                     laid[layout] = dc.with_layout(layout)
                 lc = laid[layout]
                 residual = (lc.k_residual, lc.v_residual, lc.k_lens, lc.v_lens) if lc.has_residual else None
                 launches, out, _ = mods[mod].plan_decode(q, lc.k.tiles(), lc.v.tiles(), lc.block_table, lc.seq_lens,
                                                          lc.page_size, max_seq_len=tokens, residual=residual, **kw)
-                if merge_splits is not None:
-                    mods[mod].MERGE_SPLITS = merge_splits
                 if not merge:  # the split launches alone (timing only)
                     launches = [la for la in launches if getattr(la, "kernel", None) is not mods[mod].merge_kernel]
                 for launch in launches:

@@ -642,67 +642,6 @@ def test_splits_and_page_size_one_agree():
         assert (np.abs(lse - ref_lse) <= tol_l).all(), splits
 
 
-@pytest.mark.parametrize("pair,splits,chunk", [(PAIRS[1], 40, None), (PAIRS[1], 5, 2), (PAIRS[6], 5, 2),
-                                               (PAIRS[8], 3, None)],
-                         ids=[f"{IDS[1]}-40", f"{IDS[1]}-5-by-2", f"{IDS[6]}-5-by-2", f"{IDS[8]}-3"])
-def test_fused_merge_agrees_with_the_merge_launch(pair, splits, chunk, monkeypatch):
-    """The merge fused into the split kernel (the default: the last program of each (sequence, KV head) merges)
-    against the merge launch: 40 splits (most of them empty, lse -inf: three chunks of ``MERGE_SPLITS``), 5 splits
-    read 2 at a time (``MERGE_SPLITS`` patched: three chunks that all hold tokens, so the running rescale is
-    exercised), KIVI with its residual split as a launch of its own. Both within the oracle's bound, within the
-    sum of both bounds of each other; a repeated call writes the same bits; every counter is zero after a call."""
-    from kvqref.kernels import decode
-
-    if chunk is not None:
-        monkeypatch.setattr(decode, "MERGE_SPLITS", chunk)
-    rng = np.random.default_rng(31)
-    cache, _ = build_cache(pair, SMALL, rng)
-    q = torch.from_numpy(rng.standard_normal((3, 4, 64)).astype(np.float32)).to(torch.bfloat16)
-    ref_out, ref_lse, tol_o, tol_l = _oracle(cache, q.float().numpy().astype(np.float64))
-    kw = dict(num_splits=splits, block_n=16)
-    if pair[0].endswith("kivi"):
-        kw["residual_launch"] = True
-    kw["fused_merge"] = True
-    fused, lse_f, dc = _run_decode(cache, q, **kw)
-    assert all(int(buf.count_nonzero()) == 0 for bufs in decode._COUNTERS.values() for buf in bufs)
-    again, lse_a, _ = _run_decode(cache, q, **kw)
-    merged, lse_m, _ = _run_decode(cache, q, **{**kw, "fused_merge": False})
-    for out, lse in ((fused, lse_f), (merged, lse_m)):
-        assert (np.abs(out - ref_out) <= tol_o).all() and (np.abs(lse - ref_lse) <= tol_l).all()
-    assert (fused == again).all() and (lse_f == lse_a).all()
-    assert (np.abs(fused - merged) <= 2 * tol_o).all()
-    residual = (dc.k_residual, dc.v_residual, dc.k_lens, dc.v_lens) if dc.has_residual else None
-    for fuse in (True, False):
-        launches, _, _ = decode.plan_decode(q.to(DEVICE), dc.k.tiles(), dc.v.tiles(), dc.block_table, dc.seq_lens,
-                                            dc.page_size, residual=residual, **{**kw, "fused_merge": fuse})
-        assert any(la.kernel is decode.merge_kernel for la in launches) is not fuse
-        split = next(la for la in launches if la.kernel is decode.decode_split_kernel)
-        assert split.constexprs["MERGE"] is fuse and split.constexprs["MERGE_SC"] == min(
-            chunk or decode.MERGE_SPLITS, triton.next_power_of_2(splits + int(dc.has_residual)))
-
-
-@pytest.mark.skipif(not GPU, reason="programs running at the same time need a GPU (the interpreter runs one at a time)")
-@pytest.mark.parametrize("splits", [None, 7, 64])
-def test_fused_merge_is_the_same_on_every_replay(splits):
-    """On the GPU the split programs of one (sequence, KV head) finish in any order and the last one merges: 200
-    calls of the fused decode (the default split count, 7 and 64 splits, over 128 (sequence, KV head) groups) give
-    the bits of the first call every time (a merge that ran before every split had stored its partials, or read a
-    stale one, would differ), and they agree with the merge launch within the oracle's bound of both."""
-    rng = np.random.default_rng(41)
-    shape = dict(BIG, batch=16, lens=tuple(int(t) for t in rng.integers(1, 3000, 16)))
-    cache, _ = build_cache(PAIRS[1], shape, rng, chunks=1)
-    q = torch.from_numpy(rng.standard_normal((16, 32, 128)).astype(np.float32)).to(torch.bfloat16).to(DEVICE)
-    dc = tb.DeviceCache.from_cache(cache, DEVICE)
-    first, first_lse = tb.decode(q, dc, num_splits=splits, fused_merge=True)
-    first, first_lse = first.clone(), first_lse.clone()
-    for _ in range(200):
-        out, lse = tb.decode(q, dc, num_splits=splits, fused_merge=True)
-        assert torch.equal(out, first) and torch.equal(lse, first_lse)
-    merged, _ = tb.decode(q, dc, num_splits=splits, fused_merge=False)
-    _, _, tol_o, _ = _oracle(cache, q.float().cpu().numpy().astype(np.float64))
-    assert (np.abs(first.cpu().numpy() - merged.cpu().numpy()) <= 2 * tol_o).all()
-
-
 WRITE_CASES = [
     ("bf16", {}), ("fp8_e4m3", {}), ("fp8_e5m2", {"granularity": "head"}),
     ("fp8_e4m3", {"granularity": "token_head"}), ("fp8_e4m3", {"profile": "rocm", "scale": 0.03}),

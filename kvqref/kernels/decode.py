@@ -31,7 +31,6 @@ import functools
 
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from kvqref.kernels.codecs import (
     INTERPRET,
@@ -1104,46 +1103,6 @@ def _e2m1_values_bf16(byte, PTX: tl.constexpr):
 
 
 @triton.jit
-def _merge_splits(OP, LP, O, LSE, VSQ, b, heads, hmask, total, op_b, op_h, op_s, lp_b, lp_h, o_b, o_h, lse_b,
-                  QH: tl.constexpr, D: tl.constexpr, SC: tl.constexpr, ROT_V: tl.constexpr, CG: tl.constexpr):
-    """Merge the ``total`` split outputs of ``QH`` query heads of sequence ``b`` by their log-sum-exp, ``SC``
-    splits at a time: ``out = sum_s w_s o_s / sum_s w_s`` with ``w_s = 2^(lse_s - m)`` (``m`` the running maximum;
-    a chunk after the first rescales the running sums by ``2^(m_old - m_new)``, exact where the maximum does not
-    move), then the natural-log LSE; ``ROT_V``: ``out = butterflies(out) * VSQ`` (the float32
-    ``HadamardRotation.unrotate``). ``CG``: the partials are read through L2 only (``.cg``: written by other
-    programs of the same launch, which this one's L1 may hold stale lines of)."""
-    d = tl.arange(0, D)
-    m_run = tl.full((QH,), float("-inf"), tl.float32)
-    wsum = tl.zeros((QH,), tl.float32)
-    acc = tl.zeros((QH, D), tl.float32)
-    for s0 in range(0, total, SC):
-        s = s0 + tl.arange(0, SC)
-        sm = hmask[:, None] & (s < total)[None, :]
-        lrow = LP + b * lp_b + heads[:, None].to(tl.int64) * lp_h + s[None, :]
-        orow = OP + b * op_b + heads[:, None, None].to(tl.int64) * op_h + s[None, :, None] * op_s + d[None, None, :]
-        if CG:
-            lse = tl.load(lrow, mask=sm, other=float("-inf"), cache_modifier=".cg")
-            o = tl.load(orow, mask=sm[:, :, None], other=0.0, cache_modifier=".cg")
-        else:
-            lse = tl.load(lrow, mask=sm, other=float("-inf"))
-            o = tl.load(orow, mask=sm[:, :, None], other=0.0)
-        m_new = tl.maximum(m_run, tl.max(lse, 1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        w = tl.exp2(lse - m_use[:, None])
-        keep = tl.exp2(m_run - m_use)  # 0 on the first chunk (m_run = -inf)
-        acc = acc * keep[:, None] + tl.sum(o * w[:, :, None], 1)
-        wsum = wsum * keep + tl.sum(w, 1)
-        m_run = m_new
-    m_use = tl.where(m_run == float("-inf"), 0.0, m_run)
-    out = acc / tl.where(wsum > 0, wsum, 1.0)[:, None]
-    if ROT_V:
-        out = hadamard_rows(out, QH, D) * tl.load(VSQ + d)[None, :]
-    tl.store(O + b * o_b + heads[:, None].to(tl.int64) * o_h + d[None, :], out, mask=hmask[:, None])
-    lse_nat = tl.where(wsum > 0, (m_use + tl.log2(wsum)) * 0.6931471805599453, float("-inf"))
-    tl.store(LSE + b * lse_b + heads.to(tl.int64), lse_nat, mask=hmask)
-
-
-@triton.jit
 def decode_split_kernel(
     Q,
     BT,
@@ -1188,14 +1147,6 @@ def decode_split_kernel(
     op_s,
     lp_b,
     lp_h,
-    O,
-    LSE,
-    CNT,
-    VSQ,
-    o_b,
-    o_h,
-    lse_b,
-    kv_heads,
     QPK: tl.constexpr,
     BLOCK_H: tl.constexpr,
     D: tl.constexpr,
@@ -1233,11 +1184,6 @@ def decode_split_kernel(
     HALF_V: tl.constexpr = False,
     BLOCK_R: tl.constexpr = 0,
     PART: tl.constexpr = 0,
-    MERGE: tl.constexpr = False,
-    QH: tl.constexpr = 1,
-    MERGE_SC: tl.constexpr = 16,
-    ROT_V: tl.constexpr = False,
-    PDL: tl.constexpr = False,
 ):
     """One (sequence, KV head, split): K tiles are read transposed [D/PACK, N] per phase (the elements
     sharing a byte position), V tiles [N, D/PACK]; no register transposes or interleaves."""
@@ -1252,8 +1198,6 @@ def decode_split_kernel(
     PP: tl.constexpr = 1 if FAST else 3
     PP16: tl.constexpr = 1 if FAST else 2
     RBS: tl.constexpr = 2 if FAST else 3
-    if PDL:  # the merge launch (programmatic dependent launch) may start once every program has started
-        gdc_launch_dependents()
     b = tl.program_id(1 if HF else 0).to(tl.int64)
     kvh = tl.program_id(0 if HF else 1)
     split = tl.program_id(2) + (num_splits if PART == 2 else 0)
@@ -1614,18 +1558,6 @@ def decode_split_kernel(
         tl.store(OP + base + (iv * PV + 2)[None, :], acc2 / safe_l[:, None] * vs, mask=hmask[:, None])
         tl.store(OP + base + (iv * PV + 3)[None, :], acc3 / safe_l[:, None] * vs, mask=hmask[:, None])
     tl.store(LP + b * lp_b + qh.to(tl.int64) * lp_h + split, lse2, mask=hmask)
-    if MERGE:
-        # the merge fused (``fused_merge``): every program of (b, kvh) counts itself in CNT[b, kvh] once its
-        # partials are stored (the barrier orders all its threads' stores before the one release); the last
-        # to arrive resets the counter for the next call and merges the group's splits
-        total = num_splits + HAS_RES
-        tl.debug_barrier()
-        arrived = tl.atomic_add(CNT + b * kv_heads + kvh, 1, sem="acq_rel", scope="gpu")
-        if arrived == total - 1:
-            tl.atomic_xchg(CNT + b * kv_heads + kvh, 0, sem="relaxed", scope="gpu")
-            heads = kvh * QPK + tl.arange(0, QH)
-            _merge_splits(OP, LP, O, LSE, VSQ, b, heads, tl.arange(0, QH) < QPK, total, op_b, op_h, op_s, lp_b,
-                          lp_h, o_b, o_h, lse_b, QH, D, MERGE_SC, ROT_V, not INTERPRET)
 
 
 @triton.jit
@@ -1649,14 +1581,11 @@ def rotate_q_kernel(Q, SIGNS, QR, q_heads, stride_qb, stride_qh, D: tl.constexpr
 @triton.jit
 def merge_kernel(
     OP, LP, O, LSE, n_splits, op_b, op_h, op_s, lp_b, lp_h, o_b, o_h, lse_b, VSQ, D: tl.constexpr,
-    S_PAD: tl.constexpr, ROT_V: tl.constexpr = False, PDL: tl.constexpr = False,
+    S_PAD: tl.constexpr, ROT_V: tl.constexpr = False,
 ):
     """Merge split outputs by log-sum-exp; writes out [D] and the natural-log LSE of one (seq, head).
     ``ROT_V``: V is stored rotated: ``out = butterflies(out) * VSQ`` (``VSQ = v_signs / (D * C_D)``, float32
-    [D]), the float32 form of ``HadamardRotation.unrotate``. ``PDL``: launched as a programmatic dependent launch
-    (``merge_pdl``), so its programs may start before the split kernel has finished and wait for it here."""
-    if PDL:
-        gdc_wait()
+    [D]), the float32 form of ``HadamardRotation.unrotate``."""
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     s = tl.arange(0, S_PAD)
@@ -1920,50 +1849,6 @@ def choose_splits(batch: int, kv_heads: int, max_len: int, block_n: int, num_sms
     return tiled(min(want, most))
 
 
-#: the fused merge (:func:`_merge_splits`) reads this many splits per step
-MERGE_SPLITS = 16
-
-
-def fused_merge_default(total_splits: int) -> bool:
-    """Whether :func:`plan_decode` fuses the merge into the split kernel by default (see ``fused_merge``): never.
-    On the H100 the merge's registers, counted in every split program, cost more than the launch it saves (batch
-    32 x 8,192: fp8_e4m3 222.8 -> 266.9 us, nvfp4 169.3 -> 200.5; bf16 380.4 -> 378.0; bench/results/ANALYSIS.md,
-    session 15)."""
-    return False
-
-
-def pdl_supported(q) -> bool:
-    """Programmatic dependent launch: CUDA (not ROCm) at compute capability 9.0 or newer."""
-    import torch
-
-    return _nvidia_cuda(q) and torch.cuda.get_device_capability(q.device)[0] >= 9
-
-
-def merge_pdl_default(q) -> bool:
-    """Whether :func:`plan_decode` launches the merge as a programmatic dependent launch by default: where it
-    is supported (:func:`pdl_supported`)."""
-    return pdl_supported(q)
-
-
-_COUNTERS: dict[str, list] = {}
-
-
-def merge_counters(device, n: int):
-    """A zeroed int32 buffer of at least ``n`` counters on ``device`` for the fused merge, one per (sequence, KV
-    head). The last program of a group resets its counter, so the buffer is all zeros between calls and one buffer
-    serves every call on the device: launches on one stream run one after the other. Two decode calls that run at
-    the same time on different streams of one device would share counters: pass ``fused_merge=False`` there.
-    Buffers live as long as the process (a captured CUDA graph holds their address); a larger ``n`` allocates a
-    larger one."""
-    import torch
-
-    dev = torch.device(device)
-    bufs = _COUNTERS.setdefault(str(dev), [])
-    if not bufs or bufs[-1].numel() < n:
-        bufs.append(torch.zeros(max(n, 2 * bufs[-1].numel() if bufs else 4096), dtype=torch.int32, device=dev))
-    return bufs[-1]
-
-
 def plan_decode(
     q,
     k: CacheTiles,
@@ -1995,8 +1880,6 @@ def plan_decode(
     kivi_words: bool | None = None,
     residual_launch: bool | None = None,
     channel_halves: bool | None = None,
-    fused_merge: bool | None = None,
-    merge_pdl: bool | None = None,
 ):
     """The launches of decode attention (see :func:`paged_decode`), with their output tensors.
     ``hw_formats``: FP8 format ids converted in hardware (default: what ``q``'s device has); ``maxnreg``:
@@ -2042,15 +1925,7 @@ def plan_decode(
     applies (:func:`channel_halves_apply`); ``True`` where no side applies raises.
     ``heads_fast``: the KV heads on the grid's fastest axis, so the programs reading one token's rows run together
     (default False: it raised a loads-only kernel from 61% to 75% of the ceiling, but the decode kernels by at most
-    2%).
-    ``fused_merge``: the last split program of each (sequence, KV head) to finish merges the group's splits
-    (:func:`_merge_splits`; it finds itself by an atomic counter per (sequence, KV head), :func:`merge_counters`),
-    instead of a second launch (:func:`merge_kernel`); the same formula, read ``MERGE_SPLITS`` splits at a time.
-    Default: :func:`fused_merge_default`.
-    ``merge_pdl``: the merge launched as a programmatic dependent launch (CUDA, compute capability 9.0 and up:
-    Triton's ``launch_pdl``): every split program signals at its start (``griddepcontrol.launch_dependents``), so
-    the merge's programs are scheduled while the last split programs run and wait for the split kernel's results
-    (``griddepcontrol.wait``) instead of being launched after it; default: :func:`merge_pdl_default`."""
+    2%)."""
     import torch
 
     if precision not in PRECISIONS:
@@ -2225,15 +2100,9 @@ def plan_decode(
         per = -(-max(max_seq_len, 1) // num_splits)
         per = -(-per // block_n) * block_n
     total = num_splits + int(has_res)
-    if fused_merge is None:
-        fused_merge = fused_merge_default(total)
     hw = hardware_fp8_formats(q.device) if hw_formats is None else hw_formats
     op = torch.empty(batch, q_heads, total, head_dim, dtype=torch.float32, device=q.device)
     lp = torch.empty(batch, q_heads, total, dtype=torch.float32, device=q.device)
-    out = torch.empty(batch, q_heads, head_dim, dtype=torch.float32, device=q.device)
-    lse = torch.empty(batch, q_heads, dtype=torch.float32, device=q.device)
-    vsq = lp if v.rotation is None else rotation_vectors(v.rotation.seed, head_dim, q.device)[1]
-    counters = merge_counters(q.device, batch * kv_heads) if fused_merge else lp
     heads_fast = bool(heads_fast)
     grid = (kv_heads, batch, total) if heads_fast else (batch, kv_heads, total)
     split_args = [
@@ -2266,14 +2135,6 @@ def plan_decode(
         op.stride(2),
         lp.stride(0),
         lp.stride(1),
-        out,
-        lse,
-        counters,
-        vsq,
-        out.stride(0),
-        out.stride(1),
-        lse.stride(0),
-        kv_heads,
     ]
     split_cx = dict(
         QPK=qpk,
@@ -2313,11 +2174,9 @@ def plan_decode(
         HALF_V=half_v,
         PART=0,  # 0: the paged and residual splits in one launch (``residual_launch`` makes 1 and 2)
         BLOCK_R=min(block_n, 32) if key_rows else 0,  # residual tiles: 32 tokens (128 measured 188 KB of shared memory)
-        MERGE=bool(fused_merge),
-        QH=triton.next_power_of_2(qpk),
-        MERGE_SC=min(MERGE_SPLITS, max(2, triton.next_power_of_2(total))),
-        ROT_V=v.rotation is not None,
     )
+    out = torch.empty(batch, q_heads, head_dim, dtype=torch.float32, device=q.device)
+    lse = torch.empty(batch, q_heads, dtype=torch.float32, device=q.device)
     merge_args = [
         op,
         lp,
@@ -2332,7 +2191,7 @@ def plan_decode(
         out.stride(0),
         out.stride(1),
         lse.stride(0),
-        vsq,
+        lp if v.rotation is None else rotation_vectors(v.rotation.seed, head_dim, q.device)[1],
     ]
     merge_cx = dict(D=head_dim, S_PAD=max(2, triton.next_power_of_2(total)), ROT_V=v.rotation is not None)
     opts = {"num_warps": num_warps, "num_stages": num_stages, **({"maxnreg": maxnreg} if maxnreg else {})}
@@ -2347,20 +2206,7 @@ def plan_decode(
                          {**opts, "num_warps": 2, "num_stages": 3})]
     else:
         splits = [Launch(decode_split_kernel, grid, split_args, split_cx, opts)]
-    if merge_pdl is None:
-        merge_pdl = merge_pdl_default(q) and not fused_merge
-    elif merge_pdl and not pdl_supported(q):
-        raise ValueError("merge_pdl=True needs an NVIDIA GPU of compute capability 9.0 or newer (programmatic "
-                         "dependent launch)")
-    elif merge_pdl and fused_merge:
-        raise ValueError("merge_pdl and fused_merge exclude each other (the fused merge has no merge launch)")
-    if merge_pdl:
-        for launch in splits:
-            launch.constexprs = {**launch.constexprs, "PDL": True}
-        merge_cx["PDL"] = True
-    merge = [] if fused_merge else [Launch(merge_kernel, (batch, q_heads), merge_args, merge_cx,
-                                           {"launch_pdl": True} if merge_pdl else {})]
-    launches = [*rotate_q, *splits, *merge]
+    launches = [*rotate_q, *splits, Launch(merge_kernel, (batch, q_heads), merge_args, merge_cx, {})]
     return launches, out, lse
 
 
