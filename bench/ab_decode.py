@@ -19,7 +19,8 @@ by block rows (``block_rows``), ``vw`` (0/1): their value tiles as 16-bit words 
 (``residual_launch``), ``hnd`` (0/1): the cache's fields head-major (``DeviceCache.with_layout("HND")``, a copy
 made once), ``ch`` (0/1): block rows by channel halves (``channel_halves``), ``kw`` (0/1): KIVI codes as words of
 eight (``kivi_words``), ``merge`` (0/1): ``merge=0`` times the split launches without the merge launch (the
-output is then not the attention: for measuring what the merge costs inside the graph).
+output is then not the attention: for measuring what the merge costs inside the graph), ``mw``: warps per program
+of the merge launch (``merge_warps``).
 KIVI caches carry their residual window, as in bench/decode_bench.py.
 """
 
@@ -45,7 +46,7 @@ KEYS = {"bn": ("block_n", int), "w": ("num_warps", int), "s": ("num_stages", int
         "vw": ("value_words", lambda v: v == "1"), "kr": ("key_rows", lambda v: v == "1"),
         "rl": ("residual_launch", lambda v: v == "1"), "hnd": ("layout", lambda v: "HND" if v == "1" else "NHD"),
         "ch": ("channel_halves", lambda v: v == "1"), "kw": ("kivi_words", lambda v: v == "1"),
-        "merge": ("merge", lambda v: v == "1")}
+        "merge": ("merge", lambda v: v == "1"), "mw": ("merge_warps", int)}
 
 
 def parse_variant(text: str) -> tuple[str, str, dict]:
@@ -104,6 +105,8 @@ def main() -> int:
                 for launch in launches:
                     launch()
                 torch.cuda.synchronize()
+                split = next(la for la in launches if "BLOCK_N" in la.constexprs)
+                print(label, name, "splits", split.grid, "warps", split.options.get("num_warps"), flush=True)
             except Exception as exc:  # noqa: BLE001 - report and go on (e.g. shared memory, unknown option)
                 print(label, name, "failed:", type(exc).__name__, str(exc)[:120], flush=True)
                 continue

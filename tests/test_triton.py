@@ -1050,6 +1050,29 @@ def test_launch_defaults_are_the_measured_choices():
         assert vlaunch.options.get("maxnreg") == (64 if nvidia and pair[0].endswith("kivi") else None), pair[0]
 
 
+def test_merge_warps_are_the_measured_choice():
+    """The merge launch takes 1 warp per program up to 4,096 float32 elements of partials per (sequence, head)
+    (H100, session 15: 1.5-2 us faster than 4 warps at 4-16 splits, 47-55 us slower at 196-256), else 4; an
+    explicit ``merge_warps`` wins; the merged output is the same either way within the oracle's bound."""
+    from kvqref.kernels.decode import merge_kernel, merge_warps_default, plan_decode
+
+    assert merge_warps_default(32, 128) == 1 and merge_warps_default(64, 128) == 4
+    assert merge_warps_default(64, 64) == 1 and merge_warps_default(16, 256) == 1 and merge_warps_default(2, 4096) == 4
+    rng = np.random.default_rng(51)
+    cache, _ = build_cache(PAIRS[1], SMALL, rng)
+    dc = tb.DeviceCache.from_cache(cache, DEVICE)
+    q = torch.from_numpy(rng.standard_normal((3, 4, 64)).astype(np.float32)).to(torch.bfloat16)
+    ref_out, ref_lse, tol_o, tol_l = _oracle(cache, q.float().numpy().astype(np.float64))
+    for splits, warps, expect in ((3, None, 1), (100, None, 4), (3, 4, 4)):
+        launches, _, _ = plan_decode(q.to(DEVICE), dc.k.tiles(), dc.v.tiles(), dc.block_table, dc.seq_lens,
+                                     dc.page_size, num_splits=splits, block_n=16, merge_warps=warps)
+        merge = next(la for la in launches if la.kernel is merge_kernel)
+        assert merge.options["num_warps"] == expect, (splits, warps)
+    for warps in (1, 4):
+        out, lse, _ = _run_decode(cache, q, num_splits=5, block_n=16, merge_warps=warps)
+        assert (np.abs(out - ref_out) <= tol_o).all() and (np.abs(lse - ref_lse) <= tol_l).all(), warps
+
+
 def test_split_counts_are_the_measured_choices():
     """About 16 programs per multiprocessor by default; one wave of programs for the KIVI key-rows kernel, which
     holds 2 per multiprocessor (session 10, H100: batch 32 x 8,192 1 split 321 us against 353 us for 8; batch 1

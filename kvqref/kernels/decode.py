@@ -1849,6 +1849,20 @@ def choose_splits(batch: int, kv_heads: int, max_len: int, block_n: int, num_sms
     return tiled(min(want, most))
 
 
+#: the merge launch takes one warp per program while its [splits, head_dim] float32 tile is at most this many
+#: elements (128 per thread), else Triton's default of 4
+MERGE_ONE_WARP_ELEMENTS = 4096
+
+
+def merge_warps_default(s_pad: int, head_dim: int) -> int:
+    """Warps per program of the merge launch: 1 where the padded split count times head_dim is at most
+    MERGE_ONE_WARP_ELEMENTS, else 4. H100, against 4 warps: batch 32 x 8,192 (4-16 splits) 1.5-2.0 us faster for
+    every scheme but int4_kivi (-0.2), batch 8 x 32,768 (24 splits) about 1 us; at batch 1 x 131,072 (49-256
+    splits) 1 warp is 47-55 us slower, 2 warps 26-30, 8 and 16 warps 0.5-2 (bench/results/ANALYSIS.md, session
+    15)."""
+    return 1 if s_pad * head_dim <= MERGE_ONE_WARP_ELEMENTS else 4
+
+
 def plan_decode(
     q,
     k: CacheTiles,
@@ -1880,6 +1894,7 @@ def plan_decode(
     kivi_words: bool | None = None,
     residual_launch: bool | None = None,
     channel_halves: bool | None = None,
+    merge_warps: int | None = None,
 ):
     """The launches of decode attention (see :func:`paged_decode`), with their output tensors.
     ``hw_formats``: FP8 format ids converted in hardware (default: what ``q``'s device has); ``maxnreg``:
@@ -1925,7 +1940,7 @@ def plan_decode(
     applies (:func:`channel_halves_apply`); ``True`` where no side applies raises.
     ``heads_fast``: the KV heads on the grid's fastest axis, so the programs reading one token's rows run together
     (default False: it raised a loads-only kernel from 61% to 75% of the ceiling, but the decode kernels by at most
-    2%)."""
+    2%). ``merge_warps``: warps per program of the merge launch (default: :func:`merge_warps_default`)."""
     import torch
 
     if precision not in PRECISIONS:
@@ -2206,7 +2221,8 @@ def plan_decode(
                          {**opts, "num_warps": 2, "num_stages": 3})]
     else:
         splits = [Launch(decode_split_kernel, grid, split_args, split_cx, opts)]
-    launches = [*rotate_q, *splits, Launch(merge_kernel, (batch, q_heads), merge_args, merge_cx, {})]
+    merge_opts = {"num_warps": int(merge_warps) if merge_warps else merge_warps_default(merge_cx["S_PAD"], head_dim)}
+    launches = [*rotate_q, *splits, Launch(merge_kernel, (batch, q_heads), merge_args, merge_cx, merge_opts)]
     return launches, out, lse
 
 
