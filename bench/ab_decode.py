@@ -20,7 +20,7 @@ by block rows (``block_rows``), ``vw`` (0/1): their value tiles as 16-bit words 
 made once), ``ch`` (0/1): block rows by channel halves (``channel_halves``), ``kw`` (0/1): KIVI codes as words of
 eight (``kivi_words``), ``merge`` (0/1): ``merge=0`` times the split launches without the merge launch (the
 output is then not the attention: for measuring what the merge costs inside the graph), ``mw``: warps per program
-of the merge launch (``merge_warps``).
+of the merge launch (``merge_warps``), ``mdb``: channels per merge program (``merge_channels``).
 KIVI caches carry their residual window, as in bench/decode_bench.py.
 """
 
@@ -46,7 +46,8 @@ KEYS = {"bn": ("block_n", int), "w": ("num_warps", int), "s": ("num_stages", int
         "vw": ("value_words", lambda v: v == "1"), "kr": ("key_rows", lambda v: v == "1"),
         "rl": ("residual_launch", lambda v: v == "1"), "hnd": ("layout", lambda v: "HND" if v == "1" else "NHD"),
         "ch": ("channel_halves", lambda v: v == "1"), "kw": ("kivi_words", lambda v: v == "1"),
-        "merge": ("merge", lambda v: v == "1"), "mw": ("merge_warps", int)}
+        "merge": ("merge", lambda v: v == "1"), "mw": ("merge_warps", int),
+        "mdb": ("merge_channels", int)}
 
 
 def parse_variant(text: str) -> tuple[str, str, dict]:

@@ -1073,6 +1073,37 @@ def test_merge_warps_are_the_measured_choice():
         assert (np.abs(out - ref_out) <= tol_o).all() and (np.abs(lse - ref_lse) <= tol_l).all(), warps
 
 
+def test_merge_channel_blocks_write_the_same_bits():
+    """The merge by channel blocks (``merge_channels``: head_dim / blocks programs per (sequence, head), the first
+    writing the LSE) gives the bits of the whole-row merge; the default halves head_dim only where the rows are fewer
+    than twice the multiprocessors and V is not rotated; bad block sizes and a rotated V with blocks raise."""
+    from kvqref.kernels.decode import merge_channels_default, merge_kernel, plan_decode
+
+    assert merge_channels_default(32, 132, 128, False) == 64 and merge_channels_default(256, 132, 128, False) == 64
+    assert merge_channels_default(1024, 132, 128, False) == 128 and merge_channels_default(32, 132, 128, True) == 128
+    rng = np.random.default_rng(52)
+    cache, _ = build_cache(PAIRS[6], SMALL, rng)
+    dc = tb.DeviceCache.from_cache(cache, DEVICE)
+    q = torch.from_numpy(rng.standard_normal((3, 4, 64)).astype(np.float32)).to(torch.bfloat16)
+    whole, whole_lse, _ = _run_decode(cache, q, num_splits=5, block_n=16, merge_channels=64)
+    for mdb in (32, 16):
+        out, lse, _ = _run_decode(cache, q, num_splits=5, block_n=16, merge_channels=mdb)
+        assert np.array_equal(out, whole) and np.array_equal(lse, whole_lse), mdb
+        launches, _, _ = plan_decode(q.to(DEVICE), dc.k.tiles(), dc.v.tiles(), dc.block_table, dc.seq_lens,
+                                     dc.page_size, num_splits=5, merge_channels=mdb)
+        merge = next(la for la in launches if la.kernel is merge_kernel)
+        assert merge.grid == (3, 4, 64 // mdb) and merge.constexprs["DB"] == mdb
+    for bad in (0, 48, 128):
+        with pytest.raises(ValueError, match="merge_channels"):
+            plan_decode(q.to(DEVICE), dc.k.tiles(), dc.v.tiles(), dc.block_table, dc.seq_lens, dc.page_size,
+                        merge_channels=bad)
+    rot = ("fp8_e4m3", {}, "fp8_e4m3", {"rotation": "hadamard", "rotation_seed": 3})
+    rc = tb.DeviceCache.from_cache(build_cache(rot, SMALL, rng)[0], DEVICE)
+    with pytest.raises(ValueError, match="merge_channels"):
+        plan_decode(q.to(DEVICE), rc.k.tiles(), rc.v.tiles(), rc.block_table, rc.seq_lens, rc.page_size,
+                    merge_channels=32)
+
+
 def test_split_counts_are_the_measured_choices():
     """About 16 programs per multiprocessor by default; one wave of programs for the KIVI key-rows kernel, which
     holds 2 per multiprocessor (session 10, H100: batch 32 x 8,192 1 split 321 us against 353 us for 8; batch 1

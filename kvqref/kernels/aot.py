@@ -42,8 +42,9 @@ DECODE_CASES: list[tuple[str, str, dict, str, dict]] = [
     ("int4_kivi+H", "int4_kivi", {"role": "key", "group_size": 16, "residual": 16, "rotation": "hadamard"},
      "int4_kivi", {"role": "value", "group_size": 16, "residual": 16, "rotation": "hadamard", "rotation_seed": 3}),
 ]
-#: kernels compiled once, whatever the scheme: the merge kernel, q's rotation, the merge kernel un-rotating
-SHARED_KERNELS = ("merge", "rotate_q", "merge[rotated]")
+#: kernels compiled once, whatever the scheme: the merge kernel, q's rotation, the merge kernel un-rotating, the
+#: merge by channel blocks (``merge_channels``)
+SHARED_KERNELS = ("merge", "rotate_q", "merge[rotated]", "merge[channels]")
 WRITE_CASES: list[tuple[str, dict]] = [
     ("bf16", {}), ("fp8_e4m3", {}), ("fp8_e4m3", {"granularity": "token_head"}),
     ("fp8_e4m3", {"profile": "sglang", "scale": 1.0}), ("fp8_e4m3", {"profile": "rocm"}),
@@ -177,6 +178,11 @@ def _launches(target: str, cases: list | None = None, page: int = 16) -> list[tu
                         else "merge[rotated]" if launch.constexprs["ROT_V"] else "merge")
                 if name is not None:
                     shared.setdefault(name, launch)
+            if "merge[channels]" not in shared and not dc.v.tiles().rotation:  # merge by channel blocks
+                launches, _, _ = plan_decode(q, dc.k.tiles(), dc.v.tiles(), dc.block_table, dc.seq_lens, page,
+                                             residual=residual, max_seq_len=40, num_splits=2,
+                                             hw_formats=_hw_formats(target), merge_channels=64)
+                shared["merge[channels]"] = next(la for la in launches if la.kernel is merge_kernel)
         for name, opts in WRITE_CASES:
             scheme = schemes.get(name, **opts)
             cache = PagedKVCache(scheme if opts.get("role") == "key" else schemes.get("bf16"),

@@ -1581,15 +1581,20 @@ def rotate_q_kernel(Q, SIGNS, QR, q_heads, stride_qb, stride_qh, D: tl.constexpr
 @triton.jit
 def merge_kernel(
     OP, LP, O, LSE, n_splits, op_b, op_h, op_s, lp_b, lp_h, o_b, o_h, lse_b, VSQ, D: tl.constexpr,
-    S_PAD: tl.constexpr, ROT_V: tl.constexpr = False,
+    S_PAD: tl.constexpr, ROT_V: tl.constexpr = False, DB: tl.constexpr = 0,
 ):
     """Merge split outputs by log-sum-exp; writes out [D] and the natural-log LSE of one (seq, head).
+    ``DB`` (0: all D): the program merges channels ``program_id(2) * DB ..`` only (the weights are the same for
+    every channel block; the first block writes the LSE), so more programs share a merge of many splits.
     ``ROT_V``: V is stored rotated: ``out = butterflies(out) * VSQ`` (``VSQ = v_signs / (D * C_D)``, float32
     [D]), the float32 form of ``HadamardRotation.unrotate``."""
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     s = tl.arange(0, S_PAD)
-    d = tl.arange(0, D)
+    if DB:
+        d = tl.program_id(2) * DB + tl.arange(0, DB)
+    else:
+        d = tl.arange(0, D)
     smask = s < n_splits
     lse = tl.load(LP + b * lp_b + h * lp_h + s, mask=smask, other=float("-inf"))
     m = tl.max(lse, 0)
@@ -1602,7 +1607,11 @@ def merge_kernel(
         out = tl.reshape(hadamard_rows(tl.reshape(out, (1, D)), 1, D), (D,)) * tl.load(VSQ + d)
     tl.store(O + b * o_b + h * o_h + d, out)
     lse_nat = tl.where(wsum > 0, (m_use + tl.log2(wsum)) * 0.6931471805599453, float("-inf"))
-    tl.store(LSE + b * lse_b + h, lse_nat)
+    if DB:
+        if tl.program_id(2) == 0:
+            tl.store(LSE + b * lse_b + h, lse_nat)
+    else:
+        tl.store(LSE + b * lse_b + h, lse_nat)
 
 
 #: decode arithmetic: "fast" (16-bit tensor-core operands, q and p rounded once) or "exact" (float32 products)
@@ -1863,6 +1872,14 @@ def merge_warps_default(s_pad: int, head_dim: int) -> int:
     return 1 if s_pad * head_dim <= MERGE_ONE_WARP_ELEMENTS else 4
 
 
+def merge_channels_default(rows: int, num_sms: int, head_dim: int, rotated_v: bool) -> int:
+    """Channels per merge program: half of head_dim where the merge has fewer (sequence, query head) rows than
+    twice the multiprocessors (and V is not rotated), else all of them. H100, batch 1 x 131,072 (32 rows, 49-256
+    splits): 0.6-1.2 us faster for every scheme at 64 channels of 128; batch 8 x 32,768 (256 rows) 0.3-0.9; batch
+    32 (1,024 rows) -0.2 .. +0.7 (bench/results/ANALYSIS.md, session 15)."""
+    return head_dim // 2 if rows < 2 * num_sms and head_dim >= 32 and not rotated_v else head_dim
+
+
 def plan_decode(
     q,
     k: CacheTiles,
@@ -1895,6 +1912,7 @@ def plan_decode(
     residual_launch: bool | None = None,
     channel_halves: bool | None = None,
     merge_warps: int | None = None,
+    merge_channels: int | None = None,
 ):
     """The launches of decode attention (see :func:`paged_decode`), with their output tensors.
     ``hw_formats``: FP8 format ids converted in hardware (default: what ``q``'s device has); ``maxnreg``:
@@ -1940,7 +1958,10 @@ def plan_decode(
     applies (:func:`channel_halves_apply`); ``True`` where no side applies raises.
     ``heads_fast``: the KV heads on the grid's fastest axis, so the programs reading one token's rows run together
     (default False: it raised a loads-only kernel from 61% to 75% of the ceiling, but the decode kernels by at most
-    2%). ``merge_warps``: warps per program of the merge launch (default: :func:`merge_warps_default`)."""
+    2%). ``merge_warps``: warps per program of the merge launch (default: :func:`merge_warps_default`);
+    ``merge_channels``: channels per merge program (a power of two dividing head_dim; the merge's grid gains
+    head_dim / merge_channels programs per (sequence, head); not with a rotated V, whose un-rotation needs the whole
+    row; the same bits either way; default: :func:`merge_channels_default`)."""
     import torch
 
     if precision not in PRECISIONS:
@@ -2221,8 +2242,18 @@ def plan_decode(
                          {**opts, "num_warps": 2, "num_stages": 3})]
     else:
         splits = [Launch(decode_split_kernel, grid, split_args, split_cx, opts)]
-    merge_opts = {"num_warps": int(merge_warps) if merge_warps else merge_warps_default(merge_cx["S_PAD"], head_dim)}
-    launches = [*rotate_q, *splits, Launch(merge_kernel, (batch, q_heads), merge_args, merge_cx, merge_opts)]
+    if merge_channels is None:
+        sms = _multiprocessors(str(q.device)) if q.is_cuda else 4
+        mdb = merge_channels_default(batch * q_heads, sms, head_dim, v.rotation is not None)
+    else:
+        mdb = int(merge_channels)
+    if mdb <= 0 or head_dim % mdb or mdb & (mdb - 1) or (mdb < head_dim and v.rotation is not None):
+        raise ValueError(f"merge_channels must be a power of two dividing head_dim {head_dim} (all of it with a "
+                         f"rotated V), got {merge_channels!r}")
+    merge_cx["DB"] = 0 if mdb == head_dim else mdb
+    merge_opts = {"num_warps": int(merge_warps) if merge_warps else merge_warps_default(merge_cx["S_PAD"], mdb)}
+    launches = [*rotate_q, *splits, Launch(merge_kernel, (batch, q_heads, head_dim // mdb), merge_args, merge_cx,
+                                           merge_opts)]
     return launches, out, lse
 
 
