@@ -1063,9 +1063,10 @@ def test_merge_warps_are_the_measured_choice():
     dc = tb.DeviceCache.from_cache(cache, DEVICE)
     q = torch.from_numpy(rng.standard_normal((3, 4, 64)).astype(np.float32)).to(torch.bfloat16)
     ref_out, ref_lse, tol_o, tol_l = _oracle(cache, q.float().numpy().astype(np.float64))
-    for splits, warps, expect in ((3, None, 1), (100, None, 4), (3, 4, 4)):
+    for splits, warps, expect in ((3, None, 1), (100, None, 4), (3, 4, 4)):  # whole rows (64 channels)
         launches, _, _ = plan_decode(q.to(DEVICE), dc.k.tiles(), dc.v.tiles(), dc.block_table, dc.seq_lens,
-                                     dc.page_size, num_splits=splits, block_n=16, merge_warps=warps)
+                                     dc.page_size, num_splits=splits, block_n=16, merge_warps=warps,
+                                     merge_channels=64)
         merge = next(la for la in launches if la.kernel is merge_kernel)
         assert merge.options["num_warps"] == expect, (splits, warps)
     for warps in (1, 4):
@@ -1073,10 +1074,12 @@ def test_merge_warps_are_the_measured_choice():
         assert (np.abs(out - ref_out) <= tol_o).all() and (np.abs(lse - ref_lse) <= tol_l).all(), warps
 
 
-def test_merge_channel_blocks_write_the_same_bits():
+def test_merge_channel_blocks_agree_with_the_whole_row_merge():
     """The merge by channel blocks (``merge_channels``: head_dim / blocks programs per (sequence, head), the first
-    writing the LSE) gives the bits of the whole-row merge; the default halves head_dim only where the rows are fewer
-    than twice the multiprocessors and V is not rotated; bad block sizes and a rotated V with blocks raise."""
+    writing the LSE) against the whole-row merge: within the oracle's bounds of each other (each channel's arithmetic
+    is the same, but on the GPU the sums over splits may be reduced in another order) and of the oracle; the
+    default halves head_dim only where the rows are fewer than twice the multiprocessors and V
+    is not rotated; bad block sizes and a rotated V with blocks raise."""
     from kvqref.kernels.decode import merge_channels_default, merge_kernel, plan_decode
 
     assert merge_channels_default(32, 132, 128, False) == 64 and merge_channels_default(256, 132, 128, False) == 64
@@ -1085,10 +1088,12 @@ def test_merge_channel_blocks_write_the_same_bits():
     cache, _ = build_cache(PAIRS[6], SMALL, rng)
     dc = tb.DeviceCache.from_cache(cache, DEVICE)
     q = torch.from_numpy(rng.standard_normal((3, 4, 64)).astype(np.float32)).to(torch.bfloat16)
+    ref_out, ref_lse, tol_o, tol_l = _oracle(cache, q.float().numpy().astype(np.float64))
     whole, whole_lse, _ = _run_decode(cache, q, num_splits=5, block_n=16, merge_channels=64)
     for mdb in (32, 16):
         out, lse, _ = _run_decode(cache, q, num_splits=5, block_n=16, merge_channels=mdb)
-        assert np.array_equal(out, whole) and np.array_equal(lse, whole_lse), mdb
+        assert (np.abs(out - ref_out) <= tol_o).all() and (np.abs(lse - ref_lse) <= tol_l).all(), mdb
+        assert (np.abs(out - whole) <= 2 * tol_o).all() and (np.abs(lse - whole_lse) <= 2 * tol_l).all(), mdb
         launches, _, _ = plan_decode(q.to(DEVICE), dc.k.tiles(), dc.v.tiles(), dc.block_table, dc.seq_lens,
                                      dc.page_size, num_splits=5, merge_channels=mdb)
         merge = next(la for la in launches if la.kernel is merge_kernel)

@@ -1961,7 +1961,8 @@ def plan_decode(
     2%). ``merge_warps``: warps per program of the merge launch (default: :func:`merge_warps_default`);
     ``merge_channels``: channels per merge program (a power of two dividing head_dim; the merge's grid gains
     head_dim / merge_channels programs per (sequence, head); not with a rotated V, whose un-rotation needs the whole
-    row; the same bits either way; default: :func:`merge_channels_default`)."""
+    row; each channel's arithmetic is the same, the sum over splits may be reduced in another order; default:
+    :func:`merge_channels_default`)."""
     import torch
 
     if precision not in PRECISIONS:
