@@ -1816,6 +1816,9 @@ WORDS_HALVES_RESIDENT = 12
 #: two-warp programs of fast FP8 and of mxfp4 block rows resident per multiprocessor, as the H100's split counts
 #: measure it (whole waves of 6 per multiprocessor are fast, of 7 are not: history/ab-h100-session12-splits-2warp.log)
 TWO_WARP_RESIDENT = 6
+#: two-warp programs of the bf16 kernel resident per multiprocessor (its 64-token tiles take 39 KB of shared memory:
+#: 5 fit the H100's 228 KB)
+BF16_TWO_WARP_RESIDENT = 5
 
 
 def choose_splits(batch: int, kv_heads: int, max_len: int, block_n: int, num_sms: int,
@@ -2133,6 +2136,16 @@ def plan_decode(
                                         key_rows_resident(num_warps, maxnreg) if key_rows else None,
                                         WORDS_HALVES_RESIDENT if words_halves else
                                         TWO_WARP_RESIDENT if two_warp_waves else None, down=two_warp_waves)
+        # FP8 and bf16 at 2 warps with at least as many KV pairs as multiprocessors: the fewest splits that fill
+        # whole waves, where that is fewer than the default (H100, fp8: batch 32 x 8,192 220.7 -> 214.3 us at 3
+        # splits, 64 x 8,192 452.2 -> 409.9, 64 x 64 heads x 16,384 875.8 -> 798.9; bf16 batch 32 385.0 -> 376.5 at
+        # 5; at batch 128, 5 splits instead of 3 lost 2.5 us: bench/results/ANALYSIS.md, session 15)
+        if num_warps == 2 and precision == "fast" and batch * kv_heads >= sms and not key_rows:
+            fill = (TWO_WARP_RESIDENT if k.kind == v.kind == "fp8" else
+                    BF16_TWO_WARP_RESIDENT if k.kind == v.kind == "bf16" else None)
+            if fill is not None:
+                num_splits, per = min((num_splits, per),
+                                      choose_splits(batch, kv_heads, max_seq_len, block_n, sms, fill))
     else:
         per = -(-max(max_seq_len, 1) // num_splits)
         per = -(-per // block_n) * block_n
