@@ -1215,6 +1215,19 @@ def test_split_counts_are_the_measured_choices():
         assert split.grid[2] == want, (batch, pair[0])
         if few:
             assert split.grid[2] != choose_splits(batch, 2, long, bn, sms)[0]
+    # FP4 without block rows (8 query heads per KV head: 64 rows) at 2 warps: the same rule with 6 resident (session 15,
+    # H100: nvfp4 at 64 query heads x 16,384 1021.1 -> 982.0 us, 32 x 64 heads x 8,192 280.1 -> 261.3)
+    cache, _ = build_cache(PAIRS[9], dict(SMALL, batch=128, lens=(5,) * 128, q_heads=16, kv_heads=2, head_dim=128), rng)
+    dc = tb.DeviceCache.from_cache(cache, DEVICE)
+    q = torch.zeros(128, 16, 128, dtype=torch.bfloat16, device=DEVICE)
+    launches, _, _ = plan_decode(q, dc.k.tiles(), dc.v.tiles(), dc.block_table, dc.seq_lens, dc.page_size,
+                                 max_seq_len=262144)
+    split = next(launch for launch in launches if "BLK" in launch.constexprs)
+    assert not split.constexprs["BLK"] and split.options["num_warps"] == 2
+    bn = split.constexprs["BLOCK_N"]
+    fill = choose_splits(128, 2, 262144, bn, sms, TWO_WARP_RESIDENT)[0]
+    assert split.grid[2] == min(fill, choose_splits(128, 2, 262144, bn, sms)[0])
+    assert fill < choose_splits(128, 2, 262144, bn, sms)[0] or not GPU
 
 
 @pytest.mark.parametrize("nvidia", [False, True])

@@ -2136,12 +2136,14 @@ def plan_decode(
                                         key_rows_resident(num_warps, maxnreg) if key_rows else None,
                                         WORDS_HALVES_RESIDENT if words_halves else
                                         TWO_WARP_RESIDENT if two_warp_waves else None, down=two_warp_waves)
-        # FP8 and bf16 at 2 warps with at least as many KV pairs as multiprocessors: the fewest splits that fill
-        # whole waves, where that is fewer than the default (H100, fp8: batch 32 x 8,192 220.7 -> 214.3 us at 3
-        # splits, 64 x 8,192 452.2 -> 409.9, 64 x 64 heads x 16,384 875.8 -> 798.9; bf16 batch 32 385.0 -> 376.5 at
-        # 5; at batch 128, 5 splits instead of 3 lost 2.5 us: bench/results/ANALYSIS.md, session 15)
+        # FP8, bf16 and FP4 without block rows at 2 warps with at least as many KV pairs as multiprocessors: the
+        # fewest splits that fill whole waves, where that is fewer than the default (H100, fp8: batch 32 x 8,192
+        # 220.7 -> 214.3 us at 3 splits, 64 x 8,192 452.2 -> 409.9, 64 x 64 heads x 16,384 875.8 -> 798.9; bf16 batch
+        # 32 385.0 -> 376.5 at 5; at batch 128, 5 splits instead of 3 lost 2.5 us; nvfp4 at 64 heads 1030.6 -> 983.6
+        # at 3, fp4_e2m1 1064.8 -> 1050.9: bench/results/ANALYSIS.md, session 15)
         if num_warps == 2 and precision == "fast" and batch * kv_heads >= sms and not key_rows:
-            fill = (TWO_WARP_RESIDENT if k.kind == v.kind == "fp8" else
+            fill = (TWO_WARP_RESIDENT if k.kind == v.kind == "fp8" or (
+                        k.kind == v.kind and k.kind in ("mxfp4", "nvfp4") and not block_rows) else
                     BF16_TWO_WARP_RESIDENT if k.kind == v.kind == "bf16" else None)
             if fill is not None:
                 num_splits, per = min((num_splits, per),
