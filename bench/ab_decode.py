@@ -102,7 +102,7 @@ def main() -> int:
                 launches, out, _ = mods[mod].plan_decode(q, lc.k.tiles(), lc.v.tiles(), lc.block_table, lc.seq_lens,
                                                          lc.page_size, max_seq_len=tokens, residual=residual, **kw)
                 if not merge:  # the split launches alone (timing only)
-                    launches = [la for la in launches if getattr(la, "kernel", None) is not mods[mod].merge_kernel]
+                    launches = [la for la in launches if la.kernel is not mods[mod].merge_kernel]
                 for launch in launches:
                     launch()
                 torch.cuda.synchronize()

@@ -1581,20 +1581,17 @@ def rotate_q_kernel(Q, SIGNS, QR, q_heads, stride_qb, stride_qh, D: tl.constexpr
 @triton.jit
 def merge_kernel(
     OP, LP, O, LSE, n_splits, op_b, op_h, op_s, lp_b, lp_h, o_b, o_h, lse_b, VSQ, D: tl.constexpr,
-    S_PAD: tl.constexpr, ROT_V: tl.constexpr = False, DB: tl.constexpr = 0,
+    S_PAD: tl.constexpr, DB: tl.constexpr, ROT_V: tl.constexpr = False,
 ):
     """Merge split outputs by log-sum-exp; writes out [D] and the natural-log LSE of one (seq, head).
-    ``DB`` (0: all D): the program merges channels ``program_id(2) * DB ..`` only (the weights are the same for
-    every channel block; the first block writes the LSE), so more programs share a merge of many splits.
+    ``DB``: the channels ``program_id(2) * DB ..`` this program merges (D: all; the weights are the same for every
+    channel block, the first block writes the LSE), so more programs may share a merge of many splits.
     ``ROT_V``: V is stored rotated: ``out = butterflies(out) * VSQ`` (``VSQ = v_signs / (D * C_D)``, float32
     [D]), the float32 form of ``HadamardRotation.unrotate``."""
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     s = tl.arange(0, S_PAD)
-    if DB:
-        d = tl.program_id(2) * DB + tl.arange(0, DB)
-    else:
-        d = tl.arange(0, D)
+    d = tl.program_id(2) * DB + tl.arange(0, DB)
     smask = s < n_splits
     lse = tl.load(LP + b * lp_b + h * lp_h + s, mask=smask, other=float("-inf"))
     m = tl.max(lse, 0)
@@ -1607,10 +1604,7 @@ def merge_kernel(
         out = tl.reshape(hadamard_rows(tl.reshape(out, (1, D)), 1, D), (D,)) * tl.load(VSQ + d)
     tl.store(O + b * o_b + h * o_h + d, out)
     lse_nat = tl.where(wsum > 0, (m_use + tl.log2(wsum)) * 0.6931471805599453, float("-inf"))
-    if DB:
-        if tl.program_id(2) == 0:
-            tl.store(LSE + b * lse_b + h, lse_nat)
-    else:
+    if tl.program_id(2) == 0:
         tl.store(LSE + b * lse_b + h, lse_nat)
 
 
@@ -2126,8 +2120,8 @@ def plan_decode(
         kl = vl = seq_lens
     if max_seq_len is None:  # (a device sync: callers in a hot loop pass it)
         max_seq_len = int(seq_lens.max().item()) if seq_lens.numel() else 0
+    sms = _multiprocessors(str(q.device)) if q.is_cuda else 4  # the split count's and the merge's defaults
     if num_splits is None:
-        sms = _multiprocessors(str(q.device)) if q.is_cuda else 4
         # FP8 and mxfp4 at 2 warps with fewer KV pairs than multiprocessors (long contexts, few sequences): whole
         # waves, rounded down (with more pairs the split count is too coarse to hit them: ANALYSIS.md, session 12)
         two_warp_waves = (num_warps == 2 and precision == "fast" and batch * kv_heads < sms
@@ -2259,14 +2253,13 @@ def plan_decode(
     else:
         splits = [Launch(decode_split_kernel, grid, split_args, split_cx, opts)]
     if merge_channels is None:
-        sms = _multiprocessors(str(q.device)) if q.is_cuda else 4
         mdb = merge_channels_default(batch * q_heads, sms, head_dim, v.rotation is not None)
     else:
         mdb = int(merge_channels)
     if mdb <= 0 or head_dim % mdb or mdb & (mdb - 1) or (mdb < head_dim and v.rotation is not None):
         raise ValueError(f"merge_channels must be a power of two dividing head_dim {head_dim} (all of it with a "
                          f"rotated V), got {merge_channels!r}")
-    merge_cx["DB"] = 0 if mdb == head_dim else mdb
+    merge_cx["DB"] = mdb
     merge_opts = {"num_warps": int(merge_warps) if merge_warps else merge_warps_default(merge_cx["S_PAD"], mdb)}
     launches = [*rotate_q, *splits, Launch(merge_kernel, (batch, q_heads, head_dim // mdb), merge_args, merge_cx,
                                            merge_opts)]
