@@ -63,6 +63,58 @@ def loads_kernel(
     tl.store(OUT + pid, tl.xor_sum(acc, 0))
 
 
+@triton.jit
+def _page_xor(desc, page, kvh, PAGE: tl.constexpr, W: tl.constexpr, FLAT: tl.constexpr):
+    """xor over one page's rows of one head through a tensor descriptor (TMA on sm_90): the head-major field
+    as [pages, heads, PAGE * W] (``FLAT``, rows of fewer than 16 bytes) or [pages, heads, PAGE, W]."""
+    if FLAT:
+        x = tl.reshape(desc.load([page, kvh, 0]), (PAGE * W // 16, 16))
+    else:
+        x = tl.reshape(desc.load([page, kvh, 0, 0]), (PAGE, W))
+    return tl.xor_sum(tl.xor_sum(x.to(tl.int32), 1), 0)
+
+
+@triton.jit
+def loads_tma_kernel(
+    BT, SL, K0, K1, V0, V1, OUT, tokens_per_split, stride_btb,
+    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, WK0: tl.constexpr, WK1: tl.constexpr, WV0: tl.constexpr,
+    WV1: tl.constexpr, FK0: tl.constexpr, FK1: tl.constexpr, FV0: tl.constexpr, FV1: tl.constexpr,
+):
+    """The loads of :func:`loads_kernel` over head-major fields, one tensor-descriptor load per (page, field)."""
+    b = tl.program_id(0).to(tl.int64)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    start = split * tokens_per_split
+    end = tl.minimum(start + tokens_per_split, tl.load(SL + b))
+    acc = tl.zeros((), tl.int32)
+    for t0 in range(start, end, BLOCK_N):
+        for j in tl.static_range(BLOCK_N // PAGE):
+            page = tl.load(BT + b * stride_btb + t0 // PAGE + j)
+            x = _page_xor(K0, page, kvh, PAGE, WK0, FK0) ^ _page_xor(V0, page, kvh, PAGE, WV0, FV0)
+            if WK1 > 0:
+                x ^= _page_xor(K1, page, kvh, PAGE, WK1, FK1)
+            if WV1 > 0:
+                x ^= _page_xor(V1, page, kvh, PAGE, WV1, FV1)
+            acc ^= tl.where(t0 + j * PAGE < end, x, 0)
+    pid = (tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(2) + split
+    tl.store(OUT + pid, acc)
+
+
+def tma_descriptor(field, page: int):
+    """A tensor descriptor of a head-major field ([pages, page, heads, W] with head-major strides) as
+    [pages, heads, page * W] where a row is under 16 bytes, else [pages, heads, page, W]; and whether flat."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    hm = field.permute(0, 2, 1, 3)
+    if not hm.is_contiguous():
+        raise ValueError("TMA loads need head-major fields")
+    w = hm.shape[3]
+    if w < 16:
+        flat = hm.reshape(hm.shape[0], hm.shape[1], page * w)
+        return TensorDescriptor.from_tensor(flat, [1, 1, page * w]), True
+    return TensorDescriptor.from_tensor(hm, [1, 1, page, w]), False
+
+
 def byte_fields(tiles, page: int, layout: str) -> list:
     """The side's code field and its per-token scale field (if any), as uint8 tensors with their (page, offset,
     head) strides: ``nhd`` the cache's own [pages, page, heads, bytes]; ``hnd`` a head-major copy [pages, heads,
@@ -81,8 +133,12 @@ def byte_fields(tiles, page: int, layout: str) -> list:
 
 
 def launch_loads(dc, block_n: int, warps: int, stages: int, hf: bool, splits_grid, layout: str = "nhd"):
-    """A closure launching the loads-only kernel over ``dc`` on ``splits_grid`` (batch, kv_heads, splits, per)."""
+    """A closure launching the loads-only kernel over ``dc`` on ``splits_grid`` (batch, kv_heads, splits, per);
+    layout ``tma``: head-major fields read by tensor descriptors (:func:`loads_tma_kernel`)."""
     import torch
+
+    if layout == "tma":
+        return launch_loads_tma(dc, block_n, warps, stages, splits_grid)
 
     batch, kv_heads, splits, per = splits_grid
     k, v = byte_fields(dc.k.tiles(), dc.page_size, layout), byte_fields(dc.v.tiles(), dc.page_size, layout)
@@ -106,6 +162,28 @@ def launch_loads(dc, block_n: int, warps: int, stages: int, hf: bool, splits_gri
     return fn
 
 
+def launch_loads_tma(dc, block_n: int, warps: int, stages: int, splits_grid):
+    """:func:`launch_loads` for the ``tma`` layout."""
+    import torch
+
+    batch, kv_heads, splits, per = splits_grid
+    page = dc.page_size
+    k, v = byte_fields(dc.k.tiles(), page, "hnd"), byte_fields(dc.v.tiles(), page, "hnd")
+    descs = [tma_descriptor(f, page) for f, _ in (k[0], k[1] if len(k) > 1 else k[0], v[0],
+                                                   v[1] if len(v) > 1 else v[0])]
+    out = torch.empty(batch * kv_heads * splits, dtype=torch.int32, device="cuda")
+    cx = dict(PAGE=page, BLOCK_N=block_n, WK0=k[0][0].shape[3], WK1=k[1][0].shape[3] if len(k) > 1 else 0,
+              WV0=v[0][0].shape[3], WV1=v[1][0].shape[3] if len(v) > 1 else 0,
+              FK0=descs[0][1], FK1=descs[1][1], FV0=descs[2][1], FV1=descs[3][1])
+
+    def fn():
+        loads_tma_kernel[(batch, kv_heads, splits)](dc.block_table, dc.seq_lens, *(d for d, _ in descs), out, per,
+                                                    dc.block_table.stride(0), **cx, num_warps=warps,
+                                                    num_stages=stages)
+
+    return fn
+
+
 def main() -> int:
     import torch
     from decode_bench import ab_document, bench_ms, graph_replay, make_cache, side_bytes_per_token
@@ -117,7 +195,8 @@ def main() -> int:
     ap.add_argument("--shape", default="32,32,8,128,8192")
     ap.add_argument("--configs", default="64,2,2;128,4,2;32,2,3", help="BLOCK_N,warps,stages;...")
     ap.add_argument("--hf", default="0,1", help="heads_fast values")
-    ap.add_argument("--layouts", default="nhd", help="nhd, hnd or both: the field layout the loads read")
+    ap.add_argument("--layouts", default="nhd",
+                    help="nhd, hnd, tma (head-major by tensor descriptors): the field layouts the loads read")
     ap.add_argument("--pages", default="16", help="page sizes")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
@@ -131,7 +210,7 @@ def main() -> int:
         for c, layout in ((c, lay) for c in args.configs.split(";") for lay in args.layouts.split(",")):
             bn, w, s = (int(x) for x in c.split(","))
             splits, per = choose_splits(batch, kv_heads, tokens, bn, _multiprocessors("cuda"))
-            for hf in (v == "1" for v in args.hf.split(",")):
+            for hf in (v == "1" for v in args.hf.split(",") if not (v == "1" and layout == "tma")):
                 fn = launch_loads(dc, bn, w, s, hf, (batch, kv_heads, splits, per), layout)
                 fn()
                 torch.cuda.synchronize()

@@ -1810,6 +1810,19 @@ WORDS_HALVES_RESIDENT = 12
 #: two-warp programs of fast FP8 and of mxfp4 block rows resident per multiprocessor, as the H100's split counts
 #: measure it (whole waves of 6 per multiprocessor are fast, of 7 are not: history/ab-h100-session12-splits-2warp.log)
 TWO_WARP_RESIDENT = 6
+#: two-warp fast FP8 and mxfp4-block-rows launches on NVIDIA GPUs: registers capped at this many per thread, so that 8
+#: programs fit a multiprocessor instead of 5-6 (H100, batch 32 x 8,192: fp8_e4m3 213.8 -> 207.2 us with 4 splits,
+#: mxfp4 167.4 -> 159.5 us; caps of 136 and 144 lost, 120 tied; bf16 lost at 128 and 144: 375.8 -> 400 us;
+#: bench/results/ANALYSIS.md, session 16)
+TWO_WARP_MAXNREG = 128
+
+
+def two_warp_resident(maxnreg: int | None) -> int:
+    """Two-warp FP8 / mxfp4 programs one multiprocessor holds: TWO_WARP_RESIDENT, or with registers capped at
+    ``maxnreg`` per thread what a 65,536-register file holds of them, if more (128: 8)."""
+    return max(TWO_WARP_RESIDENT, 65536 // (64 * maxnreg) if maxnreg else 0)
+
+
 #: two-warp programs of the bf16 kernel resident per multiprocessor (its 64-token tiles take 39 KB of shared memory:
 #: 5 fit the H100's 228 KB)
 BF16_TWO_WARP_RESIDENT = 5
@@ -1913,7 +1926,9 @@ def plan_decode(
 ):
     """The launches of decode attention (see :func:`paged_decode`), with their output tensors.
     ``hw_formats``: FP8 format ids converted in hardware (default: what ``q``'s device has); ``maxnreg``:
-    a register cap per thread (CUDA only; for tuning occupancy); ``ptx_unpack``: FP4 nibbles (and, with
+    a register cap per thread (CUDA only; for tuning occupancy; default on NVIDIA GPUs: ``TWO_WARP_MAXNREG`` for
+    two-warp fast FP8 and mxfp4 block rows, ``KIVI_WORDS_2BIT_MAXNREG`` for 2-bit KIVI words, else none);
+    ``ptx_unpack``: FP4 nibbles (and, with
     ``key_rows``, KIVI codes) unpacked with inline PTX (CUDA only); default (None): where it measured faster on the
     H100, fast-mode E8M0 (MXFP4, fp4_e2m1) and NVFP4 keys and KIVI key rows on CUDA (bench/results/ANALYSIS.md);
     ``wide_scale_loads``: FP4 block
@@ -2112,6 +2127,14 @@ def plan_decode(
         num_stages = 3 if nvfp4_halves or kivi_words else 2 if block_rows or key_rows else (
             3 if k.kind in ("fp8", "int_k") or fast_mx_ptx or (precision == "fast" and k.kind == "nvfp4"
                                                                 and not ptx_unpack) else 2)
+    hw = hardware_fp8_formats(q.device) if hw_formats is None else hw_formats
+    # fast FP8 (formats converted in hardware) and mxfp4 by block rows at 2 warps on NVIDIA: 8 programs per
+    # multiprocessor (TWO_WARP_MAXNREG)
+    two_warp_capped = (num_warps == 2 and precision == "fast" and _nvidia_cuda(q) and (
+        (k.kind == v.kind == "fp8" and k.fmt in hw and v.fmt in hw)
+        or (bool(block_rows) and k.kind == v.kind == "mxfp4" and block_n == 64 and not words_halves)))
+    if maxnreg is None and two_warp_capped:
+        maxnreg = TWO_WARP_MAXNREG
     has_res = residual is not None
     if has_res:
         rk, rv, kl, vl = residual
@@ -2129,14 +2152,14 @@ def plan_decode(
         num_splits, per = choose_splits(batch, kv_heads, max_seq_len, block_n, sms,
                                         key_rows_resident(num_warps, maxnreg) if key_rows else None,
                                         WORDS_HALVES_RESIDENT if words_halves else
-                                        TWO_WARP_RESIDENT if two_warp_waves else None, down=two_warp_waves)
+                                        two_warp_resident(maxnreg) if two_warp_waves else None, down=two_warp_waves)
         # FP8, bf16 and FP4 without block rows at 2 warps with at least as many KV pairs as multiprocessors: the
         # fewest splits that fill whole waves, where that is fewer than the default (H100, fp8: batch 32 x 8,192
         # 220.7 -> 214.3 us at 3 splits, 64 x 8,192 452.2 -> 409.9, 64 x 64 heads x 16,384 875.8 -> 798.9; bf16 batch
         # 32 385.0 -> 376.5 at 5; at batch 128, 5 splits instead of 3 lost 2.5 us; nvfp4 at 64 heads 1030.6 -> 983.6
         # at 3, fp4_e2m1 1064.8 -> 1050.9: bench/results/ANALYSIS.md, session 15)
         if num_warps == 2 and precision == "fast" and batch * kv_heads >= sms and not key_rows:
-            fill = (TWO_WARP_RESIDENT if k.kind == v.kind == "fp8" or (
+            fill = (two_warp_resident(maxnreg) if k.kind == v.kind == "fp8" or (
                         k.kind == v.kind and k.kind in ("mxfp4", "nvfp4") and not block_rows) else
                     BF16_TWO_WARP_RESIDENT if k.kind == v.kind == "bf16" else None)
             if fill is not None:
@@ -2146,7 +2169,6 @@ def plan_decode(
         per = -(-max(max_seq_len, 1) // num_splits)
         per = -(-per // block_n) * block_n
     total = num_splits + int(has_res)
-    hw = hardware_fp8_formats(q.device) if hw_formats is None else hw_formats
     op = torch.empty(batch, q_heads, total, head_dim, dtype=torch.float32, device=q.device)
     lp = torch.empty(batch, q_heads, total, dtype=torch.float32, device=q.device)
     heads_fast = bool(heads_fast)
