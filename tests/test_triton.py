@@ -1226,7 +1226,7 @@ def test_split_counts_are_the_measured_choices():
             assert fill < want or not GPU or batch < 128, (batch, pair[0])  # 256 pairs on a GPU: fewer splits
             want = min(want, fill)
         assert split.grid[2] == want, (batch, pair[0])
-        if few:
+        if few and cap is None:  # (8 resident: the default's 16 per multiprocessor are whole waves already)
             assert split.grid[2] != choose_splits(batch, 2, long, bn, sms)[0]
     # FP4 without block rows (8 query heads per KV head: 64 rows) at 2 warps: the same rule with 6 resident (session 15,
     # H100: nvfp4 at 64 query heads x 16,384 1021.1 -> 982.0 us, 32 x 64 heads x 8,192 280.1 -> 261.3)
