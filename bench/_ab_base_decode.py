@@ -1,0 +1,2283 @@
+"""Split-KV (flash-decoding) attention over a quantized paged KV cache: one kernel for every scheme.
+
+Stage 1 (``decode_split_kernel``): one program per (sequence, KV head, split) reads its range of the
+paged cache in its stored form (codes + scales), dequantizes in registers with a constexpr-selected
+inline function (``KIND``), and keeps an online softmax for the query heads of that KV head (GQA/MQA).
+A last split per sequence attends KIVI's full-precision residual window in the same launch.
+Stage 2 (``merge_kernel``) merges the splits by their log-sum-exp.
+
+Cache tile kinds (``KIND_K``/``KIND_V``) and the fields they read (leading axes [slot, head]):
+    0 BF16     F0 bf16 [D]
+    1 FP8      F0 uint8 codes [D] (format ``FMT``); F1 float32 per-token scale [] when ``TOKEN_SCALE``
+    2 MXFP4    F0 uint8 [D/2] (element 2i low nibble); F1 uint8 E8M0 [D/QB]
+    3 NVFP4    F0 uint8 [D/2]; F1 uint8 E4M3FN [D/16] (global scale folded into the tensor scale)
+    4 INT-V    F0 uint8 [D*BITS/8] LSB-first; F1 fp16 scale, F2 fp16 zero [D/G] (per token, channel groups)
+    5 INT-K    F0 as 4; F1 fp16 scale, F2 fp16 zero [D] per group of G slots (per channel, token groups)
+Tensor-level scales (FP8 per-tensor/per-head, NVFP4 global) are folded: K's into the softmax scale,
+V's into the output. Per-token FP8 scales multiply score columns and probabilities, never the
+elements, so dequantized FP8 tiles are exact in float16 and FP4 tiles exact in bfloat16 (NVFP4 also in
+float16) and go to the tensor cores as they are. KIVI keys fold the group's per-channel scale and zero
+into q (exact mode, or fast with ``key_tile=False``; fast mode by default splits the dequantized key tile in
+two bfloat16 parts), so their integer codes go to the tensor cores exactly. Operands that are not exact in 16 bits
+(q in float32, the probabilities, KIVI q x s and value tiles, the residual): ``precision="exact"`` splits
+them into two or three 16-bit parts whose sum is the float32 value (products of float32 operands);
+``precision="fast"`` (the default, constexpr ``FAST``) rounds q and p once to 16 bits and splits KIVI and
+residual tiles in two bfloat16 parts (docs/kernels.md, "Precision", derives both error bounds).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import triton
+import triton.language as tl
+
+from kvqref.kernels.codecs import (
+    INTERPRET,
+    bf16_bits_to_f32,
+    decode_f32,
+    e8m0_to_f32,
+    f32_to_bf16_bits,
+    floor_log2_f32,
+    hadamard_rows,
+    page_slot,
+    pow2_f32,
+)
+
+
+@triton.jit
+def _bf16_rn(x):
+    """float32 ``x`` rounded to bfloat16 (to nearest, ties to even), as float32, with integer operations
+    (the interpreter's bfloat16 cast truncates); finite ``x`` only."""
+    return (f32_to_bf16_bits(x) << 16).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _split(x, THREE: tl.constexpr, FAST: tl.constexpr = False):
+    """float32 -> bfloat16 parts whose sum is ``x``: (hi, lo, lo), hi + lo = x to about 16 bits, or with
+    ``THREE`` (hi, mid, lo), exact for float32. ``FAST``: ``x`` rounded once to bfloat16 (only ``hi`` is
+    used). Interpreter: (r, r, r) with r the float32 value the parts sum to (x itself with ``THREE``)."""
+    if INTERPRET:
+        if FAST:
+            r = _bf16_rn(x)
+        elif THREE:
+            r = x
+        else:
+            r = _bf16_rn(x) + _bf16_rn(x - _bf16_rn(x))
+        return r, r, r
+    else:
+        hi = x.to(tl.bfloat16)
+        if FAST:
+            return hi, hi, hi
+        else:
+            r = x - hi.to(tl.float32)
+            mid = r.to(tl.bfloat16)
+            if THREE:
+                lo = (r - mid.to(tl.float32)).to(tl.bfloat16)
+            else:
+                lo = mid
+            return hi, mid, lo
+
+
+@triton.jit
+def _mm(a_hi, a_mid, a_lo, b, A_PARTS: tl.constexpr, B_SPLIT: tl.constexpr):
+    """(a_hi + a_mid + a_lo) [M, K] @ b [K, N], float32 accumulation on bfloat16 tensor cores; ``A_PARTS``
+    of ``a`` are used (1: ``a`` is exact in bfloat16, or rounded to it in fast mode; 3: float32). ``b`` is
+    used as bfloat16 (``B_SPLIT`` 0: exact in bfloat16), or split in two (2: about 16 bits, fast mode) or
+    three (3: exact) bfloat16 parts. Interpreter: one exact float32 dot (``b``'s two-part split emulated)."""
+    if INTERPRET:
+        bq = b.to(tl.float32)
+        if B_SPLIT == 2:
+            bq, _, _ = _split(bq, False)
+        return tl.dot(a_hi, bq, input_precision="ieee")
+    else:
+        if B_SPLIT != 0:
+            b_hi, b_mid, b_lo = _split(b.to(tl.float32), B_SPLIT == 3)
+        else:
+            b_hi = b.to(tl.bfloat16)
+        acc = tl.dot(a_hi, b_hi)
+        if A_PARTS >= 2:
+            acc += tl.dot(a_mid, b_hi)
+        if A_PARTS >= 3:
+            acc += tl.dot(a_lo, b_hi)
+        if B_SPLIT != 0:
+            acc += tl.dot(a_hi, b_mid)
+            if A_PARTS >= 2:
+                acc += tl.dot(a_mid, b_mid)
+        if B_SPLIT == 3:
+            acc += tl.dot(a_hi, b_lo)
+        return acc
+
+
+@triton.jit
+def _split16(x, FAST: tl.constexpr = False):
+    """float32 -> (hi, lo) float16 parts, hi + lo = x to 22 bits (the caller scales x into float16's range);
+    ``FAST``: ``x`` rounded once to float16 (only ``hi`` is used). Interpreter: float32 values."""
+    if INTERPRET:
+        if FAST:
+            r = x.to(tl.float16).to(tl.float32)
+            return r, r
+        else:
+            return x, x
+    else:
+        hi = x.to(tl.float16)
+        if FAST:
+            return hi, hi
+        else:
+            return hi, (x - hi.to(tl.float32)).to(tl.float16)
+
+
+@triton.jit
+def _mm16(a_hi, a_lo, b, A_PARTS: tl.constexpr):
+    """(a_hi + a_lo) @ b on float16 tensor cores (``b`` exact in float16: FP8 values), float32 accumulation."""
+    if INTERPRET:
+        return tl.dot(a_hi, b.to(tl.float32), input_precision="ieee")
+    else:
+        acc = tl.dot(a_hi, b)
+        if A_PARTS >= 2:
+            acc += tl.dot(a_lo, b)
+        return acc
+
+
+@triton.jit
+def _mm_t(a, b_hi, b_mid, b_lo, B_PARTS: tl.constexpr, F16: tl.constexpr):
+    """a [M, K] (exact in float16 if ``F16``, else in bfloat16) @ (b_hi + b_mid + b_lo) [K, N]."""
+    if INTERPRET:
+        return tl.dot(a.to(tl.float32), b_hi, input_precision="ieee")
+    else:
+        if F16:
+            a2 = a.to(tl.float16)
+        else:
+            a2 = a.to(tl.bfloat16)
+        acc = tl.dot(a2, b_hi)
+        if B_PARTS >= 2:
+            acc += tl.dot(a2, b_mid)
+        if B_PARTS >= 3:
+            acc += tl.dot(a2, b_lo)
+        return acc
+
+
+@triton.jit
+def _e2m1_f16(nib):
+    """E2M1 code (low 4 bits of an int32) -> its value * 2**-14 as float16, exact (the code's exponent and
+    mantissa bits placed in float16's; E2M1 0.5 becomes the float16 subnormal 2**-15)."""
+    h = ((nib & 7) << 9) | ((nib & 8) << 12)
+    return h.to(tl.uint16).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def _nvfp4_tile16(byte, scale_code, FMT: tl.constexpr, PTX: tl.constexpr):
+    """Fast-mode NVFP4 tile elements of the low and high nibbles of ``byte`` (uint8), as float16
+    E2M1 * scale * 2**-14 (``scale_code``: E4M3, broadcast): multiples of 2**-24 below 0.17 with at most 6
+    significant bits, so exact in float16 (subnormals included); the caller owes a factor 2**14.
+    ``FMT`` >= 8: E4M3FN converted in hardware; ``PTX``: see :func:`_e2m1_nibbles_f16`."""
+    if FMT >= 8 and not INTERPRET:  # the device converts E4M3FN to float16 in hardware (exact)
+        f = scale_code.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+    else:
+        f = decode_f32(scale_code, 0).to(tl.float16)  # E4M3 values are float16 values
+    lo, hi = _e2m1_nibbles_f16(byte, PTX)
+    return lo * f, hi * f
+
+
+@triton.jit
+def _e2m1_nibbles_f16(byte, PTX: tl.constexpr):
+    """The E2M1 codes of the low and high nibbles of ``byte`` (uint8) as float16 value * 2**-14 (exact):
+    with inline PTX (:func:`_e2m1_pairs`) if ``PTX`` (CUDA), else with :func:`_e2m1_f16`."""
+    if PTX and not INTERPRET:
+        return _e2m1_pairs(byte, False)
+    else:
+        b = byte.to(tl.int32)
+        return _e2m1_f16(b & 15), _e2m1_f16(b >> 4)
+
+
+def _e2m1_pairs_ptx(lo_shift: int = 9, hi_shift: int = 5, field: int = 0x0E00,
+                    pairs: tuple = (("0x4140", 0, 2), ("0x4342", 1, 3))) -> str:
+    """The PTX of :func:`_e2m1_pairs` (defaults: float16; its bfloat16 variant: shifts 6 and 2,
+    field 0x01C0): input $4 (bytes 0-3), outputs $0, $1 (low nibbles of bytes 0,1 and 2,3) and $2, $3 (high
+    nibbles). Per pair of bytes spread into the halves of y: 16-bit float bits = (y << shift & field per
+    half: the code's exponent and mantissa bits in the float's lowest exponent bits and highest mantissa
+    bit) | (y & sign bit) << sign shift. ``pairs``: (``prmt`` selector of the two bytes, output of their low
+    nibbles, output of their high nibbles); :func:`_e2m1_quads` takes bytes 0, 2 and 1, 3."""
+    lines = [".reg .b32 z, y, t, v;", "mov.b32 z, 0;"]
+    mask = f"0x{field:04X}{field:04X}"
+    for sel, lo_out, hi_out in pairs:
+        lines.append(f"prmt.b32 y, $4, z, {sel};")
+        for out, shift, sign, sign_shift in ((lo_out, lo_shift, "0x00080008", 12), (hi_out, hi_shift, "0x00800080", 8)):
+            lines += [f"shl.b32 t, y, {shift};", f"and.b32 v, y, {sign};", f"shl.b32 v, v, {sign_shift};",
+                      f"lop3.b32 ${out}, t, v, {mask}, 0xEC;"]  # (t & field) | v
+    return "{\n" + "\n".join(lines) + "\n}"
+
+
+E2M1_PAIRS_PTX = tl.constexpr(_e2m1_pairs_ptx())
+E2M1_PAIRS_BF16_PTX = tl.constexpr(_e2m1_pairs_ptx(6, 2, 0x01C0))
+#: 2**126, from the bfloat16 PTX unpacking's E2M1 * 2**-126 to E2M1 (a constexpr: the products stay bfloat16)
+TWO_126 = tl.constexpr(8.507059173023462e37)
+_QUADS = (("0x4240", 0, 1), ("0x4341", 2, 3))
+E2M1_QUADS_PTX = tl.constexpr(_e2m1_pairs_ptx(pairs=_QUADS))
+E2M1_QUADS_BF16_PTX = tl.constexpr(_e2m1_pairs_ptx(6, 2, 0x01C0, pairs=_QUADS))
+
+
+@triton.jit
+def _e2m1_quads(word, PTX: tl.constexpr, BF16: tl.constexpr):
+    """The four E2M1 codes of each 16-bit ``word`` (int16: two code bytes; channel 4c + k is nibble k) as four
+    tensors: float16 value * 2**-14, or with ``BF16`` the exact values in bfloat16 (float32 in the interpreter, which
+    cannot bitcast to bfloat16). CUDA (``PTX``): two words per 32-bit register, ``prmt`` spreads byte 0 of both into
+    the halves of one word and byte 1 into another, then as :func:`_e2m1_pairs` (bfloat16: value * 2**-126 times
+    2**126, one packed multiply, exact); elsewhere nibble by nibble."""
+    if PTX and not INTERPRET:
+        if BF16:
+            a, b, c, d = tl.inline_asm_elementwise(E2M1_QUADS_BF16_PTX, "=r,=r,=r,=r,r", [word],
+                                                   dtype=(tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16),
+                                                   is_pure=True, pack=2)
+            return a * TWO_126, b * TWO_126, c * TWO_126, d * TWO_126
+        else:
+            return tl.inline_asm_elementwise(E2M1_QUADS_PTX, "=r,=r,=r,=r,r", [word],
+                                             dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True,
+                                             pack=2)
+    else:
+        w = word.to(tl.int32)
+        return (_e2m1_nibble(w & 15, BF16), _e2m1_nibble((w >> 4) & 15, BF16), _e2m1_nibble((w >> 8) & 15, BF16),
+                _e2m1_nibble((w >> 12) & 15, BF16))
+
+
+@triton.jit
+def _e2m1_nibble(nib, BF16: tl.constexpr):
+    """One E2M1 code (int32 in 0..15): float16 value * 2**-14 (:func:`_e2m1_f16`), or with ``BF16`` the value in
+    bfloat16 (float32 in the interpreter)."""
+    if BF16:
+        v = decode_f32(nib, 4)
+        if INTERPRET:
+            return v
+        else:
+            return v.to(tl.bfloat16)
+    else:
+        return _e2m1_f16(nib)
+
+
+@triton.jit
+def _e2m1_pairs(byte, BF16: tl.constexpr):
+    """CUDA: the E2M1 codes of the low and high nibbles of ``byte`` (uint8) as float16 value * 2**-14, exactly
+    as :func:`_e2m1_f16`, or with ``BF16`` as bfloat16 value * 2**-126 (exact: E2M1 0.5 becomes the bfloat16
+    subnormal 2**-127), with packed 32-bit operations: 4 bytes per register, ``prmt`` spreads two bytes into
+    the halves of a word, then shift/and/``lop3`` build two 16-bit floats at once (2.25 instructions per
+    element). Element i of a call is byte i of the input register and half i % 2 of output register i // 2."""
+    if BF16:
+        return tl.inline_asm_elementwise(E2M1_PAIRS_BF16_PTX, "=r,=r,=r,=r,r", [byte],
+                                         dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+    else:
+        return tl.inline_asm_elementwise(E2M1_PAIRS_PTX, "=r,=r,=r,=r,r", [byte],
+                                         dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
+
+
+@triton.jit
+def _mx_tile_bf16(byte, code):
+    """CUDA, fast mode: MXFP4 tile elements of the low and high nibbles of ``byte`` (uint8) times their E8M0
+    block scale ``code`` (broadcast), as bfloat16, with no float32 step: the PTX unpacking gives E2M1 * 2**-126
+    and two packed bfloat16 multiplies by powers of two 2**a, 2**b (a + b = code - 1, both in [-1, 127]) give
+    E2M1 * 2**(code - 127): exact wherever the float32 route is finite (bfloat16 has float32's exponent
+    range; subnormal results included); code 0xFF gives NaN as the float32 route does."""
+    e = code.to(tl.int32) - 1
+    a = e >> 1
+    fa = ((a + 127) << 7).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    fb = tl.where(code == 255, 0x7FC0, (e - a + 127) << 7).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    lo, hi = _e2m1_pairs(byte, True)
+    return lo * fa * fb, hi * fa * fb
+
+
+@triton.jit
+def _block_scales(F1, slot, kvh, f1_s, f1_h, m, NB: tl.constexpr, WIDE: tl.constexpr, TOKENS_LAST: tl.constexpr):
+    """The NB block-scale codes of each token in ``slot`` [N] (mask ``m``), as int32 [NB, N] if ``TOKENS_LAST``
+    else [N, NB]. ``WIDE``: the NB bytes of a (slot, head) are contiguous and NB-aligned (NB 4 or 8), so they
+    are read as one 32/64-bit word per token (little-endian: block b is byte b), which the compiler can
+    prefetch with the code tiles (one-byte loads are not pipelined and stall every tile: ANALYSIS.md)."""
+    b = tl.arange(0, NB)
+    if WIDE:
+        WT: tl.constexpr = tl.int64 if NB == 8 else tl.int32
+        w = tl.load((F1 + slot * f1_s + kvh * f1_h).to(tl.pointer_type(WT)), mask=m, other=0)
+        if TOKENS_LAST:
+            return ((w[None, :] >> (8 * b[:, None]).to(WT)) & 0xFF).to(tl.uint8)
+        else:
+            return ((w[:, None] >> (8 * b[None, :]).to(WT)) & 0xFF).to(tl.uint8)
+    else:
+        if TOKENS_LAST:
+            return tl.load(F1 + slot[None, :] * f1_s + kvh * f1_h + b[:, None], mask=m[None, :], other=0)
+        else:
+            return tl.load(F1 + slot[:, None] * f1_s + kvh * f1_h + b[None, :], mask=m[:, None], other=0)
+
+
+@triton.jit
+def _fp4_scale(code, KIND: tl.constexpr, FMT: tl.constexpr = 0):
+    """Block scale code -> float32 (exact): E8M0 (KIND 2) by its bits, or E4M3FN (KIND 3, NVFP4) in hardware where
+    ``FMT`` >= 8, else with integer operations (the per-element paths pass no ``FMT``: the hardware E4M3 conversion
+    measured 11% slower there in exact mode on the H100: bench/results/ANALYSIS.md)."""
+    if KIND == 2:
+        return e8m0_to_f32(code)
+    elif FMT >= 8 and not INTERPRET:
+        return code.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    else:
+        return decode_f32(code, 0)
+
+
+@triton.jit
+def _phase(
+    byte,
+    slot,
+    e,
+    m,
+    kvh,
+    F1,
+    F2,
+    f1_s,
+    f1_h,
+    f2_s,
+    f2_h,
+    P: tl.constexpr,
+    KIND: tl.constexpr,
+    FMT: tl.constexpr,
+    QB: tl.constexpr,
+    G: tl.constexpr,
+    BITS: tl.constexpr,
+):
+    """Dequantize the elements of phase ``P`` (element ``e = i * PACK + P``) from the loaded field-0 values
+    ``byte``; ``slot``, ``e`` and ``m`` broadcast to ``byte``'s shape. Exact kinds stay exact in bfloat16."""
+    if KIND == 0:
+        return byte
+    elif KIND == 1:
+        if FMT >= 8 and not INTERPRET:  # hardware conversion, exact: fp8 -> fp16 (FMT - 8 is the format)
+            if FMT == 8:
+                return byte.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+            elif FMT == 9:
+                return byte.to(tl.float8e5, bitcast=True).to(tl.float16)
+            elif FMT == 10:
+                return byte.to(tl.float8e4b8, bitcast=True).to(tl.float16)
+            else:
+                return byte.to(tl.float8e5b16, bitcast=True).to(tl.float16)
+        else:
+            v = decode_f32(byte, FMT % 8)
+            if INTERPRET:
+                return v
+            else:
+                return v.to(tl.float16)  # exact: every FP8 value is a float16 value
+    elif KIND == 2 or KIND == 3:
+        nib = (byte.to(tl.int32) >> (4 * P)) & 0xF
+        sc = tl.load(F1 + slot * f1_s + kvh * f1_h + e // QB, mask=m, other=0)
+        return decode_f32(nib, 4) * _fp4_scale(sc, KIND)
+    else:
+        f = ((byte.to(tl.int32) >> (P * BITS)) & ((1 << BITS) - 1)).to(tl.float32)
+        if KIND == 4:
+            so = slot * f1_s + kvh * f1_h + e // G
+            zo = slot * f2_s + kvh * f2_h + e // G
+        else:
+            so = (slot // G) * f1_s + kvh * f1_h + e
+            zo = (slot // G) * f2_s + kvh * f2_h + e
+        sc = tl.load(F1 + so, mask=m, other=0.0).to(tl.float32)
+        z = tl.load(F2 + zo, mask=m, other=0.0).to(tl.float32)
+        return f * sc + z
+
+
+@triton.jit
+def _res_mm(
+    a_hi, a_mid, a_lo, A_PARTS: tl.constexpr, byte, slot, e0, m, paged, kvh, F1, F2, f1_s, f1_h, f2_s, f2_h, R, roff,
+    P: tl.constexpr, KIND: tl.constexpr, FMT: tl.constexpr, QB: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr,
+    BS: tl.constexpr, CODES: tl.constexpr = False,
+):
+    """Residual-window tiles: ``a @ x`` where ``x`` is phase ``P`` (elements ``e0 + P``) dequantized as in
+    :func:`_phase` where ``paged`` (``CODES``, KIVI values: the integer codes alone), else the float32
+    residual at ``R + roff + e0 + P``; ``x`` is split in ``BS`` bfloat16 parts (:func:`_mm`)."""
+    e = e0 + P
+    if KIND == 4 and CODES:  # KIVI values with rows by group: scale and zero are applied to p
+        x = ((byte.to(tl.int32) >> (P * BITS)) & ((1 << BITS) - 1)).to(tl.float32)
+    else:
+        x = _phase(byte, slot, e, paged, kvh, F1, F2, f1_s, f1_h, f2_s, f2_h, P, KIND, FMT, QB, G, BITS)
+    r = tl.load(R + roff + e, mask=m & (paged == 0), other=0.0)
+    return _mm(a_hi, a_mid, a_lo, tl.where(paged, x.to(tl.float32), r), A_PARTS, BS)
+
+
+@triton.jit
+def _load_q(Q, base, hmask, P: tl.constexpr, PACK: tl.constexpr, DP: tl.constexpr, FAST: tl.constexpr):
+    """Phase ``P`` of q as three bfloat16 parts (exact), or rounded once to bfloat16 (``FAST``)."""
+    return _split(_load_qf(Q, base, hmask, P, PACK, DP), True, FAST)
+
+
+@triton.jit
+def _load_qf(Q, base, hmask, P: tl.constexpr, PACK: tl.constexpr, DP: tl.constexpr):
+    i = tl.arange(0, DP)
+    return tl.load(Q + base + (i * PACK + P)[None, :], mask=hmask[:, None], other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _int_codes16(byte, P: tl.constexpr, BITS: tl.constexpr, F16: tl.constexpr = False):
+    """The ``BITS``-bit integer codes at bit ``P * BITS`` of ``byte`` as bfloat16, or float16 with ``F16`` (exact:
+    small integers), through the magic number: bits ``0x4300 | c`` are 128 + c in bfloat16 (``0x6400 | c``: 1024 + c
+    in float16), minus 128 (1024), exact, so no int-to-float conversion instruction; the interpreter (which cannot
+    bitcast to bfloat16) gets the bfloat16 path's values in float32."""
+    c = (byte.to(tl.int32) >> (P * BITS)) & ((1 << BITS) - 1)
+    if F16:
+        return (c | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - 1024.0
+    elif INTERPRET:
+        return c.to(tl.float32)
+    else:
+        return (c | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True) - 128.0
+
+
+@triton.jit
+def _dot_acc(a, b, acc):
+    """``acc + a @ b`` with 16-bit operands whose products are exact, float32 accumulation (the tensor cores'
+    own accumulator); interpreter: one float32 dot of the same values."""
+    if INTERPRET:
+        return acc + tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _f16_of_word(F, off, ik, P: tl.constexpr, PK: tl.constexpr):
+    """float16 elements ``ik * PK + P`` of the row at ``F + off`` (float16, PK-aligned: plan_decode checks), as
+    float32, read as one 32/64-bit word per ``ik`` holding the PK phases (the same addresses in every phase, so
+    the compiler loads each word once per tile; little-endian: phase P is bits 16P..16P+15)."""
+    WT: tl.constexpr = tl.int64 if PK == 4 else tl.int32
+    w = tl.load((F + off).to(tl.pointer_type(WT)) + ik)
+    return ((w >> (16 * P)) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _kivi_key_phase(
+    qf, kb, K1, K2, grp, kvh, k1_s, k1_h, k2_s, k2_h, ik, acc, P: tl.constexpr, PK: tl.constexpr,
+    BITS: tl.constexpr, FAST: tl.constexpr, KEY_TILE: tl.constexpr = False,
+):
+    """KIVI keys, one byte phase, for a tile inside one token group. ``FAST`` and ``KEY_TILE``: the tile
+    c * s + z (float32, one rounding) split in two bfloat16 parts against the bfloat16 q (``qf``, rounded once),
+    the group's s, z per channel broadcast over the tokens (2-bit codes: read as words, :func:`_f16_of_word`).
+    Otherwise scores q . (code * s + z) computed as
+    (q * s) . code + q . z, with the per-channel s, z of the group folded into q (codes are exact);
+    ``FAST``: q is the bfloat16 q (rounded once), q * s (exact in float32) split in two bfloat16 parts
+    (about 16 bits; keys have outlier channels, so one rounding would hide a code step) and the codes built
+    by :func:`_int_codes16`; else q * s in three parts (exact).
+    Returns ``acc`` plus the phase's (q * s) . code, and the elementwise q * z of the phase (the caller sums
+    the phases' products, then reduces once)."""
+    e = ik * PK + P
+    if FAST and KEY_TILE and PK == 4:  # int2: one 64-bit word per 4 channels (measured fewer loads, statically)
+        sc = _f16_of_word(K1, grp * k1_s + kvh * k1_h, ik, P, PK)
+        z = _f16_of_word(K2, grp * k2_s + kvh * k2_h, ik, P, PK)
+    else:
+        sc = tl.load(K1 + grp * k1_s + kvh * k1_h + e).to(tl.float32)
+        z = tl.load(K2 + grp * k2_s + kvh * k2_h + e).to(tl.float32)
+    if FAST and KEY_TILE:
+        # the key tile dequantized, c * s + z (c * s exact in float32, so one rounding with or without FMA), in two
+        # bfloat16 parts against the bfloat16 q: no float32 q and no reduction in the loop
+        c = ((kb.to(tl.int32) >> (P * BITS)) & ((1 << BITS) - 1)).to(tl.float32)
+        kh, km, _ = _split(c * sc[:, None] + z[:, None], False)
+        if INTERPRET:  # the interpreter's parts each hold their sum (``_split``)
+            return _dot_acc(qf, kh, acc), qf.to(tl.float32)  # (the caller drops q . z here)
+        else:
+            return tl.dot(qf, km, tl.dot(qf, kh, acc)), qf.to(tl.float32)
+    qf = qf.to(tl.float32)
+    qh, qm, ql = _split(qf * sc[None, :], not FAST)
+    if FAST:
+        codes = _int_codes16(kb, P, BITS)
+        if INTERPRET:  # the interpreter's parts each hold their sum (``_split``)
+            acc = _dot_acc(qh, codes, acc)
+        else:
+            acc = tl.dot(qh, codes, tl.dot(qm, codes, acc))
+    else:
+        codes = ((kb.to(tl.int32) >> (P * BITS)) & ((1 << BITS) - 1)).to(tl.float32)
+        acc += _mm(qh, qm, ql, codes, 3, 0)
+    return acc, qf * z[None, :]
+
+
+@triton.jit
+def _group_rows(x, GR: tl.constexpr, HV: tl.constexpr, N: tl.constexpr):
+    """Rows ``g * HV + h`` (h < HV) of the result [GR * HV, N] are row g of ``x`` [GR, N]."""
+    return tl.reshape(tl.broadcast_to(x[:, None, :], (GR, HV, N)), (GR * HV, N))
+
+
+@triton.jit
+def _kivi_value_rows(V1, V2, slot, m, kvh, v1_s, v1_h, v2_s, v2_h, HV: tl.constexpr, M: tl.constexpr,
+                     NG: tl.constexpr):
+    """KIVI values with rows by group (``HV`` > 0): the scale and zero of channel group ``r // HV`` of token j,
+    as float32 [M, N] tiles in the layout of the scores (0 where ``m[j]`` is false or the group does not exist). Each
+    (group, token) is loaded once (a token's groups are contiguous) and broadcast over the HV rows of its group."""
+    GR: tl.constexpr = M // HV
+    g = tl.arange(0, GR)
+    N: tl.constexpr = slot.shape[0]
+    mm = m[None, :] & (g < NG)[:, None]
+    sg = tl.load(V1 + slot[None, :] * v1_s + kvh * v1_h + g[:, None], mask=mm, other=0.0).to(tl.float32)
+    zg = tl.load(V2 + slot[None, :] * v2_s + kvh * v2_h + g[:, None], mask=mm, other=0.0).to(tl.float32)
+    return _group_rows(sg, GR, HV, N), _group_rows(zg, GR, HV, N)
+
+
+@triton.jit
+def _value_rows_to_heads(x, zs, P: tl.constexpr, PV: tl.constexpr, G: tl.constexpr, HV: tl.constexpr,
+                         M: tl.constexpr, DV: tl.constexpr):
+    """Rows by group -> rows by head: column i of phase ``P`` (element i * PV + P) of head h is row
+    ``g * HV + h`` of ``x`` [M, DV] plus ``zs[g * HV + h]`` (the zero-point term), g = (i * PV + P) // G."""
+    GR: tl.constexpr = M // HV
+    x3 = tl.reshape(x + zs[:, None], (GR, HV, DV))
+    sel = tl.arange(0, GR)[:, None, None] == ((tl.arange(0, DV) * PV + P) // G)[None, None, :]
+    return tl.sum(tl.where(sel, x3, 0.0), 0)
+
+
+@triton.jit
+def _row_group0(x, HV: tl.constexpr, M: tl.constexpr):
+    """Rows by group -> rows by head for a per-row value equal in every group (m, l): group 0's."""
+    GR: tl.constexpr = M // HV
+    x2 = tl.reshape(x, (GR, HV))
+    return tl.sum(tl.where(tl.arange(0, GR)[:, None] == 0, x2, 0.0), 0)
+
+
+@triton.jit
+def _softmax_step(s, tmask, m_i, l_i):
+    s = tl.where(tmask[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2(s - m_use[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    return p, alpha, m_new, l_i
+
+
+@triton.jit
+def _f16_exponent(qmax):
+    """The power of two e that puts q into float16's range: max|q| * 2**e in [2**14, 2**15) (e <= 126; 0 for q = 0)."""
+    return tl.where(qmax > 0, tl.minimum(14 - floor_log2_f32(qmax), 126), 0)
+
+
+@triton.jit
+def _block_rows_q(Q, b, kvh, stride_qb, stride_qh, QPK: tl.constexpr, H: tl.constexpr, R: tl.constexpr,
+                  C: tl.constexpr, QB: tl.constexpr, C0: tl.constexpr):
+    """q's even and odd channels (float32 [R, C]) as block rows over code bytes C0 .. C0 + C - 1: row r is (block
+    2 C0 / QB + r // H, head r % H), zero outside its block's channels and for padding heads (h >= QPK)."""
+    r = tl.arange(0, R)
+    jb = C0 + tl.arange(0, C)
+    base = b * stride_qb + (kvh * QPK + r % H).to(tl.int64) * stride_qh
+    m = (r % H < QPK)[:, None] & (((2 * jb) // QB)[None, :] == (2 * C0 // QB + r // H)[:, None])
+    qe = tl.load(Q + base[:, None] + (2 * jb)[None, :], mask=m, other=0.0).to(tl.float32)
+    qo = tl.load(Q + base[:, None] + (2 * jb + 1)[None, :], mask=m, other=0.0).to(tl.float32)
+    return qe, qo
+
+
+@triton.jit
+def _block_rows_scores(qe16, qo16, kb, ksc, NB: tl.constexpr, H: tl.constexpr, N: tl.constexpr, KIND: tl.constexpr,
+                       FMT: tl.constexpr, PTX: tl.constexpr):
+    """Scores [H, N] (without the softmax scale) of NB blocks: q's block rows (float16 [NB * H, C], even / odd
+    channels) against the code bytes ``kb`` [C, N] as float16 E2M1 * 2**-14, each block's partial dot times its
+    scale (codes ``ksc`` [NB, N], :func:`_fp4_scale`), summed over the blocks."""
+    klo, khi = _e2m1_nibbles_f16(kb, PTX)
+    s2 = _dot_acc(qo16, khi, _dot_acc(qe16, klo, tl.zeros((NB * H, N), tl.float32)))
+    return tl.sum(tl.reshape(s2, (NB, H, N)) * _fp4_scale(ksc, KIND, FMT)[:, None, :], 0)
+
+
+@triton.jit
+def _block_rows_p(p, vsc, NB: tl.constexpr, H: tl.constexpr, N: tl.constexpr, KIND_V: tl.constexpr,
+                  FMT_V: tl.constexpr):
+    """The value product's rows (block, head): p [H, N] times the block scale (codes ``vsc`` [NB, N]), rounded
+    once: NVFP4 ``fl16(p * s * 2**7)``, E8M0 ``bf16(p * 2**(c - 127))``."""
+    if KIND_V == 3:
+        return _split16(tl.reshape(p[None, :, :] * (_fp4_scale(vsc, 3, FMT_V) * 128.0)[:, None, :], (NB * H, N)),
+                        True)[0]
+    else:
+        return _split(tl.reshape(p[None, :, :] * e8m0_to_f32(vsc)[:, None, :], (NB * H, N)), True, True)[0]
+
+
+@triton.jit
+def _block_rows_values(p, vsc, vb, alpha, acc_lo, acc_hi, NB: tl.constexpr, H: tl.constexpr, N: tl.constexpr,
+                       KIND_V: tl.constexpr, FMT_V: tl.constexpr, PTX: tl.constexpr):
+    """The accumulators of NB blocks' value rows (even / odd channels of the code bytes ``vb`` [N, C]), rescaled by
+    ``alpha`` [H], plus :func:`_block_rows_p` times the codes (NVFP4: float16 E2M1 * 2**-14; E8M0: exact bfloat16)."""
+    ar = tl.reshape(tl.broadcast_to(alpha[None, :], (NB, H)), (NB * H,))
+    pr = _block_rows_p(p, vsc, NB, H, N, KIND_V, FMT_V)
+    if KIND_V == 3:
+        v0, v1 = _e2m1_nibbles_f16(vb, PTX)
+    else:
+        v0, v1 = _e2m1_values_bf16(vb, PTX)
+    return _dot_acc(pr, v0, acc_lo * ar[:, None]), _dot_acc(pr, v1, acc_hi * ar[:, None])
+
+
+@triton.jit
+def _block_rows_value_words(p, vsc, vw, alpha, a0, a1, a2, a3, NB: tl.constexpr, H: tl.constexpr, N: tl.constexpr,
+                            KIND_V: tl.constexpr, FMT_V: tl.constexpr, PTX: tl.constexpr):
+    """The four accumulators of NB blocks' value rows against the code words ``vw`` [N, C] (int16; nibble k of word c
+    is channel 4c + k, :func:`_e2m1_quads`), each rescaled by ``alpha`` [H], plus :func:`_block_rows_p` times its
+    quad of channels."""
+    ar = tl.reshape(tl.broadcast_to(alpha[None, :], (NB, H)), (NB * H,))
+    pr = _block_rows_p(p, vsc, NB, H, N, KIND_V, FMT_V)
+    v0, v1, v2, v3 = _e2m1_quads(vw, PTX, KIND_V == 2)
+    return (_dot_acc(pr, v0, a0 * ar[:, None]), _dot_acc(pr, v1, a1 * ar[:, None]), _dot_acc(pr, v2, a2 * ar[:, None]),
+            _dot_acc(pr, v3, a3 * ar[:, None]))
+
+
+@triton.jit
+def _word_channels(a0, a1, a2, a3, NB: tl.constexpr, H: tl.constexpr, C: tl.constexpr, QB: tl.constexpr):
+    """Block rows of the word accumulators (column c of ``ak`` [NB * H, C]: channel 4c + k) -> the even and the odd
+    channels [H, 2C] of the heads, in channel order (even: 4c, 4c + 2; odd: 4c + 1, 4c + 3)."""
+    blk = 4 * tl.arange(0, C) // QB
+    o0 = _block_row_select(a0, NB, H, C, blk)
+    o1 = _block_row_select(a1, NB, H, C, blk)
+    o2 = _block_row_select(a2, NB, H, C, blk)
+    o3 = _block_row_select(a3, NB, H, C, blk)
+    return tl.reshape(tl.join(o0, o2), (H, 2 * C)), tl.reshape(tl.join(o1, o3), (H, 2 * C))
+
+
+@triton.jit
+def _row_halves(x, R: tl.constexpr, N: tl.constexpr):
+    """Rows 0 .. R/2 - 1 and R/2 .. R - 1 of ``x`` [R, N]."""
+    return tl.split(tl.permute(tl.reshape(x, (2, R // 2, N)), (1, 2, 0)))
+
+
+@triton.jit
+def _columns_cat(a, b, H: tl.constexpr, C: tl.constexpr):
+    """[a | b]: the columns of ``a`` [H, C], then those of ``b``."""
+    return tl.reshape(tl.permute(tl.join(a, b), (0, 2, 1)), (H, 2 * C))
+
+
+@triton.jit
+def _fp4_block_rows(
+    Q, BT, K0, K1, V0, V1, b, kvh, start, end, stride_qb, stride_qh, stride_btb, k0_s, k0_h, k1_s, k1_h, v0_s, v0_h,
+    v1_s, v1_h, qk_scale, QPK: tl.constexpr, H: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
+    PAGE_SLOTS: tl.constexpr, BLOCK_N: tl.constexpr, KIND_K: tl.constexpr, QB_K: tl.constexpr, FMT_K: tl.constexpr,
+    KIND_V: tl.constexpr, QB_V: tl.constexpr, FMT_V: tl.constexpr, PTX: tl.constexpr, WSC_K: tl.constexpr,
+    WSC_V: tl.constexpr, VW: tl.constexpr = False, HALF_K: tl.constexpr = False, HALF_V: tl.constexpr = False,
+):
+    """Fast-mode FP4 keys and values by block rows (``block_rows``): no block scale touches a tile element.
+
+    Rows are (block b, head h), ``(D / QB) * H`` per side. Keys: q's even / odd channels (float16, scaled by a power
+    of two as the FP8 path does), zero outside block b, against the low / high nibbles as float16 E2M1 * 2**-14 (bit
+    placement, exact): row (b, h) of the [rows, N] product is block b's partial dot, exact products summed in
+    float32; times the block scale (float32: E4M3 or E8M0, exact) and summed over b: the scores [H, N]. Values: the
+    same rows hold the probability times the token's block scale, rounded once: NVFP4 ``fl16(p * s * 2**7)`` (s <=
+    448, so below 448 * 2**7 < 65504) against the float16 E2M1 * 2**-14 tile; E8M0 ``bf16(p * 2**(c - 127))``
+    (bfloat16 has float32's exponent range) against the exact E2M1 values in bfloat16. Output channel d of head h
+    is row (block of d, h). ``VW``: value tiles read as 16-bit words, four channels each (:func:`_e2m1_quads`), four
+    value products of [rows, D/4]: the tensor cores' operand holds two tokens per register, which 16-bit words get
+    from transposed matrix loads where bytes take one shared load each. ``HALF_K``, ``HALF_V`` (``channel_halves``):
+    row (b, h) meets only block b's channels, so a side's products split into the two channel halves, each with the
+    rows of its blocks: two [rows / 2, D / 2] products instead of one [rows, D] whose every row is zero outside its
+    block (the same nonzero products, so the same sums; half the tensor-core work and value accumulators); with
+    ``VW`` each half's value words make four products of [rows / 2, D / 8].
+    Returns (even channels, odd channels) [H, D/2] = sum p v, and the softmax state m, l [H] (base 2), as the main
+    loop leaves them."""
+    NBK: tl.constexpr = D // QB_K
+    NBV: tl.constexpr = D // QB_V
+    RK: tl.constexpr = NBK * H
+    RV: tl.constexpr = NBV * H
+    DH: tl.constexpr = D // 2
+    j = tl.arange(0, DH)
+    RKP: tl.constexpr = RK // 2 if HALF_K else RK  # rows and code bytes of one key product
+    DKP: tl.constexpr = DH // 2 if HALF_K else DH
+    jk = tl.arange(0, DKP)
+    qe, qo = _block_rows_q(Q, b, kvh, stride_qb, stride_qh, QPK, H, RKP, DKP, QB_K, 0)
+    qmax = tl.max(tl.max(tl.maximum(tl.abs(qe), tl.abs(qo)), 1), 0)
+    if HALF_K:  # the second half's rows: blocks NBK / 2 .. NBK - 1 against code bytes DH / 2 .. DH - 1
+        qe_b, qo_b = _block_rows_q(Q, b, kvh, stride_qb, stride_qh, QPK, H, RKP, DKP, QB_K, DKP)
+        qmax = tl.maximum(qmax, tl.max(tl.max(tl.maximum(tl.abs(qe_b), tl.abs(qo_b)), 1), 0))
+    eq = _f16_exponent(qmax)
+    qe16 = _split16(qe * pow2_f32(eq), True)[0]  # (no ``_`` targets here: triton 3.6 carries them through the loop)
+    qo16 = _split16(qo * pow2_f32(eq), True)[0]
+    if HALF_K:
+        qe16_b = _split16(qe_b * pow2_f32(eq), True)[0]
+        qo16_b = _split16(qo_b * pow2_f32(eq), True)[0]
+    sc_k = qk_scale * pow2_f32(-eq) * 16384.0  # the key tiles hold E2M1 * 2**-14
+    m_i = tl.full((H,), float("-inf"), tl.float32)
+    l_i = tl.zeros((H,), tl.float32)
+    # value accumulator rows and columns: channel words of a half (VW and HALF_V: acc0 .. acc3 the first half's
+    # quads, acc4 .. acc7 the second's), channel words (VW), channel pairs of a half (HALF_V: acc0 / acc1 the first
+    # half's even / odd channels, acc2 / acc3 the second's), or channel pairs
+    RVP: tl.constexpr = RV // 2 if HALF_V else RV
+    DV: tl.constexpr = (D // 8 if HALF_V else D // 4) if VW else (D // 4 if HALF_V else D // 2)
+    jv = tl.arange(0, DV)
+    acc0 = tl.zeros((RVP, DV), tl.float32)
+    acc1 = tl.zeros((RVP, DV), tl.float32)
+    acc2 = tl.zeros((RVP, DV), tl.float32)
+    acc3 = tl.zeros((RVP, DV), tl.float32)
+    if VW and HALF_V:
+        acc4 = tl.zeros((RVP, DV), tl.float32)
+        acc5 = tl.zeros((RVP, DV), tl.float32)
+        acc6 = tl.zeros((RVP, DV), tl.float32)
+        acc7 = tl.zeros((RVP, DV), tl.float32)
+    for t0 in range(start, end, BLOCK_N):
+        t = t0 + tl.arange(0, BLOCK_N)
+        tmask = t < end
+        page = tl.load(BT + b * stride_btb + t // PAGE, mask=tmask, other=0).to(tl.int64)
+        slot = page_slot(page, t, PAGE, PAGE_SLOTS)
+        # every load first (the order measured: 165 registers against 227 with the value loads after the softmax)
+        krow = K0 + slot[None, :] * k0_s + kvh * k0_h
+        kb = tl.load(krow + jk[:, None], mask=tmask[None, :], other=0)
+        if HALF_K:
+            kb_b = tl.load(krow + (DKP + jk)[:, None], mask=tmask[None, :], other=0)
+        ksc = _block_scales(K1, slot, kvh, k1_s, k1_h, tmask, NBK, WSC_K, True)
+        vrow = V0 + slot[:, None] * v0_s + kvh * v0_h
+        if VW:
+            vb = tl.load(vrow.to(tl.pointer_type(tl.int16)) + jv[None, :], mask=tmask[:, None], other=0)
+            if HALF_V:
+                vb_b = tl.load(vrow.to(tl.pointer_type(tl.int16)) + (DV + jv)[None, :], mask=tmask[:, None], other=0)
+        else:
+            vb = tl.load(vrow + jv[None, :], mask=tmask[:, None], other=0)
+            if HALF_V:
+                vb_b = tl.load(vrow + (DV + jv)[None, :], mask=tmask[:, None], other=0)
+        vsc = _block_scales(V1, slot, kvh, v1_s, v1_h, tmask, NBV, WSC_V, True)
+        if HALF_K:
+            ks_a, ks_b = _row_halves(ksc, NBK, BLOCK_N)
+            s = _block_rows_scores(qe16, qo16, kb, ks_a, NBK // 2, H, BLOCK_N, KIND_K, FMT_K, PTX)
+            s += _block_rows_scores(qe16_b, qo16_b, kb_b, ks_b, NBK // 2, H, BLOCK_N, KIND_K, FMT_K, PTX)
+            s = s * sc_k
+        else:
+            s = _block_rows_scores(qe16, qo16, kb, ksc, NBK, H, BLOCK_N, KIND_K, FMT_K, PTX) * sc_k
+        p, alpha, m_i, l_i = _softmax_step(s, tmask, m_i, l_i)
+        if VW and HALF_V:
+            vs_a, vs_b = _row_halves(vsc, NBV, BLOCK_N)
+            acc0, acc1, acc2, acc3 = _block_rows_value_words(p, vs_a, vb, alpha, acc0, acc1, acc2, acc3, NBV // 2, H,
+                                                             BLOCK_N, KIND_V, FMT_V, PTX)
+            acc4, acc5, acc6, acc7 = _block_rows_value_words(p, vs_b, vb_b, alpha, acc4, acc5, acc6, acc7, NBV // 2,
+                                                             H, BLOCK_N, KIND_V, FMT_V, PTX)
+        elif HALF_V:
+            vs_a, vs_b = _row_halves(vsc, NBV, BLOCK_N)
+            acc0, acc1 = _block_rows_values(p, vs_a, vb, alpha, acc0, acc1, NBV // 2, H, BLOCK_N, KIND_V, FMT_V, PTX)
+            acc2, acc3 = _block_rows_values(p, vs_b, vb_b, alpha, acc2, acc3, NBV // 2, H, BLOCK_N, KIND_V, FMT_V, PTX)
+        elif VW:
+            acc0, acc1, acc2, acc3 = _block_rows_value_words(p, vsc, vb, alpha, acc0, acc1, acc2, acc3, NBV, H, BLOCK_N,
+                                                             KIND_V, FMT_V, PTX)
+        else:
+            acc0, acc1 = _block_rows_values(p, vsc, vb, alpha, acc0, acc1, NBV, H, BLOCK_N, KIND_V, FMT_V, PTX)
+    f: tl.constexpr = 2.0**14 / 128.0 if KIND_V == 3 else 1.0
+    if VW and HALF_V:  # the channels of the first half's words, then of the second's
+        lo_a, hi_a = _word_channels(acc0, acc1, acc2, acc3, NBV // 2, H, DV, QB_V)
+        lo_b, hi_b = _word_channels(acc4, acc5, acc6, acc7, NBV // 2, H, DV, QB_V)
+        return _columns_cat(lo_a, lo_b, H, 2 * DV) * f, _columns_cat(hi_a, hi_b, H, 2 * DV) * f, m_i, l_i
+    elif HALF_V:  # channel pairs of the first half, then of the second
+        lo_a = _block_row_select(acc0, NBV // 2, H, DV, 2 * jv // QB_V)
+        hi_a = _block_row_select(acc1, NBV // 2, H, DV, 2 * jv // QB_V)
+        lo_b = _block_row_select(acc2, NBV // 2, H, DV, 2 * jv // QB_V)
+        hi_b = _block_row_select(acc3, NBV // 2, H, DV, 2 * jv // QB_V)
+        return _columns_cat(lo_a, lo_b, H, DV) * f, _columns_cat(hi_a, hi_b, H, DV) * f, m_i, l_i
+    elif VW:
+        lo, hi = _word_channels(acc0, acc1, acc2, acc3, NBV, H, DV, QB_V)
+        return lo * f, hi * f, m_i, l_i
+    else:
+        lo = _block_row_select(acc0, NBV, H, DV, 2 * j // QB_V) * f
+        hi = _block_row_select(acc1, NBV, H, DV, 2 * j // QB_V) * f
+        return lo, hi, m_i, l_i
+
+
+def _int_codes_ptx(bits: int, f16: bool) -> str:
+    """The PTX of :func:`_int_phases`: input ``$(2 * 8 / bits)`` (bytes 0-3), outputs ``$(2P)``, ``$(2P + 1)`` for
+    phase P (the codes at bit P * bits of bytes 0, 1 and 2, 3, one per 16-bit half): ``prmt`` spreads two bytes into
+    the halves of y, then per phase one ``lop3`` ``(y & field) | magic`` puts the code in the mantissa of the magic
+    number (float16 0x6400 = 1024, bfloat16 0x4300 = 128) at bit ``k`` (the code's own bit, or lower by a ``shr``
+    where it would reach the exponent): the half is magic + code * 2**k, which the caller maps back to the code."""
+    magic = 0x6400 if f16 else 0x4300
+    phases = 8 // bits
+    lines = [".reg .b32 z, y, t;", "mov.b32 z, 0;"]
+    for half, sel in enumerate(("0x4140", "0x4342")):
+        lines.append(f"prmt.b32 y, ${2 * phases}, z, {sel};")
+        for p in range(phases):
+            k = int_code_bit(bits, p, f16)
+            field = ((1 << bits) - 1) << k
+            src = "y"
+            if k < p * bits:
+                lines.append(f"shr.b32 t, y, {p * bits - k};")
+                src = "t"
+            lines.append(f"lop3.b32 ${2 * p + half}, {src}, 0x{field:04X}{field:04X}, 0x{magic:04X}{magic:04X}, 0xEA;")
+    return "{\n" + "\n".join(lines) + "\n}"
+
+
+def int_code_bit(bits: int, phase: int, f16: bool) -> int:
+    """The bit ``k`` at which :func:`_int_codes_ptx` places the code of ``phase`` (half = magic + code * 2**k): its
+    own bit ``phase * bits``, lowered where the code would reach past the mantissa (10 bits in float16, 7 in
+    bfloat16) into the exponent; :func:`_from_magic` applies the same rule."""
+    return phase * bits - max(0, phase * bits + bits - (10 if f16 else 7))
+
+
+INT4_F16_PTX = tl.constexpr(_int_codes_ptx(4, True))
+INT4_BF16_PTX = tl.constexpr(_int_codes_ptx(4, False))
+INT2_F16_PTX = tl.constexpr(_int_codes_ptx(2, True))
+INT2_BF16_PTX = tl.constexpr(_int_codes_ptx(2, False))
+
+
+@triton.jit
+def _from_magic(x, P: tl.constexpr, BITS: tl.constexpr, F16: tl.constexpr):
+    """magic + code * 2**K (float16 magic 1024, or bfloat16 128) -> code, exact: x * 2**-K - magic * 2**-K, with K
+    the bit of phase ``P``'s code (:func:`int_code_bit`'s rule)."""
+    M: tl.constexpr = 1024.0 if F16 else 128.0
+    OVER: tl.constexpr = P * BITS + BITS - (10 if F16 else 7)
+    K: tl.constexpr = P * BITS - OVER if OVER > 0 else P * BITS
+    if K == 0:
+        return x - M
+    else:  # (x * 2**-K is exact, so fused or not the same value)
+        return tl.fma(x, tl.cast(1.0 / (1 << K), x.dtype), tl.cast(-M / (1 << K), x.dtype))
+
+
+@triton.jit
+def _int_phases(byte, BITS: tl.constexpr, F16: tl.constexpr, PTX: tl.constexpr):
+    """The integer codes of every phase of ``byte`` (uint8; phase P at bit P * BITS) as exact float16 (``F16``) or
+    bfloat16 values, four tensors (4-bit codes: phases 0, 1, 0, 1). CUDA (``PTX``): :func:`_int_codes_ptx`, two
+    elements per instruction; elsewhere :func:`_int_codes16` per phase."""
+    if PTX and not INTERPRET:
+        if BITS == 4 and F16:
+            a, b = tl.inline_asm_elementwise(INT4_F16_PTX, "=r,=r,=r,=r,r", [byte], dtype=(tl.float16, tl.float16),
+                                             is_pure=True, pack=4)
+        elif BITS == 4:
+            a, b = tl.inline_asm_elementwise(INT4_BF16_PTX, "=r,=r,=r,=r,r", [byte],
+                                             dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+        elif F16:
+            a, b, c, d = tl.inline_asm_elementwise(INT2_F16_PTX, "=r,=r,=r,=r,=r,=r,=r,=r,r", [byte],
+                                                   dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
+                                                   is_pure=True, pack=4)
+        else:
+            a, b, c, d = tl.inline_asm_elementwise(INT2_BF16_PTX, "=r,=r,=r,=r,=r,=r,=r,=r,r", [byte],
+                                                   dtype=(tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16),
+                                                   is_pure=True, pack=4)
+        if BITS == 4:
+            a = _from_magic(a, 0, BITS, F16)
+            b = _from_magic(b, 1, BITS, F16)
+            return a, b, a, b
+        else:
+            return (_from_magic(a, 0, BITS, F16), _from_magic(b, 1, BITS, F16), _from_magic(c, 2, BITS, F16),
+                    _from_magic(d, 3, BITS, F16))
+    else:
+        PH: tl.constexpr = 8 // BITS
+        return (_int_codes16(byte, 0, BITS, F16), _int_codes16(byte, 1, BITS, F16),
+                _int_codes16(byte, 2 % PH, BITS, F16), _int_codes16(byte, 3 % PH, BITS, F16))
+
+
+def _int_words_ptx(bits: int, f16: bool) -> str:
+    """The PTX of :func:`_int_word_phases`: outputs ``$p`` (p = 0..7), inputs ``$8`` (4-bit codes: ``$8``, ``$9``, two
+    32-bit words; 2-bit codes: ``$8``, two 16-bit words in its halves). Output p holds code p of the first word in its
+    low half and of the second in its high half as magic + code * 2**k (float16 magic 0x6400 = 1024, bfloat16 0x4300 =
+    128; k as :func:`int_code_bit`). 4-bit codes: per byte j a ``prmt`` spreads byte j of both words into the low
+    bytes of the halves, then one ``lop3`` ``(y & field) | magic`` per code (bfloat16's high nibble after a ``shr`` by
+    1); 2-bit codes: the halves are the words, one ``lop3`` per code (after a ``shr`` where the code would reach the
+    exponent)."""
+    magic = 0x6400 if f16 else 0x4300
+    lines = [".reg .b32 y, t;"]
+
+    def code(out: int, src_bit: int, phase: int) -> None:
+        k = int_code_bit(bits, phase, f16)
+        field = ((1 << bits) - 1) << k
+        src = "y"
+        if k < src_bit:
+            lines.append(f"shr.b32 t, y, {src_bit - k};")
+            src = "t"
+        lines.append(f"lop3.b32 ${out}, {src}, 0x{field:04X}{field:04X}, 0x{magic:04X}{magic:04X}, 0xEA;")
+
+    if bits == 4:
+        for j in range(4):
+            lines.append(f"prmt.b32 y, $8, $9, 0x{((j + 4) << 8) | j:04X};")
+            code(2 * j, 0, 0)
+            code(2 * j + 1, 4, 1)
+    else:
+        lines.append("mov.b32 y, $8;")
+        for p in range(8):
+            code(p, 2 * p, p)
+    return "{\n" + "\n".join(lines) + "\n}"
+
+
+INT4_WORDS_F16_PTX = tl.constexpr(_int_words_ptx(4, True))
+INT4_WORDS_BF16_PTX = tl.constexpr(_int_words_ptx(4, False))
+INT2_WORDS_F16_PTX = tl.constexpr(_int_words_ptx(2, True))
+INT2_WORDS_BF16_PTX = tl.constexpr(_int_words_ptx(2, False))
+
+
+@triton.jit
+def _int_word_phases(w, BITS: tl.constexpr, F16: tl.constexpr, PTX: tl.constexpr):
+    """The eight integer codes of each code word ``w`` (int32 of 4-bit codes, int16 of 2-bit codes; code p at bit
+    ``p * BITS``: channel 8c + p of word c) as exact float16 (``F16``) or bfloat16 values, eight tensors in code order.
+    CUDA (``PTX``): :func:`_int_words_ptx`, two words per call, 0.75 (4-bit) or 0.6 (2-bit) integer instructions per
+    code, then :func:`_from_magic` (one packed 16-bit operation per two codes); elsewhere :func:`_int_codes16` per
+    code."""
+    if PTX and not INTERPRET:
+        if F16:
+            dt = tl.float16
+        else:
+            dt = tl.bfloat16
+        Q: tl.constexpr = 2 if BITS == 4 else 8  # codes per 16-bit half of the input (byte of 4-bit codes, word)
+        c0, c1, c2, c3, c4, c5, c6, c7 = tl.inline_asm_elementwise(
+            (INT4_WORDS_F16_PTX if F16 else INT4_WORDS_BF16_PTX) if BITS == 4 else
+            (INT2_WORDS_F16_PTX if F16 else INT2_WORDS_BF16_PTX),
+            "=r,=r,=r,=r,=r,=r,=r,=r,r,r" if BITS == 4 else "=r,=r,=r,=r,=r,=r,=r,=r,r", [w],
+            dtype=(dt, dt, dt, dt, dt, dt, dt, dt), is_pure=True, pack=2)
+        return (_from_magic(c0, 0, BITS, F16), _from_magic(c1, 1 % Q, BITS, F16), _from_magic(c2, 2 % Q, BITS, F16),
+                _from_magic(c3, 3 % Q, BITS, F16), _from_magic(c4, 4 % Q, BITS, F16),
+                _from_magic(c5, 5 % Q, BITS, F16), _from_magic(c6, 6 % Q, BITS, F16),
+                _from_magic(c7, 7 % Q, BITS, F16))
+    else:
+        return (_int_codes16(w, 0, BITS, F16), _int_codes16(w, 1, BITS, F16), _int_codes16(w, 2, BITS, F16),
+                _int_codes16(w, 3, BITS, F16), _int_codes16(w, 4, BITS, F16), _int_codes16(w, 5, BITS, F16),
+                _int_codes16(w, 6, BITS, F16), _int_codes16(w, 7, BITS, F16))
+
+
+@triton.jit
+def _eighths(x, R: tl.constexpr, C: tl.constexpr):
+    """Columns 8c + p of ``x`` [R, 8C] as eight [R, C] tensors, p = 0..7."""
+    e, o = tl.split(tl.reshape(x, (R, C, 2, 2, 2)))  # bit 0 of p
+    e0, e1 = tl.split(e)  # bit 1
+    o0, o1 = tl.split(o)
+    x0, x4 = tl.split(e0)  # bit 2
+    x2, x6 = tl.split(e1)
+    x1, x5 = tl.split(o0)
+    x3, x7 = tl.split(o1)
+    return x0, x1, x2, x3, x4, x5, x6, x7
+
+
+@triton.jit
+def _quarters_interleaved(a, b, c, d, R: tl.constexpr, C: tl.constexpr):
+    """[R, 4C] with column 4c + k taken from the k-th of ``a``, ``b``, ``c``, ``d`` [R, C]."""
+    return tl.reshape(tl.join(tl.join(a, c), tl.join(b, d)), (R, 4 * C))
+
+
+@triton.jit
+def _kivi_key_rows(
+    Q, BT, K0, K1, K2, V0, V1, V2, b, kvh, start, end, stride_qb, stride_qh, stride_btb, k0_s, k0_h, k1_s, k1_h,
+    k2_s, k2_h, v0_s, v0_h, v1_s, v1_h, v2_s, v2_h, qk_scale, QPK: tl.constexpr, HV: tl.constexpr,
+    BLOCK_H: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, PAGE_SLOTS: tl.constexpr, BLOCK_N: tl.constexpr,
+    G_K: tl.constexpr,
+    BITS_K: tl.constexpr, G_V: tl.constexpr, BITS_V: tl.constexpr, RN: tl.constexpr, PTX: tl.constexpr,
+    KW: tl.constexpr = False,
+):
+    """Fast-mode KIVI keys by token-group rows (``key_rows``), values by channel-group rows (``value_rows``).
+
+    Key rows are (token group j of the tile, head h), ``max(16, (BLOCK_N / G_K) * HV)``: row (j, h) holds
+    ``fl16(q_h * s_j * 2**e)`` (s_j: group j's per-channel scales; the product in float32, one rounding to float16
+    after a power of two 2**e per row puts its largest element in [2**14, 2**15)) against the exact integer codes
+    in float16, so one MMA per byte phase; its [rows, tokens] product times 2**-e plus the group's zero term
+    ``q_h . z_j`` (float32) is the score of the tokens of group j, selected per token. Values as
+    :func:`_kivi_value_rows` (``p * s`` rounded once to bfloat16 against the exact codes, ``p * z`` summed in
+    float32 per (row, token)). Returns the value accumulators [BLOCK_H, D / PV] per phase, the zero term in the
+    residual tiles' accumulator shape [BLOCK_H, RN] (each row's sum in column 0) and m, l [BLOCK_H] (base 2) in the
+    value rows, as the main loop leaves them.
+
+    ``KW`` (code words): key and value codes read as words of eight codes (int32 of 4-bit codes, int16 of 2-bit
+    codes; channel 8c + p is code p of word c) and unpacked by :func:`_int_word_phases`, one product per code p on
+    each side. Keys: the key rows' columns 8c + p [rows, D / 8] against the words' codes p [D / 8, tokens]; values:
+    per chunk of 32 tokens (a batched product, so the warps split the tokens instead of repeating a [rows, D / 8]
+    product), the value rows [chunk, rows, 32] against the codes p [chunk, 32, D / 8], the chunks summed after the
+    loop. The same nonzero products as the byte phases, summed in another order."""
+    PK: tl.constexpr = 8 // BITS_K
+    PV: tl.constexpr = 8 // BITS_V
+    DK: tl.constexpr = D // PK
+    DV: tl.constexpr = D // PV
+    NGK: tl.constexpr = BLOCK_N // G_K if BLOCK_N > G_K else 1
+    RK: tl.constexpr = NGK * HV if NGK * HV > 16 else 16
+    GRV: tl.constexpr = BLOCK_H // HV
+    rk = tl.arange(0, RK)
+    rh = rk % HV
+    rg = rk // HV
+    rmask = (rh < QPK) & (rg < NGK)
+    kg = tl.arange(0, RK // HV)
+    d = tl.arange(0, D)
+    ik = tl.arange(0, DK)
+    iv = tl.arange(0, DV)
+    qbase = b * stride_qb + (kvh * QPK + rh).to(tl.int64) * stride_qh
+    qk = tl.load(Q + qbase[:, None] + d[None, :], mask=rmask[:, None], other=0.0).to(tl.float32)
+    sel = tl.arange(0, RK // HV)[:, None, None] == (tl.arange(0, BLOCK_N) // G_K)[None, None, :]
+    m_i = tl.full((HV,), float("-inf"), tl.float32)
+    l_i = tl.zeros((HV,), tl.float32)
+    acc0 = tl.zeros((BLOCK_H, DV), tl.float32)
+    acc1 = tl.zeros((BLOCK_H, DV), tl.float32)
+    acc2 = tl.zeros((BLOCK_H, DV), tl.float32)
+    acc3 = tl.zeros((BLOCK_H, DV), tl.float32)
+    zacc = tl.zeros((BLOCK_H,), tl.float32)
+    DW: tl.constexpr = D // 8  # code words per token (KW)
+    NCH: tl.constexpr = BLOCK_N // 32 if BLOCK_N > 32 else 1  # value chunks (KW)
+    WTK: tl.constexpr = tl.int32 if BITS_K == 4 else tl.int16
+    WTV: tl.constexpr = tl.int32 if BITS_V == 4 else tl.int16
+    KWB: tl.constexpr = BITS_K  # bytes per code word: 4 (4-bit codes), 2 (2-bit)
+    VWB: tl.constexpr = BITS_V
+    iw = tl.arange(0, DW)
+    if KW:
+        w0 = tl.zeros((NCH, BLOCK_H, DW), tl.float32)
+        w1 = tl.zeros((NCH, BLOCK_H, DW), tl.float32)
+        w2 = tl.zeros((NCH, BLOCK_H, DW), tl.float32)
+        w3 = tl.zeros((NCH, BLOCK_H, DW), tl.float32)
+        w4 = tl.zeros((NCH, BLOCK_H, DW), tl.float32)
+        w5 = tl.zeros((NCH, BLOCK_H, DW), tl.float32)
+        w6 = tl.zeros((NCH, BLOCK_H, DW), tl.float32)
+        w7 = tl.zeros((NCH, BLOCK_H, DW), tl.float32)
+    for t0 in range(start, end, BLOCK_N):
+        t = t0 + tl.arange(0, BLOCK_N)
+        tmask = t < end
+        page = tl.load(BT + b * stride_btb + t // PAGE, mask=tmask, other=0).to(tl.int64)
+        slot = page_slot(page, t, PAGE, PAGE_SLOTS)
+        tg = t0 + kg * G_K  # the first token of each key group of the tile
+        gmask = (kg < NGK) & (tg < end)
+        gslot = page_slot(tl.load(BT + b * stride_btb + tg // PAGE, mask=gmask, other=0).to(tl.int64), tg, PAGE,
+                      PAGE_SLOTS)
+        grp = gslot // G_K
+        if KW:  # (strides in words, so the rows' alignment is known to the compiler: vector loads)
+            kw = tl.load(K0.to(tl.pointer_type(WTK)) + slot[:, None] * (k0_s // KWB) + kvh * (k0_h // KWB)
+                         + iw[None, :], mask=tmask[:, None], other=0)
+            slot3 = tl.reshape(slot, (NCH, BLOCK_N // NCH))[:, :, None]  # (loaded in the product's chunks)
+            vw = tl.load(V0.to(tl.pointer_type(WTV)) + slot3 * (v0_s // VWB) + kvh * (v0_h // VWB)
+                         + iw[None, None, :], mask=tl.reshape(tmask, (NCH, BLOCK_N // NCH))[:, :, None], other=0)
+        else:
+            kb = tl.load(K0 + slot[None, :] * k0_s + kvh * k0_h + ik[:, None], mask=tmask[None, :], other=0)
+            vb = tl.load(V0 + slot[:, None] * v0_s + kvh * v0_h + iv[None, :], mask=tmask[:, None], other=0)
+        # the groups' scales and zeros, loaded once per group and broadcast over its rows (j, h)
+        ks = tl.load(K1 + grp[:, None] * k1_s + kvh * k1_h + d[None, :], mask=gmask[:, None], other=0.0)
+        kz = tl.load(K2 + grp[:, None] * k2_s + kvh * k2_h + d[None, :], mask=gmask[:, None], other=0.0)
+        ks = _group_rows(ks.to(tl.float32), RK // HV, HV, D)
+        kz = _group_rows(kz.to(tl.float32), RK // HV, HV, D)
+        srow, zrow = _kivi_value_rows(V1, V2, slot, tmask, kvh, v1_s, v1_h, v2_s, v2_h, HV, BLOCK_H, D // G_V)
+        qs = qk * ks
+        e = _f16_exponent(tl.max(tl.abs(qs), 1))
+        a = _split16(qs * pow2_f32(e)[:, None], True)[0]
+        bias = tl.sum(qk * kz, 1)
+        if KW:
+            c0, c1, c2, c3, c4, c5, c6, c7 = _int_word_phases(tl.trans(kw), BITS_K, True, PTX)
+            a0, a1, a2, a3, a4, a5, a6, a7 = _eighths(a, RK, DW)
+            s2 = _dot_acc(a0, c0, tl.zeros((RK, BLOCK_N), tl.float32))
+            s2 = _dot_acc(a7, c7, _dot_acc(a6, c6, _dot_acc(a5, c5, _dot_acc(a4, c4, s2))))
+            s2 = _dot_acc(a3, c3, _dot_acc(a2, c2, _dot_acc(a1, c1, s2)))
+        elif PK == 2:
+            k0, k1, k2, k3 = _int_phases(kb, BITS_K, True, PTX)
+            a0, a1 = tl.split(tl.reshape(a, (RK, DK, 2)))
+            s2 = _dot_acc(a1, k1, _dot_acc(a0, k0, tl.zeros((RK, BLOCK_N), tl.float32)))
+        else:
+            k0, k1, k2, k3 = _int_phases(kb, BITS_K, True, PTX)
+            a02, a13 = tl.split(tl.reshape(a, (RK, DK, 2, 2)))
+            a0, a2 = tl.split(a02)
+            a1, a3 = tl.split(a13)
+            s2 = _dot_acc(a3, k3, _dot_acc(a2, k2, _dot_acc(a1, k1, _dot_acc(a0, k0, tl.zeros((RK, BLOCK_N),
+                                                                                             tl.float32)))))
+        s2 = s2 * pow2_f32(-e)[:, None] + bias[:, None]
+        s = tl.sum(tl.where(sel, tl.reshape(s2, (RK // HV, HV, BLOCK_N)), 0.0), 0) * qk_scale
+        p, alpha, m_i, l_i = _softmax_step(s, tmask, m_i, l_i)
+        pr = tl.reshape(tl.broadcast_to(p[None, :, :], (GRV, HV, BLOCK_N)), (BLOCK_H, BLOCK_N))
+        ar = tl.reshape(tl.broadcast_to(alpha[None, :], (GRV, HV)), (BLOCK_H,))
+        pa = _split(pr * srow, True, True)[0]
+        zacc = zacc * ar + tl.sum(pr * zrow, 1)
+        if KW:  # per chunk of 32 tokens: [NCH, rows, 32] x [NCH, 32, D / 8] for each code p
+            pa3 = tl.permute(tl.reshape(pa, (BLOCK_H, NCH, BLOCK_N // NCH)), (1, 0, 2))
+            v0, v1, v2, v3, v4, v5, v6, v7 = _int_word_phases(vw, BITS_V, False, PTX)
+            ar3 = ar[None, :, None]
+            w0 = _dot_acc(pa3, v0, w0 * ar3)
+            w1 = _dot_acc(pa3, v1, w1 * ar3)
+            w2 = _dot_acc(pa3, v2, w2 * ar3)
+            w3 = _dot_acc(pa3, v3, w3 * ar3)
+            w4 = _dot_acc(pa3, v4, w4 * ar3)
+            w5 = _dot_acc(pa3, v5, w5 * ar3)
+            w6 = _dot_acc(pa3, v6, w6 * ar3)
+            w7 = _dot_acc(pa3, v7, w7 * ar3)
+        else:
+            v0, v1, v2, v3 = _int_phases(vb, BITS_V, False, PTX)
+            acc0 = _dot_acc(pa, v0, acc0 * ar[:, None])
+            acc1 = _dot_acc(pa, v1, acc1 * ar[:, None])
+            if PV == 4:
+                acc2 = _dot_acc(pa, v2, acc2 * ar[:, None])
+                acc3 = _dot_acc(pa, v3, acc3 * ar[:, None])
+    if KW:  # chunks summed; code p of word c is channel 8c + p = element i * PV + P of accumulator P
+        o0, o1, o2, o3 = tl.sum(w0, 0), tl.sum(w1, 0), tl.sum(w2, 0), tl.sum(w3, 0)
+        o4, o5, o6, o7 = tl.sum(w4, 0), tl.sum(w5, 0), tl.sum(w6, 0), tl.sum(w7, 0)
+        if PV == 2:
+            acc0 = _quarters_interleaved(o0, o2, o4, o6, BLOCK_H, DW)
+            acc1 = _quarters_interleaved(o1, o3, o5, o7, BLOCK_H, DW)
+        else:
+            acc0 = tl.reshape(tl.join(o0, o4), (BLOCK_H, DV))
+            acc1 = tl.reshape(tl.join(o1, o5), (BLOCK_H, DV))
+            acc2 = tl.reshape(tl.join(o2, o6), (BLOCK_H, DV))
+            acc3 = tl.reshape(tl.join(o3, o7), (BLOCK_H, DV))
+    m_r = tl.reshape(tl.broadcast_to(m_i[None, :], (GRV, HV)), (BLOCK_H,))
+    l_r = tl.reshape(tl.broadcast_to(l_i[None, :], (GRV, HV)), (BLOCK_H,))
+    zs = tl.where(tl.arange(0, RN)[None, :] == 0, zacc[:, None], 0.0)
+    return acc0, acc1, acc2, acc3, zs, m_r, l_r
+
+
+@triton.jit
+def _block_row_select(acc, NB: tl.constexpr, H: tl.constexpr, N: tl.constexpr, blk):
+    """Block rows -> heads: column i of head h is row (blk[i], h) of ``acc`` [NB * H, N] (a selection, exact)."""
+    sel = tl.arange(0, NB)[:, None, None] == blk[None, None, :]
+    return tl.sum(tl.where(sel, tl.reshape(acc, (NB, H, N)), 0.0), 0)
+
+
+@triton.jit
+def _e2m1_values_bf16(byte, PTX: tl.constexpr):
+    """The E2M1 values of the low and high nibbles of ``byte`` (uint8), exact, as bfloat16: on CUDA the PTX
+    unpacking's E2M1 * 2**-126 times 2**126 (one packed bfloat16 multiply, exact); elsewhere from the float32
+    decoding (float32 in the interpreter, which cannot bitcast to bfloat16)."""
+    if PTX and not INTERPRET:
+        lo, hi = _e2m1_pairs(byte, True)
+        return lo * TWO_126, hi * TWO_126
+    else:
+        b = byte.to(tl.int32)
+        return _e2m1_nibble(b & 15, True), _e2m1_nibble(b >> 4, True)
+
+
+
+@triton.jit
+def decode_split_kernel(
+    Q,
+    BT,
+    SL,
+    KL,
+    VL,
+    K0,
+    K1,
+    K2,
+    V0,
+    V1,
+    V2,
+    RK,
+    RV,
+    KS,
+    VS,
+    OP,
+    LP,
+    sm_scale,
+    num_splits,
+    tokens_per_split,
+    stride_qb,
+    stride_qh,
+    stride_btb,
+    k0_s,
+    k0_h,
+    k1_s,
+    k1_h,
+    k2_s,
+    k2_h,
+    v0_s,
+    v0_h,
+    v1_s,
+    v1_h,
+    v2_s,
+    v2_h,
+    r_b,
+    r_t,
+    r_h,
+    op_b,
+    op_h,
+    op_s,
+    lp_b,
+    lp_h,
+    QPK: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    D: tl.constexpr,
+    PAGE: tl.constexpr,
+    PAGE_SLOTS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    KIND_K: tl.constexpr,
+    FMT_K: tl.constexpr,
+    TSC_K: tl.constexpr,
+    QB_K: tl.constexpr,
+    G_K: tl.constexpr,
+    BITS_K: tl.constexpr,
+    KIND_V: tl.constexpr,
+    FMT_V: tl.constexpr,
+    TSC_V: tl.constexpr,
+    QB_V: tl.constexpr,
+    G_V: tl.constexpr,
+    BITS_V: tl.constexpr,
+    HAS_RES: tl.constexpr,
+    Q_SPLIT: tl.constexpr,
+    KT: tl.constexpr = True,
+    FAST: tl.constexpr = False,
+    PTX: tl.constexpr = False,
+    WSC_K: tl.constexpr = False,
+    WSC_V: tl.constexpr = False,
+    HV: tl.constexpr = 0,
+    KT4: tl.constexpr = False,
+    KTILE: tl.constexpr = False,
+    HF: tl.constexpr = False,
+    BLK: tl.constexpr = False,
+    VW: tl.constexpr = False,
+    KR: tl.constexpr = False,
+    KW: tl.constexpr = False,
+    HALF_K: tl.constexpr = False,
+    HALF_V: tl.constexpr = False,
+    BLOCK_R: tl.constexpr = 0,
+    PART: tl.constexpr = 0,
+):
+    """One (sequence, KV head, split): K tiles are read transposed [D/PACK, N] per phase (the elements
+    sharing a byte position), V tiles [N, D/PACK]; no register transposes or interleaves."""
+    PK: tl.constexpr = 1 if KIND_K <= 1 else (2 if KIND_K <= 3 else 8 // BITS_K)
+    PV: tl.constexpr = 1 if KIND_V <= 1 else (2 if KIND_V <= 3 else 8 // BITS_V)
+    DK: tl.constexpr = D // PK
+    DV: tl.constexpr = D // PV
+    # operand parts (docs/kernels.md, "Precision"): exact mode splits what is not exact in 16 bits into
+    # parts whose sum is the float32 value; fast mode rounds q and p once to 16 bits and splits the tiles
+    # that are not exact in 16 bits (KIVI, the residual) in two bfloat16 parts
+    QP: tl.constexpr = 3 if Q_SPLIT and not FAST else 1  # a bfloat16 q is exact in one part
+    PP: tl.constexpr = 1 if FAST else 3
+    PP16: tl.constexpr = 1 if FAST else 2
+    RBS: tl.constexpr = 2 if FAST else 3
+    b = tl.program_id(1 if HF else 0).to(tl.int64)
+    kvh = tl.program_id(0 if HF else 1)
+    split = tl.program_id(2) + (num_splits if PART == 2 else 0)
+    hh = tl.arange(0, BLOCK_H)
+    hmask = hh < QPK
+    if HV > 0:  # fast KIVI values: row r is query head r % HV for value channel group r // HV (rows replicate q)
+        hmask = (hh % HV < QPK) & (hh < (D // G_V) * HV)
+        hh = hh % HV
+    qh = kvh * QPK + hh
+    qbase = b * stride_qb + qh[:, None].to(tl.int64) * stride_qh
+    q0h, q0m, q0l = _load_q(Q, qbase, hmask, 0, PK, DK, FAST)
+    q1h, q1m, q1l = _load_q(Q, qbase, hmask, 1 % PK, PK, DK, FAST)
+    q2h, q2m, q2l = _load_q(Q, qbase, hmask, 2 % PK, PK, DK, FAST)
+    q3h, q3m, q3l = _load_q(Q, qbase, hmask, 3 % PK, PK, DK, FAST)
+    if KIND_K == 5 and FAST:  # KIVI keys, fast: q rounded once to bfloat16, so q * s is exact in float32
+        qf0, qf1, qf2, qf3 = q0h, q1h, q2h, q3h
+    elif KIND_K == 5:
+        qf0 = _load_qf(Q, qbase, hmask, 0, PK, DK)
+        qf1 = _load_qf(Q, qbase, hmask, 1 % PK, PK, DK)
+        qf2 = _load_qf(Q, qbase, hmask, 2 % PK, PK, DK)
+        qf3 = _load_qf(Q, qbase, hmask, 3 % PK, PK, DK)
+    qk_scale = sm_scale * tl.load(KS + kvh) * 1.4426950408889634
+    # FP8 tiles are exact in float16: q goes to float16 tensor cores, scaled by a power of two into range;
+    # in fast mode NVFP4 tiles are built in float16 too (``_nvfp4_tile16``), and so are the probabilities.
+    # (E8M0 tiles in float16, relative to the largest block scale of the token or tile, measured slower on
+    # the H100 than the bfloat16 tiles: bench/results/ANALYSIS.md)
+    F4K: tl.constexpr = FAST and KIND_K == 3
+    MXB_K: tl.constexpr = FAST and KIND_K == 2 and PTX and not INTERPRET
+    MXB_V: tl.constexpr = FAST and KIND_V == 2 and PTX and not INTERPRET
+    F4V: tl.constexpr = FAST and KIND_V == 3
+    F16K: tl.constexpr = KIND_K == 1
+    F16V: tl.constexpr = (KIND_V == 1 and not TSC_V) or F4V
+    QP16: tl.constexpr = 2 if Q_SPLIT and not FAST else 1
+    if F16K or F4K:
+        qf = tl.load(Q + qbase + tl.arange(0, D)[None, :], mask=hmask[:, None], other=0.0).to(tl.float32)
+        qmax = tl.max(tl.max(tl.abs(qf), 1), 0)
+        eq = _f16_exponent(qmax)
+        sc_k = qk_scale * pow2_f32(-eq)
+        if F16K:
+            q16h, q16l = _split16(qf * pow2_f32(eq), FAST)
+        else:
+            q4a, _ = _split16(_load_qf(Q, qbase, hmask, 0, 2, DK) * pow2_f32(eq), True)
+            q4b, _ = _split16(_load_qf(Q, qbase, hmask, 1, 2, DK) * pow2_f32(eq), True)
+            sc_k = sc_k * 16384.0  # NVFP4 tiles hold E2M1 * scale * 2**-14
+    else:
+        sc_k = qk_scale
+    m_i = tl.full((BLOCK_H,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_H,), tl.float32)
+    acc0 = tl.zeros((BLOCK_H, DV), tl.float32)
+    acc1 = tl.zeros((BLOCK_H, DV), tl.float32)
+    acc2 = tl.zeros((BLOCK_H, DV), tl.float32)
+    acc3 = tl.zeros((BLOCK_H, DV), tl.float32)
+    RN: tl.constexpr = BLOCK_R if BLOCK_R > 0 else BLOCK_N  # residual tiles
+    if HV > 0:
+        zacc = tl.zeros((BLOCK_H, RN), tl.float32)  # KIVI values' zero term p * z per (row, token)
+    ik = tl.arange(0, DK)
+    iv = tl.arange(0, DV)
+    K_T: tl.constexpr = KT and PK == 1 and KIND_K <= 1
+    QPT: tl.constexpr = QP16 if F16K else QP
+    if KT4 and F4K:
+        q4aT = tl.trans(q4a)
+        q4bT = tl.trans(q4b)
+    elif KT4:
+        q0Th, q0Tm, q0Tl = tl.trans(q0h), tl.trans(q0m), tl.trans(q0l)
+        q1Th, q1Tm, q1Tl = tl.trans(q1h), tl.trans(q1m), tl.trans(q1l)
+    if K_T:
+        if F16K:
+            qTh = tl.trans(q16h)
+            qTm = tl.trans(q16l)
+            qTl = qTm
+        else:
+            qTh = tl.trans(q0h)
+            qTm = tl.trans(q0m)
+            qTl = tl.trans(q0l)
+    if PART != 2 and split < num_splits:
+        if HAS_RES:
+            paged_len = tl.minimum(tl.load(KL + b), tl.load(VL + b))
+        else:
+            paged_len = tl.load(SL + b)
+        start = split * tokens_per_split
+        end = tl.minimum(start + tokens_per_split, paged_len)
+        if KR:  # fast KIVI by token-group key rows and channel-group value rows (``_kivi_key_rows``)
+            acc0, acc1, acc2, acc3, zacc, m_i, l_i = _kivi_key_rows(
+                Q, BT, K0, K1, K2, V0, V1, V2, b, kvh, start, end, stride_qb, stride_qh, stride_btb, k0_s, k0_h,
+                k1_s, k1_h, k2_s, k2_h, v0_s, v0_h, v1_s, v1_h, v2_s, v2_h, qk_scale, QPK, HV, BLOCK_H, D, PAGE,
+                PAGE_SLOTS, BLOCK_N, G_K, BITS_K, G_V, BITS_V, RN, PTX, KW)
+        elif BLK:  # fast FP4 by block rows (``_fp4_block_rows``)
+            acc0, acc1, m_i, l_i = _fp4_block_rows(
+                Q, BT, K0, K1, V0, V1, b, kvh, start, end, stride_qb, stride_qh, stride_btb, k0_s, k0_h, k1_s, k1_h,
+                v0_s, v0_h, v1_s, v1_h, qk_scale, QPK, BLOCK_H, D, PAGE, PAGE_SLOTS, BLOCK_N, KIND_K, QB_K, FMT_K,
+                KIND_V, QB_V, FMT_V, PTX, WSC_K, WSC_V, VW, HALF_K, HALF_V)
+        else:
+            for t0 in range(start, end, BLOCK_N):
+                t = t0 + tl.arange(0, BLOCK_N)
+                tmask = t < end
+                page = tl.load(BT + b * stride_btb + t // PAGE, mask=tmask, other=0).to(tl.int64)
+                slot = page_slot(page, t, PAGE, PAGE_SLOTS)
+                # K: [DK, N] per phase
+                sk = slot[None, :]
+                mk = tmask[None, :]
+                if KIND_K == 5:
+                    # KIVI keys: the tile lies inside one token group (BLOCK_N divides G, G divides PAGE), the group
+                    # of its first token t0 (always in range)
+                    grp = page_slot(tl.load(BT + b * stride_btb + t0 // PAGE).to(tl.int64), t0, PAGE, PAGE_SLOTS) // G_K
+                    kb = tl.load(K0 + slot[None, :] * k0_s + kvh * k0_h + ik[:, None], mask=tmask[None, :], other=0)
+                    s = tl.zeros((BLOCK_H, BLOCK_N), tl.float32)
+                    s, qz = _kivi_key_phase(qf0, kb, K1, K2, grp, kvh, k1_s, k1_h, k2_s, k2_h, ik, s, 0, PK, BITS_K,
+                                            FAST, KTILE)
+                    s, qz_1 = _kivi_key_phase(qf1, kb, K1, K2, grp, kvh, k1_s, k1_h, k2_s, k2_h, ik, s, 1, PK, BITS_K,
+                                              FAST, KTILE)
+                    if PK == 4:
+                        s, qz_2 = _kivi_key_phase(qf2, kb, K1, K2, grp, kvh, k1_s, k1_h, k2_s, k2_h, ik, s, 2, PK,
+                                                  BITS_K, FAST, KTILE)
+                        s, qz_3 = _kivi_key_phase(qf3, kb, K1, K2, grp, kvh, k1_s, k1_h, k2_s, k2_h, ik, s, 3, PK,
+                                                  BITS_K, FAST, KTILE)
+                    if not KTILE:  # q . z: the phases' products summed, then one reduction
+                        qz += qz_1
+                        if PK == 4:
+                            qz += qz_2 + qz_3
+                        s += tl.sum(qz, 1)[:, None]
+                elif F4K:
+                    # fast NVFP4 keys: float16 tiles (``_nvfp4_tile16``), q in float16
+                    NBK4: tl.constexpr = D // QB_K
+                    bk4 = tl.arange(0, NBK4)
+                    jk4 = tl.arange(0, QB_K // 2)
+                    koff4 = (bk4[:, None] * (QB_K // 2) + jk4[None, :])[:, :, None]
+                    if KT4:  # tokens as rows (the left operand), as the value tiles: scores come out transposed
+                        kbt = tl.load(K0 + slot[:, None] * k0_s + kvh * k0_h + ik[None, :], mask=tmask[:, None],
+                                      other=0)
+                        ksct = _block_scales(K1, slot, kvh, k1_s, k1_h, tmask, NBK4, WSC_K, False)
+                        kbt = tl.reshape(kbt, (BLOCK_N, NBK4, QB_K // 2))
+                        k4lo, k4hi = _nvfp4_tile16(kbt, ksct[:, :, None], FMT_K, PTX)
+                        s = tl.trans(_mm_t(tl.reshape(k4lo, (BLOCK_N, DK)), q4aT, q4aT, q4aT, 1, True)
+                                     + _mm_t(tl.reshape(k4hi, (BLOCK_N, DK)), q4bT, q4bT, q4bT, 1, True))
+                    else:
+                        kb4 = tl.load(K0 + slot[None, None, :] * k0_s + kvh * k0_h + koff4, mask=tmask[None, None, :],
+                                      other=0)
+                        ksc4 = _block_scales(K1, slot, kvh, k1_s, k1_h, tmask, NBK4, WSC_K, True)
+                        k4lo, k4hi = _nvfp4_tile16(kb4, ksc4[:, None, :], FMT_K, PTX)
+                        s = _mm16(q4a, q4a, tl.reshape(k4lo, (DK, BLOCK_N)), 1)
+                        s += _mm16(q4b, q4b, tl.reshape(k4hi, (DK, BLOCK_N)), 1)
+                elif KIND_K == 2 or KIND_K == 3:
+                    # FP4 blocks: bytes as [blocks, QB/2, N], one scale per (block, token) broadcast
+                    NBK: tl.constexpr = D // QB_K
+                    bk = tl.arange(0, NBK)
+                    jk = tl.arange(0, QB_K // 2)
+                    koff = (bk[:, None] * (QB_K // 2) + jk[None, :])[:, :, None]
+                    if KT4:  # tokens as rows: bytes as [N, blocks, QB/2], scores come out transposed
+                        kb3 = tl.load(K0 + slot[:, None] * k0_s + kvh * k0_h + ik[None, :], mask=tmask[:, None],
+                                      other=0)
+                        kb3 = tl.reshape(kb3, (BLOCK_N, NBK, QB_K // 2))
+                        ksc = _block_scales(K1, slot, kvh, k1_s, k1_h, tmask, NBK, WSC_K, False)[:, :, None]
+                        KSH: tl.constexpr = (BLOCK_N, DK)
+                    else:
+                        kb3 = tl.load(K0 + slot[None, None, :] * k0_s + kvh * k0_h + koff, mask=tmask[None, None, :],
+                                      other=0)
+                        ksc = _block_scales(K1, slot, kvh, k1_s, k1_h, tmask, NBK, WSC_K, True)[:, None, :]
+                        KSH: tl.constexpr = (DK, BLOCK_N)
+                    if MXB_K:  # E8M0 tiles built in bfloat16 (CUDA, fast mode, PTX)
+                        k_lo, k_hi = _mx_tile_bf16(kb3, ksc)
+                        k_lo = tl.reshape(k_lo, KSH)
+                        k_hi = tl.reshape(k_hi, KSH)
+                    else:
+                        ks3 = _fp4_scale(ksc, KIND_K)
+                        k_lo16, k_hi16 = _e2m1_nibbles_f16(kb3, PTX)
+                        k_lo = tl.reshape(k_lo16.to(tl.float32) * 16384.0 * ks3, KSH)
+                        k_hi = tl.reshape(k_hi16.to(tl.float32) * 16384.0 * ks3, KSH)
+                    if KT4:
+                        s = tl.trans(_mm_t(k_lo, q0Th, q0Tm, q0Tl, QP, False)
+                                     + _mm_t(k_hi, q1Th, q1Tm, q1Tl, QP, False))
+                    else:
+                        s = _mm(q0h, q0m, q0l, k_lo, QP, 0) + _mm(q1h, q1m, q1l, k_hi, QP, 0)
+                elif K_T:
+                    # K as the left operand [N, D], loaded in its memory order (lets the compiler keep the
+                    # dequantized tile in registers in the dot-operand layout); scores come out transposed
+                    kn = tl.load(K0 + slot[:, None] * k0_s + kvh * k0_h + ik[None, :], mask=tmask[:, None], other=0)
+                    kt = _phase(kn, slot[:, None], ik[None, :], tmask[:, None], kvh, K1, K2, k1_s, k1_h, k2_s, k2_h, 0,
+                                KIND_K, FMT_K, QB_K, G_K, BITS_K)
+                    s = tl.trans(_mm_t(kt, qTh, qTm, qTl, QPT, F16K))
+                else:
+                    # one byte per element (bf16/FP8 with KT=False): packed kinds have their own branches above
+                    tl.static_assert(PK == 1)
+                    kb = tl.load(K0 + sk * k0_s + kvh * k0_h + ik[:, None], mask=mk, other=0)
+                    k0t = _phase(kb, sk, ik[:, None] * PK, mk, kvh, K1, K2, k1_s, k1_h, k2_s, k2_h, 0, KIND_K, FMT_K,
+                                 QB_K, G_K, BITS_K)
+                    if F16K:
+                        s = _mm16(q16h, q16l, k0t, QP16)
+                    else:
+                        s = _mm(q0h, q0m, q0l, k0t, QP, 0)
+                if KIND_K == 1 and TSC_K:
+                    s = s * (tl.load(K1 + slot * k1_s + kvh * k1_h, mask=tmask, other=0.0) * sc_k)[None, :]
+                else:
+                    s = s * sc_k
+                p, alpha, m_i, l_i = _softmax_step(s, tmask, m_i, l_i)
+                if KIND_V == 1 and TSC_V:
+                    p = p * tl.load(V1 + slot * v1_s + kvh * v1_h, mask=tmask, other=0.0)[None, :]
+                if F16V:
+                    p16h, p16l = _split16(p * 16384.0, FAST)  # p <= 1: scaled into float16's normal range
+                else:
+                    ph, pm, pl = _split(p, True, FAST)
+                if KIND_V == 4 and HV > 0:
+                    # fast KIVI values, rows by group (row r: query head r % HV, channel group r // HV): the group's
+                    # scale folded into p (p * s rounded once to bfloat16) against the exact integer codes, the zero
+                    # term p * z summed in float32 per (row, token) and reduced once after the loop
+                    vbq = tl.load(V0 + slot[:, None] * v0_s + kvh * v0_h + iv[None, :], mask=tmask[:, None], other=0)
+                    srow, zrow = _kivi_value_rows(V1, V2, slot, tmask, kvh, v1_s, v1_h, v2_s, v2_h, HV, BLOCK_H,
+                                                  D // G_V)
+                    pa, _, _ = _split(p * srow, True, True)
+                    zacc = zacc * alpha[:, None] + p * zrow
+                    v0, v1, v2, v3 = _int_phases(vbq, BITS_V, False, False)
+                    acc0 = _dot_acc(pa, v0, acc0 * alpha[:, None])
+                    acc1 = _dot_acc(pa, v1, acc1 * alpha[:, None])
+                    if PV == 4:
+                        acc2 = _dot_acc(pa, v2, acc2 * alpha[:, None])
+                        acc3 = _dot_acc(pa, v3, acc3 * alpha[:, None])
+                elif KIND_V == 4:
+                    # KIVI values: bytes as [N, groups, G/PACK], one scale and zero per (token, group)
+                    NGV: tl.constexpr = D // G_V
+                    gv = tl.arange(0, NGV)
+                    jg = tl.arange(0, G_V // PV)
+                    goff = (gv[:, None] * (G_V // PV) + jg[None, :])[None, :, :]
+                    vb3 = tl.load(V0 + slot[:, None, None] * v0_s + kvh * v0_h + goff, mask=tmask[:, None, None],
+                                  other=0)
+                    vb3 = vb3.to(tl.int32)
+                    vsc = tl.load(V1 + slot[:, None] * v1_s + kvh * v1_h + gv[None, :], mask=tmask[:, None], other=0.0)
+                    vz = tl.load(V2 + slot[:, None] * v2_s + kvh * v2_h + gv[None, :], mask=tmask[:, None], other=0.0)
+                    vs3 = vsc.to(tl.float32)[:, :, None]
+                    vz3 = vz.to(tl.float32)[:, :, None]
+                    MASKV: tl.constexpr = (1 << BITS_V) - 1
+                    v_0 = tl.reshape((vb3 & MASKV).to(tl.float32) * vs3 + vz3, (BLOCK_N, DV))
+                    acc0 = acc0 * alpha[:, None] + _mm(ph, pm, pl, v_0, PP, RBS)
+                    v_1 = tl.reshape(((vb3 >> BITS_V) & MASKV).to(tl.float32) * vs3 + vz3, (BLOCK_N, DV))
+                    acc1 = acc1 * alpha[:, None] + _mm(ph, pm, pl, v_1, PP, RBS)
+                    if PV == 4:
+                        v_2 = tl.reshape(((vb3 >> 4) & MASKV).to(tl.float32) * vs3 + vz3, (BLOCK_N, DV))
+                        acc2 = acc2 * alpha[:, None] + _mm(ph, pm, pl, v_2, PP, RBS)
+                        v_3 = tl.reshape(((vb3 >> 6) & MASKV).to(tl.float32) * vs3 + vz3, (BLOCK_N, DV))
+                        acc3 = acc3 * alpha[:, None] + _mm(ph, pm, pl, v_3, PP, RBS)
+                elif F4V:
+                    # fast NVFP4 values: float16 tiles, p * 2**14 in float16: the factors 2**14 cancel
+                    NBV4: tl.constexpr = D // QB_V
+                    bv4 = tl.arange(0, NBV4)
+                    jv4 = tl.arange(0, QB_V // 2)
+                    voff4 = (bv4[:, None] * (QB_V // 2) + jv4[None, :])[None, :, :]
+                    vb4 = tl.load(V0 + slot[:, None, None] * v0_s + kvh * v0_h + voff4, mask=tmask[:, None, None],
+                                  other=0)
+                    vsc4 = _block_scales(V1, slot, kvh, v1_s, v1_h, tmask, NBV4, WSC_V, False)
+                    v4lo, v4hi = _nvfp4_tile16(vb4, vsc4[:, :, None], FMT_V, PTX)
+                    acc0 = acc0 * alpha[:, None] + _mm16(p16h, p16l, tl.reshape(v4lo, (BLOCK_N, DV)), 1)
+                    acc1 = acc1 * alpha[:, None] + _mm16(p16h, p16l, tl.reshape(v4hi, (BLOCK_N, DV)), 1)
+                elif KIND_V == 2 or KIND_V == 3:
+                    NBV: tl.constexpr = D // QB_V
+                    bv = tl.arange(0, NBV)
+                    jv = tl.arange(0, QB_V // 2)
+                    voff = (bv[:, None] * (QB_V // 2) + jv[None, :])[None, :, :]
+                    vb3 = tl.load(V0 + slot[:, None, None] * v0_s + kvh * v0_h + voff, mask=tmask[:, None, None],
+                                  other=0)
+                    vsc = _block_scales(V1, slot, kvh, v1_s, v1_h, tmask, NBV, WSC_V, False)
+                    if MXB_V:
+                        v_lo, v_hi = _mx_tile_bf16(vb3, vsc[:, :, None])
+                        v_lo = tl.reshape(v_lo, (BLOCK_N, DV))
+                        v_hi = tl.reshape(v_hi, (BLOCK_N, DV))
+                    else:
+                        vs3 = _fp4_scale(vsc, KIND_V)[:, :, None]
+                        v_lo16, v_hi16 = _e2m1_nibbles_f16(vb3, PTX)
+                        v_lo = tl.reshape(v_lo16.to(tl.float32) * 16384.0 * vs3, (BLOCK_N, DV))
+                        v_hi = tl.reshape(v_hi16.to(tl.float32) * 16384.0 * vs3, (BLOCK_N, DV))
+                    acc0 = acc0 * alpha[:, None] + _mm(ph, pm, pl, v_lo, PP, 0)
+                    acc1 = acc1 * alpha[:, None] + _mm(ph, pm, pl, v_hi, PP, 0)
+                else:
+                    # V: [N, D], one byte per element (bf16/FP8): packed kinds have their own branches above
+                    tl.static_assert(PV == 1)
+                    sv = slot[:, None]
+                    mv = tmask[:, None]
+                    vb = tl.load(V0 + sv * v0_s + kvh * v0_h + iv[None, :], mask=mv, other=0)
+                    v0t = _phase(vb, sv, iv[None, :] * PV, mv, kvh, V1, V2, v1_s, v1_h, v2_s, v2_h, 0, KIND_V,
+                                 FMT_V, QB_V, G_V, BITS_V)
+                    if F16V:
+                        acc0 = acc0 * alpha[:, None] + _mm16(p16h, p16l, v0t, PP16)
+                    else:
+                        acc0 = acc0 * alpha[:, None] + _mm(ph, pm, pl, v0t, PP, 0)
+    if HAS_RES and PART != 1 and split >= num_splits:
+        # the tail [min(k_len, v_len), seq_len): KIVI keeps the newest keys and values in full precision
+        # (float32 residuals [batch, W, kv_heads, D]); K and V switch to their residual at their own length
+        kl = tl.load(KL + b)
+        vl = tl.load(VL + b)
+        seq_len = tl.load(SL + b)
+        for t0 in range(tl.minimum(kl, vl), seq_len, RN):
+            t = t0 + tl.arange(0, RN)
+            tmask = t < seq_len
+            page = tl.load(BT + b * stride_btb + t // PAGE, mask=tmask & (t < tl.maximum(kl, vl)), other=0)
+            slot = page_slot(page.to(tl.int64), t, PAGE, PAGE_SLOTS)
+            sk = slot[None, :]
+            mk = tmask[None, :]
+            pk = mk & (t < kl)[None, :]
+            rko = b * r_b + (t - kl)[None, :].to(tl.int64) * r_t + kvh * r_h
+            kb = tl.load(K0 + sk * k0_s + kvh * k0_h + ik[:, None], mask=pk, other=0)
+            ek = ik[:, None] * PK
+            s = _res_mm(q0h, q0m, q0l, QP, kb, sk, ek, mk, pk, kvh, K1, K2, k1_s, k1_h, k2_s, k2_h, RK, rko,
+                        0, KIND_K, FMT_K, QB_K, G_K, BITS_K, RBS)
+            if PK >= 2:
+                s += _res_mm(q1h, q1m, q1l, QP, kb, sk, ek, mk, pk, kvh, K1, K2, k1_s, k1_h, k2_s, k2_h, RK, rko,
+                             1, KIND_K, FMT_K, QB_K, G_K, BITS_K, RBS)
+            if PK == 4:
+                s += _res_mm(q2h, q2m, q2l, QP, kb, sk, ek, mk, pk, kvh, K1, K2, k1_s, k1_h, k2_s, k2_h, RK, rko,
+                             2, KIND_K, FMT_K, QB_K, G_K, BITS_K, RBS)
+                s += _res_mm(q3h, q3m, q3l, QP, kb, sk, ek, mk, pk, kvh, K1, K2, k1_s, k1_h, k2_s, k2_h, RK, rko,
+                             3, KIND_K, FMT_K, QB_K, G_K, BITS_K, RBS)
+            p, alpha, m_i, l_i = _softmax_step(s * qk_scale, tmask, m_i, l_i)
+            ph, pm, pl = _split(p, True, FAST)
+            sv = slot[:, None]
+            mv = tmask[:, None]
+            pv = mv & (t < vl)[:, None]
+            rvo = b * r_b + (t - vl)[:, None].to(tl.int64) * r_t + kvh * r_h
+            vb = tl.load(V0 + sv * v0_s + kvh * v0_h + iv[None, :], mask=pv, other=0)
+            ev = iv[None, :] * PV
+            if KIND_V == 4 and HV > 0:
+                # rows by group, as in the paged loop: paged tokens p * s against exact codes (+ the zero term),
+                # residual tokens p (rounded once) against the residual split in two bfloat16 parts
+                pvt = tmask & (t < vl)
+                srow, zrow = _kivi_value_rows(V1, V2, slot, pvt, kvh, v1_s, v1_h, v2_s, v2_h, HV, BLOCK_H, D // G_V)
+                pa, _, _ = _split(p * tl.where(pvt[None, :], srow, 1.0), True, True)
+                zacc = zacc * alpha[:, None] + p * zrow
+                ph, pm, pl = pa, pa, pa
+            acc0 = acc0 * alpha[:, None] + _res_mm(ph, pm, pl, PP, vb, sv, ev, mv, pv, kvh, V1, V2, v1_s, v1_h, v2_s,
+                                                   v2_h, RV, rvo, 0, KIND_V, FMT_V, QB_V, G_V, BITS_V, RBS, HV > 0)
+            if PV >= 2:
+                acc1 = acc1 * alpha[:, None] + _res_mm(ph, pm, pl, PP, vb, sv, ev, mv, pv, kvh, V1, V2, v1_s, v1_h,
+                                                       v2_s, v2_h, RV, rvo, 1, KIND_V, FMT_V, QB_V, G_V, BITS_V, RBS,
+                                                       HV > 0)
+            if PV == 4:
+                acc2 = acc2 * alpha[:, None] + _res_mm(ph, pm, pl, PP, vb, sv, ev, mv, pv, kvh, V1, V2, v1_s, v1_h,
+                                                       v2_s, v2_h, RV, rvo, 2, KIND_V, FMT_V, QB_V, G_V, BITS_V, RBS,
+                                                       HV > 0)
+                acc3 = acc3 * alpha[:, None] + _res_mm(ph, pm, pl, PP, vb, sv, ev, mv, pv, kvh, V1, V2, v1_s, v1_h,
+                                                       v2_s, v2_h, RV, rvo, 3, KIND_V, FMT_V, QB_V, G_V, BITS_V, RBS,
+                                                       HV > 0)
+    if HV > 0:  # rows by group -> rows by head, the zero term added (``_value_rows_to_heads``)
+        zs = tl.sum(zacc, 1)
+        acc0 = _value_rows_to_heads(acc0, zs, 0, PV, G_V, HV, BLOCK_H, DV)
+        acc1 = _value_rows_to_heads(acc1, zs, 1 % PV, PV, G_V, HV, BLOCK_H, DV)
+        acc2 = _value_rows_to_heads(acc2, zs, 2 % PV, PV, G_V, HV, BLOCK_H, DV)
+        acc3 = _value_rows_to_heads(acc3, zs, 3 % PV, PV, G_V, HV, BLOCK_H, DV)
+        m_i = _row_group0(m_i, HV, BLOCK_H)
+        l_i = _row_group0(l_i, HV, BLOCK_H)
+        qh = kvh * QPK + tl.arange(0, HV)
+        hmask = tl.arange(0, HV) < QPK
+    safe_l = tl.where(l_i > 0, l_i, 1.0)
+    if KIND_V == 1 and F16V:
+        acc0 = acc0 * (1.0 / 16384.0)
+    vs = tl.load(VS + kvh)
+    lse2 = tl.where(l_i > 0, m_i + tl.log2(safe_l), float("-inf"))
+    base = b * op_b + qh[:, None].to(tl.int64) * op_h + split * op_s
+    tl.store(OP + base + (iv * PV)[None, :], acc0 / safe_l[:, None] * vs, mask=hmask[:, None])
+    if PV >= 2:
+        tl.store(OP + base + (iv * PV + 1)[None, :], acc1 / safe_l[:, None] * vs, mask=hmask[:, None])
+    if PV == 4:
+        tl.store(OP + base + (iv * PV + 2)[None, :], acc2 / safe_l[:, None] * vs, mask=hmask[:, None])
+        tl.store(OP + base + (iv * PV + 3)[None, :], acc3 / safe_l[:, None] * vs, mask=hmask[:, None])
+    tl.store(LP + b * lp_b + qh.to(tl.int64) * lp_h + split, lse2, mask=hmask)
+
+
+@triton.jit
+def rotate_q_kernel(Q, SIGNS, QR, q_heads, stride_qb, stride_qh, D: tl.constexpr, ROWS: tl.constexpr):
+    """Rotated queries of a rotated K (docs/rotation.md): ``QR[b, h] = butterflies(q[b, h] * signs)`` in float32
+    (``QR`` contiguous [B, Hq, D]); the factor ``1 / (D * C_D)`` is folded into the softmax scale. One program:
+    ``ROWS`` query heads of one sequence."""
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
+    d = tl.arange(0, D)
+    m = (h < q_heads)[:, None]
+    qr = tl.load(Q + b * stride_qb + h[:, None].to(tl.int64) * stride_qh + d[None, :], mask=m, other=0.0)
+    if Q.dtype.element_ty == tl.bfloat16:  # widen from the bits (the interpreter flushes bf16 subnormals)
+        q = bf16_bits_to_f32(qr.to(tl.int16, bitcast=True))
+    else:
+        q = qr.to(tl.float32)
+    q = hadamard_rows(q * tl.load(SIGNS + d)[None, :], ROWS, D)
+    tl.store(QR + (b * q_heads + h[:, None]) * D + d[None, :], q, mask=m)
+
+
+@triton.jit
+def merge_kernel(
+    OP, LP, O, LSE, n_splits, op_b, op_h, op_s, lp_b, lp_h, o_b, o_h, lse_b, VSQ, D: tl.constexpr,
+    S_PAD: tl.constexpr, DB: tl.constexpr, ROT_V: tl.constexpr = False,
+):
+    """Merge split outputs by log-sum-exp; writes out [D] and the natural-log LSE of one (seq, head).
+    ``DB``: the channels ``program_id(2) * DB ..`` this program merges (D: all; the weights are the same for every
+    channel block, the first block writes the LSE), so more programs may share a merge of many splits.
+    ``ROT_V``: V is stored rotated: ``out = butterflies(out) * VSQ`` (``VSQ = v_signs / (D * C_D)``, float32
+    [D]), the float32 form of ``HadamardRotation.unrotate``."""
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    s = tl.arange(0, S_PAD)
+    d = tl.program_id(2) * DB + tl.arange(0, DB)
+    smask = s < n_splits
+    lse = tl.load(LP + b * lp_b + h * lp_h + s, mask=smask, other=float("-inf"))
+    m = tl.max(lse, 0)
+    m_use = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2(lse - m_use)
+    o = tl.load(OP + b * op_b + h * op_h + s[:, None] * op_s + d[None, :], mask=smask[:, None], other=0.0)
+    wsum = tl.sum(w, 0)
+    out = tl.sum(o * w[:, None], 0) / tl.where(wsum > 0, wsum, 1.0)
+    if ROT_V:
+        out = tl.reshape(hadamard_rows(tl.reshape(out, (1, D)), 1, D), (D,)) * tl.load(VSQ + d)
+    tl.store(O + b * o_b + h * o_h + d, out)
+    lse_nat = tl.where(wsum > 0, (m_use + tl.log2(wsum)) * 0.6931471805599453, float("-inf"))
+    if tl.program_id(2) == 0:
+        tl.store(LSE + b * lse_b + h, lse_nat)
+
+
+#: decode arithmetic: "fast" (16-bit tensor-core operands, q and p rounded once) or "exact" (float32 products)
+PRECISIONS = ("fast", "exact")
+
+KIND_IDS = {"bf16": 0, "fp8": 1, "mxfp4": 2, "nvfp4": 3, "int_v": 4, "int_k": 5}
+
+
+def channel_halves_apply(head_dim: int, k_block: int, v_block: int, rows_per_block: int) -> tuple[bool, bool]:
+    """Whether the block-rows products of keys and of values split into channel halves: a side of (head_dim / block)
+    x ``rows_per_block`` >= 32 rows with an even number of blocks and >= 16 code bytes per half (the tensor cores'
+    16-wide reduction); never a side of block 0 (no block rows)."""
+
+    def half(block: int) -> bool:
+        blocks = head_dim // block if block else 0
+        return bool(block) and blocks % 2 == 0 and blocks * rows_per_block >= 32 and head_dim // 4 >= 16
+
+    return half(k_block), half(v_block)
+
+
+@functools.lru_cache(maxsize=16)
+def _unused_residual(device: str):
+    """The residual arguments of a launch without a residual window (``HAS_RES`` off: never read), made once
+    per device instead of one allocation and fill per decode call."""
+    import torch
+
+    return torch.empty(1, 1, 1, 1, dtype=torch.float32, device=device)
+
+
+def _nvidia_cuda(t) -> bool:
+    """Whether tensor ``t`` is on a CUDA device of an NVIDIA build (not ROCm): inline PTX and ``maxnreg`` apply."""
+    import torch
+
+    return t.is_cuda and not getattr(torch.version, "hip", None)
+
+
+@functools.lru_cache(maxsize=16)
+def _multiprocessors(device: str) -> int:
+    import torch
+
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def hardware_fp8_formats(device) -> set[int]:
+    """FP8 format ids the device converts to float16 in hardware (exactly): OCP E4M3FN/E5M2 on NVIDIA
+    sm_89+ and AMD gfx950, the FNUZ formats on AMD gfx942; none in the interpreter."""
+    import torch
+
+    if not (hasattr(device, "type") and device.type == "cuda"):
+        return set()
+    if getattr(torch.version, "hip", None):
+        arch = torch.cuda.get_device_properties(device).gcnArchName
+        return {2, 3} if "gfx942" in arch else ({0, 1} if "gfx950" in arch else set())
+    return {0, 1} if torch.cuda.get_device_capability(device) >= (8, 9) else set()
+
+
+class Launch:
+    """One kernel launch: ``kernel[grid](*args, **constexprs, **options)``; AOT compiles the same record."""
+
+    def __init__(self, kernel, grid, args: list, constexprs: dict, options: dict) -> None:
+        self.kernel, self.grid, self.args, self.constexprs, self.options = kernel, grid, args, constexprs, options
+
+    def __call__(self) -> None:
+        self.kernel[self.grid](*self.args, **self.constexprs, **self.options)
+
+
+class CacheTiles:
+    """How one of K or V is stored, as the kernel reads it: kind, constexprs, field tensors, scales.
+
+    ``fields`` are up to three tensors, token-major (``head_major=False``, NHD: axes [slot (or slot group),
+    kv_head, ...], as :class:`kvqref.paged.PagedKVCache` stores them, flattened over pages) or head-major
+    (``head_major=True``, HND: axes [page, kv_head, slot (or slot group) in the page, ...], each head's rows of a
+    page contiguous, as FlashInfer's HND layout); the same bytes per (token, head) either way.
+    ``tensor_scale`` is a float32 [kv_heads] tensor folded into the softmax scale (K) or the output (V);
+    ``rotation``: the ``HadamardRotation`` of stored values (None: unrotated), which :func:`plan_decode` applies
+    to q (K's) and undoes on the output (V's).
+    """
+
+    def __init__(
+        self,
+        kind: str,
+        fields: list,
+        tensor_scale,
+        *,
+        fmt: int = 0,
+        token_scale: bool = False,
+        block: int = 16,
+        group: int = 1,
+        bits: int = 8,
+        rotation=None,
+        head_major: bool = False,
+    ) -> None:
+        if kind not in KIND_IDS:
+            raise ValueError(f"unknown tile kind {kind!r}; known: {sorted(KIND_IDS)}")
+        self.kind, self.fields, self.tensor_scale = kind, list(fields), tensor_scale
+        self.fmt, self.token_scale, self.block, self.group, self.bits = fmt, token_scale, block, group, bits
+        self.rotation = rotation  # a kvqref.schemes.rotation.HadamardRotation: the tiles hold rotated values
+        self.head_major = bool(head_major)
+        lead = 3 if head_major else 2
+        if any(f.dim() < lead for f in self.fields):
+            raise ValueError(f"{'head-major' if head_major else 'token-major'} fields need at least {lead} axes, got "
+                             f"{[tuple(f.shape) for f in self.fields]}")
+        for f in self.fields if head_major else ():  # page_slot: page p's rows start at row p * kv_heads * rows
+            if f.stride(0) != f.shape[1] * f.shape[2] * f.stride(2):
+                raise ValueError(f"head-major field of shape {tuple(f.shape)} has strides {f.stride()}: the page "
+                                 "stride must be kv_heads x rows x the row stride")
+
+    @property
+    def kv_heads(self) -> int:
+        return self.fields[0].shape[1]
+
+    def page_slots(self, page_size: int) -> int:
+        """The kernels' PAGE_SLOTS (``codecs.page_slot``): the slot step from one page to the next."""
+        return page_size * self.kv_heads if self.head_major else page_size
+
+    def row_strides(self, t) -> tuple[int, int]:
+        """(slot stride, head stride) of field ``t``, in elements."""
+        return (t.stride(2), t.stride(1)) if self.head_major else (t.stride(0), t.stride(1))
+
+    def row_shape(self, t) -> tuple[int, ...]:
+        """The axes of one (slot, head) row of field ``t``."""
+        return tuple(t.shape[3:] if self.head_major else t.shape[2:])
+
+    def field_args(self) -> list:
+        f = self.fields + [self.fields[0]] * (3 - len(self.fields))  # unused slots get a valid pointer
+        return f
+
+    def stride_args(self) -> list[int]:
+        out: list[int] = []
+        for t in self.field_args():
+            out += list(self.row_strides(t))
+        return out
+
+
+def wide_scales(t: CacheTiles) -> bool:
+    """Whether an FP4 side's block scales can be read as one 32- or 64-bit word per (slot, head): D / block of
+    4 or 8 one-byte codes, contiguous per (slot, head), every row start aligned to the word."""
+    if t.kind not in ("mxfp4", "nvfp4"):
+        return False
+    f1 = t.fields[1]
+    nb = t.row_shape(f1)[0] if len(t.row_shape(f1)) == 1 else 0
+    return (nb in (4, 8) and f1.element_size() == 1 and f1.stride(-1) == 1
+            and all(st % nb == 0 for st in t.row_strides(f1)) and f1.data_ptr() % nb == 0)
+
+
+def kivi_key_words(t: CacheTiles) -> bool:
+    """Whether fast-mode KIVI keys can take the key-tile path (``key_tile``): 4-bit codes always; 2-bit codes read
+    each channel's scale and zero for the 4 phases as one 64-bit word, so their float16 rows must be contiguous
+    and every row start aligned to 4 elements."""
+    if t.kind != "int_k" or t.bits != 2:
+        return t.kind == "int_k"
+    return all(len(t.row_shape(f)) == 1 and f.element_size() == 2 and f.stride(-1) == 1
+               and all(st % 4 == 0 for st in t.row_strides(f)) and f.data_ptr() % 8 == 0 for f in t.fields[1:3])
+
+
+@functools.lru_cache(maxsize=256)
+def _rotation_vectors(seed: int, head_dim: int, device: str):
+    import numpy as np
+    import torch
+
+    from kvqref.schemes.rotation import HadamardRotation, check_head_dim, norm_f32
+
+    D = check_head_dim(head_dim, "decode of a rotated cache")
+    signs = HadamardRotation(seed).signs(D)
+    inv = 1.0 / (D * float(norm_f32(D)))
+    return (torch.from_numpy(signs).to(device), torch.from_numpy(signs * np.float32(inv)).to(device), inv)
+
+
+def rotation_vectors(seed: int, head_dim: int, device):
+    """The rotation of ``seed`` as the kernels take it, made once per (seed, D, device): (signs float32 [D],
+    signs / (D C_D) rounded once to float32 [D] (the merge kernel's un-rotation), 1 / (D C_D) as a float
+    (float64; folded into the softmax scale, rounded to float32 once with it))."""
+    return _rotation_vectors(int(seed), int(head_dim), str(device))
+
+
+def default_value_rows(precision: str, v_kind: str, q_per_kv: int, head_dim: int, v_group: int) -> bool:
+    """Whether decode lays the score rows out by (KIVI value group, query head) by default (``value_rows``):
+    fast-mode KIVI values whose rows (groups x query heads per KV head) fit the 16 MMA rows, where it measured
+    faster (H100, 32 q / 8 KV heads, G 32: int4 784 -> 635 us); with 32 rows (64 q / 8 KV heads) int4 lost 56%
+    and int2 gained 14% (bench/results/h100.json, session 4), so larger layouts keep the head rows."""
+    return (precision == "fast" and v_kind == "int_v"
+            and triton.next_power_of_2(q_per_kv) * (head_dim // max(v_group, 1)) <= 16)
+
+
+#: programs of the KIVI key-rows kernel resident per multiprocessor (about 250 registers per thread at 4 warps)
+KEY_ROWS_RESIDENT = 2
+#: 2-bit KIVI code words on NVIDIA GPUs: registers capped at this many per thread (Triton's ``maxnreg``), so that 3
+#: programs of 4 warps fit a multiprocessor (:func:`key_rows_resident`; H100, int2_kivi: batch 32 x 8,192 224 -> 215
+#: us with 3 splits, batch 1 x 131,072 128 -> 114.5 us with 49; 4-bit words lost at 168: 255 -> 262 us;
+#: bench/results/history/ab-h100-session13-kivi-words-2.log, ab-h100-session14-int2-registers.log)
+KIVI_WORDS_2BIT_MAXNREG = 168
+#: ``choose_splits(resident=...)``: the fewest splits whose programs fill their last wave to at least this fraction
+WAVE_FILL = 0.95
+
+
+def key_rows_resident(num_warps: int, maxnreg: int | None) -> int:
+    """Programs of the KIVI key-rows kernel one multiprocessor holds: KEY_ROWS_RESIDENT, or with registers capped at
+    ``maxnreg`` per thread what a 65,536-register file holds of them, if more (168 at 4 warps: 3)."""
+    return max(KEY_ROWS_RESIDENT, 65536 // (32 * num_warps * maxnreg) if maxnreg else 0)
+#: one-warp programs of FP4 value words by channel halves resident per multiprocessor (<= 168 registers per thread)
+WORDS_HALVES_RESIDENT = 12
+#: two-warp programs of fast FP8 and of mxfp4 block rows resident per multiprocessor, as the H100's split counts
+#: measure it (whole waves of 6 per multiprocessor are fast, of 7 are not: history/ab-h100-session12-splits-2warp.log)
+TWO_WARP_RESIDENT = 6
+#: two-warp programs of the bf16 kernel resident per multiprocessor (its 64-token tiles take 39 KB of shared memory:
+#: 5 fit the H100's 228 KB)
+BF16_TWO_WARP_RESIDENT = 5
+
+
+def choose_splits(batch: int, kv_heads: int, max_len: int, block_n: int, num_sms: int,
+                  resident: int | None = None, waves_of: int | None = None, down: bool = False) -> tuple[int, int]:
+    """(splits, tokens per split), each split a whole number of tiles and at least 4 tiles long. Default: about
+    16 programs per multiprocessor (measured best on the H100 for batch x kv_heads = 256). ``resident``: the
+    programs one multiprocessor holds at once, for a kernel that few fit: the fewest splits whose programs fill
+    whole waves of ``resident * num_sms``, the last one to at least WAVE_FILL (else one wave's worth,
+    ``max(1, resident * num_sms // (batch * kv_heads))``). KIVI key rows, 2 resident, H100: batch 32 x 8,192,
+    1 split 321 us against 353 us for 8; batch 1 x 131,072, 32 splits 172 us against 236 us for 256 and 282 us
+    for 16 (bench/results/history/ab-h100-session10-hnd-splits.log); 2-bit code words, 3 resident: batch 32, 3
+    splits (1.94 waves) 215 us against 233 / 267 / 233 for 1 / 2 / 4; batch 1, 49 splits (0.99 waves) 114.5 us
+    against 137 / 151 for 33 / 66 (history/ab-h100-session14-int2-registers.log). ``waves_of``: the programs one
+    multiprocessor holds at once, for a kernel whose last partial wave costs (one-warp programs): the default's
+    programs rounded to whole waves, ``max(1, round(default / wave)) * wave // (batch * kv_heads)`` splits (FP4 value
+    words by halves, 12 resident, H100: batch 1 x 131,072 nvfp4 114 -> 94 us at 196 splits against 256,
+    history/ab-h100-session12-waves.log); ``down``: rounded down instead, ``max(1, default // wave)``
+    waves (FP8 and mxfp4 at 2 warps, 6 resident, with fewer KV pairs than multiprocessors: batch 1 x 131,072 fp8
+    132 -> 121 us at 198 splits, where 297, the nearest, took 172; history/ab-h100-session12-splits-2warp.log)."""
+    pairs = max(1, batch * kv_heads)
+    want = max(1, -(-16 * num_sms // pairs))  # the default
+    most = max(1, -(-max_len // (4 * block_n)))
+
+    def tiled(splits: int) -> tuple[int, int]:  # (splits, tokens per split) with whole tiles per split
+        per = -(-max(max_len, 1) // splits)
+        per = -(-per // block_n) * block_n
+        return -(-max(max_len, 1) // per), per
+
+    if resident is not None:
+        wave = resident * num_sms
+
+        def fills(splits: int) -> bool:  # the last wave of the programs at least WAVE_FILL full
+            programs = tiled(splits)[0] * pairs
+            return programs >= WAVE_FILL * -(-programs // wave) * wave
+
+        want = next((s for s in range(1, most + 1) if fills(s)), max(1, wave // pairs))
+    elif waves_of is not None:
+        wave, programs = waves_of * num_sms, want * pairs
+        want = max(1, max(1, programs // wave if down else round(programs / wave)) * wave // pairs)
+    return tiled(min(want, most))
+
+
+#: the merge launch takes one warp per program while its [splits, head_dim] float32 tile is at most this many
+#: elements (128 per thread), else Triton's default of 4
+MERGE_ONE_WARP_ELEMENTS = 4096
+
+
+def merge_warps_default(s_pad: int, head_dim: int) -> int:
+    """Warps per program of the merge launch: 1 where the padded split count times head_dim is at most
+    MERGE_ONE_WARP_ELEMENTS, else 4. H100, against 4 warps: batch 32 x 8,192 (4-16 splits) 1.5-2.0 us faster for
+    every scheme but int4_kivi (-0.2), batch 8 x 32,768 (24 splits) about 1 us; at batch 1 x 131,072 (49-256
+    splits) 1 warp is 47-55 us slower, 2 warps 26-30, 8 and 16 warps 0.5-2 (bench/results/ANALYSIS.md, session
+    15)."""
+    return 1 if s_pad * head_dim <= MERGE_ONE_WARP_ELEMENTS else 4
+
+
+def merge_channels_default(rows: int, num_sms: int, head_dim: int, rotated_v: bool) -> int:
+    """Channels per merge program: half of head_dim where the merge has fewer (sequence, query head) rows than
+    twice the multiprocessors (and V is not rotated), else all of them. H100, batch 1 x 131,072 (32 rows, 49-256
+    splits): 0.6-1.2 us faster for every scheme at 64 channels of 128; batch 8 x 32,768 (256 rows) 0.3-0.9; batch
+    32 (1,024 rows) -0.2 .. +0.7 (bench/results/ANALYSIS.md, session 15)."""
+    return head_dim // 2 if rows < 2 * num_sms and head_dim >= 32 and not rotated_v else head_dim
+
+
+def plan_decode(
+    q,
+    k: CacheTiles,
+    v: CacheTiles,
+    block_table,
+    seq_lens,
+    page_size: int,
+    *,
+    sm_scale: float | None = None,
+    residual=None,
+    block_n: int | None = None,
+    num_splits: int | None = None,
+    max_seq_len: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    hw_formats: set[int] | None = None,
+    k_transposed: bool = True,
+    precision: str = "fast",
+    maxnreg: int | None = None,
+    ptx_unpack: bool | None = None,
+    wide_scale_loads: bool | None = None,
+    value_rows: bool | None = None,
+    fp4_keys_by_token: bool | None = None,
+    key_tile: bool | None = None,
+    heads_fast: bool | None = None,
+    block_rows: bool | None = None,
+    value_words: bool | None = None,
+    key_rows: bool | None = None,
+    kivi_words: bool | None = None,
+    residual_launch: bool | None = None,
+    channel_halves: bool | None = None,
+    merge_warps: int | None = None,
+    merge_channels: int | None = None,
+):
+    """The launches of decode attention (see :func:`paged_decode`), with their output tensors.
+    ``hw_formats``: FP8 format ids converted in hardware (default: what ``q``'s device has); ``maxnreg``:
+    a register cap per thread (CUDA only; for tuning occupancy); ``ptx_unpack``: FP4 nibbles (and, with
+    ``key_rows``, KIVI codes) unpacked with inline PTX (CUDA only); default (None): where it measured faster on the
+    H100, fast-mode E8M0 (MXFP4, fp4_e2m1) and NVFP4 keys and KIVI key rows on CUDA (bench/results/ANALYSIS.md);
+    ``wide_scale_loads``: FP4 block
+    scales read as one word per token where the layout allows (:func:`wide_scales`); default (None): where it
+    measured faster (NVFP4; E8M0 blocks of 32, or of any size with PTX unpacking); False: bytewise;
+    ``value_rows``: fast-mode KIVI values with the score rows laid out by (channel group, query head) so the
+    group's scale folds into p (default: on for fast-mode KIVI values; docs/kernels.md, "Precision");
+    ``fp4_keys_by_token``: FP4 key tiles laid out [tokens, D/2] and multiplied as the left operand (scores come
+    out transposed), as the value tiles are, instead of [D/2, tokens]; the same products, summed in another
+    order (default False: the layout cut the static sm_90 loop count of NVFP4 and fp4_e2m1 by 4-8% but timed slower
+    on the H100, nvfp4 314 -> 346 us, fp4_e2m1 320 -> 326, mxfp4 258 -> 278; bench/results/ANALYSIS.md, session 5).
+    ``key_tile``: fast-mode KIVI keys dequantized into a tile, c * s + z in two bfloat16 parts, against the bfloat16
+    q (False: the group's scale folded into a float32 q, and q . z reduced per tile); default: on for fast-mode
+    2-bit KIVI keys where :func:`kivi_key_words` allows (H100: int2 628 -> 517 us; int4 lost, 616 -> 627, so
+    4-bit keys keep the folded path; bench/results/ANALYSIS.md, session 5; docs/kernels.md, "Precision").
+    ``block_rows``: fast-mode FP4 keys and values (NVFP4 and E8M0 tiles) with score rows laid out by (block, query
+    head), so no block scale multiplies a tile element (:func:`_fp4_block_rows`; docs/kernels.md, "Precision");
+    default: on where the rows, (head_dim / block) x the query heads per KV head rounded up to a power of two, are
+    at most 32 on both sides (H100, batch 32 x 8,192: nvfp4 324 -> 243 us; bench/results/ANALYSIS.md, session 8).
+    ``value_words``: with ``block_rows``, value code tiles read as 16-bit words of four channels (transposed matrix
+    loads instead of one-byte shared loads; :func:`_fp4_block_rows`); default: on where the value rows are fewer
+    than head_dim / 4 (mxfp4 at 4 query heads per KV head, D 128: 193 -> 176 us on the H100); refused above 32
+    value rows.
+    ``key_rows``: fast-mode KIVI keys by (token group, query head) rows with values by (channel group, query head)
+    rows (:func:`_kivi_key_rows`): each group's scales fold into a float16 q (one rounding per q x s, relative to a
+    power of two per row), one MMA per byte phase against the exact codes, the zero term q . z once per group row;
+    tiles may span several key groups. Needs ``value_rows``; default: on where ``value_rows`` is and the key rows fit
+    16, with 128-token tiles, 4 warps, 2 stages and (CUDA) the codes unpacked by inline PTX (H100, batch 32 x
+    8,192: int4 618 -> 339 us, int2 519 -> 295; bench/results/ANALYSIS.md, session 9).
+    ``kivi_words``: with ``key_rows``, the key and value codes read as words of eight codes (int32 / int16) and
+    unpacked two words per PTX call, one product per code position (:func:`_kivi_key_rows`, constexpr ``KW``; the
+    same nonzero products, summed in another order); needs head_dim >= 128, tiles of at least 32 tokens and code rows
+    aligned to their word; default: where it applies, with 3 stages.
+    ``residual_launch``: the residual window's split as its own launch (constexpr ``PART``), so the paged splits
+    do not carry the residual path's registers; default: with ``key_rows`` and a residual window.
+    ``channel_halves``: with ``block_rows``, a side of at least 32 rows multiplies each channel half by the rows of
+    its blocks only, two [rows / 2, D / 2] products instead of one [rows, D] (:func:`_fp4_block_rows`; the same
+    nonzero products; values read as words split too, into four word products per half); default: on where it
+    applies (:func:`channel_halves_apply`); ``True`` where no side applies raises.
+    ``heads_fast``: the KV heads on the grid's fastest axis, so the programs reading one token's rows run together
+    (default False: it raised a loads-only kernel from 61% to 75% of the ceiling, but the decode kernels by at most
+    2%). ``merge_warps``: warps per program of the merge launch (default: :func:`merge_warps_default`);
+    ``merge_channels``: channels per merge program (a power of two dividing head_dim; the merge's grid gains
+    head_dim / merge_channels programs per (sequence, head); not with a rotated V, whose un-rotation needs the whole
+    row; each channel's arithmetic is the same, the sum over splits may be reduced in another order; default:
+    :func:`merge_channels_default`)."""
+    import torch
+
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    if ptx_unpack and getattr(torch.version, "hip", None):
+        raise ValueError("ptx_unpack=True needs CUDA (inline PTX); ROCm uses the portable unpacking")
+    ptx_auto = ptx_unpack is None
+    if ptx_unpack is None:
+        ptx_unpack = _nvidia_cuda(q) and precision == "fast" and k.kind in ("mxfp4", "nvfp4")
+
+    batch, q_heads, head_dim = q.shape
+    kv_heads = k.kv_heads
+    if k.head_major != v.head_major or v.kv_heads != kv_heads:
+        raise ValueError(f"K and V must share one layout and kv_heads: K {'HND' if k.head_major else 'NHD'} "
+                         f"{kv_heads} heads, V {'HND' if v.head_major else 'NHD'} {v.kv_heads}")
+    qpk = q_heads // kv_heads
+    block_h = max(16, triton.next_power_of_2(qpk))
+    if value_rows is None:
+        value_rows = default_value_rows(precision, v.kind, qpk, head_dim, v.group)
+    if value_rows and (precision != "fast" or v.kind != "int_v"):
+        raise ValueError("value_rows needs KIVI values (int_v) and precision='fast'")
+    hv = triton.next_power_of_2(qpk) if value_rows else 0  # rows per value group (0: rows are query heads)
+    kivi_pair = precision == "fast" and k.kind == "int_k" and v.kind == "int_v"
+    if key_rows is None:  # (an explicit key_tile=True keeps the key tiles)
+        key_rows = kivi_pair and bool(value_rows) and not key_tile and max(1, (block_n or 128) // k.group) * hv <= 16
+    elif key_rows and not (kivi_pair and value_rows and not key_tile):
+        raise ValueError("key_rows needs KIVI keys and values (int_k/int_v), precision='fast', value_rows and "
+                         "key_tile off")
+    if key_tile is None:  # where key rows are off
+        key_tile = (precision == "fast" and k.kind == "int_k" and k.bits == 2 and kivi_key_words(k)
+                    and not key_rows)
+    if key_tile and (precision != "fast" or k.kind != "int_k" or not kivi_key_words(k)):
+        raise ValueError("key_tile needs KIVI keys (int_k), precision='fast' and, for 2-bit codes, scale and zero "
+                         "rows of contiguous float16 aligned to 4 elements")
+    if key_rows and ptx_auto:  # KIVI codes by inline PTX on CUDA (H100: int4 358 -> 339 us, int2 315 -> 295)
+        ptx_unpack = _nvidia_cuda(q)
+    if value_rows:
+        block_h = max(16, hv * (head_dim // v.group))
+    if sm_scale is None:
+        sm_scale = head_dim**-0.5
+    # FP4 block scales as one word per token (pipelined with the code tiles) where it measured faster:
+    # NVFP4 -7%, MXFP4 with 64/2/3 tiles -12% (H200, bench/results/history/ab-h200-fp4-wide.log); E8M0 blocks
+    # of 16 lost 9% without the PTX/bfloat16 tiles and won 26% with them (H100, history/ab-h100-mx-bf16.log)
+    def wide(t: CacheTiles) -> bool:
+        if wide_scale_loads is None:
+            return wide_scales(t) and (t.kind == "nvfp4" or t.block == 32 or bool(ptx_unpack))
+        return bool(wide_scale_loads) and wide_scales(t)
+
+    wide_k, wide_v = wide(k), wide(v)
+    if fp4_keys_by_token and k.kind not in ("mxfp4", "nvfp4"):
+        raise ValueError("fp4_keys_by_token needs FP4 keys (mxfp4 or nvfp4 tiles)")
+    kt4 = bool(fp4_keys_by_token)
+    rotate_q = []
+    if k.rotation is not None:  # q' = butterflies(q * signs) in float32; 1 / (D C_D) goes into the softmax scale
+        signs, _, inv = rotation_vectors(k.rotation.seed, head_dim, q.device)
+        qr = torch.empty(batch, q_heads, head_dim, dtype=torch.float32, device=q.device)
+        rows = min(8, triton.next_power_of_2(q_heads))
+        rotate_q.append(Launch(rotate_q_kernel, (batch, triton.cdiv(q_heads, rows)),
+                               [q, signs, qr, q_heads, q.stride(0), q.stride(1)], dict(D=head_dim, ROWS=rows), {}))
+        q, sm_scale = qr, sm_scale * inv
+    # defaults tuned on the H100 (bench/tune_decode.py; logs in bench/results/history/tune-h100-*.log): the
+    # kernel's occupancy is limited by registers, so small programs (2 warps, 32-token tiles) win, except in
+    # fast mode for bf16 (64-token tiles), E8M0 FP4 (64-token tiles, 4 warps; with PTX-unpacked bfloat16 tiles
+    # and word-wide scales: 2 warps, 3 stages, history/ab-h100-mx-bf16.log) and NVFP4 unpacked by PTX (64-token
+    # tiles: bench/results/history/tune-h100-fp4-ptx.log)
+    fast_e8m0 = precision == "fast" and k.kind == "mxfp4"
+    fast_mx_ptx = fast_e8m0 and wide_k and bool(ptx_unpack)
+    fast_nvfp4_ptx = precision == "fast" and k.kind == "nvfp4" and ptx_unpack
+    # fast FP4 by block rows (``_fp4_block_rows``): rows (block, head) of each side must fill the 16 MMA rows and
+    # stay <= 32 (the tensor cores' work grows with them: H100, bench/results/ANALYSIS.md, session 8)
+    fp4_pair = precision == "fast" and k.kind in ("mxfp4", "nvfp4") and v.kind in ("mxfp4", "nvfp4")
+    blocks = max(1, min(head_dim // k.block, head_dim // v.block)) if fp4_pair else 1
+    blk_h = max(triton.next_power_of_2(qpk), 16 // blocks)
+    blk_rows = max(head_dim // k.block, head_dim // v.block) * blk_h if fp4_pair else 0  # the larger side's rows
+    if block_rows is None:
+        block_rows = fp4_pair and not kt4 and blk_rows <= 32
+    elif block_rows and (not fp4_pair or kt4):
+        raise ValueError("block_rows needs FP4 keys and values (mxfp4/nvfp4 tiles), precision='fast' and "
+                         "fp4_keys_by_token off")
+    if block_rows:
+        block_h = blk_h
+    half_k, half_v = channel_halves_apply(head_dim, k.block if block_rows else 0, v.block if block_rows else 0,
+                                          blk_h)
+    if channel_halves and not block_rows:
+        raise ValueError("channel_halves needs block_rows (FP4 keys and values in fast mode)")
+    if channel_halves and not (half_k or half_v):
+        raise ValueError("channel_halves needs a side of >= 32 block rows with an even number of blocks (here keys "
+                         f"{(head_dim // k.block) * blk_h}, values {(head_dim // v.block) * blk_h} rows)")
+    if channel_halves is False:
+        half_k = half_v = False
+    # value tiles as 16-bit words: only with block rows, value rows <= 32 (64 rows, 8 query heads per KV head with
+    # NVFP4 at D 128, gave wrong results and an illegal address on the H100, not diagnosed), 2-byte aligned rows;
+    # default where the value rows are fewer than D / 4 (the four value products then keep the warps along the
+    # channels; mxfp4 at D 128: 193 -> 176 us on the H100, bench/results/history/ab-h100-session8-value-words.log)
+    # or split into channel halves (with 32-token tiles and one warp: NVFP4 191 -> 184 us, fp4_e2m1 253 -> 237;
+    # history/ab-h100-session12-value-words-halves.log)
+    v_rows = (head_dim // v.block) * blk_h if block_rows else 0
+    words_ok = (bool(block_rows) and v_rows <= 32
+                and not (any(st % 2 for st in v.row_strides(v.fields[0])) or v.fields[0].data_ptr() % 2))
+    if value_words is None:
+        value_words = words_ok and (v_rows < head_dim // 4 or half_v)
+    elif value_words and not words_ok:
+        raise ValueError("value_words needs block_rows (FP4 keys and values in fast mode), at most 32 value rows "
+                         f"(here {v_rows}) and value code rows aligned to 2 bytes")
+    # block rows: 16 rows per product measured best with 64-token tiles and 2 warps (mxfp4 at 4 query heads per KV
+    # head; NVFP4 by channel halves, 3 stages: 235 -> 195 us; mxfp4 at 8 by halves: 903 -> 774), 32 (one product)
+    # and E8M0 blocks of 16 by halves (fp4_e2m1: 286 -> 261 us; 275 at 64 / 2) with 128-token tiles and 4 warps
+    # (H100: bench/results/history/ab-h100-session8-fp4.log, ab-h100-session11-channel-halves-2.log)
+    prod_rows = max((head_dim // k.block) * blk_h // (2 if half_k else 1),
+                    (head_dim // v.block) * blk_h // (2 if half_v else 1)) if block_rows else 0
+    # (at page size 1 fp4_e2m1 by halves measured 316 us at 128 / 4 and 290 at 64 / 2: ab-h100-session11-page1.log)
+    e8m0_16_halves = half_v and v.kind == "mxfp4" and v.block == 16 and page_size > 1
+    words_halves = bool(value_words) and half_v  # one warp, 32-token tiles (the value word products' layout
+    # replicates them across the warps of a larger program: sm_90 SASS of 2 warps issues the 1-warp loop's MMAs)
+    nvfp4_halves = half_k and half_v and k.kind == v.kind == "nvfp4" and not words_halves
+    blk_wide = block_rows and (prod_rows > 16 or e8m0_16_halves) and not words_halves
+    if block_n is None:
+        if key_rows:
+            block_n = 128
+        elif words_halves:
+            block_n = 32
+        elif block_rows:
+            block_n = 128 if blk_wide else 64
+        else:
+            block_n = 64 if precision == "fast" and (fast_e8m0 or fast_nvfp4_ptx or k.kind == "bf16") else 32
+    if num_warps is None:
+        num_warps = (1 if words_halves else
+                     4 if (fast_e8m0 and not fast_mx_ptx and not block_rows) or blk_wide or key_rows else 2)
+    if key_rows:  # a tile holds whole KIVI token groups, or lies inside one
+        if block_n % k.group and k.group % block_n:
+            raise ValueError(f"with key_rows, block_n {block_n} must divide or be a multiple of the KIVI key group "
+                             f"size {k.group}")
+    elif k.kind == "int_k":  # a tile must lie inside one KIVI token group
+        block_n = min(block_n, k.group)
+        if k.group % block_n:
+            raise ValueError(f"block_n {block_n} must divide the KIVI key group size {k.group}")
+    kivi_words_ok = key_rows and head_dim >= 128 and block_n >= 32 and all(
+        not (any(st % t.bits for st in t.row_strides(t.fields[0])) or t.fields[0].data_ptr() % t.bits)
+        for t in (k, v))  # a word of eight codes is ``bits`` bytes
+    if kivi_words is None:  # (H100, batch 32 x 8,192, with 3 stages: int4 264 -> 254 us, int2 226 -> 220)
+        kivi_words = kivi_words_ok
+    if kivi_words:
+        if not kivi_words_ok:
+            raise ValueError("kivi_words needs key_rows, head_dim >= 128 (here "
+                             f"{head_dim}), tiles of at least 32 tokens (here {block_n}) and code rows aligned to "
+                             "their word (4 bytes for 4-bit codes, 2 for 2-bit)")
+        if maxnreg is None and k.bits == v.bits == 2 and _nvidia_cuda(q):
+            maxnreg = KIVI_WORDS_2BIT_MAXNREG
+    if num_stages is None:
+        num_stages = 3 if nvfp4_halves or kivi_words else 2 if block_rows or key_rows else (
+            3 if k.kind in ("fp8", "int_k") or fast_mx_ptx or (precision == "fast" and k.kind == "nvfp4"
+                                                                and not ptx_unpack) else 2)
+    has_res = residual is not None
+    if has_res:
+        rk, rv, kl, vl = residual
+    else:
+        rk = rv = _unused_residual(str(q.device))  # a pointer the kernel never reads without HAS_RES
+        kl = vl = seq_lens
+    if max_seq_len is None:  # (a device sync: callers in a hot loop pass it)
+        max_seq_len = int(seq_lens.max().item()) if seq_lens.numel() else 0
+    sms = _multiprocessors(str(q.device)) if q.is_cuda else 4  # the split count's and the merge's defaults
+    if num_splits is None:
+        # FP8 and mxfp4 at 2 warps with fewer KV pairs than multiprocessors (long contexts, few sequences): whole
+        # waves, rounded down (with more pairs the split count is too coarse to hit them: ANALYSIS.md, session 12)
+        two_warp_waves = (num_warps == 2 and precision == "fast" and batch * kv_heads < sms
+                          and (k.kind == v.kind == "fp8" or (bool(block_rows) and k.kind == v.kind == "mxfp4")))
+        num_splits, per = choose_splits(batch, kv_heads, max_seq_len, block_n, sms,
+                                        key_rows_resident(num_warps, maxnreg) if key_rows else None,
+                                        WORDS_HALVES_RESIDENT if words_halves else
+                                        TWO_WARP_RESIDENT if two_warp_waves else None, down=two_warp_waves)
+        # FP8, bf16 and FP4 without block rows at 2 warps with at least as many KV pairs as multiprocessors: the
+        # fewest splits that fill whole waves, where that is fewer than the default (H100, fp8: batch 32 x 8,192
+        # 220.7 -> 214.3 us at 3 splits, 64 x 8,192 452.2 -> 409.9, 64 x 64 heads x 16,384 875.8 -> 798.9; bf16 batch
+        # 32 385.0 -> 376.5 at 5; at batch 128, 5 splits instead of 3 lost 2.5 us; nvfp4 at 64 heads 1030.6 -> 983.6
+        # at 3, fp4_e2m1 1064.8 -> 1050.9: bench/results/ANALYSIS.md, session 15)
+        if num_warps == 2 and precision == "fast" and batch * kv_heads >= sms and not key_rows:
+            fill = (TWO_WARP_RESIDENT if k.kind == v.kind == "fp8" or (
+                        k.kind == v.kind and k.kind in ("mxfp4", "nvfp4") and not block_rows) else
+                    BF16_TWO_WARP_RESIDENT if k.kind == v.kind == "bf16" else None)
+            if fill is not None:
+                num_splits, per = min((num_splits, per),
+                                      choose_splits(batch, kv_heads, max_seq_len, block_n, sms, fill))
+    else:
+        per = -(-max(max_seq_len, 1) // num_splits)
+        per = -(-per // block_n) * block_n
+    total = num_splits + int(has_res)
+    hw = hardware_fp8_formats(q.device) if hw_formats is None else hw_formats
+    op = torch.empty(batch, q_heads, total, head_dim, dtype=torch.float32, device=q.device)
+    lp = torch.empty(batch, q_heads, total, dtype=torch.float32, device=q.device)
+    heads_fast = bool(heads_fast)
+    grid = (kv_heads, batch, total) if heads_fast else (batch, kv_heads, total)
+    split_args = [
+        q,
+        block_table,
+        seq_lens,
+        kl,
+        vl,
+        *k.field_args(),
+        *v.field_args(),
+        rk,
+        rv,
+        k.tensor_scale,
+        v.tensor_scale,
+        op,
+        lp,
+        float(sm_scale),
+        num_splits,
+        per,
+        q.stride(0),
+        q.stride(1),
+        block_table.stride(0),
+        *k.stride_args(),
+        *v.stride_args(),
+        rk.stride(0),
+        rk.stride(1),
+        rk.stride(2),
+        op.stride(0),
+        op.stride(1),
+        op.stride(2),
+        lp.stride(0),
+        lp.stride(1),
+    ]
+    split_cx = dict(
+        QPK=qpk,
+        BLOCK_H=block_h,
+        D=head_dim,
+        PAGE=page_size,
+        PAGE_SLOTS=k.page_slots(page_size),
+        BLOCK_N=block_n,
+        KIND_K=KIND_IDS[k.kind],
+        FMT_K=k.fmt + 8 * (k.kind in ("fp8", "nvfp4") and k.fmt in hw),
+        TSC_K=k.token_scale,
+        QB_K=k.block,
+        G_K=k.group,
+        BITS_K=k.bits,
+        KIND_V=KIND_IDS[v.kind],
+        FMT_V=v.fmt + 8 * (v.kind in ("fp8", "nvfp4") and v.fmt in hw),
+        TSC_V=v.token_scale,
+        QB_V=v.block,
+        G_V=v.group,
+        BITS_V=v.bits,
+        HAS_RES=has_res,
+        Q_SPLIT=q.dtype != torch.bfloat16,
+        KT=k_transposed,
+        FAST=precision == "fast",
+        PTX=ptx_unpack,
+        WSC_K=wide_k,
+        WSC_V=wide_v,
+        HV=hv,
+        KT4=kt4,
+        KTILE=bool(key_tile),
+        HF=heads_fast,
+        BLK=bool(block_rows),
+        VW=bool(value_words),
+        KR=bool(key_rows),
+        KW=bool(kivi_words),
+        HALF_K=half_k,
+        HALF_V=half_v,
+        PART=0,  # 0: the paged and residual splits in one launch (``residual_launch`` makes 1 and 2)
+        BLOCK_R=min(block_n, 32) if key_rows else 0,  # residual tiles: 32 tokens (128 measured 188 KB of shared memory)
+    )
+    out = torch.empty(batch, q_heads, head_dim, dtype=torch.float32, device=q.device)
+    lse = torch.empty(batch, q_heads, dtype=torch.float32, device=q.device)
+    merge_args = [
+        op,
+        lp,
+        out,
+        lse,
+        total,
+        op.stride(0),
+        op.stride(1),
+        op.stride(2),
+        lp.stride(0),
+        lp.stride(1),
+        out.stride(0),
+        out.stride(1),
+        lse.stride(0),
+        lp if v.rotation is None else rotation_vectors(v.rotation.seed, head_dim, q.device)[1],
+    ]
+    merge_cx = dict(D=head_dim, S_PAD=max(2, triton.next_power_of_2(total)), ROT_V=v.rotation is not None)
+    opts = {"num_warps": num_warps, "num_stages": num_stages, **({"maxnreg": maxnreg} if maxnreg else {})}
+    if residual_launch is None:
+        residual_launch = bool(key_rows) and has_res
+    elif residual_launch and not has_res:
+        raise ValueError("residual_launch needs a residual window")
+    if residual_launch:  # the paged splits without the residual path's registers; the residual split on its own
+        res_grid = (kv_heads, batch, 1) if heads_fast else (batch, kv_heads, 1)
+        splits = [Launch(decode_split_kernel, (*grid[:2], num_splits), split_args, {**split_cx, "PART": 1}, opts),
+                  Launch(decode_split_kernel, res_grid, split_args, {**split_cx, "PART": 2},
+                         {**opts, "num_warps": 2, "num_stages": 3})]
+    else:
+        splits = [Launch(decode_split_kernel, grid, split_args, split_cx, opts)]
+    if merge_channels is None:
+        mdb = merge_channels_default(batch * q_heads, sms, head_dim, v.rotation is not None)
+    else:
+        mdb = int(merge_channels)
+    if mdb <= 0 or head_dim % mdb or mdb & (mdb - 1) or (mdb < head_dim and v.rotation is not None):
+        raise ValueError(f"merge_channels must be a power of two dividing head_dim {head_dim} (all of it with a "
+                         f"rotated V), got {merge_channels!r}")
+    merge_cx["DB"] = mdb
+    merge_opts = {"num_warps": int(merge_warps) if merge_warps else merge_warps_default(merge_cx["S_PAD"], mdb)}
+    launches = [*rotate_q, *splits, Launch(merge_kernel, (batch, q_heads, head_dim // mdb), merge_args, merge_cx,
+                                           merge_opts)]
+    return launches, out, lse
+
+
+def paged_decode(q, k: CacheTiles, v: CacheTiles, block_table, seq_lens, page_size: int, **kw):
+    """Decode attention for q [batch, q_heads, D] over a paged cache; returns (out [B, Hq, D] float32,
+    lse [B, Hq] float32, natural log).
+
+    ``residual``: KIVI's full-precision tail, ``(k_res [B, W, Hkv, D] f32, v_res, k_lens [B], v_lens [B])``:
+    token t of K is read from the pages while t < k_lens[b], else from ``k_res[b, t - k_lens[b]]`` (same
+    for V); tensor scales must then be 1. ``precision``: ``"fast"`` (default; q and the probabilities
+    rounded once to 16 bits, KIVI and residual tiles to about 16 bits) or ``"exact"`` (float32 products);
+    docs/kernels.md derives each one's error bound. Other keywords: ``sm_scale``, ``block_n``,
+    ``num_splits``, ``max_seq_len``, ``num_warps``, ``num_stages`` (see :func:`plan_decode`).
+    """
+    launches, out, lse = plan_decode(q, k, v, block_table, seq_lens, page_size, **kw)
+    for launch in launches:
+        launch()
+    return out, lse
