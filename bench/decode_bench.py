@@ -16,7 +16,9 @@ achieved GB/s and the fraction of a bandwidth ceiling measured in the same run (
 reduction: bytes read / time). Times are medians of ``triton.testing.do_bench`` (which flushes L2
 between rounds) over the replay of the call captured in a CUDA graph, as serving engines run decode
 (``"timing": "cuda_graph"``; the torch backend's rows, which synchronize, are timed eager); every row also
-records ``eager_time_us``, the call made from Python, which includes the host's launch overhead.
+records ``eager_time_us``, the call made from Python, which includes the host's launch overhead. The baseline, torch
+SDPA over a dense BF16 cache, is timed before and after each shape's rows (the target shape also at the end of the
+run, rows with ``"round"``); bench/tables.py computes every speed-up against the median of its shape's SDPA times.
 
 ``--rotation``: issue 13's comparison in one run: for fp8_e4m3, fp4_e2m1, nvfp4 and int4_kivi, decode at
 batch 32 x 8192 (fast precision) and quantize-on-write, each unrotated and with the randomized Hadamard
