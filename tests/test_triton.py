@@ -1050,6 +1050,29 @@ def test_launch_defaults_are_the_measured_choices():
         assert vlaunch.options.get("maxnreg") == (64 if nvidia and pair[0].endswith("kivi") else None), pair[0]
 
 
+def test_every_launch_names_fp_fusion():
+    """Every planned launch names ``enable_fp_fusion``, so Triton 3.10 (default off) compiles what was measured and
+    tested (the default on, up to 3.9); rotated writes keep it off (docs/rotation.md)."""
+    from kvqref.kernels.decode import plan_decode
+    from kvqref.paged import PagedKVCache
+
+    rng = np.random.default_rng(5)
+    for pair in (PAIRS[1], PAIRS[6], PAIRS[7]):
+        cache, _ = build_cache(pair, SMALL, rng)
+        dc = tb.DeviceCache.from_cache(cache, DEVICE)
+        q = torch.zeros(SMALL["batch"], SMALL["q_heads"], SMALL["head_dim"], device=DEVICE)
+        residual = (dc.k_residual, dc.v_residual, dc.k_lens, dc.v_lens) if dc.has_residual else None
+        launches, _, _ = plan_decode(q, dc.k.tiles(), dc.v.tiles(), dc.block_table, dc.seq_lens, dc.page_size,
+                                     residual=residual)
+        assert len(launches) >= 2 and all(la.options["enable_fp_fusion"] is True for la in launches), pair[0]
+    slots = torch.arange(16, device=DEVICE)
+    x = torch.zeros(16, 2, 64, device=DEVICE)
+    for rotation, fused in (({}, True), ({"rotation": "hadamard", "rotation_seed": 1}, False)):
+        k = schemes.get("fp8_e4m3", **rotation)
+        dc = tb.DeviceCache.from_cache(PagedKVCache(k, k, 2, 16, 2, 64), DEVICE)
+        assert tb.plan_write(dc.k, x, slots).options["enable_fp_fusion"] is fused
+
+
 def test_merge_warps_are_the_measured_choice():
     """The merge launch takes 1 warp per program up to 4,096 float32 elements of partials per (sequence, head)
     (H100, session 15: 1.5-2 us faster than 4 warps at 4-16 splits, 47-55 us slower at 196-256), else 4; an

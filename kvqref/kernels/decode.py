@@ -1663,10 +1663,15 @@ def hardware_fp8_formats(device) -> set[int]:
 
 
 class Launch:
-    """One kernel launch: ``kernel[grid](*args, **constexprs, **options)``; AOT compiles the same record."""
+    """One kernel launch: ``kernel[grid](*args, **constexprs, **options)``; AOT compiles the same record.
+
+    ``options`` always name ``enable_fp_fusion`` (default True: floating-point contraction, Triton's default up to
+    3.9, with which every kernel was measured and tested on GPUs; Triton 3.10 turns the default off, and 3.9 warns
+    where it is not named). Rotated writes pass False (docs/rotation.md)."""
 
     def __init__(self, kernel, grid, args: list, constexprs: dict, options: dict) -> None:
-        self.kernel, self.grid, self.args, self.constexprs, self.options = kernel, grid, args, constexprs, options
+        self.kernel, self.grid, self.args, self.constexprs = kernel, grid, args, constexprs
+        self.options = {"enable_fp_fusion": True, **options}
 
     def __call__(self) -> None:
         self.kernel[self.grid](*self.args, **self.constexprs, **self.options)
