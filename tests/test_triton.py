@@ -114,6 +114,33 @@ def test_decode_matches_oracle(pair, qdtype, precision):
     assert (np.abs(lse - ref_lse) <= tol_l).all(), f"lse error {np.abs(lse - ref_lse).max():.3g}"
 
 
+@pytest.mark.parametrize("precision", ["fast", "exact"])
+@pytest.mark.parametrize("pair", [PAIRS[1], PAIRS[2], PAIRS[3]], ids=[IDS[1], IDS[2], IDS[3]])
+def test_fp8_value_words_match_the_oracle(pair, precision):
+    """``fp8_value_words``: FP8 value tiles read as 16-bit words of two channels (even and odd channels two
+    products) give the oracle's attention within the precision's bound, and the byte tiles' outputs (the same
+    products; each channel's sum over the tile's tokens in the same order); a token-scaled V refuses the option."""
+    rng = np.random.default_rng(23)
+    shape = BIG if GPU else SMALL
+    cache, _ = build_cache(pair, shape, rng)
+    q = torch.from_numpy(rng.standard_normal((shape["batch"], shape["q_heads"], shape["head_dim"]))
+                         .astype(np.float32)).to(torch.bfloat16)
+    q64 = q.float().numpy().astype(np.float64)
+    token_scaled = pair[3].get("granularity") == "token_head"
+    if token_scaled:
+        with pytest.raises(ValueError, match="fp8_value_words"):
+            _run_decode(cache, q, precision=precision, fp8_value_words=True)
+        return
+    words, wlse, _ = _run_decode(cache, q, precision=precision, fp8_value_words=True)
+    ref_out, ref_lse, tol_o, tol_l = _oracle(cache, q64, precision, "bfloat16")
+    err = np.abs(words - ref_out)
+    assert (err <= tol_o).all(), f"max error / tolerance {(err / tol_o).max():.3g}"
+    assert (np.abs(wlse - ref_lse) <= tol_l).all()
+    out, lse, _ = _run_decode(cache, q, precision=precision, fp8_value_words=False)
+    np.testing.assert_allclose(words, out, rtol=0, atol=float(tol_o.max()) * 1e-3)
+    np.testing.assert_array_equal(wlse, lse)
+
+
 @pytest.mark.parametrize("pair", PAIRS[7:9], ids=IDS[7:9])
 def test_kivi_values_without_rows_by_group(pair):
     """``value_rows=False``: fast-mode KIVI values dequantized in float32 and split in two bfloat16 parts

@@ -319,6 +319,54 @@ def _fp4_scale(code, KIND: tl.constexpr, FMT: tl.constexpr = 0):
 
 
 @triton.jit
+def _fp8_f16(byte, FMT: tl.constexpr):
+    """FP8 codes (uint8) -> their values as float16, exact (every FP8 value is a float16 value; float32 in the
+    interpreter): ``FMT`` >= 8 converted in hardware (``FMT - 8`` is the format), else decoded (:func:`decode_f32`)."""
+    if FMT >= 8 and not INTERPRET:
+        if FMT == 8:
+            return byte.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+        elif FMT == 9:
+            return byte.to(tl.float8e5, bitcast=True).to(tl.float16)
+        elif FMT == 10:
+            return byte.to(tl.float8e4b8, bitcast=True).to(tl.float16)
+        else:
+            return byte.to(tl.float8e5b16, bitcast=True).to(tl.float16)
+    else:
+        v = decode_f32(byte, FMT % 8)
+        if INTERPRET:
+            return v
+        else:
+            return v.to(tl.float16)
+
+
+def _fp8_words_ptx(name: str) -> str:
+    """The PTX of :func:`_fp8_word_halves` for FP8 format ``name`` (``e4m3``, ``e5m2``): two 16-bit words per call
+    (``$2``: word a in the low half, word b in the high half); ``prmt`` gathers the low bytes of a and b into the
+    low half and their high bytes into the high half, then one ``cvt.rn.f16x2`` per half (its low byte into the low
+    float16): ``$0`` holds the low channels of a and b, ``$1`` the high ones."""
+    return "\n".join(["{", ".reg .b32 t;", ".reg .b16 lo, hi;", "prmt.b32 t, $2, 0, 0x3120;", "mov.b32 {lo, hi}, t;",
+                      f"cvt.rn.f16x2.{name}x2 $0, lo;", f"cvt.rn.f16x2.{name}x2 $1, hi;", "}"])
+
+
+FP8_WORDS_E4M3_PTX = tl.constexpr(_fp8_words_ptx("e4m3"))
+FP8_WORDS_E5M2_PTX = tl.constexpr(_fp8_words_ptx("e5m2"))
+
+
+@triton.jit
+def _fp8_word_halves(word, FMT: tl.constexpr, PTX: tl.constexpr):
+    """The FP8 codes of the low and high bytes of each 16-bit ``word`` (int16; channels 2c and 2c + 1 of a row) as
+    float16 values (exact; float32 in the interpreter), two tensors. ``PTX`` (CUDA, OCP formats converted in
+    hardware, ``FMT`` 8 or 9): one ``prmt`` and two ``cvt.rn.f16x2`` per two words (:func:`_fp8_words_ptx`);
+    elsewhere byte by byte (:func:`_fp8_f16`)."""
+    if PTX and (FMT == 8 or FMT == 9) and not INTERPRET:
+        return tl.inline_asm_elementwise(FP8_WORDS_E4M3_PTX if FMT == 8 else FP8_WORDS_E5M2_PTX, "=r,=r,r", [word],
+                                         dtype=(tl.float16, tl.float16), is_pure=True, pack=2)
+    else:
+        w = word.to(tl.int32)
+        return _fp8_f16((w & 0xFF).to(tl.uint8), FMT), _fp8_f16(((w >> 8) & 0xFF).to(tl.uint8), FMT)
+
+
+@triton.jit
 def _phase(
     byte,
     slot,
@@ -343,21 +391,7 @@ def _phase(
     if KIND == 0:
         return byte
     elif KIND == 1:
-        if FMT >= 8 and not INTERPRET:  # hardware conversion, exact: fp8 -> fp16 (FMT - 8 is the format)
-            if FMT == 8:
-                return byte.to(tl.float8e4nv, bitcast=True).to(tl.float16)
-            elif FMT == 9:
-                return byte.to(tl.float8e5, bitcast=True).to(tl.float16)
-            elif FMT == 10:
-                return byte.to(tl.float8e4b8, bitcast=True).to(tl.float16)
-            else:
-                return byte.to(tl.float8e5b16, bitcast=True).to(tl.float16)
-        else:
-            v = decode_f32(byte, FMT % 8)
-            if INTERPRET:
-                return v
-            else:
-                return v.to(tl.float16)  # exact: every FP8 value is a float16 value
+        return _fp8_f16(byte, FMT)
     elif KIND == 2 or KIND == 3:
         nib = (byte.to(tl.int32) >> (4 * P)) & 0xF
         sc = tl.load(F1 + slot * f1_s + kvh * f1_h + e // QB, mask=m, other=0)
@@ -1184,11 +1218,14 @@ def decode_split_kernel(
     HALF_V: tl.constexpr = False,
     BLOCK_R: tl.constexpr = 0,
     PART: tl.constexpr = 0,
+    VW8: tl.constexpr = 0,
 ):
     """One (sequence, KV head, split): K tiles are read transposed [D/PACK, N] per phase (the elements
-    sharing a byte position), V tiles [N, D/PACK]; no register transposes or interleaves."""
+    sharing a byte position), V tiles [N, D/PACK]; no register transposes or interleaves. ``VW8`` (FP8 values
+    without token scales, ``fp8_value_words``): V read as 16-bit words of two channels [N, D/2], the even and
+    the odd channels two products (acc0, acc1: PV = 2), 1 portable, 2 by inline PTX (:func:`_fp8_word_halves`)."""
     PK: tl.constexpr = 1 if KIND_K <= 1 else (2 if KIND_K <= 3 else 8 // BITS_K)
-    PV: tl.constexpr = 1 if KIND_V <= 1 else (2 if KIND_V <= 3 else 8 // BITS_V)
+    PV: tl.constexpr = 2 if VW8 > 0 else (1 if KIND_V <= 1 else (2 if KIND_V <= 3 else 8 // BITS_V))
     DK: tl.constexpr = D // PK
     DV: tl.constexpr = D // PV
     # operand parts (docs/kernels.md, "Precision"): exact mode splits what is not exact in 16 bits into
@@ -1467,6 +1504,15 @@ def decode_split_kernel(
                         v_hi = tl.reshape(v_hi16.to(tl.float32) * 16384.0 * vs3, (BLOCK_N, DV))
                     acc0 = acc0 * alpha[:, None] + _mm(ph, pm, pl, v_lo, PP, 0)
                     acc1 = acc1 * alpha[:, None] + _mm(ph, pm, pl, v_hi, PP, 0)
+                elif VW8 > 0:
+                    # FP8 values as 16-bit words [N, D/2] (two channels each: transposed 16-bit matrix loads feed
+                    # the products, not one-byte shared loads); even channels into acc0, odd into acc1
+                    tl.static_assert(F16V and not HAS_RES)
+                    vw = tl.load(V0.to(tl.pointer_type(tl.int16)) + slot[:, None] * (v0_s // 2) + kvh * (v0_h // 2)
+                                 + iv[None, :], mask=tmask[:, None], other=0)
+                    v_even, v_odd = _fp8_word_halves(vw, FMT_V, VW8 == 2)
+                    acc0 = acc0 * alpha[:, None] + _mm16(p16h, p16l, v_even, PP16)
+                    acc1 = acc1 * alpha[:, None] + _mm16(p16h, p16l, v_odd, PP16)
                 else:
                     # V: [N, D], one byte per element (bf16/FP8): packed kinds have their own branches above
                     tl.static_assert(PV == 1)
@@ -1548,6 +1594,8 @@ def decode_split_kernel(
     safe_l = tl.where(l_i > 0, l_i, 1.0)
     if KIND_V == 1 and F16V:
         acc0 = acc0 * (1.0 / 16384.0)
+        if VW8 > 0:
+            acc1 = acc1 * (1.0 / 16384.0)
     vs = tl.load(VS + kvh)
     lse2 = tl.where(l_i > 0, m_i + tl.log2(safe_l), float("-inf"))
     base = b * op_b + qh[:, None].to(tl.int64) * op_h + split * op_s
@@ -1928,6 +1976,7 @@ def plan_decode(
     channel_halves: bool | None = None,
     merge_warps: int | None = None,
     merge_channels: int | None = None,
+    fp8_value_words: bool | None = None,
 ):
     """The launches of decode attention (see :func:`paged_decode`), with their output tensors.
     ``hw_formats``: FP8 format ids converted in hardware (default: what ``q``'s device has); ``maxnreg``:
@@ -2141,6 +2190,16 @@ def plan_decode(
     if maxnreg is None and two_warp_capped:
         maxnreg = TWO_WARP_MAXNREG
     has_res = residual is not None
+    # FP8 values as 16-bit words of two channels (``VW8``): transposed 16-bit matrix loads instead of one-byte shared
+    # loads for the value products (:func:`_fp8_word_halves`)
+    fp8_words_ok = (v.kind == "fp8" and not v.token_scale and not has_res and head_dim % 2 == 0
+                    and not (any(st % 2 for st in v.row_strides(v.fields[0])) or v.fields[0].data_ptr() % 2))
+    if fp8_value_words is None:
+        fp8_value_words = False
+    elif fp8_value_words and not fp8_words_ok:
+        raise ValueError("fp8_value_words needs FP8 values without token scales (no residual window), an even "
+                         "head_dim and value code rows aligned to 2 bytes")
+    vw8 = (2 if _nvidia_cuda(q) and v.fmt in hw and v.fmt in (0, 1) else 1) if fp8_value_words else 0
     if has_res:
         rk, rv, kl, vl = residual
     else:
@@ -2247,6 +2306,7 @@ def plan_decode(
         HALF_V=half_v,
         PART=0,  # 0: the paged and residual splits in one launch (``residual_launch`` makes 1 and 2)
         BLOCK_R=min(block_n, 32) if key_rows else 0,  # residual tiles: 32 tokens (128 measured 188 KB of shared memory)
+        VW8=vw8,
     )
     out = torch.empty(batch, q_heads, head_dim, dtype=torch.float32, device=q.device)
     lse = torch.empty(batch, q_heads, dtype=torch.float32, device=q.device)
