@@ -58,9 +58,15 @@ def test_every_kernel_compiles_for_rocm_and_cuda_targets():
         # + FP4 block rows whose values (blocks of 16: 32 rows at 4 query heads per KV head) split into channel
         # halves read as words by default: their byte tiles (``value_words=False``)
         vw_off = sum("fp4" in c[1] and c[3] in ("fp4_e2m1", "nvfp4") for c in DECODE_CASES)
+        # + FP8 values as 16-bit words (``fp8_value_words``; V without token scales): by inline PTX on CUDA where
+        # the format converts in hardware (OCP), portable elsewhere
+        vw8 = sum(c[3].startswith("fp8") and c[4].get("granularity") != "token_head" for c in DECODE_CASES)
         assert len(rows) == (2 * len(DECODE_CASES) + len(SHARED_KERNELS) + len(WRITE_CASES) + ptx + f16cvt
-                             + rows_off + kt4 + ktile_off + 3 * key_rows + sums + nvb + blocks + vw_off), t
+                             + rows_off + kt4 + ktile_off + 3 * key_rows + sums + nvb + blocks + vw_off + vw8), t
         assert sum(",vw=0" in r["kernel"] for r in rows) == vw_off, t
+        words = [r["kernel"] for r in rows if ",vw8=" in r["kernel"]]
+        assert len(words) == vw8 and all(r["ok"] for r in rows if ",vw8=" in r["kernel"]), t
+        assert ("decode[fp8_e4m3,vw8=2]" in words) == t.startswith("cuda"), (t, words)
         assert key_rows and sum(r["kernel"].endswith(",kr=1]") and r["ok"] for r in rows) == key_rows, t
         assert sum(r["kernel"].endswith(",kr=1,part=2]") and r["ok"] for r in rows) == key_rows, t
         assert sum(r["kernel"].endswith(",kr=1,kw=0]") and r["ok"] for r in rows) == key_rows, t

@@ -136,9 +136,18 @@ def test_fp8_value_words_match_the_oracle(pair, precision):
     err = np.abs(words - ref_out)
     assert (err <= tol_o).all(), f"max error / tolerance {(err / tol_o).max():.3g}"
     assert (np.abs(wlse - ref_lse) <= tol_l).all()
-    out, lse, _ = _run_decode(cache, q, precision=precision, fp8_value_words=False)
+    out, lse, dc = _run_decode(cache, q, precision=precision, fp8_value_words=False)
     np.testing.assert_allclose(words, out, rtol=0, atol=float(tol_o.max()) * 1e-3)
     np.testing.assert_array_equal(wlse, lse)
+    # the default: words on NVIDIA GPUs (by PTX where the format converts in hardware), not elsewhere
+    from kvqref.kernels.decode import hardware_fp8_formats, plan_decode
+
+    launches, _, _ = plan_decode(q.to(DEVICE), dc.k.tiles(), dc.v.tiles(), dc.block_table, dc.seq_lens,
+                                 dc.page_size, precision=precision)
+    nvidia = GPU and not getattr(torch.version, "hip", None)
+    fmt = dc.v.tiles().fmt  # (0, 1: the OCP formats)
+    ptx = nvidia and fmt in (0, 1) and fmt in hardware_fp8_formats(torch.device(DEVICE))
+    assert launches[0].constexprs["VW8"] == (2 if ptx else 1 if nvidia else 0), pair
 
 
 @pytest.mark.parametrize("pair", PAIRS[7:9], ids=IDS[7:9])

@@ -142,6 +142,15 @@ def _launches(target: str, cases: list | None = None, page: int = 16) -> list[tu
                                              max_seq_len=40, num_splits=2, hw_formats=_hw_formats(target),
                                              value_words=False, ptx_unpack=target.startswith("cuda"))
                 out.append((f"decode[{label},vw=0{',ptx' if target.startswith('cuda') else ''}]", split(launches)))
+            if vn.startswith("fp8") and not vo.get("granularity") == "token_head":  # FP8 value words
+                # (fp8_value_words; the default on NVIDIA GPUs): the PTX halves on CUDA targets, portable elsewhere
+                launches, _, _ = plan_decode(q, dc.k.tiles(), dc.v.tiles(), dc.block_table, dc.seq_lens, page,
+                                             max_seq_len=40, num_splits=2, hw_formats=_hw_formats(target),
+                                             fp8_value_words=True)
+                words = split(launches)
+                if target.startswith("cuda") and words.constexprs["FMT_V"] in (8, 9):
+                    words.constexprs["VW8"] = 2
+                out.append((f"decode[{label},vw8={words.constexprs['VW8']}]", words))
             if "fp4" in kn:  # FP4 keys with tokens as rows (fp4_keys_by_token; default on CUDA for blocks of 16)
                 launches, _, _ = plan_decode(q, dc.k.tiles(), dc.v.tiles(), dc.block_table, dc.seq_lens, page,
                                              max_seq_len=40, num_splits=2, hw_formats=_hw_formats(target),
