@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvqref import backends, reference
+from kvqref import backends, reference, schemes
+from kvqref.schemes import Quantized
 
 torch = pytest.importorskip("torch")
 
@@ -29,6 +30,31 @@ def test_triton_unavailable_reason_is_actionable(monkeypatch):
     assert why and "TRITON_INTERPRET=1" in why and "no GPU" in why
     with pytest.raises(RuntimeError, match="unavailable"):
         backends.get("triton")
+
+
+@pytest.mark.parametrize("name", ["mxfp4", "fp4_e2m1"])
+def test_e8m0_scale_ff_is_nan_in_the_oracle_and_the_torch_backend(name):
+    """E8M0 0xFF is NaN (OCP MX; ``formats`` E8M0 codec): a block whose scale code is 0xFF dequantizes to NaN in the
+    oracle and in the torch backend (exp2 alone would give +Inf), 0x00 to 2**-127 times the codes; other blocks
+    keep their values."""
+    from kvqref.backends.torch_backend import dequantize
+    from kvqref.paged import PagedKVCache
+
+    rng = np.random.default_rng(3)
+    s = schemes.get(name)
+    cache = PagedKVCache(s, s, 2, 16, 2, 64)
+    cache.append(0, rng.standard_normal((5, 2, 64)), rng.standard_normal((5, 2, 64)))
+    cache.k.storage["scales"][0, 1, 0, 0] = 0xFF
+    cache.k.storage["scales"][0, 2, 0, 0] = 0x00
+    K, _ = cache.dequantized(0)
+    assert np.isnan(K[1, 0, :s.block]).all() and not np.isnan(K[1, 0, s.block:]).any()
+    assert not np.isnan(np.delete(K, 1, axis=0)).any()
+    codes = s.dequantize(Quantized(s.name, (1, 1, 64), {
+        "codes": cache.k.storage["codes"][0, 2:3, 0:1], "scales": np.full((1, 1, 64 // s.block), 127, np.uint8)}))
+    np.testing.assert_array_equal(K[2, 0, :s.block], codes[0, 0, :s.block] * 2.0**-127)
+    dc = backends.get("torch").prepare(cache)
+    k = dequantize(dc.k).cpu().numpy()
+    np.testing.assert_array_equal(np.isnan(k[:5]), np.isnan(K))
 
 
 @pytest.mark.parametrize("pair", PAIRS, ids=[p[0] + "/" + p[2] for p in PAIRS])

@@ -483,6 +483,34 @@ def test_bf16_e8m0_tiles_are_exact_at_extreme_scale_codes(pair):
         assert (np.abs(out - ref_out) <= tol_o).all() and (np.abs(lse - ref_lse) <= tol_l).all(), ptx
 
 
+@pytest.mark.parametrize("code", [0, 255])
+@pytest.mark.parametrize("pair", [PAIRS[5], PAIRS[6]], ids=[IDS[5], IDS[6]])
+def test_e8m0_block_rows_at_the_rare_scale_codes(pair, code):
+    """E8M0 scale codes no quantization writes but a cache may hold: a planted code 0 (2**-127) in one K and one V
+    block of one token keeps the oracle's result within the bound in fast FP4 block rows; a planted 255 (NaN: the
+    oracle refuses such a cache) gives NaN in exactly the query heads of that sequence and KV head, and finite
+    outputs elsewhere (no silent number)."""
+    rng = np.random.default_rng(24)
+    cache, _ = build_cache(pair, SMALL, rng)
+    b, kvh = 2, 1
+    page, off = divmod(int(cache.slot_mapping(b, 7, 1)[0]), cache.page_size)
+    for side in (cache.k, cache.v):
+        if side.scheme.name in ("fp4_e2m1", "mxfp4"):
+            side.storage["scales"][page, off, kvh, 0] = code
+    q = torch.from_numpy(rng.standard_normal((3, 4, 64)).astype(np.float32))
+    out, lse, dc = _run_decode(cache, q, precision="fast")
+    if code == 255:
+        with pytest.raises(ValueError, match="NaN"):
+            _oracle(cache, q.numpy().astype(np.float64), "fast", "float32")
+        want = np.zeros(out.shape[:2], dtype=bool)
+        want[b, 2 * kvh: 2 * kvh + 2] = True  # 4 query heads over 2 KV heads
+        assert np.array_equal(np.isnan(out).any(-1), want) and np.array_equal(np.isnan(out).all(-1), want)
+        assert np.isfinite(out[~want]).all()
+        return
+    ref_out, ref_lse, tol_o, tol_l = _oracle(cache, q.numpy().astype(np.float64), "fast", "float32")
+    assert (np.abs(out - ref_out) <= tol_o).all() and (np.abs(lse - ref_lse) <= tol_l).all()
+
+
 @pytest.mark.parametrize("precision", ["fast", "exact"])
 def test_tolerance_catches_a_planted_scale_exponent_off_by_one(precision):
     """An E8M0 block scale one power of two too large, in one block of one token: must fail the check."""

@@ -52,7 +52,8 @@ def dequantize(side: Side, dtype=None):
         lut = torch.tensor(_E2M1, dtype=torch.float32, device=f["codes"].device)
         el = lut[_unpack(f["codes"], 4).long()]
         if kind == "mxfp4":
-            s = torch.exp2(f["scales"].float() - 127)
+            c = f["scales"]  # E8M0: 2**(c - 127), 0xFF NaN (the codec's rule; exp2 would give +Inf)
+            s = torch.where(c == 255, float("nan"), torch.exp2(c.float() - 127))
         else:
             s = f["scales"].view(torch.float8_e4m3fn).float()
         x = (el.unflatten(-1, (s.shape[-1], -1)) * s[..., None]).flatten(-2)  # E2M1 x block scale: exact in float32

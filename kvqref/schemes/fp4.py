@@ -3,7 +3,8 @@
 Blocks are ``B`` consecutive head_dim elements of one (token, head): never crossing a head.
 Two codes per byte: element ``2i`` in the LOW nibble, ``2i + 1`` in the high nibble.
 
-E8M0-scaled blocks (``fp4_e2m1``, ``mxfp4``): value = ``e2m1(code) * 2**(scale_code - 127)``.
+E8M0-scaled blocks (``fp4_e2m1``, ``mxfp4``): value = ``e2m1(code) * 2**(scale_code - 127)`` (the E8M0 codec's
+values: scale code 0xFF, which no quantization writes, is NaN and makes the block NaN).
 
 * ``ocp`` profile (default; ``scale_rule="floor"``, ``rounding="even"``): shared exponent
   ``e = floor(log2(block amax)) - 2``, clamped to [-127, 127]; an all-zero block gets e = -127 (code 0x00);
@@ -45,6 +46,7 @@ from kvqref.schemes.base import FieldSpec, Quantized, Scheme
 from kvqref.schemes.validate import check_scale
 
 E2M1 = formats.get("float4_e2m1fn")
+E8M0 = formats.get("float8_e8m0fnu")
 E4M3 = formats.get("float8_e4m3fn")
 E2M1_MIDPOINTS = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
 
@@ -146,7 +148,7 @@ class E8M0BlockScheme(Scheme):
     def dequantize(self, q: Quantized) -> np.ndarray:
         T, H, D = q.shape
         el = E2M1.decode(unpack_bits(q.fields["codes"], 4)).astype(np.float64).reshape(T, H, -1, self.block)
-        scale = np.ldexp(1.0, q.fields["scales"].astype(np.int64) - 127)
+        scale = E8M0.decode(q.fields["scales"]).astype(np.float64)  # 2**(c - 127); 0xFF: NaN
         return (el * scale[..., None]).reshape(T, H, D)
 
     def describe(self) -> dict[str, str]:
