@@ -591,29 +591,26 @@ def _block_rows_q(Q, b, kvh, stride_qb, stride_qh, QPK: tl.constexpr, H: tl.cons
 
 
 @triton.jit
-def _block_rows_scores(qe16, qo16, kb, ksf, NB: tl.constexpr, H: tl.constexpr, N: tl.constexpr, PTX: tl.constexpr):
+def _block_rows_scores(qe16, qo16, kb, ksc, NB: tl.constexpr, H: tl.constexpr, N: tl.constexpr, KIND: tl.constexpr,
+                       FMT: tl.constexpr, PTX: tl.constexpr):
     """Scores [H, N] (without the softmax scale) of NB blocks: q's block rows (float16 [NB * H, C], even / odd
     channels) against the code bytes ``kb`` [C, N] as float16 E2M1 * 2**-14, each block's partial dot times its
-    scale (float32 ``ksf`` [NB, N], :func:`_block_rows_scale`), summed over the blocks."""
+    scale (codes ``ksc`` [NB, N], :func:`_fp4_scale`), summed over the blocks."""
     klo, khi = _e2m1_nibbles_f16(kb, PTX)
     s2 = _dot_acc(qo16, khi, _dot_acc(qe16, klo, tl.zeros((NB * H, N), tl.float32)))
-    return tl.sum(tl.reshape(s2, (NB, H, N)) * ksf[:, None, :], 0)
+    return tl.sum(tl.reshape(s2, (NB, H, N)) * _fp4_scale(ksc, KIND, FMT)[:, None, :], 0)
 
 
 @triton.jit
-def _block_rows_scale(code, KIND: tl.constexpr, FMT: tl.constexpr):
-    """Block scale codes [NB, N] -> float32 (exact, :func:`_fp4_scale`), once per tile for both channel halves."""
-    return _fp4_scale(code, KIND, FMT)
-
-
-@triton.jit
-def _block_rows_p(p, vsf, NB: tl.constexpr, H: tl.constexpr, N: tl.constexpr, KIND_V: tl.constexpr):
-    """The value product's rows (block, head): p [H, N] times the block scale (float32 ``vsf`` [NB, N],
-    :func:`_block_rows_scale`), rounded once: NVFP4 ``fl16(p * s * 2**7)``, E8M0 ``bf16(p * 2**(c - 127))``."""
+def _block_rows_p(p, vsc, NB: tl.constexpr, H: tl.constexpr, N: tl.constexpr, KIND_V: tl.constexpr,
+                  FMT_V: tl.constexpr):
+    """The value product's rows (block, head): p [H, N] times the block scale (codes ``vsc`` [NB, N]), rounded
+    once: NVFP4 ``fl16(p * s * 2**7)``, E8M0 ``bf16(p * 2**(c - 127))``."""
     if KIND_V == 3:
-        return _split16(tl.reshape(p[None, :, :] * (vsf * 128.0)[:, None, :], (NB * H, N)), True)[0]
+        return _split16(tl.reshape(p[None, :, :] * (_fp4_scale(vsc, 3, FMT_V) * 128.0)[:, None, :], (NB * H, N)),
+                        True)[0]
     else:
-        return _split(tl.reshape(p[None, :, :] * vsf[:, None, :], (NB * H, N)), True, True)[0]
+        return _split(tl.reshape(p[None, :, :] * e8m0_to_f32(vsc)[:, None, :], (NB * H, N)), True, True)[0]
 
 
 @triton.jit
@@ -622,7 +619,7 @@ def _block_rows_values(p, vsc, vb, alpha, acc_lo, acc_hi, NB: tl.constexpr, H: t
     """The accumulators of NB blocks' value rows (even / odd channels of the code bytes ``vb`` [N, C]), rescaled by
     ``alpha`` [H], plus :func:`_block_rows_p` times the codes (NVFP4: float16 E2M1 * 2**-14; E8M0: exact bfloat16)."""
     ar = tl.reshape(tl.broadcast_to(alpha[None, :], (NB, H)), (NB * H,))
-    pr = _block_rows_p(p, vsc, NB, H, N, KIND_V)
+    pr = _block_rows_p(p, vsc, NB, H, N, KIND_V, FMT_V)
     if KIND_V == 3:
         v0, v1 = _e2m1_nibbles_f16(vb, PTX)
     else:
@@ -637,7 +634,7 @@ def _block_rows_value_words(p, vsc, vw, alpha, a0, a1, a2, a3, NB: tl.constexpr,
     is channel 4c + k, :func:`_e2m1_quads`), each rescaled by ``alpha`` [H], plus :func:`_block_rows_p` times its
     quad of channels."""
     ar = tl.reshape(tl.broadcast_to(alpha[None, :], (NB, H)), (NB * H,))
-    pr = _block_rows_p(p, vsc, NB, H, N, KIND_V)
+    pr = _block_rows_p(p, vsc, NB, H, N, KIND_V, FMT_V)
     v0, v1, v2, v3 = _e2m1_quads(vw, PTX, KIND_V == 2)
     return (_dot_acc(pr, v0, a0 * ar[:, None]), _dot_acc(pr, v1, a1 * ar[:, None]), _dot_acc(pr, v2, a2 * ar[:, None]),
             _dot_acc(pr, v3, a3 * ar[:, None]))
@@ -752,15 +749,13 @@ def _fp4_block_rows(
             if HALF_V:
                 vb_b = tl.load(vrow + (DV + jv)[None, :], mask=tmask[:, None], other=0)
         vsc = _block_scales(V1, slot, kvh, v1_s, v1_h, tmask, NBV, WSC_V, True)
-        ksc = _block_rows_scale(ksc, KIND_K, FMT_K)  # float32 block scales [NB, N]
-        vsc = _block_rows_scale(vsc, KIND_V, FMT_V)
         if HALF_K:
             ks_a, ks_b = _row_halves(ksc, NBK, BLOCK_N)
-            s = _block_rows_scores(qe16, qo16, kb, ks_a, NBK // 2, H, BLOCK_N, PTX)
-            s += _block_rows_scores(qe16_b, qo16_b, kb_b, ks_b, NBK // 2, H, BLOCK_N, PTX)
+            s = _block_rows_scores(qe16, qo16, kb, ks_a, NBK // 2, H, BLOCK_N, KIND_K, FMT_K, PTX)
+            s += _block_rows_scores(qe16_b, qo16_b, kb_b, ks_b, NBK // 2, H, BLOCK_N, KIND_K, FMT_K, PTX)
             s = s * sc_k
         else:
-            s = _block_rows_scores(qe16, qo16, kb, ksc, NBK, H, BLOCK_N, PTX) * sc_k
+            s = _block_rows_scores(qe16, qo16, kb, ksc, NBK, H, BLOCK_N, KIND_K, FMT_K, PTX) * sc_k
         p, alpha, m_i, l_i = _softmax_step(s, tmask, m_i, l_i)
         if VW and HALF_V:
             vs_a, vs_b = _row_halves(vsc, NBV, BLOCK_N)
