@@ -22,6 +22,7 @@ from kvqref.kernels.codecs import (  # noqa: E402
     decode_f32,
     e2m1_pair_bytes,
     e4m3_normal_bits,
+    e8m0_to_f32,
     encode_e2m1,
     encode_f32,
     round_f16,
@@ -54,6 +55,8 @@ def _unary_kernel(X, OUT, n, OP: tl.constexpr, BLOCK: tl.constexpr):
         y = c | ((v == decode_f32(c, 0)).to(tl.int32) << 8)  # the code, and bit 8: its value is the decoded one
     elif OP == 7:
         y = encode_f32(x, 0, True)
+    elif OP == 9:
+        y = e8m0_to_f32(x.to(tl.int32)).to(tl.int32, bitcast=True)  # x: E8M0 codes as floats
     else:
         y = encode_f32(x, 4, True)
     tl.store(OUT + i, y, mask=m)
@@ -191,6 +194,16 @@ def test_e4m3_normal_bits_equal_the_oracle_codec():
     want = formats.get("float8_e4m3fn").encode(x, saturate=True).astype(np.int32)
     assert np.array_equal(got, want | 256), x[got != (want | 256)][:8]
     assert np.array_equal(_run(_unary_kernel, x, OP=7), want)  # encode_f32, the general encoder
+
+
+def test_e8m0_decoding_equals_the_oracle_codec_on_every_code():
+    """e8m0_to_f32 (the kernels' E8M0 block scales) on all 256 codes: the float32 bits of the oracle's E8M0 codec
+    (2**-127 a subnormal for 0x00), NaN for 0xFF."""
+    codes = np.arange(256, dtype=np.float32)
+    got = _run(_unary_kernel, codes, OP=9)
+    want = formats.get("float8_e8m0fnu").decode(np.arange(256)).astype(np.float32)
+    assert np.isnan(got.view(np.float32)[255]) and np.isnan(want[255])
+    assert np.array_equal(got[:255], want[:255].view(np.int32)), np.nonzero(got[:255] != want[:255].view(np.int32))
 
 
 def _exact_quotient(a: np.ndarray, b: np.ndarray) -> np.ndarray:
