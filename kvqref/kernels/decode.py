@@ -1854,10 +1854,18 @@ KIVI_WORDS_2BIT_MAXNREG = 168
 WAVE_FILL = 0.95
 
 
+def _capped_resident(measured: int, num_warps: int, maxnreg: int | None) -> int:
+    """Programs one multiprocessor holds: ``measured`` (as the H100 measures the launch), or with registers capped at
+    ``maxnreg`` per thread what a 65,536-register file holds of programs of ``num_warps`` warps, if more."""
+    return max(measured, 65536 // (32 * num_warps * maxnreg) if maxnreg else 0)
+
+
 def key_rows_resident(num_warps: int, maxnreg: int | None) -> int:
-    """Programs of the KIVI key-rows kernel one multiprocessor holds: KEY_ROWS_RESIDENT, or with registers capped at
-    ``maxnreg`` per thread what a 65,536-register file holds of them, if more (168 at 4 warps: 3)."""
-    return max(KEY_ROWS_RESIDENT, 65536 // (32 * num_warps * maxnreg) if maxnreg else 0)
+    """Programs of the KIVI key-rows kernel one multiprocessor holds (:func:`_capped_resident` of KEY_ROWS_RESIDENT;
+    168 registers at 4 warps: 3)."""
+    return _capped_resident(KEY_ROWS_RESIDENT, num_warps, maxnreg)
+
+
 #: one-warp programs of FP4 value words by channel halves resident per multiprocessor (<= 168 registers per thread)
 WORDS_HALVES_RESIDENT = 12
 #: two-warp programs of fast FP8 and of mxfp4 block rows resident per multiprocessor, as the H100's split counts
@@ -1871,9 +1879,9 @@ TWO_WARP_MAXNREG = 128
 
 
 def two_warp_resident(maxnreg: int | None) -> int:
-    """Two-warp FP8 / mxfp4 programs one multiprocessor holds: TWO_WARP_RESIDENT, or with registers capped at
-    ``maxnreg`` per thread what a 65,536-register file holds of them, if more (128: 8)."""
-    return max(TWO_WARP_RESIDENT, 65536 // (64 * maxnreg) if maxnreg else 0)
+    """Two-warp FP8 / mxfp4 programs one multiprocessor holds (:func:`_capped_resident` of TWO_WARP_RESIDENT; 128
+    registers: 8)."""
+    return _capped_resident(TWO_WARP_RESIDENT, 2, maxnreg)
 
 
 #: two-warp programs of the bf16 kernel resident per multiprocessor (its 64-token tiles take 39 KB of shared memory:
