@@ -3,8 +3,9 @@
     python3 bench/ncu_decode.py --scheme nvfp4            # the process ncu wraps: warm-up, then one launch
     bash bench/ncu_decode.sh OUTDIR nvfp4 mxfp4 ...       # ncu reports + per-SASS-instruction stall CSVs
 
-The wrapped process runs the decode twice (compile + warm-up, then the profiled call); ncu profiles the
-second ``decode_split_kernel`` launch only (``--launch-skip 1 --launch-count 1``).
+The wrapped process runs the decode twice (compile + warm-up, then the profiled call); ncu profiles the second
+call's first ``decode_split_kernel`` launch only (``--launch-skip 1 --launch-count 1``; KIVI, whose calls make two
+split launches, the paged splits and the residual window's, ``--launch-skip 2``).
 """
 
 from __future__ import annotations

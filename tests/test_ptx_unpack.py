@@ -158,9 +158,10 @@ def test_the_bf16_rule_times_the_e8m0_factors_is_e2m1_times_the_scale():
 
 
 def test_a_planted_lut_error_is_caught():
-    asm = _asm_text().replace("0xEC", "0xEA", 1)
-    regs = run_ptx(asm, {"$4": 0x0000000F})  # code 15 = -6: needs the sign from the second operand
-    assert regs["$0"] & 0xFFFF != _portable(15)
+    asm = _asm_text().replace("0xEC", "0xEA", 1)  # the first lop3: the high nibbles of bytes 0 and 1 ($2)
+    regs = run_ptx(asm, {"$4": 0x000000F0})  # code 15 = -6: needs the sign from the second operand
+    assert regs["$2"] & 0xFFFF != _portable(15)
+    assert run_ptx(_asm_text(), {"$4": 0x000000F0})["$2"] & 0xFFFF == _portable(15)
 
 
 def test_ptx_unpacking_is_refused_on_rocm(monkeypatch):

@@ -190,40 +190,67 @@ def _e2m1_nibbles_f16(byte, PTX: tl.constexpr):
         return _e2m1_f16(b & 15), _e2m1_f16(b >> 4)
 
 
-def _e2m1_pairs_ptx(lo_shift: int = 9, hi_shift: int = 5, field: int = 0x0E00,
-                    pairs: tuple = (("0x4140", 0, 2), ("0x4342", 1, 3))) -> str:
-    """The PTX of :func:`_e2m1_pairs` (defaults: float16; its bfloat16 variant: shifts 6 and 2,
-    field 0x01C0): input $4 (bytes 0-3), outputs $0, $1 (low nibbles of bytes 0,1 and 2,3) and $2, $3 (high
-    nibbles). Per pair of bytes spread into the halves of y: 16-bit float bits = (y << shift & field per
-    half: the code's exponent and mantissa bits in the float's lowest exponent bits and highest mantissa
-    bit) | (y & sign bit) << sign shift. ``pairs``: (``prmt`` selector of the two bytes, output of their low
-    nibbles, output of their high nibbles); :func:`_e2m1_quads` takes bytes 0, 2 and 1, 3."""
-    lines = [".reg .b32 z, y, t, v;", "mov.b32 z, 0;"]
-    mask = f"0x{field:04X}{field:04X}"
-    for sel, lo_out, hi_out in pairs:
-        lines.append(f"prmt.b32 y, $4, z, {sel};")
-        for out, shift, sign, sign_shift in ((lo_out, lo_shift, "0x00080008", 12), (hi_out, hi_shift, "0x00800080", 8)):
-            lines += [f"shl.b32 t, y, {shift};", f"and.b32 v, y, {sign};", f"shl.b32 v, v, {sign_shift};",
-                      f"lop3.b32 ${out}, t, v, {mask}, 0xEC;"]  # (t & field) | v
+def _e2m1_code_lines(out: str, src: str, field_shift: int, sign_shift: int, pos: int) -> list[str]:
+    """PTX lines of one output register of :func:`_e2m1_pairs_ptx` / :func:`_e2m1_quads_ptx`: two 16-bit floats with
+    the E2M1 codes' exponent and mantissa bits (``src`` shifted left by ``field_shift``, right if negative) in the
+    field at ``pos`` .. ``pos + 2`` of each half and their signs (``src`` shifted left by ``sign_shift``) at bits 15
+    and 31: ``(t & field) | (v & 0x80008000)`` by one ``lop3`` after the shifts and the sign's ``and``."""
+    field = 7 << pos
+
+    def shift(dst: str, by: int) -> str:
+        return f"shl.b32 {dst}, {src}, {by};" if by > 0 else f"shr.b32 {dst}, {src}, {-by};"
+
+    lines = [shift("t", field_shift)]
+    if sign_shift:
+        lines += [shift("v", sign_shift), "and.b32 v, v, 0x80008000;"]
+    else:
+        lines.append(f"and.b32 v, {src}, 0x80008000;")
+    return lines + [f"lop3.b32 {out}, t, v, 0x{field:04X}{field:04X}, 0xEC;"]  # (t & field) | v
+
+
+def _e2m1_pairs_ptx(pos: int = 9) -> str:
+    """The PTX of :func:`_e2m1_pairs` (``pos`` 9: float16; its bfloat16 variant: 6): input $4 (bytes 0-3), outputs
+    $0, $1 (low nibbles of bytes 0,1 and 2,3) and $2, $3 (high nibbles). The 16-bit float's bits are the code's sign
+    at bit 15 and its exponent and mantissa bits at ``pos`` .. ``pos + 2`` (the float's lowest exponent bits and
+    highest mantissa bit). Per pair of bytes, ``prmt`` puts them in the high bytes of the halves of y: the high
+    nibble's sign is then already at bit 15, its other bits move right by ``12 - pos``; the low nibble's sign moves
+    left by 4, its other bits by ``8 - pos`` (:func:`_e2m1_code_lines`; what lands in the low bytes is masked off):
+    16 instructions per 8 codes."""
+    lines = [".reg .b32 y, t, v;"]
+    for sel, lo_out, hi_out in (("0x1000", 0, 2), ("0x3020", 1, 3)):  # y = [-, byte a, -, byte b]
+        lines.append(f"prmt.b32 y, $4, $4, {sel};")
+        lines += _e2m1_code_lines(f"${hi_out}", "y", pos - 12, 0, pos)
+        lines += _e2m1_code_lines(f"${lo_out}", "y", pos - 8, 4, pos)
+    return "{\n" + "\n".join(lines) + "\n}"
+
+
+def _e2m1_quads_ptx(pos: int = 9) -> str:
+    """The PTX of :func:`_e2m1_quads` (``pos`` as :func:`_e2m1_pairs_ptx`): input $4, two 16-bit words (bytes 0, 1
+    and 2, 3); output k holds nibble k of each word in the word's half. Bytes 1 and 3 already lie in the high bytes
+    of the halves (as ``prmt`` arranges them for :func:`_e2m1_pairs_ptx`), and bytes 0 and 2 are there after a shift
+    by 8, folded into the shifts that follow: no ``prmt``, 15 instructions per 8 codes."""
+    lines = [".reg .b32 t, v;"]
+    lines += _e2m1_code_lines("$3", "$4", pos - 12, 0, pos)  # nibble 3: high nibbles of bytes 1, 3
+    lines += _e2m1_code_lines("$2", "$4", pos - 8, 4, pos)  # nibble 2: low nibbles of bytes 1, 3
+    lines += _e2m1_code_lines("$1", "$4", pos - 4, 8, pos)  # nibble 1: high nibbles of bytes 0, 2
+    lines += _e2m1_code_lines("$0", "$4", pos, 12, pos)  # nibble 0: low nibbles of bytes 0, 2
     return "{\n" + "\n".join(lines) + "\n}"
 
 
 E2M1_PAIRS_PTX = tl.constexpr(_e2m1_pairs_ptx())
-E2M1_PAIRS_BF16_PTX = tl.constexpr(_e2m1_pairs_ptx(6, 2, 0x01C0))
+E2M1_PAIRS_BF16_PTX = tl.constexpr(_e2m1_pairs_ptx(6))
 #: 2**126, from the bfloat16 PTX unpacking's E2M1 * 2**-126 to E2M1 (a constexpr: the products stay bfloat16)
 TWO_126 = tl.constexpr(8.507059173023462e37)
-_QUADS = (("0x4240", 0, 1), ("0x4341", 2, 3))
-E2M1_QUADS_PTX = tl.constexpr(_e2m1_pairs_ptx(pairs=_QUADS))
-E2M1_QUADS_BF16_PTX = tl.constexpr(_e2m1_pairs_ptx(6, 2, 0x01C0, pairs=_QUADS))
+E2M1_QUADS_PTX = tl.constexpr(_e2m1_quads_ptx())
+E2M1_QUADS_BF16_PTX = tl.constexpr(_e2m1_quads_ptx(6))
 
 
 @triton.jit
 def _e2m1_quads(word, PTX: tl.constexpr, BF16: tl.constexpr):
     """The four E2M1 codes of each 16-bit ``word`` (int16: two code bytes; channel 4c + k is nibble k) as four
     tensors: float16 value * 2**-14, or with ``BF16`` the exact values in bfloat16 (float32 in the interpreter, which
-    cannot bitcast to bfloat16). CUDA (``PTX``): two words per 32-bit register, ``prmt`` spreads byte 0 of both into
-    the halves of one word and byte 1 into another, then as :func:`_e2m1_pairs` (bfloat16: value * 2**-126 times
-    2**126, one packed multiply, exact); elsewhere nibble by nibble."""
+    cannot bitcast to bfloat16). CUDA (``PTX``): two words per 32-bit register, :func:`_e2m1_quads_ptx` (bfloat16:
+    value * 2**-126 times 2**126, one packed multiply, exact); elsewhere nibble by nibble."""
     if PTX and not INTERPRET:
         if BF16:
             a, b, c, d = tl.inline_asm_elementwise(E2M1_QUADS_BF16_PTX, "=r,=r,=r,=r,r", [word],
@@ -258,9 +285,9 @@ def _e2m1_nibble(nib, BF16: tl.constexpr):
 def _e2m1_pairs(byte, BF16: tl.constexpr):
     """CUDA: the E2M1 codes of the low and high nibbles of ``byte`` (uint8) as float16 value * 2**-14, exactly
     as :func:`_e2m1_f16`, or with ``BF16`` as bfloat16 value * 2**-126 (exact: E2M1 0.5 becomes the bfloat16
-    subnormal 2**-127), with packed 32-bit operations: 4 bytes per register, ``prmt`` spreads two bytes into
-    the halves of a word, then shift/and/``lop3`` build two 16-bit floats at once (2.25 instructions per
-    element). Element i of a call is byte i of the input register and half i % 2 of output register i // 2."""
+    subnormal 2**-127), with packed 32-bit operations: 4 bytes per register, ``prmt`` places two bytes in the
+    high bytes of the halves of a word, then shift/and/``lop3`` build two 16-bit floats at once (2 instructions per
+    element, :func:`_e2m1_pairs_ptx`). Element i of a call is byte i of the input register and half i % 2 of output register i // 2."""
     if BF16:
         return tl.inline_asm_elementwise(E2M1_PAIRS_BF16_PTX, "=r,=r,=r,=r,r", [byte],
                                          dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
