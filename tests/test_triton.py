@@ -288,10 +288,12 @@ def _plant_code_step(cache, side: str, b: int, token: int, channel: int) -> None
 
 
 @pytest.mark.parametrize("pair", KIVI_WORD_PAIRS, ids=["int4", "int2"])
-@pytest.mark.parametrize("q_heads,block_n", [(8, None), (8, 64), (4, 32)])
-def test_kivi_words(pair, q_heads, block_n):
+@pytest.mark.parametrize("q_heads,block_n,flip_chains", [(8, None, False), (8, 64, False), (4, 32, False),
+                                                         (8, None, True)])
+def test_kivi_words(pair, q_heads, block_n, flip_chains):
     """``kivi_words`` (KIVI key rows with the codes read as words of eight codes, one product per code position;
-    the values' products per chunk of 32 tokens) meets the oracle's bound of the key rows for a bfloat16 and a
+    the values' products per chunk of 32 tokens; the key products in one accumulation chain or two,
+    ``kivi_key_chains``: each width's default, and with ``flip_chains`` the other) meets the oracle's bound of the key rows for a bfloat16 and a
     float32 q, and agrees with the byte phases within the sum of both bounds. A planted key code step (the channel
     of the largest |q s| of the paged token a head attends to most) moves that head's lse beyond the bound; a planted
     value code step (a channel of the largest value scale of such a token, at a code position other than 0) changes
@@ -303,11 +305,12 @@ def test_kivi_words(pair, q_heads, block_n):
     cache, _ = build_cache(pair, shape, rng)
     q32 = torch.from_numpy(4 * rng.standard_normal((3, q_heads, 128)).astype(np.float32))
     kw = dict(precision="fast", key_rows=True, value_rows=True, **({} if block_n is None else {"block_n": block_n}))
+    chains = {"kivi_key_chains": 1 if pair[0] == "int4_kivi" else 2} if flip_chains else {}
     for qdtype in ("bfloat16", "float32"):
         q = q32.to(getattr(torch, qdtype))
         q64 = q.float().numpy().astype(np.float64)
         ref_out, ref_lse, tol_o, tol_l = _oracle(cache, q64, "fast", qdtype, value_rows=True)
-        out, lse, _ = _run_decode(cache, q, kivi_words=True, **kw)
+        out, lse, _ = _run_decode(cache, q, kivi_words=True, **kw, **chains)
         assert (np.abs(out - ref_out) <= tol_o).all() and (np.abs(lse - ref_lse) <= tol_l).all(), qdtype
         byte, lse_b, _ = _run_decode(cache, q, kivi_words=False, **kw)
         assert (np.abs(out - byte) <= 2 * tol_o).all() and (np.abs(lse - lse_b) <= 2 * tol_l).all(), qdtype
@@ -329,7 +332,7 @@ def test_kivi_words(pair, q_heads, block_n):
         planted, _ = build_cache(pair, shape, np.random.default_rng(q_heads * 11 + (block_n or 0)
                                                                     + (pair[0] == "int2_kivi")))
         _plant_code_step(planted, side, b, token, ch)
-        out_p, lse_p, _ = _run_decode(planted, q, kivi_words=True, **kw)
+        out_p, lse_p, _ = _run_decode(planted, q, kivi_words=True, **kw, **chains)
         if side == "k":
             assert np.abs(lse_p - ref_lse)[b, kh] > tol_l[b, kh], side
         else:  # the step shows in the planted channel of that head's output, and only there
@@ -337,6 +340,9 @@ def test_kivi_words(pair, q_heads, block_n):
             assert step.argmax() == ch and np.delete(step, ch).max() < 1e-3 * step[ch], side
     with pytest.raises(ValueError, match="kivi_words"):
         _run_decode(cache, q, precision="fast", key_rows=False, kivi_words=True)
+    for bad in ({"kivi_key_chains": 3}, {"kivi_key_chains": 2, "kivi_words": False}):
+        with pytest.raises(ValueError, match="kivi_key_chains must be 1 or 2"):
+            _run_decode(cache, q, **{"kivi_words": True, **kw, **bad})
     small, _ = build_cache(pair, dict(shape, head_dim=64), rng)
     with pytest.raises(ValueError, match="kivi_words needs.*head_dim >= 128"):
         _run_decode(small, q[:, :, :64], kivi_words=True, **kw)

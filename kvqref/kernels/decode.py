@@ -992,7 +992,7 @@ def _kivi_key_rows(
     BLOCK_H: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, PAGE_SLOTS: tl.constexpr, BLOCK_N: tl.constexpr,
     G_K: tl.constexpr,
     BITS_K: tl.constexpr, G_V: tl.constexpr, BITS_V: tl.constexpr, RN: tl.constexpr, PTX: tl.constexpr,
-    KW: tl.constexpr = False,
+    KW: tl.constexpr = False, KCH: tl.constexpr = 1,
 ):
     """Fast-mode KIVI keys by token-group rows (``key_rows``), values by channel-group rows (``value_rows``).
 
@@ -1011,7 +1011,8 @@ def _kivi_key_rows(
     each side. Keys: the key rows' columns 8c + p [rows, D / 8] against the words' codes p [D / 8, tokens]; values:
     per chunk of 32 tokens (a batched product, so the warps split the tokens instead of repeating a [rows, D / 8]
     product), the value rows [chunk, rows, 32] against the codes p [chunk, 32, D / 8], the chunks summed after the
-    loop. The same nonzero products as the byte phases, summed in another order."""
+    loop. The same nonzero products as the byte phases, summed in another order. ``KCH`` 2: the key words' eight
+    products in two independent accumulation chains (even and odd p), summed once."""
     PK: tl.constexpr = 8 // BITS_K
     PV: tl.constexpr = 8 // BITS_V
     DK: tl.constexpr = D // PK
@@ -1085,9 +1086,16 @@ def _kivi_key_rows(
         if KW:
             c0, c1, c2, c3, c4, c5, c6, c7 = _int_word_phases(tl.trans(kw), BITS_K, True, PTX)
             a0, a1, a2, a3, a4, a5, a6, a7 = _eighths(a, RK, DW)
-            s2 = _dot_acc(a0, c0, tl.zeros((RK, BLOCK_N), tl.float32))
-            s2 = _dot_acc(a7, c7, _dot_acc(a6, c6, _dot_acc(a5, c5, _dot_acc(a4, c4, s2))))
-            s2 = _dot_acc(a3, c3, _dot_acc(a2, c2, _dot_acc(a1, c1, s2)))
+            if KCH == 2:  # two independent accumulation chains (even and odd code positions), summed once
+                s2 = _dot_acc(a0, c0, tl.zeros((RK, BLOCK_N), tl.float32))
+                s2b = _dot_acc(a1, c1, tl.zeros((RK, BLOCK_N), tl.float32))
+                s2 = _dot_acc(a6, c6, _dot_acc(a4, c4, _dot_acc(a2, c2, s2)))
+                s2b = _dot_acc(a7, c7, _dot_acc(a5, c5, _dot_acc(a3, c3, s2b)))
+                s2 = s2 + s2b
+            else:
+                s2 = _dot_acc(a0, c0, tl.zeros((RK, BLOCK_N), tl.float32))
+                s2 = _dot_acc(a7, c7, _dot_acc(a6, c6, _dot_acc(a5, c5, _dot_acc(a4, c4, s2))))
+                s2 = _dot_acc(a3, c3, _dot_acc(a2, c2, _dot_acc(a1, c1, s2)))
         elif PK == 2:
             k0, k1, k2, k3 = _int_phases(kb, BITS_K, True, PTX)
             a0, a1 = tl.split(tl.reshape(a, (RK, DK, 2)))
@@ -1241,6 +1249,7 @@ def decode_split_kernel(
     VW: tl.constexpr = False,
     KR: tl.constexpr = False,
     KW: tl.constexpr = False,
+    KCH: tl.constexpr = 1,
     HALF_K: tl.constexpr = False,
     HALF_V: tl.constexpr = False,
     BLOCK_R: tl.constexpr = 0,
@@ -1347,7 +1356,7 @@ def decode_split_kernel(
             acc0, acc1, acc2, acc3, zacc, m_i, l_i = _kivi_key_rows(
                 Q, BT, K0, K1, K2, V0, V1, V2, b, kvh, start, end, stride_qb, stride_qh, stride_btb, k0_s, k0_h,
                 k1_s, k1_h, k2_s, k2_h, v0_s, v0_h, v1_s, v1_h, v2_s, v2_h, qk_scale, QPK, HV, BLOCK_H, D, PAGE,
-                PAGE_SLOTS, BLOCK_N, G_K, BITS_K, G_V, BITS_V, RN, PTX, KW)
+                PAGE_SLOTS, BLOCK_N, G_K, BITS_K, G_V, BITS_V, RN, PTX, KW, KCH)
         elif BLK:  # fast FP4 by block rows (``_fp4_block_rows``)
             acc0, acc1, m_i, l_i = _fp4_block_rows(
                 Q, BT, K0, K1, V0, V1, b, kvh, start, end, stride_qb, stride_qh, stride_btb, k0_s, k0_h, k1_s, k1_h,
@@ -2012,6 +2021,7 @@ def plan_decode(
     merge_warps: int | None = None,
     merge_channels: int | None = None,
     fp8_value_words: bool | None = None,
+    kivi_key_chains: int | None = None,
 ):
     """The launches of decode attention (see :func:`paged_decode`), with their output tensors.
     ``hw_formats``: FP8 format ids converted in hardware (default: what ``q``'s device has); ``maxnreg``:
@@ -2050,7 +2060,9 @@ def plan_decode(
     ``kivi_words``: with ``key_rows``, the key and value codes read as words of eight codes (int32 / int16) and
     unpacked two words per PTX call, one product per code position (:func:`_kivi_key_rows`, constexpr ``KW``; the
     same nonzero products, summed in another order); needs head_dim >= 128, tiles of at least 32 tokens and code rows
-    aligned to their word; default: where it applies, with 3 stages.
+    aligned to their word; default: where it applies, with 3 stages. ``kivi_key_chains`` (1 or 2): the key words'
+    eight products of a tile accumulated in one chain or in two independent ones (even and odd code positions,
+    summed once: the same products, summed in another order); default 2 for 4-bit keys, 1 for 2-bit.
     ``residual_launch``: the residual window's split as its own launch (constexpr ``PART``), so the paged splits
     do not carry the residual path's registers; default: with ``key_rows`` and a residual window.
     ``channel_halves``: with ``block_rows``, a side of at least 32 rows multiplies each channel half by the rows of
@@ -2217,6 +2229,12 @@ def plan_decode(
                              "their word (4 bytes for 4-bit codes, 2 for 2-bit)")
         if maxnreg is None and k.bits == v.bits == 2 and _nvidia_cuda(q):
             maxnreg = KIVI_WORDS_2BIT_MAXNREG
+    # KIVI key words' eight products per tile as two independent accumulation chains (even and odd code positions)
+    # for 4-bit keys (H100, batch 32 x 8,192: int4 255.9 -> 249.6 us; int2 at its 168-register cap 211.3 -> 216.8:
+    # one chain; bench/results/ANALYSIS.md, session 17)
+    kch = (2 if kivi_words and k.bits == 4 else 1) if kivi_key_chains is None else int(kivi_key_chains)
+    if kch not in (1, 2) or (kch == 2 and not kivi_words):
+        raise ValueError(f"kivi_key_chains must be 1 or 2 (2 needs kivi_words), got {kivi_key_chains!r}")
     if num_stages is None:
         num_stages = 3 if nvfp4_halves or kivi_words else 2 if block_rows or key_rows else (
             3 if k.kind in ("fp8", "int_k") or fast_mx_ptx or (precision == "fast" and k.kind == "nvfp4"
@@ -2343,6 +2361,7 @@ def plan_decode(
         VW=bool(value_words),
         KR=bool(key_rows),
         KW=bool(kivi_words),
+        KCH=kch,
         HALF_K=half_k,
         HALF_V=half_v,
         PART=0,  # 0: the paged and residual splits in one launch (``residual_launch`` makes 1 and 2)
