@@ -291,15 +291,15 @@ def _plant_code_step(cache, side: str, b: int, token: int, channel: int) -> None
 @pytest.mark.parametrize("q_heads,block_n,flip_chains", [(8, None, False), (8, 64, False), (4, 32, False),
                                                          (8, None, True)])
 def test_kivi_words(pair, q_heads, block_n, flip_chains):
-    """``kivi_words`` (KIVI key rows with the codes read as words of eight codes, one product per code position;
-    the values' products per chunk of 32 tokens; the key products in one accumulation chain or two,
-    ``kivi_key_chains``: each width's default, and with ``flip_chains`` the other) meets the oracle's bound of the key rows for a bfloat16 and a
-    float32 q, and agrees with the byte phases within the sum of both bounds. A planted key code step (the channel
-    of the largest |q s| of the paged token a head attends to most) moves that head's lse beyond the bound; a planted
-    value code step (a channel of the largest value scale of such a token, at a code position other than 0) changes
-    that head's output in the planted channel only. Bad combinations are refused. Planted bugs fail it: key codes 1
-    and 2 swapped (6 of 6), the 4-bit value codes interleaved in the wrong order (the 3 int4 cases), one value
-    accumulator not rescaled (6 of 6)."""
+    """``kivi_words`` (KIVI key rows with the codes read as words of eight codes, one product per code position; the
+    values' products per chunk of 32 tokens; the key products in one accumulation chain or two, ``kivi_key_chains``:
+    each width's default, and with ``flip_chains`` the other) meets the oracle's bound of the key rows for a
+    bfloat16 and a float32 q, and agrees with the byte phases within the sum of both bounds. A planted key code step
+    (the channel of the largest |q s| of the paged token a head attends to most) moves that head's lse beyond the
+    bound; a planted value code step (a channel of the largest value scale of such a token, at a code position other
+    than 0) changes that head's output in the planted channel only. Bad combinations are refused. Planted bugs fail
+    it: key codes 1 and 2 swapped (6 of 6), the 4-bit value codes interleaved in the wrong order (the 3 int4 cases),
+    one value accumulator not rescaled (6 of 6), the second of two key chains dropped (int4)."""
     rng = np.random.default_rng(q_heads * 11 + (block_n or 0) + (pair[0] == "int2_kivi"))
     shape = dict(SMALL, q_heads=q_heads, kv_heads=2, head_dim=128, page_size=32, lens=(1, 150, 300))
     cache, _ = build_cache(pair, shape, rng)

@@ -287,7 +287,8 @@ def _e2m1_pairs(byte, BF16: tl.constexpr):
     as :func:`_e2m1_f16`, or with ``BF16`` as bfloat16 value * 2**-126 (exact: E2M1 0.5 becomes the bfloat16
     subnormal 2**-127), with packed 32-bit operations: 4 bytes per register, ``prmt`` places two bytes in the
     high bytes of the halves of a word, then shift/and/``lop3`` build two 16-bit floats at once (2 instructions per
-    element, :func:`_e2m1_pairs_ptx`). Element i of a call is byte i of the input register and half i % 2 of output register i // 2."""
+    element, :func:`_e2m1_pairs_ptx`). Element i of a call is byte i of the input register and half i % 2 of output
+    register i // 2."""
     if BF16:
         return tl.inline_asm_elementwise(E2M1_PAIRS_BF16_PTX, "=r,=r,=r,=r,r", [byte],
                                          dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
