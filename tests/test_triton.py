@@ -84,8 +84,10 @@ def _oracle(cache, q64, precision="fast", qdtype="bfloat16", value_rows=None, ke
                                    kivi_key_rows=key_rows) if precision == "fast" else None
     if value_rows is None:  # the kernel's default layout for this cache and query shape
         v = cache.v.scheme
+        k = cache.k.scheme
+        k_group = k.group_size if isinstance(k, schemes.KiviScheme) and k.role == "key" else 0
         value_rows = isinstance(v, schemes.KiviScheme) and v.role == "value" and default_value_rows(
-            precision, "int_v", q64.shape[1] // cache.kv_heads, cache.head_dim, v.group_size)
+            precision, "int_v", q64.shape[1] // cache.kv_heads, cache.head_dim, v.group_size, k_group)
     vr = _value_round(cache, Vs) if precision == "fast" and value_rows else None
     tol_o, tol_l = reference.kernel_tolerance(q64, Ks, Vs, fast=fast, K_round=conformance.kivi_key_round(cache, Ks),
                                               V_round=vr, K_scale=conformance.kivi_key_scale(cache, Ks))
@@ -210,7 +212,7 @@ def test_kivi_key_rows_ptx_equals_the_portable_unpacking(pair):
 
 
 KEY_ROW_SHAPES = [  # (q_heads, kv_heads, head_dim, block_n): key rows (block_n / G_K) x heads, at least 16
-    (4, 2, 64, None), (4, 2, 64, 16), (4, 2, 64, 32), (8, 2, 128, 64), (2, 2, 64, 128)]
+    (4, 2, 64, None), (4, 2, 64, 16), (4, 2, 64, 32), (8, 2, 128, 64), (2, 2, 64, 128), (16, 2, 64, None)]
 
 
 @pytest.mark.parametrize("pair", PAIRS[7:9], ids=IDS[7:9])
@@ -218,7 +220,8 @@ KEY_ROW_SHAPES = [  # (q_heads, kv_heads, head_dim, block_n): key rows (block_n 
 def test_kivi_key_rows(pair, q_heads, kv_heads, head_dim, block_n):
     """``key_rows`` (fast-mode KIVI keys by (token group, head) rows: q * s rounded once to float16 per group row
     against the exact codes, tiles of one or several key groups) meets the oracle's bound for a bfloat16 and a
-    float32 q; it is the default where the key rows fit 16; it agrees with the folded path (``key_rows=False``)
+    float32 q; it is the default where the key rows fit 16 (at 8 query heads per KV head, with value rows of up to 32,
+    at a shorter tile); it agrees with the folded path (``key_rows=False``)
     within the sum of both bounds; a planted key code step (+1 at the channel of the largest |q s| of the token
     the first head attends to most) moves the lse beyond the bound; bad combinations are refused."""
     from kvqref.kernels.decode import plan_decode
@@ -241,6 +244,8 @@ def test_kivi_key_rows(pair, q_heads, kv_heads, head_dim, block_n):
     cx = split.constexprs
     rows = max(1, cx["BLOCK_N"] // cache.k.scheme.group_size) * triton.next_power_of_2(q_heads // kv_heads)
     assert cx["KR"] is (cx["HV"] > 0 and rows <= 16)
+    if q_heads // kv_heads == 8:  # value rows of up to 32 beside key rows of 16 at a shorter tile: the default there
+        assert cx["KR"] and cx["HV"] == 8 and cx["BLOCK_N"] == 32, cx
     _, _, tol_f, tol_fl = _oracle(cache, q64, "fast", qdtype, value_rows=True, key_rows=False)
     folded, lse_f, _ = _run_decode(cache, q, precision="fast", key_rows=False, key_tile=False, value_rows=True, **kw)
     assert (np.abs(out - folded) <= tol_o + tol_f).all() and (np.abs(lse - lse_f) <= tol_l + tol_fl).all()
@@ -289,7 +294,7 @@ def _plant_code_step(cache, side: str, b: int, token: int, channel: int) -> None
 
 @pytest.mark.parametrize("pair", KIVI_WORD_PAIRS, ids=["int4", "int2"])
 @pytest.mark.parametrize("q_heads,block_n,flip_chains", [(8, None, False), (8, 64, False), (4, 32, False),
-                                                         (8, None, True)])
+                                                         (8, None, True), (16, None, False)])
 def test_kivi_words(pair, q_heads, block_n, flip_chains):
     """``kivi_words`` (KIVI key rows with the codes read as words of eight codes, one product per code position; the
     values' products per chunk of 32 tokens; the key products in one accumulation chain or two, ``kivi_key_chains``:
@@ -1210,7 +1215,7 @@ def test_split_counts_are_the_measured_choices():
     from kvqref.kernels.decode import (
         BF16_TWO_WARP_RESIDENT,
         KEY_ROWS_RESIDENT,
-        KIVI_WORDS_2BIT_MAXNREG,
+        KIVI_KEY_ROWS_MAXNREG,
         TWO_WARP_MAXNREG,
         TWO_WARP_RESIDENT,
         WORDS_HALVES_RESIDENT,
@@ -1231,7 +1236,7 @@ def test_split_counts_are_the_measured_choices():
     assert choose_splits(32, 8, 8192, 128, 132, resident=3) == (3, 2816)  # 768 programs: 1.94 waves
     assert choose_splits(1, 8, 131072, 128, 132, resident=3) == (49, 2688)  # 48 wanted gives 47 by whole tiles
     assert choose_splits(8, 8, 32768, 128, 132, resident=3) == (6, 5504)
-    assert key_rows_resident(4, None) == 2 and key_rows_resident(4, KIVI_WORDS_2BIT_MAXNREG) == 3
+    assert key_rows_resident(4, None) == 2 and key_rows_resident(4, KIVI_KEY_ROWS_MAXNREG) == 3
     assert key_rows_resident(4, 255) == 2
     # one-warp FP4 value words by halves: the default's programs rounded to whole waves of 12 per multiprocessor
     # (session 12, H100: batch 1 x 131,072 nvfp4 114 -> 94 us, batch 32 x 8,192 184 -> 170)
@@ -1267,9 +1272,24 @@ def test_split_counts_are_the_measured_choices():
                                  max_seq_len=65536, residual=(dc.k_residual, dc.v_residual, dc.k_lens, dc.v_lens))
     split = next(launch for launch in launches if "KR" in launch.constexprs)
     nvidia = GPU and not getattr(torch.version, "hip", None)
-    assert split.constexprs["KW"] and split.options.get("maxnreg") == (KIVI_WORDS_2BIT_MAXNREG if nvidia else None)
+    assert split.constexprs["KW"] and split.options.get("maxnreg") == (KIVI_KEY_ROWS_MAXNREG if nvidia else None)
     assert split.grid[2] == choose_splits(SMALL["batch"], SMALL["kv_heads"], 65536, split.constexprs["BLOCK_N"], sms,
                                           resident=3 if nvidia else 2)[0]
+    # 8 query heads per KV head (KIVI groups of 32, head_dim 128): value rows of 32 beside key rows at 64-token
+    # tiles; 4-bit codes as bytes with registers capped (3 programs per multiprocessor), 2-bit as words uncapped
+    # (session 17, H100, 64 q / 8 KV heads x 16,384: int4 2,379 -> 1,047-1,070 us, int2 1,914 -> 1,274)
+    g32 = {"group_size": 32, "residual": 32}
+    int2_g32 = ("int2_kivi", {"role": "key", **g32}, "int2_kivi", {"role": "value", **g32})
+    for pair, words, cap in ((KIVI_WORD_PAIRS[0], False, KIVI_KEY_ROWS_MAXNREG), (int2_g32, True, None)):
+        cache, _ = build_cache(pair, dict(SMALL, q_heads=16, kv_heads=2, head_dim=128, page_size=32), rng)
+        dc = tb.DeviceCache.from_cache(cache, DEVICE)
+        q = torch.zeros(SMALL["batch"], 16, 128, dtype=torch.bfloat16, device=DEVICE)
+        launches, _, _ = plan_decode(q, dc.k.tiles(), dc.v.tiles(), dc.block_table, dc.seq_lens, dc.page_size,
+                                     max_seq_len=65536)
+        cx = next(launch for launch in launches if "KR" in launch.constexprs)
+        assert (cx.constexprs["KR"], cx.constexprs["HV"], cx.constexprs["BLOCK_H"], cx.constexprs["BLOCK_N"]) == (
+            True, 8, 32, 64) and cx.constexprs["KW"] is words, pair[0]
+        assert cx.options.get("maxnreg") == (cap if nvidia else None), pair[0]
     cache, _ = build_cache(PAIRS[9], dict(SMALL, q_heads=8, kv_heads=2, head_dim=128), rng)  # NVFP4 value words
     dc = tb.DeviceCache.from_cache(cache, DEVICE)  # by halves: whole waves
     q = torch.zeros(SMALL["batch"], 8, 128, dtype=torch.bfloat16, device=DEVICE)

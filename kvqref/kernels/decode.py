@@ -1871,22 +1871,39 @@ def rotation_vectors(seed: int, head_dim: int, device):
     return _rotation_vectors(int(seed), int(head_dim), str(device))
 
 
-def default_value_rows(precision: str, v_kind: str, q_per_kv: int, head_dim: int, v_group: int) -> bool:
+def kivi_key_rows_tile(rows_per_group: int, key_group: int) -> int | None:
+    """The tokens of a fast KIVI key-rows tile: the largest of 128, 64 and 32 that holds whole key groups (or lies
+    inside one) and whose key rows, (tile / group, at least 1) x ``rows_per_group`` query heads, fit the 16 MMA rows;
+    None where none does."""
+    for tile in (128, 64, 32):
+        if (tile % key_group == 0 or key_group % tile == 0) and max(1, tile // key_group) * rows_per_group <= 16:
+            return tile
+    return None
+
+
+def default_value_rows(precision: str, v_kind: str, q_per_kv: int, head_dim: int, v_group: int,
+                       k_group: int = 0) -> bool:
     """Whether decode lays the score rows out by (KIVI value group, query head) by default (``value_rows``):
     fast-mode KIVI values whose rows (groups x query heads per KV head) fit the 16 MMA rows, where it measured
-    faster (H100, 32 q / 8 KV heads, G 32: int4 784 -> 635 us); with 32 rows (64 q / 8 KV heads) int4 lost 56%
-    and int2 gained 14% (bench/results/h100.json, session 4), so larger layouts keep the head rows."""
-    return (precision == "fast" and v_kind == "int_v"
-            and triton.next_power_of_2(q_per_kv) * (head_dim // max(v_group, 1)) <= 16)
+    faster (H100, 32 q / 8 KV heads, G 32: int4 784 -> 635 us); with 32 rows (64 q / 8 KV heads) only beside KIVI
+    keys of group ``k_group`` (0: other keys) whose key rows fit a tile (:func:`kivi_key_rows_tile`: 64 tokens there),
+    the layout of the key-rows kernel (H100, 64 q / 8 KV heads x 16,384: int4 2,389 -> 1,294 us, int2 1,914 -> 1,699;
+    bench/results/ANALYSIS.md, session 17). Without key rows 32 value rows lost for int4 (56%, session 4)."""
+    rows_per_group = triton.next_power_of_2(q_per_kv)
+    rows = rows_per_group * (head_dim // max(v_group, 1))
+    return precision == "fast" and v_kind == "int_v" and (
+        rows <= 16 or (rows <= 32 and k_group > 0 and kivi_key_rows_tile(rows_per_group, k_group) is not None))
 
 
 #: programs of the KIVI key-rows kernel resident per multiprocessor (about 250 registers per thread at 4 warps)
 KEY_ROWS_RESIDENT = 2
-#: 2-bit KIVI code words on NVIDIA GPUs: registers capped at this many per thread (Triton's ``maxnreg``), so that 3
-#: programs of 4 warps fit a multiprocessor (:func:`key_rows_resident`; H100, int2_kivi: batch 32 x 8,192 224 -> 215
-#: us with 3 splits, batch 1 x 131,072 128 -> 114.5 us with 49; 4-bit words lost at 168: 255 -> 262 us;
-#: bench/results/history/ab-h100-session13-kivi-words-2.log, ab-h100-session14-int2-registers.log)
-KIVI_WORDS_2BIT_MAXNREG = 168
+#: KIVI key rows on NVIDIA GPUs: registers capped at this many per thread (Triton's ``maxnreg``), so that 3 programs
+#: of 4 warps fit a multiprocessor (:func:`key_rows_resident`), for 2-bit code words with 16 value rows (H100,
+#: int2_kivi: batch 32 x 8,192 224 -> 215 us with 3 splits, batch 1 x 131,072 128 -> 114.5 us with 49; 4-bit words
+#: lost at 168: 255 -> 262 us; bench/results/history/ab-h100-session13-kivi-words-2.log,
+#: ab-h100-session14-int2-registers.log) and 4-bit byte phases with 32 (8 query heads per KV head; 64 q / 8 KV heads
+#: x 16,384: 1,306 -> 1,047-1,070 us at 1-6 splits; 2-bit words there lost at it: 1,274 -> 1,686 us; session 17)
+KIVI_KEY_ROWS_MAXNREG = 168
 #: ``choose_splits(resident=...)``: the fewest splits whose programs fill their last wave to at least this fraction
 WAVE_FILL = 0.95
 
@@ -2027,7 +2044,8 @@ def plan_decode(
     """The launches of decode attention (see :func:`paged_decode`), with their output tensors.
     ``hw_formats``: FP8 format ids converted in hardware (default: what ``q``'s device has); ``maxnreg``:
     a register cap per thread (CUDA only; for tuning occupancy; default on NVIDIA GPUs: ``TWO_WARP_MAXNREG`` for
-    two-warp fast FP8 and mxfp4 block rows, ``KIVI_WORDS_2BIT_MAXNREG`` for 2-bit KIVI words, else none);
+    two-warp fast FP8 and mxfp4 block rows, ``KIVI_KEY_ROWS_MAXNREG`` for 2-bit KIVI words with 16 value rows and 4-bit
+    KIVI byte phases with 32, else none);
     ``ptx_unpack``: FP4 nibbles (and, with
     ``key_rows``, KIVI codes) unpacked with inline PTX (CUDA only); default (None): where it measured faster on the
     H100, fast-mode E8M0 (MXFP4, fp4_e2m1) and NVFP4 keys and KIVI key rows on CUDA (bench/results/ANALYSIS.md);
@@ -2099,14 +2117,16 @@ def plan_decode(
                          f"{kv_heads} heads, V {'HND' if v.head_major else 'NHD'} {v.kv_heads}")
     qpk = q_heads // kv_heads
     block_h = max(16, triton.next_power_of_2(qpk))
+    kivi_pair = precision == "fast" and k.kind == "int_k" and v.kind == "int_v"
     if value_rows is None:
-        value_rows = default_value_rows(precision, v.kind, qpk, head_dim, v.group)
+        value_rows = default_value_rows(precision, v.kind, qpk, head_dim, v.group, k.group if kivi_pair else 0)
     if value_rows and (precision != "fast" or v.kind != "int_v"):
         raise ValueError("value_rows needs KIVI values (int_v) and precision='fast'")
     hv = triton.next_power_of_2(qpk) if value_rows else 0  # rows per value group (0: rows are query heads)
-    kivi_pair = precision == "fast" and k.kind == "int_k" and v.kind == "int_v"
     if key_rows is None:  # (an explicit key_tile=True keeps the key tiles)
-        key_rows = kivi_pair and bool(value_rows) and not key_tile and max(1, (block_n or 128) // k.group) * hv <= 16
+        key_rows = kivi_pair and bool(value_rows) and not key_tile and (
+            kivi_key_rows_tile(hv, k.group) is not None if block_n is None
+            else max(1, block_n // k.group) * hv <= 16)
     elif key_rows and not (kivi_pair and value_rows and not key_tile):
         raise ValueError("key_rows needs KIVI keys and values (int_k/int_v), precision='fast', value_rows and "
                          "key_tile off")
@@ -2200,7 +2220,7 @@ def plan_decode(
     blk_wide = block_rows and (prod_rows > 16 or e8m0_16_halves) and not words_halves
     if block_n is None:
         if key_rows:
-            block_n = 128
+            block_n = kivi_key_rows_tile(hv, k.group) or 128  # (128 at 4 query heads per KV head, 64 at 8)
         elif words_halves:
             block_n = 32
         elif block_rows:
@@ -2221,15 +2241,19 @@ def plan_decode(
     kivi_words_ok = key_rows and head_dim >= 128 and block_n >= 32 and all(
         not (any(st % t.bits for st in t.row_strides(t.fields[0])) or t.fields[0].data_ptr() % t.bits)
         for t in (k, v))  # a word of eight codes is ``bits`` bytes
-    if kivi_words is None:  # (H100, batch 32 x 8,192, with 3 stages: int4 264 -> 254 us, int2 226 -> 220)
-        kivi_words = kivi_words_ok
+    if kivi_words is None:  # (H100, batch 32 x 8,192, with 3 stages: int4 264 -> 254 us, int2 226 -> 220); 4-bit
+        # codes with 32 value rows (8 query heads per KV head) as bytes (64 q / 8 KV heads x 16,384: words 1,469 us,
+        # bytes 1,294; int2 words 1,699, bytes 2,887)
+        kivi_words = kivi_words_ok and not (k.bits == 4 and block_h > 16)
     if kivi_words:
         if not kivi_words_ok:
             raise ValueError("kivi_words needs key_rows, head_dim >= 128 (here "
                              f"{head_dim}), tiles of at least 32 tokens (here {block_n}) and code rows aligned to "
                              "their word (4 bytes for 4-bit codes, 2 for 2-bit)")
-        if maxnreg is None and k.bits == v.bits == 2 and _nvidia_cuda(q):
-            maxnreg = KIVI_WORDS_2BIT_MAXNREG
+    two_bit_words = kivi_words and k.bits == v.bits == 2
+    if maxnreg is None and key_rows and _nvidia_cuda(q) and (
+            (two_bit_words and block_h <= 16) or (not kivi_words and k.bits == 4 and block_h > 16)):
+        maxnreg = KIVI_KEY_ROWS_MAXNREG
     # KIVI key words' eight products per tile as two independent accumulation chains (even and odd code positions)
     # for 4-bit keys (H100, batch 32 x 8,192: int4 255.9 -> 249.6 us; int2 at its 168-register cap 211.3 -> 216.8:
     # one chain; bench/results/ANALYSIS.md, session 17)
