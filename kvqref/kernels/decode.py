@@ -1885,14 +1885,17 @@ def default_value_rows(precision: str, v_kind: str, q_per_kv: int, head_dim: int
                        k_group: int = 0) -> bool:
     """Whether decode lays the score rows out by (KIVI value group, query head) by default (``value_rows``):
     fast-mode KIVI values whose rows (groups x query heads per KV head) fit the 16 MMA rows, where it measured
-    faster (H100, 32 q / 8 KV heads, G 32: int4 784 -> 635 us); with 32 rows (64 q / 8 KV heads) only beside KIVI
-    keys of group ``k_group`` (0: other keys) whose key rows fit a tile (:func:`kivi_key_rows_tile`: 64 tokens there),
-    the layout of the key-rows kernel (H100, 64 q / 8 KV heads x 16,384: int4 2,389 -> 1,294 us, int2 1,914 -> 1,699;
-    bench/results/ANALYSIS.md, session 17). Without key rows 32 value rows lost for int4 (56%, session 4)."""
+    faster (H100, 32 q / 8 KV heads, G 32: int4 784 -> 635 us); with 32 rows only at 8 query heads per KV head beside
+    KIVI keys of group ``k_group`` (0: other keys) whose key rows fit a tile (:func:`kivi_key_rows_tile`: 64 tokens
+    at groups of 32), the layout of the key-rows kernel (H100, 64 q / 8 KV heads x 16,384: int4 2,389 -> 1,294 us,
+    int2 1,914 -> 1,699; bench/results/ANALYSIS.md, session 17). Without key rows 32 value rows lost for int4 (56%,
+    session 4); 32 rows at 4 query heads per KV head (value groups of 16) are not measured, so they keep the head
+    rows."""
     rows_per_group = triton.next_power_of_2(q_per_kv)
     rows = rows_per_group * (head_dim // max(v_group, 1))
     return precision == "fast" and v_kind == "int_v" and (
-        rows <= 16 or (rows <= 32 and k_group > 0 and kivi_key_rows_tile(rows_per_group, k_group) is not None))
+        rows <= 16 or (rows <= 32 and rows_per_group == 8 and k_group > 0
+                       and kivi_key_rows_tile(rows_per_group, k_group) is not None))
 
 
 #: programs of the KIVI key-rows kernel resident per multiprocessor (about 250 registers per thread at 4 warps)
@@ -2123,10 +2126,12 @@ def plan_decode(
     if value_rows and (precision != "fast" or v.kind != "int_v"):
         raise ValueError("value_rows needs KIVI values (int_v) and precision='fast'")
     hv = triton.next_power_of_2(qpk) if value_rows else 0  # rows per value group (0: rows are query heads)
+    # the key-rows tile: 128 tokens (session 9), at 8 query heads per KV head the longest whose key rows fit 16
+    # (session 17: 64 tokens at groups of 32)
+    kr_tile = block_n or (kivi_key_rows_tile(hv, k.group) if hv >= 8 else 128)
     if key_rows is None:  # (an explicit key_tile=True keeps the key tiles)
-        key_rows = kivi_pair and bool(value_rows) and not key_tile and (
-            kivi_key_rows_tile(hv, k.group) is not None if block_n is None
-            else max(1, block_n // k.group) * hv <= 16)
+        key_rows = (kivi_pair and bool(value_rows) and not key_tile and kr_tile is not None
+                    and max(1, kr_tile // k.group) * hv <= 16)
     elif key_rows and not (kivi_pair and value_rows and not key_tile):
         raise ValueError("key_rows needs KIVI keys and values (int_k/int_v), precision='fast', value_rows and "
                          "key_tile off")
@@ -2220,7 +2225,7 @@ def plan_decode(
     blk_wide = block_rows and (prod_rows > 16 or e8m0_16_halves) and not words_halves
     if block_n is None:
         if key_rows:
-            block_n = kivi_key_rows_tile(hv, k.group) or 128  # (128 at 4 query heads per KV head, 64 at 8)
+            block_n = kr_tile or 128
         elif words_halves:
             block_n = 32
         elif block_rows:
