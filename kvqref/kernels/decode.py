@@ -2078,7 +2078,8 @@ def plan_decode(
     power of two per row), one MMA per byte phase against the exact codes, the zero term q . z once per group row;
     tiles may span several key groups. Needs ``value_rows``; default: on where ``value_rows`` is and the key rows fit
     16, with 128-token tiles, 4 warps, 2 stages and (CUDA) the codes unpacked by inline PTX (H100, batch 32 x
-    8,192: int4 618 -> 339 us, int2 519 -> 295; bench/results/ANALYSIS.md, session 9).
+    8,192: int4 618 -> 339 us, int2 519 -> 295; bench/results/ANALYSIS.md, session 9); at 8 query heads per KV head
+    with the longest tile whose key rows fit 16 (:func:`kivi_key_rows_tile`; session 17).
     ``kivi_words``: with ``key_rows``, the key and value codes read as words of eight codes (int32 / int16) and
     unpacked two words per PTX call, one product per code position (:func:`_kivi_key_rows`, constexpr ``KW``; the
     same nonzero products, summed in another order); needs head_dim >= 128, tiles of at least 32 tokens and code rows
