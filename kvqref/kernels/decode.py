@@ -1887,10 +1887,10 @@ def default_value_rows(precision: str, v_kind: str, q_per_kv: int, head_dim: int
     fast-mode KIVI values whose rows (groups x query heads per KV head) fit the 16 MMA rows, where it measured
     faster (H100, 32 q / 8 KV heads, G 32: int4 784 -> 635 us); with 32 rows only at 8 query heads per KV head beside
     KIVI keys of group ``k_group`` (0: other keys) whose key rows fit a tile (:func:`kivi_key_rows_tile`: 64 tokens
-    at groups of 32), the layout of the key-rows kernel (H100, 64 q / 8 KV heads x 16,384: int4 2,389 -> 1,294 us,
-    int2 1,914 -> 1,699; bench/results/ANALYSIS.md, session 17). Without key rows 32 value rows lost for int4 (56%,
-    session 4); 32 rows at 4 query heads per KV head (value groups of 16) are not measured, so they keep the head
-    rows."""
+    at groups of 32), the layout of the key-rows kernel (H100, 64 q / 8 KV heads x 16,384, with plan_decode's
+    launch choices there: int4 2,392 -> 1,050 us, int2 1,920 -> 1,281; bench/results/ANALYSIS.md, session 17).
+    Without key rows 32 value rows lost for int4 (56%, session 4); 32 rows at 4 query heads per KV head (value groups
+    of 16) are not measured, so they keep the head rows."""
     rows_per_group = triton.next_power_of_2(q_per_kv)
     rows = rows_per_group * (head_dim // max(v_group, 1))
     return precision == "fast" and v_kind == "int_v" and (
