@@ -1871,6 +1871,12 @@ def rotation_vectors(seed: int, head_dim: int, device):
     return _rotation_vectors(int(seed), int(head_dim), str(device))
 
 
+#: query heads per KV head (rows per value group) at which fast KIVI takes value rows of up to 32 and key rows at the
+#: longest tile whose rows fit 16 (:func:`kivi_key_rows_tile`), the only grouping where that was measured
+#: (bench/results/ANALYSIS.md, session 17, 94); elsewhere key rows keep 128-token tiles
+KIVI_SHORT_TILE_HEADS = 8
+
+
 def kivi_key_rows_tile(rows_per_group: int, key_group: int) -> int | None:
     """The tokens of a fast KIVI key-rows tile: the largest of 128, 64 and 32 that holds whole key groups (or lies
     inside one) and whose key rows, (tile / group, at least 1) x ``rows_per_group`` query heads, fit the 16 MMA rows;
@@ -1894,7 +1900,7 @@ def default_value_rows(precision: str, v_kind: str, q_per_kv: int, head_dim: int
     rows_per_group = triton.next_power_of_2(q_per_kv)
     rows = rows_per_group * (head_dim // max(v_group, 1))
     return precision == "fast" and v_kind == "int_v" and (
-        rows <= 16 or (rows <= 32 and rows_per_group == 8 and k_group > 0
+        rows <= 16 or (rows <= 32 and rows_per_group == KIVI_SHORT_TILE_HEADS and k_group > 0
                        and kivi_key_rows_tile(rows_per_group, k_group) is not None))
 
 
@@ -2129,7 +2135,7 @@ def plan_decode(
     hv = triton.next_power_of_2(qpk) if value_rows else 0  # rows per value group (0: rows are query heads)
     # the key-rows tile: 128 tokens (session 9), at 8 query heads per KV head the longest whose key rows fit 16
     # (session 17: 64 tokens at groups of 32)
-    kr_tile = block_n or (kivi_key_rows_tile(hv, k.group) if hv >= 8 else 128)
+    kr_tile = block_n or (kivi_key_rows_tile(hv, k.group) if hv == KIVI_SHORT_TILE_HEADS else 128)
     if key_rows is None:  # (an explicit key_tile=True keeps the key tiles)
         key_rows = (kivi_pair and bool(value_rows) and not key_tile and kr_tile is not None
                     and max(1, kr_tile // k.group) * hv <= 16)
