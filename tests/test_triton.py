@@ -783,6 +783,13 @@ def _signed_zero_input(rng: np.random.Generator, G: int, tokens: int | None = No
     tiny = np.array([2.0**-25, 3 * 2.0**-26, 2.0**-20 + 2.0**-27, -(2.0**-24) * 1.5, 2.0**-17 * 1.25, -(2.0**-30)])
     x[5, :, 2 * G:2 * G + tiny.size] = tiny
     x[:, :, 120:124] = np.array([1.5, -3.0, 0.0, 2.0**-20])  # constant key columns (scale 0)
+    # ranges of 2**-20: the scale RN16(2**-20 / MAXINT) is float16-subnormal, 2**-24 for int4 (1/16 below the exact
+    # quotient), so the largest quotient rounds to 16, which min(., MAXINT) brings back to 15 (a value group of
+    # token 6; key columns 126, 127 with one such token per group)
+    x[6, :, 2 * G:3 * G] = 0.0
+    x[6, :, 2 * G] = 2.0**-20
+    x[:, :, 126:128] = 0.0
+    x[1::G, :, 126:128] = 2.0**-20
     return to_dtype_values(x, "bfloat16").astype(np.float32)
 
 
