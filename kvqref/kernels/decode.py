@@ -987,13 +987,91 @@ def _quarters_interleaved(a, b, c, d, R: tl.constexpr, C: tl.constexpr):
 
 
 @triton.jit
+def _kivi_rows_key_loads(t0, end, BT, K0, K1, K2, b, kvh, stride_btb, k0_s, k0_h, k1_s, k1_h, k2_s, k2_h,
+                         HV: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, PAGE_SLOTS: tl.constexpr,
+                         BLOCK_N: tl.constexpr, G_K: tl.constexpr, BITS_K: tl.constexpr, KW: tl.constexpr):
+    """:func:`_kivi_key_rows`' key loads of the tile at ``t0``: the codes (``KW``: words [BLOCK_N, D / 8], else bytes
+    [D / PK, BLOCK_N]) and the groups' scales and zeros broadcast over the key rows (float32 [rows, D]); tokens
+    at or past ``end`` masked (a tile wholly past it loads nothing)."""
+    PK: tl.constexpr = 8 // BITS_K
+    NGK: tl.constexpr = BLOCK_N // G_K if BLOCK_N > G_K else 1
+    RK: tl.constexpr = NGK * HV if NGK * HV > 16 else 16
+    WTK: tl.constexpr = tl.int32 if BITS_K == 4 else tl.int16
+    KWB: tl.constexpr = BITS_K  # bytes per code word: 4 (4-bit codes), 2 (2-bit)
+    kg = tl.arange(0, RK // HV)
+    d = tl.arange(0, D)
+    t = t0 + tl.arange(0, BLOCK_N)
+    tmask = t < end
+    page = tl.load(BT + b * stride_btb + t // PAGE, mask=tmask, other=0).to(tl.int64)
+    slot = page_slot(page, t, PAGE, PAGE_SLOTS)
+    tg = t0 + kg * G_K  # the first token of each key group of the tile
+    gmask = (kg < NGK) & (tg < end)
+    gslot = page_slot(tl.load(BT + b * stride_btb + tg // PAGE, mask=gmask, other=0).to(tl.int64), tg, PAGE,
+                      PAGE_SLOTS)
+    grp = gslot // G_K
+    if KW:  # (strides in words, so the rows' alignment is known to the compiler: vector loads)
+        kc = tl.load(K0.to(tl.pointer_type(WTK)) + slot[:, None] * (k0_s // KWB) + kvh * (k0_h // KWB)
+                     + tl.arange(0, D // 8)[None, :], mask=tmask[:, None], other=0)
+    else:
+        kc = tl.load(K0 + slot[None, :] * k0_s + kvh * k0_h + tl.arange(0, D // PK)[:, None], mask=tmask[None, :],
+                     other=0)
+    # the groups' scales and zeros, loaded once per group and broadcast over its rows (j, h)
+    ks = tl.load(K1 + grp[:, None] * k1_s + kvh * k1_h + d[None, :], mask=gmask[:, None], other=0.0)
+    kz = tl.load(K2 + grp[:, None] * k2_s + kvh * k2_h + d[None, :], mask=gmask[:, None], other=0.0)
+    return kc, _group_rows(ks.to(tl.float32), RK // HV, HV, D), _group_rows(kz.to(tl.float32), RK // HV, HV, D)
+
+
+@triton.jit
+def _kivi_rows_scores(kc, ks, kz, qk, sel, qk_scale, HV: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BITS_K: tl.constexpr, PTX: tl.constexpr, KW: tl.constexpr, KCH: tl.constexpr):
+    """:func:`_kivi_key_rows`' scores [HV, BLOCK_N] (times ``qk_scale``) of one tile from its key loads
+    (:func:`_kivi_rows_key_loads`): the key rows ``fl16(q_h * s_j * 2**e)`` against the codes, times 2**-e, plus the
+    zero term ``q_h . z_j``, each token's row selected by ``sel``."""
+    RK: tl.constexpr = qk.shape[0]
+    PK: tl.constexpr = 8 // BITS_K
+    DK: tl.constexpr = D // PK
+    DW: tl.constexpr = D // 8
+    qs = qk * ks
+    e = _f16_exponent(tl.max(tl.abs(qs), 1))
+    a = _split16(qs * pow2_f32(e)[:, None], True)[0]
+    bias = tl.sum(qk * kz, 1)
+    if KW:
+        c0, c1, c2, c3, c4, c5, c6, c7 = _int_word_phases(tl.trans(kc), BITS_K, True, PTX)
+        a0, a1, a2, a3, a4, a5, a6, a7 = _eighths(a, RK, DW)
+        if KCH == 2:  # two independent accumulation chains (even and odd code positions), summed once
+            s2 = _dot_acc(a0, c0, tl.zeros((RK, BLOCK_N), tl.float32))
+            s2b = _dot_acc(a1, c1, tl.zeros((RK, BLOCK_N), tl.float32))
+            s2 = _dot_acc(a6, c6, _dot_acc(a4, c4, _dot_acc(a2, c2, s2)))
+            s2b = _dot_acc(a7, c7, _dot_acc(a5, c5, _dot_acc(a3, c3, s2b)))
+            s2 = s2 + s2b
+        else:
+            s2 = _dot_acc(a0, c0, tl.zeros((RK, BLOCK_N), tl.float32))
+            s2 = _dot_acc(a7, c7, _dot_acc(a6, c6, _dot_acc(a5, c5, _dot_acc(a4, c4, s2))))
+            s2 = _dot_acc(a3, c3, _dot_acc(a2, c2, _dot_acc(a1, c1, s2)))
+    elif PK == 2:
+        k0, k1, k2, k3 = _int_phases(kc, BITS_K, True, PTX)
+        a0, a1 = tl.split(tl.reshape(a, (RK, DK, 2)))
+        s2 = _dot_acc(a1, k1, _dot_acc(a0, k0, tl.zeros((RK, BLOCK_N), tl.float32)))
+    else:
+        k0, k1, k2, k3 = _int_phases(kc, BITS_K, True, PTX)
+        a02, a13 = tl.split(tl.reshape(a, (RK, DK, 2, 2)))
+        a0, a2 = tl.split(a02)
+        a1, a3 = tl.split(a13)
+        s2 = _dot_acc(a3, k3, _dot_acc(a2, k2, _dot_acc(a1, k1, _dot_acc(a0, k0, tl.zeros((RK, BLOCK_N),
+                                                                                         tl.float32)))))
+    s2 = s2 * pow2_f32(-e)[:, None] + bias[:, None]
+    s = tl.sum(tl.where(sel, tl.reshape(s2, (RK // HV, HV, BLOCK_N)), 0.0), 0) * qk_scale
+    return s
+
+
+@triton.jit
 def _kivi_key_rows(
     Q, BT, K0, K1, K2, V0, V1, V2, b, kvh, start, end, stride_qb, stride_qh, stride_btb, k0_s, k0_h, k1_s, k1_h,
     k2_s, k2_h, v0_s, v0_h, v1_s, v1_h, v2_s, v2_h, qk_scale, QPK: tl.constexpr, HV: tl.constexpr,
     BLOCK_H: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, PAGE_SLOTS: tl.constexpr, BLOCK_N: tl.constexpr,
     G_K: tl.constexpr,
     BITS_K: tl.constexpr, G_V: tl.constexpr, BITS_V: tl.constexpr, RN: tl.constexpr, PTX: tl.constexpr,
-    KW: tl.constexpr = False, KCH: tl.constexpr = 1,
+    KW: tl.constexpr = False, KCH: tl.constexpr = 1, PIPE: tl.constexpr = False,
 ):
     """Fast-mode KIVI keys by token-group rows (``key_rows``), values by channel-group rows (``value_rows``).
 
@@ -1013,10 +1091,11 @@ def _kivi_key_rows(
     per chunk of 32 tokens (a batched product, so the warps split the tokens instead of repeating a [rows, D / 8]
     product), the value rows [chunk, rows, 32] against the codes p [chunk, 32, D / 8], the chunks summed after the
     loop. The same nonzero products as the byte phases, summed in another order. ``KCH`` 2: the key words' eight
-    products in two independent accumulation chains (even and odd p), summed once."""
-    PK: tl.constexpr = 8 // BITS_K
+    products in two independent accumulation chains (even and odd p), summed once. ``PIPE``: each step computes the
+    next tile's scores (its key loads and products) beside this tile's softmax and value products, the first
+    tile's before the loop, so that the two dependency chains of a step are independent; the same arithmetic per
+    tile, so the same bits."""
     PV: tl.constexpr = 8 // BITS_V
-    DK: tl.constexpr = D // PK
     DV: tl.constexpr = D // PV
     NGK: tl.constexpr = BLOCK_N // G_K if BLOCK_N > G_K else 1
     RK: tl.constexpr = NGK * HV if NGK * HV > 16 else 16
@@ -1025,9 +1104,7 @@ def _kivi_key_rows(
     rh = rk % HV
     rg = rk // HV
     rmask = (rh < QPK) & (rg < NGK)
-    kg = tl.arange(0, RK // HV)
     d = tl.arange(0, D)
-    ik = tl.arange(0, DK)
     iv = tl.arange(0, DV)
     qbase = b * stride_qb + (kvh * QPK + rh).to(tl.int64) * stride_qh
     qk = tl.load(Q + qbase[:, None] + d[None, :], mask=rmask[:, None], other=0.0).to(tl.float32)
@@ -1041,9 +1118,7 @@ def _kivi_key_rows(
     zacc = tl.zeros((BLOCK_H,), tl.float32)
     DW: tl.constexpr = D // 8  # code words per token (KW)
     NCH: tl.constexpr = BLOCK_N // 32 if BLOCK_N > 32 else 1  # value chunks (KW)
-    WTK: tl.constexpr = tl.int32 if BITS_K == 4 else tl.int16
     WTV: tl.constexpr = tl.int32 if BITS_V == 4 else tl.int16
-    KWB: tl.constexpr = BITS_K  # bytes per code word: 4 (4-bit codes), 2 (2-bit)
     VWB: tl.constexpr = BITS_V
     iw = tl.arange(0, DW)
     if KW:
@@ -1055,61 +1130,33 @@ def _kivi_key_rows(
         w5 = tl.zeros((NCH, BLOCK_H, DW), tl.float32)
         w6 = tl.zeros((NCH, BLOCK_H, DW), tl.float32)
         w7 = tl.zeros((NCH, BLOCK_H, DW), tl.float32)
+    if PIPE:  # the first tile's scores before the loop; each step then computes the next tile's
+        kc, ks, kz = _kivi_rows_key_loads(start, end, BT, K0, K1, K2, b, kvh, stride_btb, k0_s, k0_h, k1_s, k1_h,
+                                          k2_s, k2_h, HV, D, PAGE, PAGE_SLOTS, BLOCK_N, G_K, BITS_K, KW)
+        s_next = _kivi_rows_scores(kc, ks, kz, qk, sel, qk_scale, HV, D, BLOCK_N, BITS_K, PTX, KW, KCH)
     for t0 in range(start, end, BLOCK_N):
         t = t0 + tl.arange(0, BLOCK_N)
         tmask = t < end
         page = tl.load(BT + b * stride_btb + t // PAGE, mask=tmask, other=0).to(tl.int64)
         slot = page_slot(page, t, PAGE, PAGE_SLOTS)
-        tg = t0 + kg * G_K  # the first token of each key group of the tile
-        gmask = (kg < NGK) & (tg < end)
-        gslot = page_slot(tl.load(BT + b * stride_btb + tg // PAGE, mask=gmask, other=0).to(tl.int64), tg, PAGE,
-                      PAGE_SLOTS)
-        grp = gslot // G_K
+        if PIPE:
+            kt0 = t0 + BLOCK_N
+        else:
+            kt0 = t0
+        kc, ks, kz = _kivi_rows_key_loads(kt0, end, BT, K0, K1, K2, b, kvh, stride_btb, k0_s, k0_h, k1_s, k1_h,
+                                          k2_s, k2_h, HV, D, PAGE, PAGE_SLOTS, BLOCK_N, G_K, BITS_K, KW)
         if KW:  # (strides in words, so the rows' alignment is known to the compiler: vector loads)
-            kw = tl.load(K0.to(tl.pointer_type(WTK)) + slot[:, None] * (k0_s // KWB) + kvh * (k0_h // KWB)
-                         + iw[None, :], mask=tmask[:, None], other=0)
             slot3 = tl.reshape(slot, (NCH, BLOCK_N // NCH))[:, :, None]  # (loaded in the product's chunks)
             vw = tl.load(V0.to(tl.pointer_type(WTV)) + slot3 * (v0_s // VWB) + kvh * (v0_h // VWB)
                          + iw[None, None, :], mask=tl.reshape(tmask, (NCH, BLOCK_N // NCH))[:, :, None], other=0)
         else:
-            kb = tl.load(K0 + slot[None, :] * k0_s + kvh * k0_h + ik[:, None], mask=tmask[None, :], other=0)
             vb = tl.load(V0 + slot[:, None] * v0_s + kvh * v0_h + iv[None, :], mask=tmask[:, None], other=0)
-        # the groups' scales and zeros, loaded once per group and broadcast over its rows (j, h)
-        ks = tl.load(K1 + grp[:, None] * k1_s + kvh * k1_h + d[None, :], mask=gmask[:, None], other=0.0)
-        kz = tl.load(K2 + grp[:, None] * k2_s + kvh * k2_h + d[None, :], mask=gmask[:, None], other=0.0)
-        ks = _group_rows(ks.to(tl.float32), RK // HV, HV, D)
-        kz = _group_rows(kz.to(tl.float32), RK // HV, HV, D)
         srow, zrow = _kivi_value_rows(V1, V2, slot, tmask, kvh, v1_s, v1_h, v2_s, v2_h, HV, BLOCK_H, D // G_V)
-        qs = qk * ks
-        e = _f16_exponent(tl.max(tl.abs(qs), 1))
-        a = _split16(qs * pow2_f32(e)[:, None], True)[0]
-        bias = tl.sum(qk * kz, 1)
-        if KW:
-            c0, c1, c2, c3, c4, c5, c6, c7 = _int_word_phases(tl.trans(kw), BITS_K, True, PTX)
-            a0, a1, a2, a3, a4, a5, a6, a7 = _eighths(a, RK, DW)
-            if KCH == 2:  # two independent accumulation chains (even and odd code positions), summed once
-                s2 = _dot_acc(a0, c0, tl.zeros((RK, BLOCK_N), tl.float32))
-                s2b = _dot_acc(a1, c1, tl.zeros((RK, BLOCK_N), tl.float32))
-                s2 = _dot_acc(a6, c6, _dot_acc(a4, c4, _dot_acc(a2, c2, s2)))
-                s2b = _dot_acc(a7, c7, _dot_acc(a5, c5, _dot_acc(a3, c3, s2b)))
-                s2 = s2 + s2b
-            else:
-                s2 = _dot_acc(a0, c0, tl.zeros((RK, BLOCK_N), tl.float32))
-                s2 = _dot_acc(a7, c7, _dot_acc(a6, c6, _dot_acc(a5, c5, _dot_acc(a4, c4, s2))))
-                s2 = _dot_acc(a3, c3, _dot_acc(a2, c2, _dot_acc(a1, c1, s2)))
-        elif PK == 2:
-            k0, k1, k2, k3 = _int_phases(kb, BITS_K, True, PTX)
-            a0, a1 = tl.split(tl.reshape(a, (RK, DK, 2)))
-            s2 = _dot_acc(a1, k1, _dot_acc(a0, k0, tl.zeros((RK, BLOCK_N), tl.float32)))
+        if PIPE:  # this tile's scores (computed one step earlier) and the next tile's, independent of each other
+            s = s_next
+            s_next = _kivi_rows_scores(kc, ks, kz, qk, sel, qk_scale, HV, D, BLOCK_N, BITS_K, PTX, KW, KCH)
         else:
-            k0, k1, k2, k3 = _int_phases(kb, BITS_K, True, PTX)
-            a02, a13 = tl.split(tl.reshape(a, (RK, DK, 2, 2)))
-            a0, a2 = tl.split(a02)
-            a1, a3 = tl.split(a13)
-            s2 = _dot_acc(a3, k3, _dot_acc(a2, k2, _dot_acc(a1, k1, _dot_acc(a0, k0, tl.zeros((RK, BLOCK_N),
-                                                                                             tl.float32)))))
-        s2 = s2 * pow2_f32(-e)[:, None] + bias[:, None]
-        s = tl.sum(tl.where(sel, tl.reshape(s2, (RK // HV, HV, BLOCK_N)), 0.0), 0) * qk_scale
+            s = _kivi_rows_scores(kc, ks, kz, qk, sel, qk_scale, HV, D, BLOCK_N, BITS_K, PTX, KW, KCH)
         p, alpha, m_i, l_i = _softmax_step(s, tmask, m_i, l_i)
         pr = tl.reshape(tl.broadcast_to(p[None, :, :], (GRV, HV, BLOCK_N)), (BLOCK_H, BLOCK_N))
         ar = tl.reshape(tl.broadcast_to(alpha[None, :], (GRV, HV)), (BLOCK_H,))
@@ -1251,6 +1298,7 @@ def decode_split_kernel(
     KR: tl.constexpr = False,
     KW: tl.constexpr = False,
     KCH: tl.constexpr = 1,
+    KPIPE: tl.constexpr = False,
     HALF_K: tl.constexpr = False,
     HALF_V: tl.constexpr = False,
     BLOCK_R: tl.constexpr = 0,
@@ -1357,7 +1405,7 @@ def decode_split_kernel(
             acc0, acc1, acc2, acc3, zacc, m_i, l_i = _kivi_key_rows(
                 Q, BT, K0, K1, K2, V0, V1, V2, b, kvh, start, end, stride_qb, stride_qh, stride_btb, k0_s, k0_h,
                 k1_s, k1_h, k2_s, k2_h, v0_s, v0_h, v1_s, v1_h, v2_s, v2_h, qk_scale, QPK, HV, BLOCK_H, D, PAGE,
-                PAGE_SLOTS, BLOCK_N, G_K, BITS_K, G_V, BITS_V, RN, PTX, KW, KCH)
+                PAGE_SLOTS, BLOCK_N, G_K, BITS_K, G_V, BITS_V, RN, PTX, KW, KCH, KPIPE)
         elif BLK:  # fast FP4 by block rows (``_fp4_block_rows``)
             acc0, acc1, m_i, l_i = _fp4_block_rows(
                 Q, BT, K0, K1, V0, V1, b, kvh, start, end, stride_qb, stride_qh, stride_btb, k0_s, k0_h, k1_s, k1_h,
@@ -2049,6 +2097,7 @@ def plan_decode(
     merge_channels: int | None = None,
     fp8_value_words: bool | None = None,
     kivi_key_chains: int | None = None,
+    kivi_pipeline: bool | None = None,
 ):
     """The launches of decode attention (see :func:`paged_decode`), with their output tensors.
     ``hw_formats``: FP8 format ids converted in hardware (default: what ``q``'s device has); ``maxnreg``:
@@ -2092,6 +2141,9 @@ def plan_decode(
     aligned to their word; default: where it applies, with 3 stages. ``kivi_key_chains`` (1 or 2): the key words'
     eight products of a tile accumulated in one chain or in two independent ones (even and odd code positions,
     summed once: the same products, summed in another order); default 2 for 4-bit keys, 1 for 2-bit.
+    ``kivi_pipeline``: with ``key_rows``, each step of the tile loop computes the next tile's scores beside this
+    tile's softmax and value products (constexpr ``KPIPE``; the same arithmetic per tile, the same bits); default:
+    4-bit key words without a register cap (where it measured faster).
     ``residual_launch``: the residual window's split as its own launch (constexpr ``PART``), so the paged splits
     do not carry the residual path's registers; default: with ``key_rows`` and a residual window.
     ``channel_halves``: with ``block_rows``, a side of at least 32 rows multiplies each channel half by the rows of
@@ -2272,6 +2324,13 @@ def plan_decode(
     kch = (2 if kivi_words and k.bits == 4 else 1) if kivi_key_chains is None else int(kivi_key_chains)
     if kch not in (1, 2) or (kch == 2 and not kivi_words):
         raise ValueError(f"kivi_key_chains must be 1 or 2 (2 needs kivi_words), got {kivi_key_chains!r}")
+    # the key-rows loop pipelined by one tile for 4-bit key words without a register cap (H100: int4 at batch 32 x
+    # 8,192 248.7 -> 238.1 us, batch 1 x 131,072 136.7 -> 134.8; 2-bit words at their 168-register cap 212.6 -> 234.5,
+    # 4-bit bytes at 8 query heads per KV head (capped) 1,060 -> 1,265: off; bench/results/ANALYSIS.md, session 18)
+    kpipe = (bool(key_rows and kivi_words and k.bits == 4 and maxnreg is None) if kivi_pipeline is None
+             else bool(kivi_pipeline))
+    if kpipe and not key_rows:
+        raise ValueError("kivi_pipeline needs key_rows (fast KIVI by token-group key rows)")
     if num_stages is None:
         num_stages = 3 if nvfp4_halves or kivi_words else 2 if block_rows or key_rows else (
             3 if k.kind in ("fp8", "int_k") or fast_mx_ptx or (precision == "fast" and k.kind == "nvfp4"
@@ -2399,6 +2458,7 @@ def plan_decode(
         KR=bool(key_rows),
         KW=bool(kivi_words),
         KCH=kch,
+        KPIPE=kpipe,
         HALF_K=half_k,
         HALF_V=half_v,
         PART=0,  # 0: the paged and residual splits in one launch (``residual_launch`` makes 1 and 2)
