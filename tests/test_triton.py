@@ -150,6 +150,12 @@ def test_fp8_value_words_match_the_oracle(pair, precision):
     fmt = dc.v.tiles().fmt  # (0, 1: the OCP formats)
     ptx = nvidia and fmt in (0, 1) and fmt in hardware_fp8_formats(torch.device(DEVICE))
     assert launches[0].constexprs["VW8"] == (2 if ptx else 1 if nvidia else 0), pair
+    # an explicit ptx_unpack decides the halves' route (the ahead-of-time builds plan CUDA launches on the CPU)
+    for want_ptx in ((False,) if getattr(torch.version, "hip", None) else (False, True)):
+        launches, _, _ = plan_decode(q.to(DEVICE), dc.k.tiles(), dc.v.tiles(), dc.block_table, dc.seq_lens,
+                                     dc.page_size, precision=precision, fp8_value_words=True, ptx_unpack=want_ptx,
+                                     hw_formats={fmt})
+        assert launches[0].constexprs["VW8"] == (2 if want_ptx and fmt in (0, 1) else 1), (pair, want_ptx)
 
 
 @pytest.mark.parametrize("pair", PAIRS[7:9], ids=IDS[7:9])

@@ -146,10 +146,8 @@ def _launches(target: str, cases: list | None = None, page: int = 16) -> list[tu
                 # (fp8_value_words; the default on NVIDIA GPUs): the PTX halves on CUDA targets, portable elsewhere
                 launches, _, _ = plan_decode(q, dc.k.tiles(), dc.v.tiles(), dc.block_table, dc.seq_lens, page,
                                              max_seq_len=40, num_splits=2, hw_formats=_hw_formats(target),
-                                             fp8_value_words=True)
+                                             fp8_value_words=True, ptx_unpack=target.startswith("cuda"))
                 words = split(launches)
-                if target.startswith("cuda") and words.constexprs["FMT_V"] in (8, 9):
-                    words.constexprs["VW8"] = 2
                 out.append((f"decode[{label},vw8={words.constexprs['VW8']}]", words))
             if "fp4" in kn:  # FP4 keys with tokens as rows (fp4_keys_by_token; default on CUDA for blocks of 16)
                 launches, _, _ = plan_decode(q, dc.k.tiles(), dc.v.tiles(), dc.block_table, dc.seq_lens, page,

@@ -2105,8 +2105,9 @@ def plan_decode(
     two-warp fast FP8 and mxfp4 block rows, ``KIVI_KEY_ROWS_MAXNREG`` for 2-bit KIVI words with 16 value rows and 4-bit
     KIVI byte phases with 32, else none);
     ``ptx_unpack``: FP4 nibbles (and, with
-    ``key_rows``, KIVI codes) unpacked with inline PTX (CUDA only); default (None): where it measured faster on the
-    H100, fast-mode E8M0 (MXFP4, fp4_e2m1) and NVFP4 keys and KIVI key rows on CUDA (bench/results/ANALYSIS.md);
+    ``key_rows``, KIVI codes; with ``fp8_value_words``, the FP8 words' halves in the OCP formats the device converts)
+    unpacked with inline PTX (CUDA only); default (None): where it measured faster on the H100, fast-mode E8M0
+    (MXFP4, fp4_e2m1) and NVFP4 keys, KIVI key rows and FP8 value words on CUDA (bench/results/ANALYSIS.md);
     ``wide_scale_loads``: FP4 block
     scales read as one word per token where the layout allows (:func:`wide_scales`); default (None): where it
     measured faster (NVFP4; E8M0 blocks of 32, or of any size with PTX unpacking); False: bytewise;
@@ -2354,7 +2355,9 @@ def plan_decode(
     elif fp8_value_words and not fp8_words_ok:
         raise ValueError("fp8_value_words needs FP8 values without token scales (no residual window), an even "
                          "head_dim and value code rows aligned to 2 bytes")
-    vw8 = (2 if _nvidia_cuda(q) and v.fmt in hw and v.fmt in (0, 1) else 1) if fp8_value_words else 0
+    # their halves by inline PTX (VW8 = 2) on CUDA by default, or as ``ptx_unpack`` says where it is given
+    ptx_words = _nvidia_cuda(q) if ptx_auto else bool(ptx_unpack)
+    vw8 = (2 if ptx_words and v.fmt in hw and v.fmt in (0, 1) else 1) if fp8_value_words else 0
     if has_res:
         rk, rv, kl, vl = residual
     else:
