@@ -987,12 +987,23 @@ def _quarters_interleaved(a, b, c, d, R: tl.constexpr, C: tl.constexpr):
 
 
 @triton.jit
-def _kivi_rows_key_loads(t0, end, BT, K0, K1, K2, b, kvh, stride_btb, k0_s, k0_h, k1_s, k1_h, k2_s, k2_h,
-                         HV: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, PAGE_SLOTS: tl.constexpr,
+def _tile_slots(t0, end, BT, b, stride_btb, PAGE: tl.constexpr, PAGE_SLOTS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The cache rows (``page_slot``) of tokens t0 .. t0 + BLOCK_N - 1 of sequence ``b`` through its block table, and
+    which of them lie before ``end`` (the others read page 0 and are masked)."""
+    t = t0 + tl.arange(0, BLOCK_N)
+    tmask = t < end
+    page = tl.load(BT + b * stride_btb + t // PAGE, mask=tmask, other=0).to(tl.int64)
+    return page_slot(page, t, PAGE, PAGE_SLOTS), tmask
+
+
+@triton.jit
+def _kivi_rows_key_loads(t0, slot, tmask, end, BT, K0, K1, K2, b, kvh, stride_btb, k0_s, k0_h, k1_s, k1_h, k2_s,
+                         k2_h, HV: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, PAGE_SLOTS: tl.constexpr,
                          BLOCK_N: tl.constexpr, G_K: tl.constexpr, BITS_K: tl.constexpr, KW: tl.constexpr):
-    """:func:`_kivi_key_rows`' key loads of the tile at ``t0``: the codes (``KW``: words [BLOCK_N, D / 8], else bytes
-    [D / PK, BLOCK_N]) and the groups' scales and zeros broadcast over the key rows (float32 [rows, D]); tokens
-    at or past ``end`` masked (a tile wholly past it loads nothing)."""
+    """:func:`_kivi_key_rows`' key loads of the tile at ``t0`` (its tokens' ``slot`` and ``tmask`` from
+    :func:`_tile_slots`): the codes (``KW``: words [BLOCK_N, D / 8], else bytes [D / PK, BLOCK_N]) and the groups'
+    scales and zeros broadcast over the key rows (float32 [rows, D]); tokens at or past ``end`` masked (a tile wholly
+    past it loads nothing)."""
     PK: tl.constexpr = 8 // BITS_K
     NGK: tl.constexpr = BLOCK_N // G_K if BLOCK_N > G_K else 1
     RK: tl.constexpr = NGK * HV if NGK * HV > 16 else 16
@@ -1000,10 +1011,6 @@ def _kivi_rows_key_loads(t0, end, BT, K0, K1, K2, b, kvh, stride_btb, k0_s, k0_h
     KWB: tl.constexpr = BITS_K  # bytes per code word: 4 (4-bit codes), 2 (2-bit)
     kg = tl.arange(0, RK // HV)
     d = tl.arange(0, D)
-    t = t0 + tl.arange(0, BLOCK_N)
-    tmask = t < end
-    page = tl.load(BT + b * stride_btb + t // PAGE, mask=tmask, other=0).to(tl.int64)
-    slot = page_slot(page, t, PAGE, PAGE_SLOTS)
     tg = t0 + kg * G_K  # the first token of each key group of the tile
     gmask = (kg < NGK) & (tg < end)
     gslot = page_slot(tl.load(BT + b * stride_btb + tg // PAGE, mask=gmask, other=0).to(tl.int64), tg, PAGE,
@@ -1131,20 +1138,20 @@ def _kivi_key_rows(
         w6 = tl.zeros((NCH, BLOCK_H, DW), tl.float32)
         w7 = tl.zeros((NCH, BLOCK_H, DW), tl.float32)
     if PIPE:  # the first tile's scores before the loop; each step then computes the next tile's
-        kc, ks, kz = _kivi_rows_key_loads(start, end, BT, K0, K1, K2, b, kvh, stride_btb, k0_s, k0_h, k1_s, k1_h,
-                                          k2_s, k2_h, HV, D, PAGE, PAGE_SLOTS, BLOCK_N, G_K, BITS_K, KW)
+        slot, tmask = _tile_slots(start, end, BT, b, stride_btb, PAGE, PAGE_SLOTS, BLOCK_N)
+        kc, ks, kz = _kivi_rows_key_loads(start, slot, tmask, end, BT, K0, K1, K2, b, kvh, stride_btb, k0_s, k0_h,
+                                          k1_s, k1_h, k2_s, k2_h, HV, D, PAGE, PAGE_SLOTS, BLOCK_N, G_K, BITS_K, KW)
         s_next = _kivi_rows_scores(kc, ks, kz, qk, sel, qk_scale, HV, D, BLOCK_N, BITS_K, PTX, KW, KCH)
     for t0 in range(start, end, BLOCK_N):
-        t = t0 + tl.arange(0, BLOCK_N)
-        tmask = t < end
-        page = tl.load(BT + b * stride_btb + t // PAGE, mask=tmask, other=0).to(tl.int64)
-        slot = page_slot(page, t, PAGE, PAGE_SLOTS)
-        if PIPE:
-            kt0 = t0 + BLOCK_N
+        slot, tmask = _tile_slots(t0, end, BT, b, stride_btb, PAGE, PAGE_SLOTS, BLOCK_N)
+        if PIPE:  # the next tile's keys
+            kslot, ktmask = _tile_slots(t0 + BLOCK_N, end, BT, b, stride_btb, PAGE, PAGE_SLOTS, BLOCK_N)
+            kc, ks, kz = _kivi_rows_key_loads(t0 + BLOCK_N, kslot, ktmask, end, BT, K0, K1, K2, b, kvh, stride_btb,
+                                              k0_s, k0_h, k1_s, k1_h, k2_s, k2_h, HV, D, PAGE, PAGE_SLOTS, BLOCK_N, G_K,
+                                              BITS_K, KW)
         else:
-            kt0 = t0
-        kc, ks, kz = _kivi_rows_key_loads(kt0, end, BT, K0, K1, K2, b, kvh, stride_btb, k0_s, k0_h, k1_s, k1_h,
-                                          k2_s, k2_h, HV, D, PAGE, PAGE_SLOTS, BLOCK_N, G_K, BITS_K, KW)
+            kc, ks, kz = _kivi_rows_key_loads(t0, slot, tmask, end, BT, K0, K1, K2, b, kvh, stride_btb, k0_s, k0_h,
+                                              k1_s, k1_h, k2_s, k2_h, HV, D, PAGE, PAGE_SLOTS, BLOCK_N, G_K, BITS_K, KW)
         if KW:  # (strides in words, so the rows' alignment is known to the compiler: vector loads)
             slot3 = tl.reshape(slot, (NCH, BLOCK_N // NCH))[:, :, None]  # (loaded in the product's chunks)
             vw = tl.load(V0.to(tl.pointer_type(WTV)) + slot3 * (v0_s // VWB) + kvh * (v0_h // VWB)
