@@ -1253,6 +1253,80 @@ def test_merge_channel_blocks_agree_with_the_whole_row_merge():
                     merge_channels=32)
 
 
+def test_direct_output_is_the_merge_of_one_split():
+    """One split and nothing to merge (``direct_output``, the default there): no merge launch, and the split kernel's
+    output and natural-log LSE have the merged launch's values (the merge weighs one split by exactly 1), within the
+    oracle's bound, an empty sequence included (out 0, LSE -inf); ``direct_output=True`` with two splits, a residual
+    window or a rotated V raises, and a rotated V with one split keeps the merge (it un-rotates)."""
+    from kvqref.kernels.decode import merge_kernel, plan_decode
+
+    rng = np.random.default_rng(57)
+    for pair in (PAIRS[0], PAIRS[2], PAIRS[6]):
+        cache, _ = build_cache(pair, SMALL, rng)
+        dc = tb.DeviceCache.from_cache(cache, DEVICE)
+        q = torch.from_numpy(rng.standard_normal((3, 4, 64)).astype(np.float32)).to(torch.bfloat16)
+        ref_out, ref_lse, tol_o, tol_l = _oracle(cache, q.float().numpy().astype(np.float64))
+        launches, _, _ = plan_decode(q.to(DEVICE), dc.k.tiles(), dc.v.tiles(), dc.block_table, dc.seq_lens,
+                                     dc.page_size, num_splits=1, block_n=16)
+        assert not any(la.kernel is merge_kernel for la in launches), pair
+        assert launches[-1].constexprs["DIRECT"], pair
+        out, lse, _ = _run_decode(cache, q, num_splits=1, block_n=16)
+        merged, merged_lse, _ = _run_decode(cache, q, num_splits=1, block_n=16, direct_output=False)
+        assert np.array_equal(out, merged) and np.array_equal(lse, merged_lse), pair
+        assert (np.abs(out - ref_out) <= tol_o).all() and (np.abs(lse - ref_lse) <= tol_l).all(), pair
+        # an empty sequence: the split reads nothing
+        lens = dc.seq_lens.clone()
+        dc.seq_lens[1] = 0
+        out0, lse0 = tb.decode(q.to(DEVICE), dc, num_splits=1, block_n=16)
+        dc.seq_lens.copy_(lens)
+        assert (out0[1] == 0).all() and torch.isneginf(lse0[1]).all(), pair
+        assert np.array_equal(out0[0].cpu().numpy(), out[0]) and np.array_equal(lse0[2].cpu().numpy(), lse[2])
+        with pytest.raises(ValueError, match="direct_output needs one split"):
+            plan_decode(q.to(DEVICE), dc.k.tiles(), dc.v.tiles(), dc.block_table, dc.seq_lens, dc.page_size,
+                        num_splits=2, direct_output=True)
+    kivi, _ = build_cache(PAIRS[7], SMALL, rng)
+    with pytest.raises(ValueError, match="direct_output needs one split"):
+        _run_decode(kivi, torch.zeros(3, 4, 64, dtype=torch.bfloat16), num_splits=1, direct_output=True)
+    rot = ("fp8_e4m3", {}, "fp8_e4m3", {"rotation": "hadamard", "rotation_seed": 3})
+    rc = tb.DeviceCache.from_cache(build_cache(rot, SMALL, rng)[0], DEVICE)
+    qz = torch.zeros(3, 4, 64, dtype=torch.bfloat16, device=DEVICE)
+    launches, _, _ = plan_decode(qz, rc.k.tiles(), rc.v.tiles(), rc.block_table, rc.seq_lens, rc.page_size,
+                                 num_splits=1)
+    assert launches[-1].kernel is merge_kernel and launches[-1].constexprs["ROT_V"]
+    with pytest.raises(ValueError, match="direct_output needs one split"):
+        plan_decode(qz, rc.k.tiles(), rc.v.tiles(), rc.block_table, rc.seq_lens, rc.page_size, num_splits=1,
+                    direct_output=True)
+
+
+def test_bf16_launch_is_the_measured_choice(monkeypatch):
+    """Fast bf16 on NVIDIA GPUs with at least as many KV pairs as multiprocessors: 128-token tiles, 4 warps, 3 stages
+    and the fewest splits that fill whole waves of 2 programs (H100, session 19: batch 32 x 8,192 376.0 -> 370.3 us
+    at one split, which writes the output itself; 48 x 8,192 at 2 splits); with fewer pairs, in exact mode and off
+    NVIDIA the 64-token, 2-warp launch (planned on the CPU as for a GPU of 4 multiprocessors)."""
+    from kvqref.kernels import decode
+    from kvqref.kernels.decode import BF16_WIDE, plan_decode
+
+    rng = np.random.default_rng(58)
+    cache, _ = build_cache(PAIRS[0], SMALL, rng)  # 3 sequences x 2 KV heads: 6 pairs
+    dc = tb.DeviceCache.from_cache(cache, "cpu")
+    q = torch.zeros(3, 4, 64, dtype=torch.bfloat16)
+
+    def split_launch(**kw):
+        launches, _, _ = plan_decode(q, dc.k.tiles(), dc.v.tiles(), dc.block_table, dc.seq_lens, dc.page_size, **kw)
+        sp = next(la for la in launches if la.kernel is decode.decode_split_kernel)
+        return (sp.constexprs["BLOCK_N"], sp.options["num_warps"], sp.options["num_stages"]), sp.grid[2], len(launches)
+
+    assert split_launch()[0] == (64, 2, 2)  # not an NVIDIA GPU
+    monkeypatch.setattr(decode, "_nvidia_cuda", lambda t: True)
+    assert split_launch() == (BF16_WIDE, 1, 1)  # 6 programs in a wave of 8: one split, no merge launch
+    assert split_launch(max_seq_len=3000)[1:] == (4, 2)  # 1-3 splits fill 75% of their last wave, 4 splits 100%
+    assert split_launch(precision="exact")[0] != BF16_WIDE
+    one, _ = build_cache(PAIRS[0], dict(SMALL, batch=1, lens=(37,)), rng)  # 2 pairs < 4 multiprocessors
+    d1 = tb.DeviceCache.from_cache(one, "cpu")
+    launches, _, _ = plan_decode(q[:1], d1.k.tiles(), d1.v.tiles(), d1.block_table, d1.seq_lens, d1.page_size)
+    assert launches[0].constexprs["BLOCK_N"] == 64 and launches[0].options["num_warps"] == 2
+
+
 def test_split_counts_are_the_measured_choices():
     """About 16 programs per multiprocessor by default; one wave of programs for the KIVI key-rows kernel, which
     holds 2 per multiprocessor (session 10, H100: batch 32 x 8,192 1 split 321 us against 353 us for 8; batch 1

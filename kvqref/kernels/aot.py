@@ -104,7 +104,14 @@ def _launches(target: str, cases: list | None = None, page: int = 16) -> list[tu
 
     from kvqref import schemes
     from kvqref.backends import triton_backend as tb
-    from kvqref.kernels.decode import PRECISIONS, decode_split_kernel, merge_kernel, plan_decode, rotate_q_kernel
+    from kvqref.kernels.decode import (
+        BF16_WIDE,
+        PRECISIONS,
+        decode_split_kernel,
+        merge_kernel,
+        plan_decode,
+        rotate_q_kernel,
+    )
     from kvqref.paged import PagedKVCache
 
     def split(launches):
@@ -149,6 +156,12 @@ def _launches(target: str, cases: list | None = None, page: int = 16) -> list[tu
                                              fp8_value_words=True, ptx_unpack=target.startswith("cuda"))
                 words = split(launches)
                 out.append((f"decode[{label},vw8={words.constexprs['VW8']}]", words))
+            if label in ("bf16", "fp8_e4m3"):  # one split writing the outputs itself (``direct_output``)
+                wide = dict(zip(("block_n", "num_warps", "num_stages"), BF16_WIDE, strict=True))
+                launches, _, _ = plan_decode(q, dc.k.tiles(), dc.v.tiles(), dc.block_table, dc.seq_lens, page,
+                                             max_seq_len=40, num_splits=1, hw_formats=_hw_formats(target),
+                                             direct_output=True, **(wide if label == "bf16" else {}))
+                out.append((f"decode[{label},direct]", split(launches)))
             if "fp4" in kn:  # FP4 keys with tokens as rows (fp4_keys_by_token; default on CUDA for blocks of 16)
                 launches, _, _ = plan_decode(q, dc.k.tiles(), dc.v.tiles(), dc.block_table, dc.seq_lens, page,
                                              max_seq_len=40, num_splits=2, hw_formats=_hw_formats(target),

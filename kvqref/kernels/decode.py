@@ -4,7 +4,8 @@ Stage 1 (``decode_split_kernel``): one program per (sequence, KV head, split) re
 paged cache in its stored form (codes + scales), dequantizes in registers with a constexpr-selected
 inline function (``KIND``), and keeps an online softmax for the query heads of that KV head (GQA/MQA).
 A last split per sequence attends KIVI's full-precision residual window in the same launch.
-Stage 2 (``merge_kernel``) merges the splits by their log-sum-exp.
+Stage 2 (``merge_kernel``) merges the splits by their log-sum-exp; with one split and nothing to merge
+(``direct_output``), stage 1 writes the output and the LSE itself.
 
 Cache tile kinds (``KIND_K``/``KIND_V``) and the fields they read (leading axes [slot, head]):
     0 BF16     F0 bf16 [D]
@@ -1311,11 +1312,14 @@ def decode_split_kernel(
     BLOCK_R: tl.constexpr = 0,
     PART: tl.constexpr = 0,
     VW8: tl.constexpr = 0,
+    DIRECT: tl.constexpr = False,
 ):
     """One (sequence, KV head, split): K tiles are read transposed [D/PACK, N] per phase (the elements
     sharing a byte position), V tiles [N, D/PACK]; no register transposes or interleaves. ``VW8`` (FP8 values
     without token scales, ``fp8_value_words``): V read as 16-bit words of two channels [N, D/2], the even and
-    the odd channels two products (acc0, acc1: PV = 2), 1 portable, 2 by inline PTX (:func:`_fp8_word_halves`)."""
+    the odd channels two products (acc0, acc1: PV = 2), 1 portable, 2 by inline PTX (:func:`_fp8_word_halves`).
+    ``DIRECT`` (one split, nothing to merge: ``direct_output``): ``OP`` / ``LP`` are the outputs [B, Hq, D] and
+    [B, Hq], and the LSE is stored in natural log (:func:`_lse_natural`), as the merge of one split would."""
     PK: tl.constexpr = 1 if KIND_K <= 1 else (2 if KIND_K <= 3 else 8 // BITS_K)
     PV: tl.constexpr = 2 if VW8 > 0 else (1 if KIND_V <= 1 else (2 if KIND_V <= 3 else 8 // BITS_V))
     DK: tl.constexpr = D // PK
@@ -1697,6 +1701,8 @@ def decode_split_kernel(
     if PV == 4:
         tl.store(OP + base + (iv * PV + 2)[None, :], acc2 / safe_l[:, None] * vs, mask=hmask[:, None])
         tl.store(OP + base + (iv * PV + 3)[None, :], acc3 / safe_l[:, None] * vs, mask=hmask[:, None])
+    if DIRECT:
+        lse2 = _lse_natural(lse2)
     tl.store(LP + b * lp_b + qh.to(tl.int64) * lp_h + split, lse2, mask=hmask)
 
 
@@ -1716,6 +1722,12 @@ def rotate_q_kernel(Q, SIGNS, QR, q_heads, stride_qb, stride_qh, D: tl.constexpr
         q = qr.to(tl.float32)
     q = hadamard_rows(q * tl.load(SIGNS + d)[None, :], ROWS, D)
     tl.store(QR + (b * q_heads + h[:, None]) * D + d[None, :], q, mask=m)
+
+
+@triton.jit
+def _lse_natural(lse2):
+    """A base-2 log-sum-exp in natural log: ``lse2 * f32(ln 2)`` (one float32 multiply; -inf stays -inf)."""
+    return lse2 * 0.6931471805599453
 
 
 @triton.jit
@@ -1743,7 +1755,7 @@ def merge_kernel(
     if ROT_V:
         out = tl.reshape(hadamard_rows(tl.reshape(out, (1, D)), 1, D), (D,)) * tl.load(VSQ + d)
     tl.store(O + b * o_b + h * o_h + d, out)
-    lse_nat = tl.where(wsum > 0, (m_use + tl.log2(wsum)) * 0.6931471805599453, float("-inf"))
+    lse_nat = tl.where(wsum > 0, _lse_natural(m_use + tl.log2(wsum)), float("-inf"))
     if tl.program_id(2) == 0:
         tl.store(LSE + b * lse_b + h, lse_nat)
 
@@ -2005,6 +2017,13 @@ def two_warp_resident(maxnreg: int | None) -> int:
 #: two-warp programs of the bf16 kernel resident per multiprocessor (its 64-token tiles take 39 KB of shared memory:
 #: 5 fit the H100's 228 KB)
 BF16_TWO_WARP_RESIDENT = 5
+#: fast bf16 with at least as many KV pairs as multiprocessors: 128-token tiles, 4 warps, 3 stages (107 KB of shared
+#: memory: 2 programs per multiprocessor), the fewest splits that fill whole waves of 2 (one split writes the output
+#: itself). H100 against 64 / 2 / 2 at its wave rule of 5: batch 32 x 8,192 376.0 -> 370.3 us, 16 x 16,384 378.5 ->
+#: 372.0 (2 splits), 48 x 8,192 552.5 -> 549.6 (2), 128 x 4,096 733.3 -> 724.2, 64 query heads x 16,384 1,445.1 ->
+#: 1,425.7 (bench/results/ANALYSIS.md, session 19)
+BF16_WIDE = (128, 4, 3)
+BF16_WIDE_RESIDENT = 2
 
 
 def choose_splits(batch: int, kv_heads: int, max_len: int, block_n: int, num_sms: int,
@@ -2105,6 +2124,7 @@ def plan_decode(
     fp8_value_words: bool | None = None,
     kivi_key_chains: int | None = None,
     kivi_pipeline: bool | None = None,
+    direct_output: bool | None = None,
 ):
     """The launches of decode attention (see :func:`paged_decode`), with their output tensors.
     ``hw_formats``: FP8 format ids converted in hardware (default: what ``q``'s device has); ``maxnreg``:
@@ -2169,7 +2189,11 @@ def plan_decode(
     of one-byte shared loads (:func:`_fp8_word_halves`; the same products, each channel's sum in the same order);
     needs FP8 values without token scales and rows aligned to 2 bytes; default: on NVIDIA GPUs where it applies
     (H100, fp8_e4m3 at batch 32 x 8,192: 207.1 -> 200.6 us; static sm_90: 679 -> 481 loop instructions per thread,
-    177 -> 117 registers)."""
+    177 -> 117 registers).
+    ``direct_output``: with one split and no residual window, the split kernel writes the output and the natural-log
+    LSE itself and no merge launch follows (constexpr ``DIRECT``; the merge of one split weighs it by exactly 1, so
+    the same values; a -0.0 output element stays -0.0 where the merge's sum gives +0.0); not with a rotated V (the
+    merge un-rotates); default: wherever it applies; ``True`` where it does not raises."""
     import torch
 
     if precision not in PRECISIONS:
@@ -2290,9 +2314,14 @@ def plan_decode(
     # replicates them across the warps of a larger program: sm_90 SASS of 2 warps issues the 1-warp loop's MMAs)
     nvfp4_halves = half_k and half_v and k.kind == v.kind == "nvfp4" and not words_halves
     blk_wide = block_rows and (prod_rows > 16 or e8m0_16_halves) and not words_halves
+    sms = _multiprocessors(str(q.device)) if q.is_cuda else 4  # the split count's and the merge's defaults
+    # (NVIDIA only: 107 KB of shared memory per program, more than a ROCm compute unit has)
+    bf16_wide = precision == "fast" and k.kind == v.kind == "bf16" and batch * kv_heads >= sms and _nvidia_cuda(q)
     if block_n is None:
         if key_rows:
             block_n = kr_tile or 128
+        elif bf16_wide:
+            block_n = BF16_WIDE[0]
         elif words_halves:
             block_n = 32
         elif block_rows:
@@ -2300,7 +2329,7 @@ def plan_decode(
         else:
             block_n = 64 if precision == "fast" and (fast_e8m0 or fast_nvfp4_ptx or k.kind == "bf16") else 32
     if num_warps is None:
-        num_warps = (1 if words_halves else
+        num_warps = (1 if words_halves else BF16_WIDE[1] if bf16_wide else
                      4 if (fast_e8m0 and not fast_mx_ptx and not block_rows) or blk_wide or key_rows else 2)
     if key_rows:  # a tile holds whole KIVI token groups, or lies inside one
         if block_n % k.group and k.group % block_n:
@@ -2340,7 +2369,7 @@ def plan_decode(
     if kpipe and not key_rows:
         raise ValueError("kivi_pipeline needs key_rows (fast KIVI by token-group key rows)")
     if num_stages is None:
-        num_stages = 3 if nvfp4_halves or kivi_words else 2 if block_rows or key_rows else (
+        num_stages = 3 if nvfp4_halves or kivi_words or bf16_wide else 2 if block_rows or key_rows else (
             3 if k.kind in ("fp8", "int_k") or fast_mx_ptx or (precision == "fast" and k.kind == "nvfp4"
                                                                 and not ptx_unpack) else 2)
     hw = hardware_fp8_formats(q.device) if hw_formats is None else hw_formats
@@ -2372,7 +2401,6 @@ def plan_decode(
         kl = vl = seq_lens
     if max_seq_len is None:  # (a device sync: callers in a hot loop pass it)
         max_seq_len = int(seq_lens.max().item()) if seq_lens.numel() else 0
-    sms = _multiprocessors(str(q.device)) if q.is_cuda else 4  # the split count's and the merge's defaults
     if num_splits is None:
         # FP8 and mxfp4 at 2 warps with fewer KV pairs than multiprocessors (long contexts, few sequences): whole
         # waves, rounded down (with more pairs the split count is too coarse to hit them: ANALYSIS.md, session 12)
@@ -2394,12 +2422,24 @@ def plan_decode(
             if fill is not None:
                 num_splits, per = min((num_splits, per),
                                       choose_splits(batch, kv_heads, max_seq_len, block_n, sms, fill))
+        if bf16_wide and (block_n, num_warps, num_stages) == BF16_WIDE:  # whole waves of 2 programs
+            num_splits, per = choose_splits(batch, kv_heads, max_seq_len, block_n, sms, BF16_WIDE_RESIDENT)
     else:
         per = -(-max(max_seq_len, 1) // num_splits)
         per = -(-per // block_n) * block_n
     total = num_splits + int(has_res)
-    op = torch.empty(batch, q_heads, total, head_dim, dtype=torch.float32, device=q.device)
-    lp = torch.empty(batch, q_heads, total, dtype=torch.float32, device=q.device)
+    direct_ok = total == 1 and v.rotation is None
+    if direct_output and not direct_ok:
+        raise ValueError("direct_output needs one split, no residual window and an unrotated V "
+                         f"(here {num_splits} splits, residual {has_res}, V rotated {v.rotation is not None})")
+    direct = direct_ok if direct_output is None else bool(direct_output)
+    out = torch.empty(batch, q_heads, head_dim, dtype=torch.float32, device=q.device)
+    lse = torch.empty(batch, q_heads, dtype=torch.float32, device=q.device)
+    if direct:  # the split kernel writes out and lse: [B, Hq, 1, D] and [B, Hq, 1] views (the split axis unused)
+        op, lp = out.unsqueeze(2), lse.unsqueeze(2)
+    else:
+        op = torch.empty(batch, q_heads, total, head_dim, dtype=torch.float32, device=q.device)
+        lp = torch.empty(batch, q_heads, total, dtype=torch.float32, device=q.device)
     heads_fast = bool(heads_fast)
     grid = (kv_heads, batch, total) if heads_fast else (batch, kv_heads, total)
     split_args = [
@@ -2474,9 +2514,8 @@ def plan_decode(
         PART=0,  # 0: the paged and residual splits in one launch (``residual_launch`` makes 1 and 2)
         BLOCK_R=min(block_n, 32) if key_rows else 0,  # residual tiles: 32 tokens (128 measured 188 KB of shared memory)
         VW8=vw8,
+        DIRECT=direct,
     )
-    out = torch.empty(batch, q_heads, head_dim, dtype=torch.float32, device=q.device)
-    lse = torch.empty(batch, q_heads, dtype=torch.float32, device=q.device)
     merge_args = [
         op,
         lp,
@@ -2515,9 +2554,9 @@ def plan_decode(
                          f"rotated V), got {merge_channels!r}")
     merge_cx["DB"] = mdb
     merge_opts = {"num_warps": int(merge_warps) if merge_warps else merge_warps_default(merge_cx["S_PAD"], mdb)}
-    launches = [*rotate_q, *splits, Launch(merge_kernel, (batch, q_heads, head_dim // mdb), merge_args, merge_cx,
-                                           merge_opts)]
-    return launches, out, lse
+    merge = [] if direct else [
+        Launch(merge_kernel, (batch, q_heads, head_dim // mdb), merge_args, merge_cx, merge_opts)]
+    return [*rotate_q, *splits, *merge], out, lse
 
 
 def paged_decode(q, k: CacheTiles, v: CacheTiles, block_table, seq_lens, page_size: int, **kw):
