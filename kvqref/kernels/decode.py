@@ -758,10 +758,7 @@ def _fp4_block_rows(
         acc6 = tl.zeros((RVP, DV), tl.float32)
         acc7 = tl.zeros((RVP, DV), tl.float32)
     for t0 in range(start, end, BLOCK_N):
-        t = t0 + tl.arange(0, BLOCK_N)
-        tmask = t < end
-        page = tl.load(BT + b * stride_btb + t // PAGE, mask=tmask, other=0).to(tl.int64)
-        slot = page_slot(page, t, PAGE, PAGE_SLOTS)
+        slot, tmask = _tile_slots(t0, end, BT, b, stride_btb, PAGE, PAGE_SLOTS, BLOCK_N)
         # every load first (the order measured: 165 registers against 227 with the value loads after the softmax)
         krow = K0 + slot[None, :] * k0_s + kvh * k0_h
         kb = tl.load(krow + jk[:, None], mask=tmask[None, :], other=0)
@@ -1424,10 +1421,7 @@ def decode_split_kernel(
                 KIND_V, QB_V, FMT_V, PTX, WSC_K, WSC_V, VW, HALF_K, HALF_V)
         else:
             for t0 in range(start, end, BLOCK_N):
-                t = t0 + tl.arange(0, BLOCK_N)
-                tmask = t < end
-                page = tl.load(BT + b * stride_btb + t // PAGE, mask=tmask, other=0).to(tl.int64)
-                slot = page_slot(page, t, PAGE, PAGE_SLOTS)
+                slot, tmask = _tile_slots(t0, end, BT, b, stride_btb, PAGE, PAGE_SLOTS, BLOCK_N)
                 # K: [DK, N] per phase
                 sk = slot[None, :]
                 mk = tmask[None, :]
