@@ -1299,10 +1299,10 @@ def test_direct_output_is_the_merge_of_one_split():
 
 
 def test_bf16_launch_is_the_measured_choice(monkeypatch):
-    """Fast bf16 on NVIDIA GPUs with at least as many KV pairs as multiprocessors: 128-token tiles, 4 warps, 3 stages
-    and the fewest splits that fill whole waves of 2 programs (H100, session 19: batch 32 x 8,192 376.0 -> 370.3 us
-    at one split, which writes the output itself; 48 x 8,192 at 2 splits); with fewer pairs, in exact mode and off
-    NVIDIA the 64-token, 2-warp launch (planned on the CPU as for a GPU of 4 multiprocessors)."""
+    """Fast bf16 on NVIDIA GPUs: 128-token tiles, 4 warps, 3 stages and the fewest splits that fill whole waves of 2
+    programs (H100, session 19: batch 32 x 8,192 375.8 -> 370.3 us at one split, which writes the output itself;
+    48 x 8,192 at 2 splits, batch 1 x 131,072 at 32); in exact mode and off NVIDIA the 64-token, 2-warp launch
+    (planned on the CPU as for a GPU of 4 multiprocessors)."""
     from kvqref.kernels import decode
     from kvqref.kernels.decode import BF16_WIDE, plan_decode
 
@@ -1321,10 +1321,11 @@ def test_bf16_launch_is_the_measured_choice(monkeypatch):
     assert split_launch() == (BF16_WIDE, 1, 1)  # 6 programs in a wave of 8: one split, no merge launch
     assert split_launch(max_seq_len=3000)[1:] == (4, 2)  # 1-3 splits fill 75% of their last wave, 4 splits 100%
     assert split_launch(precision="exact")[0] != BF16_WIDE
-    one, _ = build_cache(PAIRS[0], dict(SMALL, batch=1, lens=(37,)), rng)  # 2 pairs < 4 multiprocessors
+    one, _ = build_cache(PAIRS[0], dict(SMALL, batch=1, lens=(37,)), rng)  # 2 pairs in a wave of 8: 4 splits
     d1 = tb.DeviceCache.from_cache(one, "cpu")
-    launches, _, _ = plan_decode(q[:1], d1.k.tiles(), d1.v.tiles(), d1.block_table, d1.seq_lens, d1.page_size)
-    assert launches[0].constexprs["BLOCK_N"] == 64 and launches[0].options["num_warps"] == 2
+    launches, _, _ = plan_decode(q[:1], d1.k.tiles(), d1.v.tiles(), d1.block_table, d1.seq_lens, d1.page_size,
+                                 max_seq_len=4 * 4 * 128)
+    assert launches[0].constexprs["BLOCK_N"] == 128 and launches[0].grid[2] == 4
 
 
 def test_split_counts_are_the_measured_choices():

@@ -2011,11 +2011,12 @@ def two_warp_resident(maxnreg: int | None) -> int:
 #: two-warp programs of the bf16 kernel resident per multiprocessor (its 64-token tiles take 39 KB of shared memory:
 #: 5 fit the H100's 228 KB)
 BF16_TWO_WARP_RESIDENT = 5
-#: fast bf16 with at least as many KV pairs as multiprocessors: 128-token tiles, 4 warps, 3 stages (107 KB of shared
-#: memory: 2 programs per multiprocessor), the fewest splits that fill whole waves of 2 (one split writes the output
-#: itself). H100 against 64 / 2 / 2 at its wave rule of 5: batch 32 x 8,192 376.0 -> 370.3 us, 16 x 16,384 378.5 ->
-#: 372.0 (2 splits), 48 x 8,192 552.5 -> 549.6 (2), 128 x 4,096 733.3 -> 724.2, 64 query heads x 16,384 1,445.1 ->
-#: 1,425.7 (bench/results/ANALYSIS.md, session 19)
+#: fast bf16 on NVIDIA GPUs: 128-token tiles, 4 warps, 3 stages (107 KB of shared memory: 2 programs per
+#: multiprocessor), the fewest splits that fill whole waves of 2 (one split writes the output itself). H100 against
+#: 64 / 2 / 2 (at its wave rule of 5 or 16 programs per multiprocessor): batch 32 x 8,192 375.8 -> 370.3 us (1 split),
+#: 48 x 8,192 552.4 -> 549.5 (2), 128 x 4,096 733.6 -> 724.3 (1), 64 query heads x 16,384 1,445.0 -> 1,425.6 (1),
+#: 16 x 16,384 378.8 -> 372.7 (2), 8 x 32,768 378.2 -> 372.8 (4), 1 x 131,072 200.7 -> 196.5 (32); page 1 378.5 ->
+#: 373.9 (bench/results/ANALYSIS.md, session 19)
 BF16_WIDE = (128, 4, 3)
 BF16_WIDE_RESIDENT = 2
 
@@ -2310,7 +2311,7 @@ def plan_decode(
     blk_wide = block_rows and (prod_rows > 16 or e8m0_16_halves) and not words_halves
     sms = _multiprocessors(str(q.device)) if q.is_cuda else 4  # the split count's and the merge's defaults
     # (NVIDIA only: 107 KB of shared memory per program, more than a ROCm compute unit has)
-    bf16_wide = precision == "fast" and k.kind == v.kind == "bf16" and batch * kv_heads >= sms and _nvidia_cuda(q)
+    bf16_wide = precision == "fast" and k.kind == v.kind == "bf16" and _nvidia_cuda(q)
     if block_n is None:
         if key_rows:
             block_n = kr_tile or 128
