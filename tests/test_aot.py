@@ -63,9 +63,12 @@ def test_every_kernel_compiles_for_rocm_and_cuda_targets():
         vw8 = sum(c[3].startswith("fp8") and c[4].get("granularity") != "token_head" for c in DECODE_CASES)
         # + one split writing the outputs itself (``direct_output``): bf16 (at the NVIDIA launch, ``BF16_WIDE``) and FP8
         direct = sum(c[0] in ("bf16", "fp8_e4m3") for c in DECODE_CASES)
+        # + on CUDA the key rows with the codes unpacked by inline PTX (their default on NVIDIA GPUs)
+        kr_ptx = key_rows if t.startswith("cuda") else 0
         assert len(rows) == (2 * len(DECODE_CASES) + len(SHARED_KERNELS) + len(WRITE_CASES) + ptx + f16cvt
                              + rows_off + kt4 + ktile_off + 3 * key_rows + sums + nvb + blocks + vw_off + vw8
-                             + direct), t
+                             + direct + kr_ptx), t
+        assert sum(r["kernel"].endswith(",kr=1,ptx]") and r["ok"] for r in rows) == kr_ptx, t
         assert sum(r["kernel"].endswith(",direct]") and r["ok"] for r in rows) == direct == 2, t
         assert sum(",vw=0" in r["kernel"] for r in rows) == vw_off, t
         words = [r["kernel"] for r in rows if ",vw8=" in r["kernel"]]

@@ -193,6 +193,12 @@ def _launches(target: str, cases: list | None = None, page: int = 16) -> list[tu
                                                  hw_formats=_hw_formats(target), value_rows=True, key_rows=True,
                                                  kivi_words=False)
                     out.append((f"decode[{label},kr=1,kw=0]", split(launches)))
+                    if target.startswith("cuda"):  # the codes unpacked by inline PTX: the GPU's default key rows
+                        launches, _, _ = plan_decode(q, dc.k.tiles(), dc.v.tiles(), dc.block_table, dc.seq_lens, page,
+                                                     residual=residual, max_seq_len=40, num_splits=2,
+                                                     hw_formats=_hw_formats(target), value_rows=True, key_rows=True,
+                                                     ptx_unpack=True)
+                        out.append((f"decode[{label},kr=1,ptx]", split(launches)))
             for launch in launches:  # the merge kernel does not depend on the scheme, nor rotate_q
                 name = ("rotate_q" if launch.kernel is rotate_q_kernel else None if launch.kernel is not merge_kernel
                         else "merge[rotated]" if launch.constexprs["ROT_V"] else "merge")
