@@ -2401,8 +2401,11 @@ def plan_decode(
         # waves, rounded down (with more pairs the split count is too coarse to hit them: ANALYSIS.md, session 12)
         two_warp_waves = (num_warps == 2 and precision == "fast" and batch * kv_heads < sms
                           and (k.kind == v.kind == "fp8" or (bool(block_rows) and k.kind == v.kind == "mxfp4")))
+        # the KIVI key rows and the fast bf16 launch (``BF16_WIDE``): whole waves of the programs resident at once
+        bf16_waves = bf16_wide and (block_n, num_warps, num_stages) == BF16_WIDE
         num_splits, per = choose_splits(batch, kv_heads, max_seq_len, block_n, sms,
-                                        key_rows_resident(num_warps, maxnreg) if key_rows else None,
+                                        key_rows_resident(num_warps, maxnreg) if key_rows else
+                                        BF16_WIDE_RESIDENT if bf16_waves else None,
                                         WORDS_HALVES_RESIDENT if words_halves else
                                         two_warp_resident(maxnreg) if two_warp_waves else None, down=two_warp_waves)
         # FP8, bf16 and FP4 without block rows at 2 warps with at least as many KV pairs as multiprocessors: the
@@ -2417,8 +2420,6 @@ def plan_decode(
             if fill is not None:
                 num_splits, per = min((num_splits, per),
                                       choose_splits(batch, kv_heads, max_seq_len, block_n, sms, fill))
-        if bf16_wide and (block_n, num_warps, num_stages) == BF16_WIDE:  # whole waves of 2 programs
-            num_splits, per = choose_splits(batch, kv_heads, max_seq_len, block_n, sms, BF16_WIDE_RESIDENT)
     else:
         per = -(-max(max_seq_len, 1) // num_splits)
         per = -(-per // block_n) * block_n
