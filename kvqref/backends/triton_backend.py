@@ -420,12 +420,6 @@ def _nvidia_gpu(device) -> bool:
     return bool(not INTERPRET and getattr(device, "type", None) == "cuda" and not getattr(torch.version, "hip", None))
 
 
-def kivi_f16_codes_default(device) -> bool:
-    """Whether KIVI writes compute their codes by float16 arithmetic by default (the write kernel's ``F16_CODES``:
-    the same codes, two elements per instruction on NVIDIA GPUs): not yet (to be measured)."""
-    return False
-
-
 def hardware_fp8_encode(device) -> bool:
     """Whether the write kernel converts float32 to the OCP FP8 formats in hardware: NVIDIA sm_89+
     (``cvt.rn.satfinite``, exact RNE; the kernel handles overflow and NaN). Not on ROCm, not in the
@@ -589,7 +583,7 @@ def settle_partner_lanes(launch, device, d: int):
 def plan_write(side: Side, x, slot_mapping, *, block_t: int | None = None, block_h: int | None = None,
                num_warps: int | None = None, hw_fp8: bool | None = None, f16_cvt: bool | None = None,
                rotation_route: str | None = None, nvfp4_blocks: bool | None = None, block_d: int | None = None,
-               store_as_loaded: bool | None = None, kivi_f16_codes: bool | None = None):
+               store_as_loaded: bool | None = None):
     """The launch of :func:`quantize_write` (checked on the host first). ``block_t``/``block_h``/``num_warps``:
     the tile and warps (default :func:`write_tile`, WRITE_WARPS; KIVI keys always take BLOCK_T = G);
     ``hw_fp8``: OCP FP8 codes by the hardware conversion (default: :func:`hardware_fp8_encode` of x's
@@ -694,9 +688,7 @@ def plan_write(side: Side, x, slot_mapping, *, block_t: int | None = None, block
               ROTATE=rotation is not None, RDT=rdt, ROT_ROUTE=ROTATION_ROUTES[rotation_route],
               ROT_LANE_H=16, ROT_LANE_N=8, ROT_SHFL=rotation_route == "shfl",
               NV_BLOCKS=nv_blocks, BLOCK_D=0 if block_d == head_dim else block_d,
-              STORE_AS_LOADED=bool(store_as_loaded), PAGE=page, PAGE_SLOTS=tiles.page_slots(page),
-              F16_CODES=cfg["kind"] in ("int_k", "int_v") and (kivi_f16_codes_default(x.device) if kivi_f16_codes is None
-                                                              else bool(kivi_f16_codes)))
+              STORE_AS_LOADED=bool(store_as_loaded), PAGE=page, PAGE_SLOTS=tiles.page_slots(page))
     # rotated: no FP contraction anywhere in the kernel, so the float32 rotation is the oracle's bit for bit
     # whatever consumes it (docs/rotation.md; the butterflies themselves hold no multiply to contract)
     options = {"num_warps": num_warps or (WRITE_WARPS_KIVI_KEYS if cfg["kind"] == "int_k" else
@@ -724,7 +716,7 @@ def plan_write(side: Side, x, slot_mapping, *, block_t: int | None = None, block
                               "slower)", RuntimeWarning, stacklevel=2)
             return plan_write(side, x, slot_mapping, block_t=block_t, block_h=block_h, num_warps=num_warps,
                               hw_fp8=hw_fp8, f16_cvt=f16_cvt, rotation_route=portable, block_d=block_d,
-                              store_as_loaded=store_as_loaded, kivi_f16_codes=kivi_f16_codes)
+                              store_as_loaded=store_as_loaded)
     return launch
 
 

@@ -218,31 +218,7 @@ def _signed_zero_min_max(x, mn_mask, AXIS: tl.constexpr, BITS3: tl.constexpr = F
 
 
 @triton.jit
-def _kivi_codes_f16(x16, mn, scale, MAXINT: tl.constexpr):
-    """KIVI codes ``rint(min(RN16(RN16(x16 - mn) / scale), MAXINT))`` (``scale`` > 0; 0 gives code 0) by float16
-    arithmetic, which NVIDIA GPUs run two elements per instruction (HADD2 / HMUL2 / HFMA2). Per group: ``p = 2**k``
-    (k = -floor(log2 scale) within -15 .. 15; 1 for a zero scale), ``s' = scale p`` (exact) and ``r = RN16(RN32(1 /
-    s'))``. Per element, each a float16 operation rounded once: ``d = x16 - mn``, ``d' = d p``, ``q0 = d' r``,
-    ``e = fma(-q0, s', d')``, ``q1 = fma(e, r, q0)``, code = ``(min(q1, MAXINT) + 1024) - 1024`` (the sum's low bits:
-    float16's ulp at 1024 is 1, so the addition rounds to an integer, ties to even). Equal to the oracle's code
-    for every pair of float16 ``d`` and ``scale`` a group can hold (``d <= 32 scale``), MAXINT 15 and 3: checked
-    exhaustively over all of them (bench/proof_kivi_f16.py; ``d' = RN16(d p)`` as the kernel computes it)."""
-    zero = scale == 0
-    k = tl.where(zero, 0, tl.minimum(tl.maximum(127 - (scale.to(tl.int32, bitcast=True) >> 23), -15), 15))
-    p = pow2_f32(k)
-    sp = scale * p  # exact: a float16 value times a power of two, in [1, 2) or (clamped k) [2**-9, 1)
-    r = tl.where(zero, 0.0, _div(tl.full(sp.shape, 1.0, tl.float32), tl.where(zero, 1.0, sp))).to(tl.float16)
-    d = (x16.to(tl.float16) - mn.to(tl.float16)) * p.to(tl.float16)
-    q0 = d * r
-    # float16 constants as tensors: Triton <= 3.6 promotes a float16 tensor with a Python float to float32
-    q1 = tl.fma(tl.fma(q0 * tl.full(q0.shape, -1.0, tl.float16), sp.to(tl.float16), d), r, q0)
-    c = tl.minimum(q1, tl.full(q1.shape, MAXINT, tl.float16)) + tl.full(q1.shape, 1024.0, tl.float16)
-    return (c.to(tl.int16, bitcast=True) & 0x3FF).to(tl.int32)
-
-
-@triton.jit
-def _kivi_quant(x16, mn, mx, MAXINT: tl.constexpr, F16_CVT: tl.constexpr, RCP: tl.constexpr = False,
-                F16_CODES: tl.constexpr = False):
+def _kivi_quant(x16, mn, mx, MAXINT: tl.constexpr, F16_CVT: tl.constexpr, RCP: tl.constexpr = False):
     """KIVI in float16 on a group (x16 [..], mn / mx broadcastable): scale = f16(f16(mx - mn) / MAXINT);
     code = rint(min(f16(f16(x16 - mn) / scale), MAXINT)) (x16 - mn >= 0, so no lower clamp); a scale of
     0 (constant group) gives code 0. Returns (codes int32, scale). The divisions are :func:`_div_by`'s
@@ -251,24 +227,18 @@ def _kivi_quant(x16, mn, mx, MAXINT: tl.constexpr, F16_CVT: tl.constexpr, RCP: t
     RN16(RN32(a * RN32(1 / b))): the same scale for every float16 range and the same code for every pair of
     float16 operands, also where the compiler fuses the product into round_f16_nonneg's addition (checked
     exhaustively: bench/proof_kivi_quotient.py). The integer rounding adds 2**23 (one IEEE addition, ties to
-    even) and reads the integer from the sum's low bits. ``F16_CODES``: the codes by float16 arithmetic instead
-    (:func:`_kivi_codes_f16`; the same codes, the scale as above)."""
+    even) and reads the integer from the sum's low bits."""
     rng = round_f16_nonneg(mx - mn, F16_CVT)
     if RCP:
         scale = round_f16_nonneg(rng * (1.0 / MAXINT), F16_CVT)
+        nz = scale != 0
+        inv = tl.where(nz, _div(tl.full(scale.shape, 1.0, tl.float32), tl.where(nz, scale, 1.0)), 0.0)
+        y = round_f16_nonneg(round_f16_nonneg(x16 - mn, F16_CVT) * inv, F16_CVT)
     else:
         scale = round_f16_nonneg(_div_by(rng, MAXINT * 1.0, 1.0 / MAXINT, 1), F16_CVT)
-    if F16_CODES:
-        q = _kivi_codes_f16(x16, mn, scale, MAXINT)
-    else:
-        if RCP:
-            nz = scale != 0
-            inv = tl.where(nz, _div(tl.full(scale.shape, 1.0, tl.float32), tl.where(nz, scale, 1.0)), 0.0)
-            y = round_f16_nonneg(round_f16_nonneg(x16 - mn, F16_CVT) * inv, F16_CVT)
-        else:
-            inv = tl.where(scale == 0, 0.0, 1.0 / tl.where(scale == 0, 1.0, scale))  # any r within 2**-21 of 1/scale
-            y = round_f16_nonneg(_div_by(round_f16_nonneg(x16 - mn, F16_CVT), scale, inv, 1), F16_CVT)
-        q = tl.minimum((y + 8388608.0).to(tl.int32, bitcast=True) - 0x4B000000, MAXINT)
+        inv = tl.where(scale == 0, 0.0, 1.0 / tl.where(scale == 0, 1.0, scale))  # any r within 2**-21 of 1/scale
+        y = round_f16_nonneg(_div_by(round_f16_nonneg(x16 - mn, F16_CVT), scale, inv, 1), F16_CVT)
+    q = tl.minimum((y + 8388608.0).to(tl.int32, bitcast=True) - 0x4B000000, MAXINT)
     return q, scale
 
 
@@ -317,7 +287,7 @@ def quantize_write_kernel(
     ROTATE: tl.constexpr = False, RDT: tl.constexpr = 0, ROT_ROUTE: tl.constexpr = 0,
     ROT_LANE_H: tl.constexpr = 16, ROT_LANE_N: tl.constexpr = 8, ROT_SHFL: tl.constexpr = False,
     NV_BLOCKS: tl.constexpr = False, BLOCK_D: tl.constexpr = 0, STORE_AS_LOADED: tl.constexpr = False,
-    PAGE: tl.constexpr = 1, PAGE_SLOTS: tl.constexpr = 1, F16_CODES: tl.constexpr = False,
+    PAGE: tl.constexpr = 1, PAGE_SLOTS: tl.constexpr = 1,
 ):
     # W: the channels of a row this program holds: all D, or (KIVI keys, BLOCK_D) channels d0 .. d0 + W - 1 of
     # channel block program_id(2) (per-channel statistics: the blocks are independent)
@@ -494,8 +464,7 @@ def quantize_write_kernel(
             NG: tl.constexpr = D // G
             xg = tl.reshape(x16, (BLOCK_T, BLOCK_H, NG, G))
             mn, mx = _signed_zero_min_max(xg, mn_mask=None, AXIS=3, BITS3=True)
-            q, scale = _kivi_quant(xg, mn[:, :, :, None], mx[:, :, :, None], MAXINT, F16_CVT, RCP=True,
-                                   F16_CODES=F16_CODES)
+            q, scale = _kivi_quant(xg, mn[:, :, :, None], mx[:, :, :, None], MAXINT, F16_CVT, RCP=True)
             ng = tl.arange(0, NG)
             sc16 = tl.reshape(scale, (BLOCK_T, BLOCK_H, NG)).to(tl.float16)
             tl.store(F1 + s3 * f1_s + h3 * f1_h + ng[None, None, :], sc16, mask=m3)
@@ -503,7 +472,7 @@ def quantize_write_kernel(
         else:
             # one program = one whole group of G = BLOCK_T tokens in consecutive, G-aligned slots
             mn, mx = _signed_zero_min_max(x16, mn_mask=tm[:, None, None], AXIS=0)  # rows not written left out
-            q, scale = _kivi_quant(x16, mn[None, :, :], mx[None, :, :], MAXINT, F16_CVT, F16_CODES=F16_CODES)
+            q, scale = _kivi_quant(x16, mn[None, :, :], mx[None, :, :], MAXINT, F16_CVT)
             # the group's slots are consecutive and G-aligned: any written one // G is the group (slot -1: not
             # written); one reduction gives both the group and whether anything is written
             last = tl.max(tl.where(tm, slot, -1), 0)
