@@ -50,15 +50,18 @@ def _reversed_butterflies(x, ROWS: tl.constexpr, D: tl.constexpr):
 
 @triton.jit
 def _rotate_rows_kernel(X, Y, SIGNS, c, n, ROWS: tl.constexpr, D: tl.constexpr, REVERSED: tl.constexpr,
-                        ROUTE: tl.constexpr, LANE_H: tl.constexpr, LANE_N: tl.constexpr, SHFL_ASM: tl.constexpr):
+                        ROUTE: tl.constexpr, LANE_H: tl.constexpr, LANE_N: tl.constexpr, SHFL_ASM: tl.constexpr,
+                        FOLD: tl.constexpr):
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     d = tl.arange(0, D)
     m = (r < n)[:, None]
-    x = tl.load(X + r[:, None] * D + d[None, :], mask=m, other=0.0) * tl.load(SIGNS + d)[None, :]
+    x = tl.load(X + r[:, None] * D + d[None, :], mask=m, other=0.0)
     if REVERSED:
-        y = _reversed_butterflies(x, ROWS, D)
+        y = _reversed_butterflies(x * tl.load(SIGNS + d)[None, :], ROWS, D)
+    elif FOLD:  # the signs given to the helper: folded into the first stage (routes 0 and 2)
+        y = hadamard_rows(x, ROWS, D, ROUTE, LANE_H, LANE_N, SHFL_ASM, tl.load(SIGNS + d))
     else:
-        y = hadamard_rows(x, ROWS, D, ROUTE, LANE_H, LANE_N, SHFL_ASM)
+        y = hadamard_rows(x * tl.load(SIGNS + d)[None, :], ROWS, D, ROUTE, LANE_H, LANE_N, SHFL_ASM)
     tl.store(Y + r[:, None] * D + d[None, :], y * c, mask=m)
 
 
@@ -69,20 +72,23 @@ ROUTES = {"split-join": (0, 16, 8), "by-sums": (1, 16, 8), "partner-16": (2, 16,
 
 
 def _kernel_rotate(x: np.ndarray, seed: int, reversed_order: bool = False, route: str = "split-join",
-                   shfl_asm: bool = False) -> np.ndarray:
+                   shfl_asm: bool = False, fold: bool = False) -> np.ndarray:
     n, D = x.shape
     xt = torch.from_numpy(np.ascontiguousarray(x, np.float32)).to(DEVICE)
     yt = torch.empty_like(xt)
     st = torch.from_numpy(HadamardRotation(seed).signs(D)).to(DEVICE)
     _rotate_rows_kernel[(triton.cdiv(n, 4),)](xt, yt, st, float(norm_f32(D)), n, ROWS=4, D=D,
                                               REVERSED=reversed_order, ROUTE=ROUTES[route][0],
-                                              LANE_H=ROUTES[route][1], LANE_N=ROUTES[route][2], SHFL_ASM=shfl_asm)
+                                              LANE_H=ROUTES[route][1], LANE_N=ROUTES[route][2], SHFL_ASM=shfl_asm,
+                                              FOLD=fold)
     return yt.cpu().numpy()
 
 
+@pytest.mark.parametrize("fold", [False, True], ids=["signs-first", "signs-folded"])
 @pytest.mark.parametrize("route", list(ROUTES))
-def test_butterfly_helper_is_the_oracle_rule_bit_for_bit(route):
-    """``hadamard_rows`` (then ``* C_D``), with every data movement (``ROUTES``), reproduces the golden float32
+def test_butterfly_helper_is_the_oracle_rule_bit_for_bit(route, fold):
+    """``hadamard_rows`` (then ``* C_D``), with every data movement (``ROUTES``), the signs multiplied first or given
+    to the helper (folded into the first stage as fused multiply-adds), reproduces the golden float32
     rotations (D = 2 ... 256, two seeds each, subnormal inputs included) and ``HadamardRotation.rotate`` on random rows
     with spread exponents and signed zeros, as integers; the stages in the reverse order (a planted bug) do
     not."""
@@ -91,7 +97,7 @@ def test_butterfly_helper_is_the_oracle_rule_bit_for_bit(route):
         D = case["head_dim"]
         x = np.array([int(h, 16) for h in case["inputs"].split()], np.uint32).view(np.float32).reshape(-1, D)
         want = np.array([int(h, 16) for h in case["outputs"].split()], np.uint32)
-        got = _kernel_rotate(x, int(case["seed"]), route=route).view(np.uint32).ravel()
+        got = _kernel_rotate(x, int(case["seed"]), route=route, fold=fold).view(np.uint32).ravel()
         assert np.array_equal(got, want), (D, case["seed"], int((got != want).sum()))
     rng = np.random.default_rng(0)
     for D in (16, 128):
@@ -101,7 +107,7 @@ def test_butterfly_helper_is_the_oracle_rule_bit_for_bit(route):
         x[9, ::3] = -0.0  # rows of signed zeros: a - b and a + (-b) must agree on every zero's sign
         x[10] = -0.0  # (-0) + (-0) = -0 but (-0) - (-0) = +0: fma(-1, -0, -0) must give +0 too
         want = HadamardRotation(11).rotate(x).view(np.uint32)
-        assert np.array_equal(_kernel_rotate(x, 11, route=route).view(np.uint32), want), D
+        assert np.array_equal(_kernel_rotate(x, 11, route=route, fold=fold).view(np.uint32), want), D
         planted = _kernel_rotate(x, 11, reversed_order=True).view(np.uint32)
         assert (planted != want).sum() > 0.05 * want.size, D  # the order is part of the rule: it is seen
 

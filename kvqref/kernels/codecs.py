@@ -202,7 +202,7 @@ def _lane_xor(x, M: tl.constexpr):
 
 @triton.jit
 def hadamard_rows(x, ROWS: tl.constexpr, D: tl.constexpr, ROUTE: tl.constexpr = 0, LANE_H: tl.constexpr = 16,
-                  LANE_N: tl.constexpr = 8, SHFL_ASM: tl.constexpr = False):
+                  LANE_N: tl.constexpr = 8, SHFL_ASM: tl.constexpr = False, signs=None):
     """``x @ H`` for every row of a float32 ``[ROWS, D]`` tensor (``H`` the D x D Sylvester Hadamard matrix,
     D a power of two <= 2**15), by the butterfly stages of docs/rotation.md in their fixed order h = 1, 2, ...,
     D/2: for every ``j`` with ``j & h == 0``, ``(x[j], x[j + h]) <- (x[j] + x[j + h], x[j] - x[j + h])``, each an
@@ -228,7 +228,14 @@ def hadamard_rows(x, ROWS: tl.constexpr, D: tl.constexpr, ROUTE: tl.constexpr = 
       ``SHFL_ASM`` (CUDA only) from one ``shfl.sync.bfly`` with lane mask ``h // LANE_H``: correct only where
       the tensor's layout puts column bit ``LANE_H << k`` on lane bit ``k`` (k < log2 LANE_N) of the same
       register, which ``triton_backend.settle_partner_lanes`` reads from the compiled kernel
-      (``kernels/layout.py``)."""
+      (``kernels/layout.py``).
+
+    ``signs`` (a float32 ``[D]`` of +-1, optional): the rows are ``x * signs`` (exact), with the products folded into
+    the first stage where it moves no data (ROUTE 0, or 2 with LANE_H > 1): ``a' = a s_a``, then ``fma(b, s_b, a')`` and
+    ``fma(b, -s_b, a')``, each the exact ``a' + b s_b`` / ``a' - b s_b`` rounded once, which IEEE defines as the
+    sum and difference of the products (signed zeros included): the same bits, one multiply per pair fewer."""
+    if signs is not None and (ROUTE == 1 or (ROUTE == 2 and LANE_H == 1)):  # a first stage across lanes
+        x = x * signs[None, :]
     for s in tl.static_range(15):  # stage sizes inline: compiled Triton rejects a constexpr reassigned here
         if (2 << s) <= D:
             if ROUTE == 1:
@@ -244,6 +251,11 @@ def hadamard_rows(x, ROWS: tl.constexpr, D: tl.constexpr, ROUTE: tl.constexpr = 
                 else:
                     partner = tl.gather(x, tl.broadcast_to((j ^ (1 << s))[None, :], (ROWS, D)), 1)
                 x = tl.fma(tl.where((j & (1 << s)) == 0, 1.0, -1.0)[None, :], x, partner)
+            elif s == 0 and signs is not None:  # (ROUTE 0, or 2 with the first stage in registers)
+                a, b = tl.split(tl.reshape(x, (ROWS, D // 2, 2)))
+                sa, sb = tl.split(tl.reshape(signs, (1, D // 2, 2)))
+                a = a * sa
+                x = tl.reshape(tl.join(tl.fma(b, sb, a), tl.fma(b, sb * -1.0, a)), (ROWS, D))
             else:
                 x4 = tl.permute(tl.reshape(x, (ROWS, D // (2 << s), 2, 1 << s)), (0, 1, 3, 2))
                 a, b = tl.split(x4)

@@ -324,8 +324,13 @@ def quantize_write_kernel(
         x = xr.to(tl.float32)
     if ROTATE:  # docs/rotation.md: z = f32(butterflies(x * signs) * C_D), then (RDT) an explicit model dtype
         R: tl.constexpr = BLOCK_T * BLOCK_H
-        xr2 = hadamard_rows(tl.reshape(x, (R, D)) * tl.load(SIGNS + d)[None, :], R, D, ROT_ROUTE, ROT_LANE_H,
-                            ROT_LANE_N, ROT_SHFL) * c_d
+        sg = tl.load(SIGNS + d)
+        if ROT_ROUTE == 2 and KIND != 5:  # signs folded into the first stage (sm_90: the same layouts, one multiply
+            # per pair fewer; with split/join, or for KIVI keys, the fold changed the layouts: more conversions)
+            xr2 = hadamard_rows(tl.reshape(x, (R, D)), R, D, ROT_ROUTE, ROT_LANE_H, ROT_LANE_N, ROT_SHFL, sg)
+        else:
+            xr2 = hadamard_rows(tl.reshape(x, (R, D)) * sg[None, :], R, D, ROT_ROUTE, ROT_LANE_H, ROT_LANE_N, ROT_SHFL)
+        xr2 = xr2 * c_d
         x = tl.reshape(_round_dt(xr2, RDT, F16_CVT), (BLOCK_T, BLOCK_H, D))
     # x: [BLOCK_T, BLOCK_H, D] float32, one full head_dim row per (token, head). STEPS: correction steps of
     # a division of x (1 while x holds bfloat16 values; rotated values, or other inputs, need 2)
