@@ -117,6 +117,8 @@ def main(argv: list[str] | None = None) -> int:
                                              rotation=route != "none")
         kw = {} if route == "none" else {"rotation_route": route}
         kw["nvfp4_blocks"] = args.nvfp4_blocks == "1"
+        if os.environ.get("WORD_LOAD"):
+            kw["word_load"] = True
         if bd is not None:
             kw["block_d"] = bd
         if args.store_as_loaded and label.endswith("kivi-k") and route == "none":

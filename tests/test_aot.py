@@ -51,6 +51,10 @@ def test_every_kernel_compiles_for_rocm_and_cuda_targets():
         # + the rotated write cases by their other butterfly routes (``rotation_route``): split/join or sums (the
         # one that is not the default), gather, and on CUDA the warp shuffles
         sums = sum("rotation" in c[1] for c in WRITE_CASES) * (3 if t.startswith("cuda") else 2)
+        # + rotated FP4 writes loading element pairs as 32-bit words (``word_load``): the portable default route,
+        # and on CUDA the warp shuffles
+        words = sum("rotation" in c[1] and c[0] in ("fp4_e2m1", "mxfp4", "nvfp4") for c in WRITE_CASES) * (
+            2 if t.startswith("cuda") else 1)
         # + unrotated NVFP4 writes with whole blocks per thread (``nvfp4_blocks``), every target
         nvb = sum(c[0] == "nvfp4" and "rotation" not in c[1] for c in WRITE_CASES)
         # + unrotated KIVI key writes by channel blocks: block_d 64 (1 warp, store_as_loaded), block_d 32 (2 warps)
@@ -67,7 +71,8 @@ def test_every_kernel_compiles_for_rocm_and_cuda_targets():
         kr_ptx = key_rows if t.startswith("cuda") else 0
         assert len(rows) == (2 * len(DECODE_CASES) + len(SHARED_KERNELS) + len(WRITE_CASES) + ptx + f16cvt
                              + rows_off + kt4 + ktile_off + 3 * key_rows + sums + nvb + blocks + vw_off + vw8
-                             + direct + kr_ptx), t
+                             + direct + kr_ptx + words), t
+        assert words and sum(",words," in r["kernel"] and r["ok"] for r in rows) == words, t
         assert sum(r["kernel"].endswith(",kr=1,ptx]") and r["ok"] for r in rows) == kr_ptx, t
         assert sum(r["kernel"].endswith(",direct]") and r["ok"] for r in rows) == direct == 2, t
         assert sum(",vw=0" in r["kernel"] for r in rows) == vw_off, t
@@ -82,7 +87,7 @@ def test_every_kernel_compiles_for_rocm_and_cuda_targets():
         assert {r["kernel"] for r in rows} >= {*SHARED_KERNELS, "decode[fp8_e4m3+H]", "write[fp4_e2m1-hadamard-5]"}
         assert all(r["code_bytes"] > 1000 for r in rows)
         shfl = [r for r in rows if r["kernel"].endswith(",shfl]")]  # lane masks checked against each layout
-        assert all(r["shuffles_checked"] > 0 for r in shfl) and len(shfl) == (5 if t.startswith("cuda") else 0), t
+        assert all(r["shuffles_checked"] > 0 for r in shfl) and len(shfl) == (7 if t.startswith("cuda") else 0), t
         if t.startswith("cuda"):  # the write kernel's bytes rest on IEEE float32 (docs/kernels.md, write kernel)
             for r in (r for r in rows if r["kernel"].startswith("write[")):
                 facts = r["ptx_facts"]

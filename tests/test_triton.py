@@ -1549,6 +1549,36 @@ def test_rotated_write_butterfly_default_is_the_measured_choice(name):
         assert launch.constexprs["ROT_SHFL"] is (route == "shfl"), (name, rotated)
 
 
+@pytest.mark.parametrize("nvidia", [False, True])
+def test_rotated_word_load_default_is_the_measured_choice(nvidia, monkeypatch):
+    """Rotated FP4 writes load element pairs as 32-bit words by default for NVFP4 on NVIDIA GPUs only (H100, session
+    20, warp shuffles: nvfp4 121.0 -> 110.8 us; fp4_e2m1 90.8 -> 92.1 and mxfp4 89.3 -> 97.1 lost), only for bfloat16
+    input at a 4-byte aligned address; an explicit choice wins where it applies, and nothing else takes it. Planned
+    only (``_nvidia_gpu`` stands in for the device; the portable butterflies, so no shuffle lanes are settled)."""
+    from kvqref.paged import PagedKVCache
+
+    monkeypatch.setattr(tb, "_nvidia_gpu", lambda device: nvidia)
+    slots = torch.full((16,), -1, device=DEVICE)
+    buf = torch.zeros(16 * 8 * 128 + 1, dtype=torch.bfloat16, device=DEVICE)
+    for name, want in (("nvfp4", nvidia), ("fp4_e2m1", False), ("mxfp4", False), ("fp8_e4m3", False)):
+        s = schemes.get(name, rotation="hadamard", rotation_seed=3)
+        dc = tb.DeviceCache.from_cache(PagedKVCache(s, s, 2, 16, 8, 128), DEVICE)
+        x = buf[:-1].view(16, 8, 128)
+        launch = tb.plan_write(dc.k, x, slots, hw_fp8=False, rotation_route="sums")
+        assert launch.constexprs["WORD_LOAD"] is want, name
+        explicit = tb.plan_write(dc.k, x, slots, hw_fp8=False, rotation_route="sums", word_load=True)
+        assert explicit.constexprs["WORD_LOAD"] is (name != "fp8_e4m3"), name
+        odd = buf[1:].view(16, 8, 128)  # 2 bytes past a 4-byte boundary: no 32-bit words
+        assert tb.plan_write(dc.k, odd, slots, hw_fp8=False, rotation_route="sums",
+                             word_load=True).constexprs["WORD_LOAD"] is False, name
+        assert tb.plan_write(dc.k, x.float(), slots, hw_fp8=False, rotation_route="sums",
+                             word_load=True).constexprs["WORD_LOAD"] is False, name
+    s = schemes.get("nvfp4")
+    dc = tb.DeviceCache.from_cache(PagedKVCache(s, s, 2, 16, 8, 128), DEVICE)
+    assert tb.plan_write(dc.k, buf[:-1].view(16, 8, 128), slots, hw_fp8=False, nvfp4_blocks=False,
+                         word_load=True).constexprs["WORD_LOAD"] is False  # unrotated: no butterflies to feed
+
+
 def test_default_shuffle_route_falls_back_when_the_layout_does_not_fit(monkeypatch):
     """Where the warp-shuffle lanes do not settle against the compiled layout, a defaulted route warns and writes
     by the portable default (the same bytes); an explicit ``rotation_route="shfl"`` raises."""

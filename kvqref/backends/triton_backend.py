@@ -420,6 +420,18 @@ def _nvidia_gpu(device) -> bool:
     return bool(not INTERPRET and getattr(device, "type", None) == "cuda" and not getattr(torch.version, "hip", None))
 
 
+def rotated_word_load_default(kind: str, device) -> bool:
+    """Whether rotated FP4 writes (cache tile kind ``kind``: E8M0 blocks "mxfp4", "nvfp4") of bfloat16 input load each
+    pair of elements as one 32-bit word by default (the write kernel's ``WORD_LOAD``; the same bytes): the load then
+    has the shape of the code store, [tokens, heads, D / 2], and Triton gives both its layout (32 elements per thread:
+    2 of the 7 butterfly stages cross lanes instead of 4, no conversion before the store). NVFP4 on NVIDIA GPUs,
+    where it measured faster: H100, warp-shuffle butterflies, 65,536 x 8 x 128, 121.0 -> 110.8 us (1.72 -> 1.58 of
+    the unrotated write); the E8M0 kinds lost there (fp4_e2m1 90.8 -> 92.1, mxfp4 89.3 -> 97.1) while their portable
+    "sums" route gained (113.5 -> 102.2, 114.5 -> 103.8; bench/results/history/
+    rotation-writes-h100-session20-word-loads.json and -no-word-loads.json). Not measured on ROCm."""
+    return kind == "nvfp4" and _nvidia_gpu(device)
+
+
 def hardware_fp8_encode(device) -> bool:
     """Whether the write kernel converts float32 to the OCP FP8 formats in hardware: NVIDIA sm_89+
     (``cvt.rn.satfinite``, exact RNE; the kernel handles overflow and NaN). Not on ROCm, not in the
@@ -583,7 +595,7 @@ def settle_partner_lanes(launch, device, d: int):
 def plan_write(side: Side, x, slot_mapping, *, block_t: int | None = None, block_h: int | None = None,
                num_warps: int | None = None, hw_fp8: bool | None = None, f16_cvt: bool | None = None,
                rotation_route: str | None = None, nvfp4_blocks: bool | None = None, block_d: int | None = None,
-               store_as_loaded: bool | None = None):
+               store_as_loaded: bool | None = None, word_load: bool | None = None):
     """The launch of :func:`quantize_write` (checked on the host first). ``block_t``/``block_h``/``num_warps``:
     the tile and warps (default :func:`write_tile`, WRITE_WARPS; KIVI keys always take BLOCK_T = G);
     ``hw_fp8``: OCP FP8 codes by the hardware conversion (default: :func:`hardware_fp8_encode` of x's
@@ -600,7 +612,9 @@ def plan_write(side: Side, x, slot_mapping, *, block_t: int | None = None, block
     bytes it packed and its channels' scales and zeros (the stores take the load's layout: no layout conversion
     through shared memory; the same bytes). Defaults of both, and of the warps with them:
     :func:`kivi_key_blocks_default` (else head_dim, stores converted, and on NVIDIA GPUs at most
-    WRITE_MAXNREG_KIVI_KEYS registers per thread)."""
+    WRITE_MAXNREG_KIVI_KEYS registers per thread). ``word_load`` (rotated FP4 kinds, bfloat16 input at a 4-byte
+    aligned address): each pair of elements loaded as one 32-bit word (the same bytes; default
+    :func:`rotated_word_load_default`)."""
     import triton
 
     from kvqref.kernels.codecs import INTERPRET
@@ -688,7 +702,10 @@ def plan_write(side: Side, x, slot_mapping, *, block_t: int | None = None, block
               ROTATE=rotation is not None, RDT=rdt, ROT_ROUTE=ROTATION_ROUTES[rotation_route],
               ROT_LANE_H=16, ROT_LANE_N=8, ROT_SHFL=rotation_route == "shfl",
               NV_BLOCKS=nv_blocks, BLOCK_D=0 if block_d == head_dim else block_d,
-              STORE_AS_LOADED=bool(store_as_loaded), PAGE=page, PAGE_SLOTS=tiles.page_slots(page))
+              STORE_AS_LOADED=bool(store_as_loaded), PAGE=page, PAGE_SLOTS=tiles.page_slots(page),
+              WORD_LOAD=(rotated_word_load_default(cfg["kind"], x.device) if word_load is None else bool(word_load))
+              and rotation is not None and x.dtype == torch.bfloat16 and cfg["kind"] in ("mxfp4", "nvfp4")
+              and not nv_blocks and x.data_ptr() % 4 == 0)
     # rotated: no FP contraction anywhere in the kernel, so the float32 rotation is the oracle's bit for bit
     # whatever consumes it (docs/rotation.md; the butterflies themselves hold no multiply to contract)
     options = {"num_warps": num_warps or (WRITE_WARPS_KIVI_KEYS if cfg["kind"] == "int_k" else
@@ -716,7 +733,7 @@ def plan_write(side: Side, x, slot_mapping, *, block_t: int | None = None, block
                               "slower)", RuntimeWarning, stacklevel=2)
             return plan_write(side, x, slot_mapping, block_t=block_t, block_h=block_h, num_warps=num_warps,
                               hw_fp8=hw_fp8, f16_cvt=f16_cvt, rotation_route=portable, block_d=block_d,
-                              store_as_loaded=store_as_loaded)
+                              store_as_loaded=store_as_loaded, word_load=word_load)
     return launch
 
 

@@ -287,7 +287,7 @@ def quantize_write_kernel(
     ROTATE: tl.constexpr = False, RDT: tl.constexpr = 0, ROT_ROUTE: tl.constexpr = 0,
     ROT_LANE_H: tl.constexpr = 16, ROT_LANE_N: tl.constexpr = 8, ROT_SHFL: tl.constexpr = False,
     NV_BLOCKS: tl.constexpr = False, BLOCK_D: tl.constexpr = 0, STORE_AS_LOADED: tl.constexpr = False,
-    PAGE: tl.constexpr = 1, PAGE_SLOTS: tl.constexpr = 1,
+    PAGE: tl.constexpr = 1, PAGE_SLOTS: tl.constexpr = 1, WORD_LOAD: tl.constexpr = False,
 ):
     # W: the channels of a row this program holds: all D, or (KIVI keys, BLOCK_D) channels d0 .. d0 + W - 1 of
     # channel block program_id(2) (per-channel statistics: the blocks are independent)
@@ -317,11 +317,19 @@ def quantize_write_kernel(
     # whose group min/max (rows with slot -1 left out by ``tm``) measured faster with the slot-masked load (H100: int4
     # keys 81 -> 85 us, the other kinds 1-4% faster; bench/results/history/ab-h100-session14-write-loads.log)
     xm = m3 if KIND == 5 else (tin[:, None] & hm[None, :])[:, :, None]
-    xr = tl.load(X + t3 * x_t + h3 * x_h + d[None, None, :], mask=xm, other=0.0)
-    if X.dtype.element_ty == tl.bfloat16:  # widen from the bits: exact for subnormals (the interpreter flushes them)
-        x = bf16_bits_to_f32(xr.to(tl.int16, bitcast=True))
+    if WORD_LOAD:  # bfloat16 pairs as 32-bit words [BLOCK_T, BLOCK_H, D / 2]: the FP4 code store's shape
+        i2 = tl.arange(0, D // 2)
+        xw = tl.load(X.to(tl.pointer_type(tl.int32)) + ((t3 * x_t + h3 * x_h) // 2 + i2[None, None, :]), mask=xm,
+                     other=0)
+        x = tl.reshape(tl.join((xw << 16).to(tl.float32, bitcast=True), (xw & -65536).to(tl.float32, bitcast=True)),
+                       (BLOCK_T, BLOCK_H, D))
     else:
-        x = xr.to(tl.float32)
+        xr = tl.load(X + t3 * x_t + h3 * x_h + d[None, None, :], mask=xm, other=0.0)
+        if X.dtype.element_ty == tl.bfloat16:  # widened from the bits: exact for subnormals (the interpreter
+            # flushes them)
+            x = bf16_bits_to_f32(xr.to(tl.int16, bitcast=True))
+        else:
+            x = xr.to(tl.float32)
     if ROTATE:  # docs/rotation.md: z = f32(butterflies(x * signs) * C_D), then (RDT) an explicit model dtype
         R: tl.constexpr = BLOCK_T * BLOCK_H
         sg = tl.load(SIGNS + d)
