@@ -3,6 +3,8 @@ in, pages of 32 in random order; KIVI keys in whole groups) timed as bench/decod
 graph replay, L2 flushed, median), the unrotated write at its default launch beside each, in one process.
 
     python3 bench/ab_rotation_write.py --out $OUT/rot_write_sweep.json        # GPU
+    python3 bench/ab_rotation_write.py --schemes int4_kivi --side v \
+        --launches "rotation_route=shfl;rotation_route=shfl,word_load=1" --out $OUT/rot_kivi_values.json
 
 Each rotated launch's bytes are first compared, as integers, with the rotated write at the default launch (a
 difference stops the run); the summary prints the best launch per scheme and its ratio to the unrotated write.
@@ -46,17 +48,22 @@ def sweep(label: str, args, doc: dict) -> bool:
 
     from kvqref.backends import triton_backend as tb
 
-    side0, x0, slots0, rec = write_inputs(label, layout=args.layout)
+    side0, x0, slots0, rec = write_inputs(label, layout=args.layout, side=args.side)
     base_us = time_write(side0, x0, slots0, {})
-    side, x, slots, _ = write_inputs(label, rotation=True, layout=args.layout)
+    side, x, slots, _ = write_inputs(label, rotation=True, layout=args.layout, side=args.side)
     tb.quantize_write(side, x, slots, validate=False)
     want = _bytes(side)
     launches = [{}]
-    for bt in [None] if label.endswith("kivi") else [int(v) for v in args.block_t.split(",")]:
-        for bh in (int(v) for v in args.block_h.split(",")):
-            for w in (int(v) for v in args.warps.split(",")):
-                launches.append({k: v for k, v in (("block_t", bt), ("block_h", bh), ("num_warps", w))
-                                 if v is not None})
+    if args.launches:  # given launches instead of the tile sweep
+        for text in (t for t in args.launches.split(";") if t.strip()):
+            launches.append({k: int(v) if v.lstrip("-").isdigit() else v
+                             for k, v in (kv.split("=") for kv in text.replace(" ", "").split(","))})
+    else:
+        for bt in [None] if label.endswith("kivi") else [int(v) for v in args.block_t.split(",")]:
+            for bh in (int(v) for v in args.block_h.split(",")):
+                for w in (int(v) for v in args.warps.split(",")):
+                    launches.append({k: v for k, v in (("block_t", bt), ("block_h", bh), ("num_warps", w))
+                                     if v is not None})
     best = None
     for kw in launches:
         try:
@@ -71,7 +78,8 @@ def sweep(label: str, args, doc: dict) -> bool:
             print(label, kw, "bytes differ from the default launch", flush=True)
             return False
         us = time_write(side, x, slots, kw)
-        row = {"scheme": label, "launch": kw or "default", "rotated_us": us, "unrotated_us": base_us,
+        row = {"scheme": label, "side": args.side, "launch": kw or "default", "rotated_us": us,
+               "unrotated_us": base_us,
                "ratio": us / base_us, "gbs": rec["bytes"] / (us * 1e-6) / 1e9}
         row["ceiling_fraction"] = row["gbs"] / doc["ceiling_gbs"]
         doc["rows"].append(row)
@@ -93,6 +101,11 @@ def main() -> int:
     ap.add_argument("--block-h", default="1,2,8", help="KV heads per program")
     ap.add_argument("--warps", default="1,2,4,8")
     ap.add_argument("--layout", default="HND")
+    ap.add_argument("--side", default="k", choices=("k", "v"),
+                    help="the cache side written (KIVI keys and values differ)")
+    ap.add_argument("--launches", default="",
+                    help="launches to time instead of the tile sweep, each 'k=v,k=v' (plan_write's arguments; ints or "
+                         "strings) and separated by ';'")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     doc = {"command": " ".join(["python3", *sys.argv]), "environment": environment(),

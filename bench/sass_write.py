@@ -89,6 +89,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="plan_write's nvfp4_blocks (default 1, as on an NVIDIA GPU)")
     ap.add_argument("--maxnreg", type=int, help="Triton's CUDA option maxnreg (registers per thread cap)")
     ap.add_argument("--f16-cvt", action="store_true", help="KIVI float16 roundings by conversion instructions")
+    ap.add_argument("--word-load", action="store_true",
+                    help="rotated writes: element pairs loaded as 32-bit words (plan_write's word_load)")
     ap.add_argument("--cx", default="", help="extra kernel constexprs NAME=INT,... (A/B variants)")
     ap.add_argument("--dump", help="write each kernel's SASS here")
     ap.add_argument("--routes", default="none", help="none (unrotated) and/or rotated by rotation_route: "
@@ -117,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
                                              rotation=route != "none")
         kw = {} if route == "none" else {"rotation_route": route}
         kw["nvfp4_blocks"] = args.nvfp4_blocks == "1"
-        if os.environ.get("WORD_LOAD"):
+        if args.word_load:
             kw["word_load"] = True
         if bd is not None:
             kw["block_d"] = bd

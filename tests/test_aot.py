@@ -51,10 +51,10 @@ def test_every_kernel_compiles_for_rocm_and_cuda_targets():
         # + the rotated write cases by their other butterfly routes (``rotation_route``): split/join or sums (the
         # one that is not the default), gather, and on CUDA the warp shuffles
         sums = sum("rotation" in c[1] for c in WRITE_CASES) * (3 if t.startswith("cuda") else 2)
-        # + rotated FP4 writes loading element pairs as 32-bit words (``word_load``): the portable default route,
-        # and on CUDA the warp shuffles
+        # + rotated FP4 and KIVI writes loading element pairs as 32-bit words (``word_load``): the portable default
+        # route, and for the FP4 kinds on CUDA the warp shuffles
         words = sum("rotation" in c[1] and c[0] in ("fp4_e2m1", "mxfp4", "nvfp4") for c in WRITE_CASES) * (
-            2 if t.startswith("cuda") else 1)
+            2 if t.startswith("cuda") else 1) + sum("rotation" in c[1] and "kivi" in c[0] for c in WRITE_CASES)
         # + unrotated NVFP4 writes with whole blocks per thread (``nvfp4_blocks``), every target
         nvb = sum(c[0] == "nvfp4" and "rotation" not in c[1] for c in WRITE_CASES)
         # + unrotated KIVI key writes by channel blocks: block_d 64 (1 warp, store_as_loaded), block_d 32 (2 warps)

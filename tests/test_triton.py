@@ -1530,49 +1530,61 @@ def test_write_layout_defaults_are_the_measured_choices(nvidia, monkeypatch):
 def test_rotated_write_butterfly_default_is_the_measured_choice(name):
     """Rotated writes' butterfly route by default (H100, session 6, rotated / unrotated write time by split/join,
     sums, warp shuffles: fp8 1.44 / 1.42 / 1.22, fp4_e2m1 2.25 / 1.61 / 1.29, nvfp4 2.23 / 1.66 / 1.39, KIVI keys
-    1.39 / 2.04 / 1.49): warp shuffles for FP8 and the FP4 kinds on an NVIDIA GPU; elsewhere sums for the FP4
-    kinds, split/join for the rest; an unrotated write has no butterflies."""
+    1.39 / 2.04 / 1.49; session 20, int4 KIVI values 5.99 / 1.65 / 1.34): warp shuffles for FP8, the FP4 kinds and
+    KIVI values on an NVIDIA GPU; elsewhere sums for the FP4 kinds and KIVI values, split/join for the rest; an
+    unrotated write has no butterflies."""
     from kvqref.paged import PagedKVCache
 
     fp4, shuffled = name in ("fp4_e2m1", "mxfp4", "nvfp4"), name.startswith(("fp8", "fp4", "mx", "nv"))
     nvidia = GPU and not getattr(torch.version, "hip", None)
     want = "shfl" if shuffled and nvidia else "sums" if fp4 else "split"
+    # KIVI values (session 20: split/join 5.99 x the unrotated write, sums 1.65, shuffles 1.34): shuffles on NVIDIA,
+    # sums elsewhere
+    want_v = "shfl" if nvidia else "sums" if name.endswith("kivi") else want
     kivi = {"group_size": 16, "residual": 0} if name.endswith("kivi") else {}
     for rotated in (False, True):
         rot = {"rotation": "hadamard", "rotation_seed": 3} if rotated else {}
         k, v = (schemes.get(name, **kivi, **rot, **({"role": r} if kivi else {})) for r in ("key", "value"))
         dc = tb.DeviceCache.from_cache(PagedKVCache(k, v, 2, 16, 8, 128), DEVICE)
         x = torch.zeros(16, 8, 128, device=DEVICE)
-        launch = tb.plan_write(dc.k, x, torch.full((16,), -1, device=DEVICE))
-        route = want if rotated else "split"
-        assert launch.constexprs["ROT_ROUTE"] == tb.ROTATION_ROUTES[route], (name, rotated)
-        assert launch.constexprs["ROT_SHFL"] is (route == "shfl"), (name, rotated)
+        for side, side_want in ((dc.k, want), (dc.v, want_v if name.endswith("kivi") else want)):
+            launch = tb.plan_write(side, x, torch.full((16,), -1, device=DEVICE))
+            route = side_want if rotated else "split"
+            assert launch.constexprs["ROT_ROUTE"] == tb.ROTATION_ROUTES[route], (name, rotated, side is dc.v)
+            assert launch.constexprs["ROT_SHFL"] is (route == "shfl"), (name, rotated, side is dc.v)
 
 
 @pytest.mark.parametrize("nvidia", [False, True])
 def test_rotated_word_load_default_is_the_measured_choice(nvidia, monkeypatch):
-    """Rotated FP4 writes load element pairs as 32-bit words by default for NVFP4 on NVIDIA GPUs only (H100, session
-    20, warp shuffles: nvfp4 121.0 -> 110.8 us; fp4_e2m1 90.8 -> 92.1 and mxfp4 89.3 -> 97.1 lost), only for bfloat16
-    input at a 4-byte aligned address; an explicit choice wins where it applies, and nothing else takes it. Planned
-    only (``_nvidia_gpu`` stands in for the device; the portable butterflies, so no shuffle lanes are settled)."""
+    """Rotated writes load element pairs as 32-bit words by default for NVFP4 and 4-bit KIVI keys and values on
+    NVIDIA GPUs only (H100, session 20: nvfp4 121.0 -> 110.8 us, int4 keys 127.0 -> 115.5, int4 values 95.0 -> 89.2;
+    fp4_e2m1, mxfp4 and 2-bit KIVI lost), only for bfloat16 input at a 4-byte aligned address; an explicit choice wins
+    where it applies (FP4 and KIVI kinds), and nothing else takes it. Planned only (``_nvidia_gpu`` stands in for the
+    device; the portable butterflies, so no shuffle lanes are settled)."""
     from kvqref.paged import PagedKVCache
 
     monkeypatch.setattr(tb, "_nvidia_gpu", lambda device: nvidia)
     slots = torch.full((16,), -1, device=DEVICE)
     buf = torch.zeros(16 * 8 * 128 + 1, dtype=torch.bfloat16, device=DEVICE)
-    for name, want in (("nvfp4", nvidia), ("fp4_e2m1", False), ("mxfp4", False), ("fp8_e4m3", False)):
-        s = schemes.get(name, rotation="hadamard", rotation_seed=3)
-        dc = tb.DeviceCache.from_cache(PagedKVCache(s, s, 2, 16, 8, 128), DEVICE)
+    cases = [("nvfp4", "k", nvidia), ("fp4_e2m1", "k", False), ("mxfp4", "k", False), ("fp8_e4m3", "k", False),
+             ("int4_kivi", "k", nvidia), ("int4_kivi", "v", nvidia), ("int2_kivi", "k", False),
+             ("int2_kivi", "v", False)]
+    for name, side_name, want in cases:
+        kivi = {"group_size": 16, "residual": 0} if name.endswith("kivi") else {}
+        k, v = (schemes.get(name, rotation="hadamard", rotation_seed=3, **kivi, **({"role": r} if kivi else {}))
+                for r in ("key", "value"))
+        dc = tb.DeviceCache.from_cache(PagedKVCache(k, v, 2, 16, 8, 128), DEVICE)
+        side = dc.k if side_name == "k" else dc.v
         x = buf[:-1].view(16, 8, 128)
-        launch = tb.plan_write(dc.k, x, slots, hw_fp8=False, rotation_route="sums")
-        assert launch.constexprs["WORD_LOAD"] is want, name
-        explicit = tb.plan_write(dc.k, x, slots, hw_fp8=False, rotation_route="sums", word_load=True)
-        assert explicit.constexprs["WORD_LOAD"] is (name != "fp8_e4m3"), name
+        launch = tb.plan_write(side, x, slots, hw_fp8=False, rotation_route="sums")
+        assert launch.constexprs["WORD_LOAD"] is want, (name, side_name)
+        explicit = tb.plan_write(side, x, slots, hw_fp8=False, rotation_route="sums", word_load=True)
+        assert explicit.constexprs["WORD_LOAD"] is (name != "fp8_e4m3"), (name, side_name)
         odd = buf[1:].view(16, 8, 128)  # 2 bytes past a 4-byte boundary: no 32-bit words
-        assert tb.plan_write(dc.k, odd, slots, hw_fp8=False, rotation_route="sums",
-                             word_load=True).constexprs["WORD_LOAD"] is False, name
-        assert tb.plan_write(dc.k, x.float(), slots, hw_fp8=False, rotation_route="sums",
-                             word_load=True).constexprs["WORD_LOAD"] is False, name
+        assert tb.plan_write(side, odd, slots, hw_fp8=False, rotation_route="sums",
+                             word_load=True).constexprs["WORD_LOAD"] is False, (name, side_name)
+        assert tb.plan_write(side, x.float(), slots, hw_fp8=False, rotation_route="sums",
+                             word_load=True).constexprs["WORD_LOAD"] is False, (name, side_name)
     s = schemes.get("nvfp4")
     dc = tb.DeviceCache.from_cache(PagedKVCache(s, s, 2, 16, 8, 128), DEVICE)
     assert tb.plan_write(dc.k, buf[:-1].view(16, 8, 128), slots, hw_fp8=False, nvfp4_blocks=False,

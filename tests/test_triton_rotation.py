@@ -181,21 +181,22 @@ def test_rotated_write_other_butterfly_bytes_equal_oracle(name, opts, route):
     assert ok, f"{name} {opts} rotation_route={route}: {detail}"
 
 
-FP4_WRITE_CASES = [c for c in WRITE_CASES if c[0] in ("fp4_e2m1", "mxfp4", "nvfp4")]
+WORD_CASES = [c for c in WRITE_CASES if c[0] in ("fp4_e2m1", "mxfp4", "nvfp4") or "kivi" in c[0]]
 
 
 @pytest.mark.parametrize("route", ["split", "sums", "gather"] + OTHER_ROUTES[3:])
-@pytest.mark.parametrize("name,opts", FP4_WRITE_CASES, ids=[f"{n}-{'-'.join(map(str, o.values()))}"
-                                                             for n, o in FP4_WRITE_CASES])
-def test_rotated_fp4_write_by_word_loads_bytes_equal_oracle(name, opts, route):
-    """Rotated FP4 writes of bfloat16 input loading each pair of elements as one 32-bit word (``plan_write(word_load=
-    True)``: the load then has the code store's shape, and Triton gives both the same layout) write the oracle's
-    bytes by every butterfly route."""
+@pytest.mark.parametrize("name,opts", WORD_CASES, ids=[f"{n}-{'-'.join(map(str, o.values()))}"
+                                                        for n, o in WORD_CASES])
+def test_rotated_write_by_word_loads_bytes_equal_oracle(name, opts, route):
+    """Rotated FP4 and KIVI writes of bfloat16 input loading each pair of elements as one 32-bit word
+    (``plan_write(word_load=True)``: the load then has the shape of a 4-bit code store, and Triton gives both the same
+    layout) write the oracle's bytes by every butterfly route."""
     from kvqref.conformance import to_dtype_values
 
     rng = np.random.default_rng(_seed("words " + name))
     x = to_dtype_values(_write_input(rng, 64 if GPU else 32), "bfloat16").astype(np.float32)
-    ok, detail = conformance.triton_write_matches(name, {**opts, **rot(13)}, x, 16, rng, dtype="bfloat16",
+    ok, detail = conformance.triton_write_matches(name, {**opts, **rot(13)}, x, max(16, opts.get("group_size", 1)),
+                                                  rng, dtype="bfloat16",
                                                   launch={"rotation_route": route, "word_load": True})
     assert ok, f"{name} {opts} rotation_route={route}: {detail}"
 

@@ -420,16 +420,17 @@ def _nvidia_gpu(device) -> bool:
     return bool(not INTERPRET and getattr(device, "type", None) == "cuda" and not getattr(torch.version, "hip", None))
 
 
-def rotated_word_load_default(kind: str, device) -> bool:
-    """Whether rotated FP4 writes (cache tile kind ``kind``: E8M0 blocks "mxfp4", "nvfp4") of bfloat16 input load each
-    pair of elements as one 32-bit word by default (the write kernel's ``WORD_LOAD``; the same bytes): the load then
-    has the shape of the code store, [tokens, heads, D / 2], and Triton gives both its layout (32 elements per thread:
-    2 of the 7 butterfly stages cross lanes instead of 4, no conversion before the store). NVFP4 on NVIDIA GPUs,
-    where it measured faster: H100, warp-shuffle butterflies, 65,536 x 8 x 128, 121.0 -> 110.8 us (1.72 -> 1.58 of
-    the unrotated write); the E8M0 kinds lost there (fp4_e2m1 90.8 -> 92.1, mxfp4 89.3 -> 97.1) while their portable
-    "sums" route gained (113.5 -> 102.2, 114.5 -> 103.8; bench/results/history/
-    rotation-writes-h100-session20-word-loads.json and -no-word-loads.json). Not measured on ROCm."""
-    return kind == "nvfp4" and _nvidia_gpu(device)
+def rotated_word_load_default(kind: str, bits: int, device) -> bool:
+    """Whether rotated writes of cache tile kind ``kind`` ("mxfp4", "nvfp4", "int_k", "int_v"; ``bits`` per code) of
+    bfloat16 input load each pair of elements as one 32-bit word by default (the write kernel's ``WORD_LOAD``; the
+    same bytes): the load then has the shape of a 4-bit code store, [tokens, heads, D / 2], and Triton gives both its
+    layout (FP4: 32 elements per thread, 2 of the 7 butterfly stages across lanes instead of 4, no conversion before
+    the store). Where it measured faster, on NVIDIA GPUs (H100, 65,536 x 8 x 128, rotated write, by the default
+    butterflies): NVFP4 121.0 -> 110.8 us, 4-bit KIVI keys 127.0 -> 115.5 (split/join), 4-bit KIVI values 95.0 ->
+    89.2 (shuffles). Lost there: fp4_e2m1 90.8 -> 92.1, mxfp4 89.3 -> 97.1, 2-bit KIVI keys 128.5 -> 129.6, values
+    94.5 -> 97.1 (bench/results/history/rotation-writes-h100-session20-word-loads.json, -no-word-loads.json,
+    ab-h100-session20-rotation-write-kivi-keys.json, -values.json). Not measured on ROCm."""
+    return (kind == "nvfp4" or (kind in ("int_k", "int_v") and bits == 4)) and _nvidia_gpu(device)
 
 
 def hardware_fp8_encode(device) -> bool:
@@ -457,9 +458,11 @@ ROTATION_ROUTES = {"split": 0, "sums": 1, "gather": 2, "shfl": 2}
 #: rotated / unrotated write time, bench/results/rotation_writes_routes_h100.json, session 6): split/join, sums,
 #: warp shuffles: fp8 1.44 / 1.42 / 1.22, fp4_e2m1 2.25 / 1.61 / 1.29, nvfp4 2.23 / 1.66 / 1.39, int4_kivi keys
 #: 1.39 / 2.04 / 1.49. Warp shuffles on NVIDIA GPUs where they won; elsewhere (ROCm, the interpreter) the best of
-#: the portable routes as timed on the H100.
-ROTATION_SHFL_KINDS = frozenset({"fp8", "mxfp4", "nvfp4"})
-ROTATION_SUMS_KINDS = frozenset({"mxfp4", "nvfp4"})
+#: the portable routes as timed on the H100. KIVI values (session 20, `bench/ab_rotation_write.py --side v`,
+#: bench/results/history/ab-h100-session20-rotation-write-kivi-values.json): split/join 426.1 / 71.2 us (5.99),
+#: sums 1.65, shuffles 1.34 (int4; int2 6.04 / 1.70 / 1.37).
+ROTATION_SHFL_KINDS = frozenset({"fp8", "mxfp4", "nvfp4", "int_v"})
+ROTATION_SUMS_KINDS = frozenset({"mxfp4", "nvfp4", "int_v"})
 
 
 def rotation_route_default(kind: str, device=None) -> str:
@@ -693,6 +696,10 @@ def plan_write(side: Side, x, slot_mapping, *, block_t: int | None = None, block
     if rotation is not None:
         signs, c_d = rotation_signs(rotation, head_dim, x.device), float(norm_f32(head_dim))
     args = [x, slot_mapping, *fields, sc, n, kv_heads, x.stride(0), x.stride(1), *strides, signs, c_d]
+    # rotated FP4 and KIVI kinds of bfloat16 input at a 4-byte aligned address: element pairs as 32-bit words
+    words = ((rotated_word_load_default(cfg["kind"], cfg.get("bits", 4), x.device) if word_load is None
+              else bool(word_load)) and rotation is not None and x.dtype == torch.bfloat16
+             and cfg["kind"] in ("mxfp4", "nvfp4", "int_k", "int_v") and not nv_blocks and x.data_ptr() % 4 == 0)
     cx = dict(KIND=KIND_IDS[cfg["kind"]], FMT=cfg.get("fmt", 0), SGLANG=int(cfg.get("sglang", 0)), QDT=qdt,
               SATURATE=bool(cfg.get("saturate", True)),
               TOKEN_SCALE=cfg.get("token_scale", False), QB=cfg.get("block", 16), G=cfg.get("group", 1),
@@ -703,9 +710,7 @@ def plan_write(side: Side, x, slot_mapping, *, block_t: int | None = None, block
               ROT_LANE_H=16, ROT_LANE_N=8, ROT_SHFL=rotation_route == "shfl",
               NV_BLOCKS=nv_blocks, BLOCK_D=0 if block_d == head_dim else block_d,
               STORE_AS_LOADED=bool(store_as_loaded), PAGE=page, PAGE_SLOTS=tiles.page_slots(page),
-              WORD_LOAD=(rotated_word_load_default(cfg["kind"], x.device) if word_load is None else bool(word_load))
-              and rotation is not None and x.dtype == torch.bfloat16 and cfg["kind"] in ("mxfp4", "nvfp4")
-              and not nv_blocks and x.data_ptr() % 4 == 0)
+              WORD_LOAD=words)
     # rotated: no FP contraction anywhere in the kernel, so the float32 rotation is the oracle's bit for bit
     # whatever consumes it (docs/rotation.md; the butterflies themselves hold no multiply to contract)
     options = {"num_warps": num_warps or (WRITE_WARPS_KIVI_KEYS if cfg["kind"] == "int_k" else

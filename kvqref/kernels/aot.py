@@ -236,10 +236,10 @@ def _launches(target: str, cases: list | None = None, page: int = 16) -> list[tu
                 for route in [r for r in ("split", "sums") if r != default] + ["gather"] + (["shfl"] if hw else []):
                     out.append((f"write[{label},{route}]", tb.plan_write(side, x, torch.arange(16), hw_fp8=hw,
                                                                          rotation_route=route)))
-                if name in ("fp4_e2m1", "mxfp4", "nvfp4"):  # element pairs loaded as 32-bit words (word_load; the
-                    # NVFP4 default on NVIDIA GPUs, with the warp shuffles): the portable default route, and on CUDA
-                    # the shuffles (checked per target as the others)
-                    for route in [default] + (["shfl"] if hw else []):
+                if name in ("fp4_e2m1", "mxfp4", "nvfp4") or "kivi" in name:  # element pairs loaded as 32-bit words
+                    # (word_load; NVIDIA's default for NVFP4 and 4-bit KIVI): the portable default route, and for the
+                    # FP4 kinds on CUDA the shuffles (checked per target as the others)
+                    for route in [default] + (["shfl"] if hw and "kivi" not in name else []):
                         out.append((f"write[{label},words,{route}]",
                                     tb.plan_write(side, x, torch.arange(16), hw_fp8=hw, rotation_route=route,
                                                   word_load=True)))
