@@ -21,7 +21,10 @@ per token over channel groups), 5 INT key (KIVI, per channel over a group of G t
 ``z = f32(butterflies(x * signs) * C_D)`` (``codecs.hadamard_rows``), then rounded to an explicit model dtype
 (``RDT``) and quantized as above; the host launches it without FP contraction. ``ROT_ROUTE``: the
 butterflies' data movement (0 split/join, 1 sums over the pair axis, 2 partner by shuffle: ``hadamard_rows``'
-``ROUTE``, with its ``LANE_H``, ``LANE_N`` and ``SHFL_ASM`` as ``ROT_LANE_H``, ``ROT_LANE_N``, ``ROT_SHFL``).
+``ROUTE``, with its ``LANE_H``, ``LANE_N`` and ``SHFL_ASM`` as ``ROT_LANE_H``, ``ROT_LANE_N``, ``ROT_SHFL``; on route 2
+the signs are folded into the first stage). ``WORD_LOAD`` (rotated FP4 and KIVI writes of bfloat16 input): each pair
+of elements loaded as one 32-bit word, ``[BLOCK_T, BLOCK_H, D / 2]``, the shape of a 4-bit code store, so that the
+load takes the store's layout (the pair widens exactly: ``w << 16`` and ``w & 0xFFFF0000``).
 """
 
 from __future__ import annotations
