@@ -23,8 +23,9 @@ run, rows with ``"round"``); bench/tables.py computes every speed-up against the
 ``--rotation``: issue 13's comparison in one run: for fp8_e4m3, fp4_e2m1, nvfp4 and int4_kivi, decode at
 batch 32 x 8192 (fast precision) and quantize-on-write, each unrotated and with the randomized Hadamard
 rotation fused into the kernels (K seed 1, V seed 2; the write kernel with its default token block and with
-16 tokens per program), timed alternately over two rounds, beside SDPA and the ceiling; the summary rows
-(``op: "rotation_ratio"``) give rotated / unrotated time per scheme (targets: decode <= 1.05, write <= 1.10).
+16 tokens per program; KIVI also the value side, whose quantization differs from the keys'), timed alternately over
+two rounds, beside SDPA and the ceiling; the summary rows (``op: "rotation_ratio"``, ``side`` "k" or "v") give
+rotated / unrotated time per scheme (targets: decode <= 1.05, write <= 1.10).
 ``--rotation-writes``: the write rows of ``--rotation`` alone (default token block), unrotated and rotated with
 each butterfly route of ``--rotation-routes`` (``plan_write``'s ``rotation_route``; default split, sums and shfl),
 alternately over ``--rounds`` rounds (default 5), then the ratios: about a minute.
@@ -355,14 +356,16 @@ def write_inputs(label: str, tokens: int = 65536, kv_heads: int = 8, head_dim: i
 
 
 def write_setup(label: str, tokens: int = 65536, kv_heads: int = 8, head_dim: int = 128, rotation: bool = False,
-                block_t: int | None = None, rotation_route: str | None = None, layout: str | None = None):
+                block_t: int | None = None, rotation_route: str | None = None, layout: str | None = None,
+                side: str = "k"):
     """(the write call to time, its record without times): pages in random order, bf16 input; ``rotation``:
-    K rotated (the rotation fused into the write kernel); ``block_t``: tokens per program (default: the
+    the side rotated (the rotation fused into the write kernel); ``block_t``: tokens per program (default: the
     kernel's); ``rotation_route``: the rotated butterflies' data movement (``plan_write``; None: the scheme's
-    default)."""
+    default); ``side``: "k" or "v" (:func:`write_inputs`)."""
     from kvqref.backends import triton_backend as tb
 
-    side, x, slots, record = write_inputs(label, tokens, kv_heads, head_dim, rotation=rotation, layout=layout)
+    side, x, slots, record = write_inputs(label, tokens, kv_heads, head_dim, side=side, rotation=rotation,
+                                          layout=layout)
 
     kw = {} if block_t is None else {"block_t": block_t}
     if rotation_route is not None:
@@ -458,6 +461,8 @@ def run_rotation(out: Path | None = None, rounds: int = 2) -> dict[str, Any]:
         variants = {"decode": [decode_setup(label, shape, 16, rotation=r) for r in (False, True)]}
         writes = [(False, None), (True, None)] + ([] if label.endswith("kivi") else [(True, 16)])  # KIVI keys: G
         variants["write"] = [write_setup(label, rotation=r, block_t=bt) for r, bt in writes]
+        if label.endswith("kivi"):  # KIVI values are quantized otherwise than keys: their write too
+            variants["write_v"] = [write_setup(label, rotation=r, side="v") for r in (False, True)]
         times: dict[tuple[str, int], list[float]] = {}
         for rnd in range(rounds):
             for op, setups in variants.items():
@@ -470,7 +475,8 @@ def run_rotation(out: Path | None = None, rounds: int = 2) -> dict[str, Any]:
             base = float(np.median(times[(op, 0)]))
             for i in range(1, len(setups)):
                 rot = float(np.median(times[(op, i)]))
-                emit({"op": "rotation_ratio", "of": op, "scheme": label, "block_t": setups[i][1].get("block_t"),
+                emit({"op": "rotation_ratio", "of": "write" if op.startswith("write") else op, "scheme": label,
+                      "side": "v" if op == "write_v" else "k", "block_t": setups[i][1].get("block_t"),
                       "unrotated_us": base, "rotated_us": rot, "ratio": rot / base,
                       "target": 1.05 if op == "decode" else 1.10})
         del variants
