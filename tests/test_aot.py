@@ -53,7 +53,7 @@ def test_every_kernel_compiles_for_rocm_and_cuda_targets():
         sums = sum("rotation" in c[1] for c in WRITE_CASES) * (3 if t.startswith("cuda") else 2)
         # + rotated FP4 and KIVI writes loading element pairs as 32-bit words (``word_load``): the portable default
         # route, and for the FP4 kinds on CUDA the warp shuffles
-        words = sum("rotation" in c[1] and c[0] in ("fp4_e2m1", "mxfp4", "nvfp4") for c in WRITE_CASES) * (
+        word_loads = sum("rotation" in c[1] and c[0] in ("fp4_e2m1", "mxfp4", "nvfp4") for c in WRITE_CASES) * (
             2 if t.startswith("cuda") else 1) + sum("rotation" in c[1] and "kivi" in c[0] for c in WRITE_CASES)
         # + unrotated NVFP4 writes with whole blocks per thread (``nvfp4_blocks``), every target
         nvb = sum(c[0] == "nvfp4" and "rotation" not in c[1] for c in WRITE_CASES)
@@ -71,8 +71,8 @@ def test_every_kernel_compiles_for_rocm_and_cuda_targets():
         kr_ptx = key_rows if t.startswith("cuda") else 0
         assert len(rows) == (2 * len(DECODE_CASES) + len(SHARED_KERNELS) + len(WRITE_CASES) + ptx + f16cvt
                              + rows_off + kt4 + ktile_off + 3 * key_rows + sums + nvb + blocks + vw_off + vw8
-                             + direct + kr_ptx + words), t
-        assert words and sum(",words," in r["kernel"] and r["ok"] for r in rows) == words, t
+                             + direct + kr_ptx + word_loads), t
+        assert word_loads and sum(",words," in r["kernel"] and r["ok"] for r in rows) == word_loads, t
         assert sum(r["kernel"].endswith(",kr=1,ptx]") and r["ok"] for r in rows) == kr_ptx, t
         assert sum(r["kernel"].endswith(",direct]") and r["ok"] for r in rows) == direct == 2, t
         assert sum(",vw=0" in r["kernel"] for r in rows) == vw_off, t

@@ -320,7 +320,7 @@ def quantize_write_kernel(
     # whose group min/max (rows with slot -1 left out by ``tm``) measured faster with the slot-masked load (H100: int4
     # keys 81 -> 85 us, the other kinds 1-4% faster; bench/results/history/ab-h100-session14-write-loads.log)
     xm = m3 if KIND == 5 else (tin[:, None] & hm[None, :])[:, :, None]
-    if WORD_LOAD:  # bfloat16 pairs as 32-bit words [BLOCK_T, BLOCK_H, D / 2]: the FP4 code store's shape
+    if WORD_LOAD:  # bfloat16 pairs as 32-bit words [BLOCK_T, BLOCK_H, D / 2]: a 4-bit code store's shape
         i2 = tl.arange(0, D // 2)
         xw = tl.load(X.to(tl.pointer_type(tl.int32)) + ((t3 * x_t + h3 * x_h) // 2 + i2[None, None, :]), mask=xm,
                      other=0)
