@@ -98,7 +98,10 @@ class Rounding16:
       code``; ``|K|`` when not given);
     * ``a_qs``: absolute error of each rounded ``q_d * s_d`` (float16 underflow), in units of the largest
       ``|q_d * s_d|`` of its group (key rows scale each row by a power of two that puts that one in [2**14,
-      2**15), so a float16 subnormal's half ulp 2**-25 is at most 2**-39 of it), times the code ``kr / s``;
+      2**15), so a float16 subnormal's half ulp 2**-25 is at most 2**-39 of it; with the key codes as float16
+      subnormals, ``kivi_subnormal_codes``, an operand may be multiplied by 2**-dK once more, dK <= 4 for 4-bit and
+      8 for 2-bit codes, which rounds it again below float16's normal range: 2**-39 (1 + 2**dK)), times the code
+      ``kr / s``;
     * ``u_k``: relative error of the K tile (a float32 tile split in two bfloat16 parts: 2**-16);
     * ``u_p``, ``a_p``: relative and absolute (float16 underflow) error of each probability ``p_j <= 1``
       rounded to 16 bits before the P @ V product;
@@ -164,7 +167,7 @@ def fast_rounding(k_scheme: Any, v_scheme: Any, q_dtype: str, *, kivi_key_rows: 
         u_q=u_q,
         a_q=a_q,
         u_qs=u_qs,
-        a_qs=2.0**-39 if rows_k else 0.0,
+        a_qs=2.0**-39 * (1 + 2.0 ** (4 if k_scheme.bits == 4 else 8)) if rows_k else 0.0,
         u_k=2.0**-16 if kivi_k and not rows_k else 0.0,
         u_p=U_F16 if fp16_v else U_BF16,
         # NVFP4 values: p * s_v * 2**7 rounded to float16 (the block rows of fast NVFP4 pairs), an absolute error of at

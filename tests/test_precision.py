@@ -108,9 +108,12 @@ def test_fast_rounding_constants():
     r = reference.fast_rounding(mx, mx, "bfloat16")  # E8M0 keys: float16 q by block rows, bfloat16 q otherwise
     assert (r.u_q, r.a_q, r.u_p, r.a_p) == (0.0, 2.0**-39, reference.U_BF16, 0.0)
     assert reference.fast_rounding(mx, mx, "float32").u_q == reference.U_BF16
-    r = reference.fast_rounding(kk, kv, "bfloat16")  # key rows: q * s rounded once to float16
-    assert (r.u_q, r.u_qs, r.a_qs, r.u_k, r.u_p, r.u_v) == (0.0, reference.U_F16, 2.0**-39, 0.0, reference.U_BF16,
-                                                            2.0**-16)
+    r = reference.fast_rounding(kk, kv, "bfloat16")  # key rows: q * s rounded once to float16 (and, with the key
+    # codes as float16 subnormals, multiplied by 2**-4 once more for the high nibble's chain)
+    assert (r.u_q, r.u_qs, r.a_qs, r.u_k, r.u_p, r.u_v) == (0.0, reference.U_F16, 2.0**-39 * 17, 0.0,
+                                                            reference.U_BF16, 2.0**-16)
+    k2 = schemes.get("int2_kivi", role="key")
+    assert reference.fast_rounding(k2, kv, "bfloat16").a_qs == 2.0**-39 * 257  # 2-bit codes: up to 2**-8
     r = reference.fast_rounding(kk, kv, "float32")  # the float32 product q * s first; the residual's bfloat16 q
     assert (r.u_q, r.u_qs) == (reference.U_BF16, reference.U_F16 + 2.0**-24 * (1 + reference.U_F16))
     r = reference.fast_rounding(kk, kv, "bfloat16", kivi_key_rows=False)  # key tiles / q * s in two parts

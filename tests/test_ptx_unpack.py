@@ -82,21 +82,68 @@ def _every_byte_in_every_position(asm: str, seed: int, inp: str = "$4"):
             yield pos, byte, bs, run_ptx(asm, {inp: sum(v << 8 * i for i, v in enumerate(bs))})
 
 
+def _f16_value(bits: int) -> float:
+    return float(np.array([bits], np.uint16).view(np.float16)[0])
+
+
 @pytest.mark.parametrize("bits", [4, 2])
-@pytest.mark.parametrize("f16", [True, False], ids=["float16", "bfloat16"])
-def test_int_code_ptx_places_every_code_in_the_magic_number(bits, f16):
+@pytest.mark.parametrize("f16,magic_number", [(True, True), (False, True), (True, False)],
+                         ids=["float16", "bfloat16", "float16-subnormal"])
+def test_int_code_ptx_places_every_code_in_the_magic_number(bits, f16, magic_number):
     """``_int_phases`` (KIVI codes by inline PTX): phase p of byte i is half i % 2 of register $(2p + i // 2), and
     that half is the magic number (float16 1024 = 0x6400, bfloat16 128 = 0x4300) plus code << k with k =
     ``int_code_bit`` below the float's mantissa width, so the caller's ``x * 2**-k - magic * 2**-k`` is the code,
-    exactly; on every byte in every position."""
-    asm = decode._int_codes_ptx(bits, f16).strip().removeprefix("{").removesuffix("}")
-    phases, magic = 8 // bits, (0x6400 if f16 else 0x4300)
+    exactly; without the magic number (``kivi_subnormal_codes``) the half is code << k alone, the float16 subnormal
+    code * 2**(k - 24); on every byte in every position."""
+    asm = decode._int_codes_ptx(bits, f16, magic_number).strip().removeprefix("{").removesuffix("}")
+    phases, magic = 8 // bits, (0x6400 if f16 else 0x4300) if magic_number else 0
     ks = [decode.int_code_bit(bits, p, f16) for p in range(phases)]
     assert all(k + bits <= (10 if f16 else 7) for k in ks)  # inside the mantissa: the exponent stays the magic's
     for pos, byte, bs, regs in _every_byte_in_every_position(asm, 2, f"${2 * phases}"):
         for p in range(phases):
             got = [(regs[f"${2 * p + i // 2}"] >> 16 * (i % 2)) & 0xFFFF for i in range(4)]
             assert got == [magic | ((v >> p * bits) & ((1 << bits) - 1)) << ks[p] for v in bs], (pos, byte, p)
+            if not magic_number:
+                assert [_f16_value(h) for h in got] == [((v >> p * bits) & ((1 << bits) - 1)) * 2.0 ** (ks[p] - 24)
+                                                        for v in bs]
+
+
+@pytest.mark.parametrize("bits", [4, 2])
+@pytest.mark.parametrize("f16,magic_number", [(True, True), (False, True), (True, False)],
+                         ids=["float16", "bfloat16", "float16-subnormal"])
+def test_int_word_ptx_places_every_code(bits, f16, magic_number):
+    """``_int_word_phases`` (KIVI code words by inline PTX, ``_int_words_ptx``): output $p holds code p of the first
+    word in its low half and of the second in its high half, as the magic number | code << k (k = ``int_code_bit`` of
+    the code's phase p % (8 / bits) for 4-bit codes, whose two codes per byte share a prmt, p for 2-bit), or without
+    the magic number code << k, the float16 subnormal code * 2**(k - 24) (``_int_codes_sub``'s rule); every code value
+    at every position of both words, the other codes random."""
+    asm = decode._int_words_ptx(bits, f16, magic_number).strip().removeprefix("{").removesuffix("}")
+    magic = (0x6400 if f16 else 0x4300) if magic_number else 0
+    mask, q = (1 << bits) - 1, 2 if bits == 4 else 8
+    ks = [decode.int_code_bit(bits, p % q, f16) for p in range(8)]
+    rng = np.random.default_rng(bits)
+    width = 8 * bits  # bits per word: 32 (4-bit codes), 16 (2-bit)
+    for p in range(8):
+        for v in range(1 << bits):
+            w1, w2 = (int(x) for x in rng.integers(0, 1 << width, 2))
+            w1 = w1 & ~(mask << p * bits) | v << p * bits
+            w2 = w2 & ~(mask << (7 - p) * bits) | (mask - v) << (7 - p) * bits
+            inputs = {"$8": w1, "$9": w2} if bits == 4 else {"$8": w1 | w2 << 16}
+            regs = run_ptx(asm, inputs)
+            for i in range(8):
+                got = regs[f"${i}"]
+                want = [magic | ((w >> i * bits) & mask) << ks[i] for w in (w1, w2)]
+                assert [got & 0xFFFF, got >> 16] == want, (p, v, i)
+                if not magic_number:
+                    assert [_f16_value(h) for h in want] == [((w >> i * bits) & mask) * 2.0 ** (ks[i] - 24)
+                                                             for w in (w1, w2)]
+
+
+def test_int_word_ptx_catches_a_planted_field_error():
+    """The word check above fails when a subnormal field is off by one bit (the test can fail)."""
+    asm = decode._int_words_ptx(4, True, False).replace("0x00F000F0", "0x00780078")
+    regs = run_ptx(asm.strip().removeprefix("{").removesuffix("}"), {"$8": 0xFFFFFFFF, "$9": 0xFFFFFFFF})
+    assert (regs["$1"] & 0xFFFF) != 0xF << decode.int_code_bit(4, 1, True)
 
 
 def test_int_code_ptx_catches_a_planted_field_error():

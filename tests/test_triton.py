@@ -391,6 +391,47 @@ def test_kivi_words(pair, q_heads, block_n, flip_chains):
         _run_decode(small, q[:, :, :64], kivi_words=True, **kw)
 
 
+@pytest.mark.parametrize("pair", KIVI_WORD_PAIRS, ids=["int4", "int2"])
+@pytest.mark.parametrize("words,flip_chains", [(True, False), (True, True), (False, False)],
+                         ids=["words", "words-other-chains", "bytes"])
+def test_kivi_subnormal_codes(pair, words, flip_chains):
+    """``kivi_subnormal_codes`` (the default with key rows: key codes unpacked into the float16 subnormals code *
+    2**(K - 24), no magic number subtracted, the powers of two taken out of the float32 products and, where one chain
+    holds codes at several bits K, 2**(KMIN - K) put into the operands) against exact codes (``False``): 4-bit words
+    in their default two chains give the same bits in the interpreter (every scaling is an exact power of two on
+    float32 sums; the H100's tensor cores round some of the scaled sums differently in the last bit); every path
+    (words in one or two chains, byte phases; bfloat16 and float32 q) meets the oracle's bound and agrees with the
+    exact codes within both bounds. The default: on for 2-bit keys by key rows (where it measured faster), off for
+    4-bit. Refused without key rows. Planted bugs fail it: the odd chain's 2**-4
+    dropped (the two-chain cases: int4 words, int2 words in two chains), the 2**24 dropped (every case)."""
+    from kvqref.kernels.decode import decode_split_kernel, plan_decode
+
+    rng = np.random.default_rng(41 + (pair[0] == "int2_kivi"))
+    shape = dict(SMALL, q_heads=8, kv_heads=2, head_dim=128, page_size=32, lens=(1, 150, 300))
+    cache, _ = build_cache(pair, shape, rng)
+    q32 = torch.from_numpy(4 * rng.standard_normal((3, 8, 128)).astype(np.float32))
+    chains = {"kivi_key_chains": 1 if pair[0] == "int4_kivi" else 2} if flip_chains else {}
+    kw = dict(precision="fast", key_rows=True, value_rows=True, kivi_words=words, **chains)
+    for qdtype in ("bfloat16", "float32"):
+        q = q32.to(getattr(torch, qdtype))
+        ref_out, ref_lse, tol_o, tol_l = _oracle(cache, q.float().numpy().astype(np.float64), "fast", qdtype,
+                                                 value_rows=True)
+        out, lse, _ = _run_decode(cache, q, kivi_subnormal_codes=True, **kw)
+        exact, lse_x, _ = _run_decode(cache, q, kivi_subnormal_codes=False, **kw)
+        assert (np.abs(out - ref_out) <= tol_o).all() and (np.abs(lse - ref_lse) <= tol_l).all(), qdtype
+        if pair[0] == "int4_kivi" and words and not flip_chains and not GPU:
+            assert np.array_equal(out, exact) and np.array_equal(lse, lse_x), qdtype
+        else:
+            assert (np.abs(out - exact) <= 2 * tol_o).all() and (np.abs(lse - lse_x) <= 2 * tol_l).all(), qdtype
+    dc = tb.DeviceCache.from_cache(cache, DEVICE)
+    launches, _, _ = plan_decode(q.to(DEVICE), dc.k.tiles(), dc.v.tiles(), dc.block_table, dc.seq_lens, dc.page_size,
+                                 **kw)
+    assert next(la for la in launches if la.kernel is decode_split_kernel).constexprs["KSUB"] is (
+        pair[0] == "int2_kivi")
+    with pytest.raises(ValueError, match="kivi_subnormal_codes needs key_rows"):
+        _run_decode(cache, q, precision="fast", key_rows=False, kivi_subnormal_codes=True)
+
+
 @pytest.mark.skipif(not GPU, reason="inline PTX runs on a CUDA device only (the interpreter takes the portable path)")
 @pytest.mark.parametrize("precision", ["fast", "exact"])
 @pytest.mark.parametrize("pair", [PAIRS[5], PAIRS[6], ("nvfp4", {}, "nvfp4", {})],

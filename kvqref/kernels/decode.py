@@ -818,13 +818,15 @@ def _fp4_block_rows(
         return lo, hi, m_i, l_i
 
 
-def _int_codes_ptx(bits: int, f16: bool) -> str:
+def _int_codes_ptx(bits: int, f16: bool, magic_number: bool = True) -> str:
     """The PTX of :func:`_int_phases`: input ``$(2 * 8 / bits)`` (bytes 0-3), outputs ``$(2P)``, ``$(2P + 1)`` for
     phase P (the codes at bit P * bits of bytes 0, 1 and 2, 3, one per 16-bit half): ``prmt`` spreads two bytes into
     the halves of y, then per phase one ``lop3`` ``(y & field) | magic`` puts the code in the mantissa of the magic
     number (float16 0x6400 = 1024, bfloat16 0x4300 = 128) at bit ``k`` (the code's own bit, or lower by a ``shr``
-    where it would reach the exponent): the half is magic + code * 2**k, which the caller maps back to the code."""
-    magic = 0x6400 if f16 else 0x4300
+    where it would reach the exponent): the half is magic + code * 2**k, which the caller maps back to the code.
+    Without ``magic_number`` (float16 only) the exponent field stays 0: the half is the float16 subnormal
+    code * 2**(k - 24), exact, which needs no subtraction (:func:`_int_codes_sub`)."""
+    magic = (0x6400 if f16 else 0x4300) if magic_number else 0
     phases = 8 // bits
     lines = [".reg .b32 z, y, t;", "mov.b32 z, 0;"]
     for half, sel in enumerate(("0x4140", "0x4342")):
@@ -851,6 +853,20 @@ INT4_F16_PTX = tl.constexpr(_int_codes_ptx(4, True))
 INT4_BF16_PTX = tl.constexpr(_int_codes_ptx(4, False))
 INT2_F16_PTX = tl.constexpr(_int_codes_ptx(2, True))
 INT2_BF16_PTX = tl.constexpr(_int_codes_ptx(2, False))
+INT4_F16_SUB_PTX = tl.constexpr(_int_codes_ptx(4, True, False))
+INT2_F16_SUB_PTX = tl.constexpr(_int_codes_ptx(2, True, False))
+
+
+@triton.jit
+def _int_codes_sub(x, P: tl.constexpr, BITS: tl.constexpr, PH: tl.constexpr):
+    """The ``BITS``-bit integer codes at bit ``P * BITS`` of ``x`` as the float16 subnormals ``code * 2**(K - 24)``
+    (exponent field 0, the code at mantissa bit K of phase ``PH``, :func:`int_code_bit`'s rule): a bit placement,
+    exact, the values of the PTX unpacking without a magic number (:func:`_int_codes_ptx`, :func:`_int_words_ptx`);
+    the caller takes the 2**(K - 24) out of its float32 products (:func:`_kivi_rows_scores`)."""
+    OVER: tl.constexpr = PH * BITS + BITS - 10
+    K: tl.constexpr = PH * BITS - OVER if OVER > 0 else PH * BITS
+    c = (x.to(tl.int32) >> (P * BITS)) & ((1 << BITS) - 1)
+    return (c << K).to(tl.int16).to(tl.float16, bitcast=True)
 
 
 @triton.jit
@@ -867,10 +883,26 @@ def _from_magic(x, P: tl.constexpr, BITS: tl.constexpr, F16: tl.constexpr):
 
 
 @triton.jit
-def _int_phases(byte, BITS: tl.constexpr, F16: tl.constexpr, PTX: tl.constexpr):
+def _int_phases(byte, BITS: tl.constexpr, F16: tl.constexpr, PTX: tl.constexpr, SUB: tl.constexpr = False):
     """The integer codes of every phase of ``byte`` (uint8; phase P at bit P * BITS) as exact float16 (``F16``) or
     bfloat16 values, four tensors (4-bit codes: phases 0, 1, 0, 1). CUDA (``PTX``): :func:`_int_codes_ptx`, two
-    elements per instruction; elsewhere :func:`_int_codes16` per phase."""
+    elements per instruction; elsewhere :func:`_int_codes16` per phase. ``SUB`` (float16): the float16 subnormals
+    ``code * 2**(K_P - 24)`` instead (:func:`_int_codes_sub`; no subtraction of a magic number)."""
+    if SUB:
+        tl.static_assert(F16, "subnormal codes are float16")
+        if PTX and not INTERPRET:
+            if BITS == 4:
+                a, b = tl.inline_asm_elementwise(INT4_F16_SUB_PTX, "=r,=r,=r,=r,r", [byte],
+                                                 dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
+                return a, b, a, b
+            else:
+                return tl.inline_asm_elementwise(INT2_F16_SUB_PTX, "=r,=r,=r,=r,=r,=r,=r,=r,r", [byte],
+                                                 dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
+                                                 is_pure=True, pack=4)
+        else:
+            PHS: tl.constexpr = 8 // BITS
+            return (_int_codes_sub(byte, 0, BITS, 0), _int_codes_sub(byte, 1, BITS, 1),
+                    _int_codes_sub(byte, 2 % PHS, BITS, 2 % PHS), _int_codes_sub(byte, 3 % PHS, BITS, 3 % PHS))
     if PTX and not INTERPRET:
         if BITS == 4 and F16:
             a, b = tl.inline_asm_elementwise(INT4_F16_PTX, "=r,=r,=r,=r,r", [byte], dtype=(tl.float16, tl.float16),
@@ -899,15 +931,16 @@ def _int_phases(byte, BITS: tl.constexpr, F16: tl.constexpr, PTX: tl.constexpr):
                 _int_codes16(byte, 2 % PH, BITS, F16), _int_codes16(byte, 3 % PH, BITS, F16))
 
 
-def _int_words_ptx(bits: int, f16: bool) -> str:
+def _int_words_ptx(bits: int, f16: bool, magic_number: bool = True) -> str:
     """The PTX of :func:`_int_word_phases`: outputs ``$p`` (p = 0..7), inputs ``$8`` (4-bit codes: ``$8``, ``$9``, two
     32-bit words; 2-bit codes: ``$8``, two 16-bit words in its halves). Output p holds code p of the first word in its
     low half and of the second in its high half as magic + code * 2**k (float16 magic 0x6400 = 1024, bfloat16 0x4300 =
     128; k as :func:`int_code_bit`). 4-bit codes: per byte j a ``prmt`` spreads byte j of both words into the low
     bytes of the halves, then one ``lop3`` ``(y & field) | magic`` per code (bfloat16's high nibble after a ``shr`` by
     1); 2-bit codes: the halves are the words, one ``lop3`` per code (after a ``shr`` where the code would reach the
-    exponent)."""
-    magic = 0x6400 if f16 else 0x4300
+    exponent). Without ``magic_number`` (float16 only): the float16 subnormals code * 2**(k - 24), as
+    :func:`_int_codes_ptx`."""
+    magic = (0x6400 if f16 else 0x4300) if magic_number else 0
     lines = [".reg .b32 y, t;"]
 
     def code(out: int, src_bit: int, phase: int) -> None:
@@ -935,15 +968,32 @@ INT4_WORDS_F16_PTX = tl.constexpr(_int_words_ptx(4, True))
 INT4_WORDS_BF16_PTX = tl.constexpr(_int_words_ptx(4, False))
 INT2_WORDS_F16_PTX = tl.constexpr(_int_words_ptx(2, True))
 INT2_WORDS_BF16_PTX = tl.constexpr(_int_words_ptx(2, False))
+INT4_WORDS_F16_SUB_PTX = tl.constexpr(_int_words_ptx(4, True, False))
+INT2_WORDS_F16_SUB_PTX = tl.constexpr(_int_words_ptx(2, True, False))
 
 
 @triton.jit
-def _int_word_phases(w, BITS: tl.constexpr, F16: tl.constexpr, PTX: tl.constexpr):
+def _int_word_phases(w, BITS: tl.constexpr, F16: tl.constexpr, PTX: tl.constexpr, SUB: tl.constexpr = False):
     """The eight integer codes of each code word ``w`` (int32 of 4-bit codes, int16 of 2-bit codes; code p at bit
     ``p * BITS``: channel 8c + p of word c) as exact float16 (``F16``) or bfloat16 values, eight tensors in code order.
     CUDA (``PTX``): :func:`_int_words_ptx`, two words per call, 0.75 (4-bit) or 0.6 (2-bit) integer instructions per
     code, then :func:`_from_magic` (one packed 16-bit operation per two codes); elsewhere :func:`_int_codes16` per
-    code."""
+    code. ``SUB`` (float16): the float16 subnormals ``code * 2**(K - 24)`` instead, K the bit of the code's phase
+    (:func:`_int_codes_sub`: no magic number to subtract)."""
+    if SUB:
+        tl.static_assert(F16, "subnormal codes are float16")
+        QS: tl.constexpr = 2 if BITS == 4 else 8  # the phase of code p is p % QS (see _int_words_ptx)
+        if PTX and not INTERPRET:
+            return tl.inline_asm_elementwise(
+                INT4_WORDS_F16_SUB_PTX if BITS == 4 else INT2_WORDS_F16_SUB_PTX,
+                "=r,=r,=r,=r,=r,=r,=r,=r,r,r" if BITS == 4 else "=r,=r,=r,=r,=r,=r,=r,=r,r", [w],
+                dtype=(tl.float16, tl.float16, tl.float16, tl.float16, tl.float16, tl.float16, tl.float16, tl.float16),
+                is_pure=True, pack=2)
+        else:
+            return (_int_codes_sub(w, 0, BITS, 0), _int_codes_sub(w, 1, BITS, 1 % QS),
+                    _int_codes_sub(w, 2, BITS, 2 % QS), _int_codes_sub(w, 3, BITS, 3 % QS),
+                    _int_codes_sub(w, 4, BITS, 4 % QS), _int_codes_sub(w, 5, BITS, 5 % QS),
+                    _int_codes_sub(w, 6, BITS, 6 % QS), _int_codes_sub(w, 7, BITS, 7 % QS))
     if PTX and not INTERPRET:
         if F16:
             dt = tl.float16
@@ -1027,43 +1077,98 @@ def _kivi_rows_key_loads(t0, slot, tmask, end, BT, K0, K1, K2, b, kvh, stride_bt
 
 
 @triton.jit
+def _sub_operand(a, PH: tl.constexpr, BITS: tl.constexpr, KMIN: tl.constexpr):
+    """The key rows' float16 operand ``a`` of the codes of phase ``PH`` in a chain whose smallest code bit is ``KMIN``
+    (subnormal codes, :func:`_int_codes_sub`: code * 2**(K - 24)) times 2**(KMIN - K), so that every product of the
+    chain carries the same 2**(KMIN - 24): one float16 multiplication by a power of two, exact except where the
+    product falls below float16's normal range (then rounded once more, to a multiple of 2**-24)."""
+    OVER: tl.constexpr = PH * BITS + BITS - 10
+    K: tl.constexpr = PH * BITS - OVER if OVER > 0 else PH * BITS
+    if K == KMIN:
+        return a
+    else:
+        return a * tl.cast(1.0 / (1 << (K - KMIN)), tl.float16)
+
+
+@triton.jit
 def _kivi_rows_scores(kc, ks, kz, qk, sel, qk_scale, HV: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BITS_K: tl.constexpr, PTX: tl.constexpr, KW: tl.constexpr, KCH: tl.constexpr):
+                      BITS_K: tl.constexpr, PTX: tl.constexpr, KW: tl.constexpr, KCH: tl.constexpr,
+                      SUB: tl.constexpr = False):
     """:func:`_kivi_key_rows`' scores [HV, BLOCK_N] (times ``qk_scale``) of one tile from its key loads
     (:func:`_kivi_rows_key_loads`): the key rows ``fl16(q_h * s_j * 2**e)`` against the codes, times 2**-e, plus the
-    zero term ``q_h . z_j``, each token's row selected by ``sel``."""
+    zero term ``q_h . z_j``, each token's row selected by ``sel``. ``SUB``: the codes as float16 subnormals
+    ``code * 2**(K - 24)`` (:func:`_int_codes_sub`: no magic number subtracted per pair of codes); a chain of products
+    whose codes sit at different bits K takes 2**(KMIN - K) into the operands of its larger K
+    (:func:`_sub_operand`), and the chains' sum is multiplied by 2**24 (and the odd chain's, at KMIN_odd, by
+    2**-KMIN_odd on the way: one fused multiply-add), all exact: where no operand falls below float16's normal range
+    the same bits as with exact codes (4-bit words in two chains: every operand as without ``SUB``)."""
     RK: tl.constexpr = qk.shape[0]
     PK: tl.constexpr = 8 // BITS_K
     DK: tl.constexpr = D // PK
     DW: tl.constexpr = D // 8
+    QS: tl.constexpr = 2 if BITS_K == 4 else 8  # KW: the phase of code position p is p % QS (_int_words_ptx)
     qs = qk * ks
     e = _f16_exponent(tl.max(tl.abs(qs), 1))
-    a = _split16(qs * pow2_f32(e)[:, None], True)[0]
     bias = tl.sum(qk * kz, 1)
     if KW:
-        c0, c1, c2, c3, c4, c5, c6, c7 = _int_word_phases(tl.trans(kc), BITS_K, True, PTX)
-        a0, a1, a2, a3, a4, a5, a6, a7 = _eighths(a, RK, DW)
+        c0, c1, c2, c3, c4, c5, c6, c7 = _int_word_phases(tl.trans(kc), BITS_K, True, PTX, SUB)
+        if SUB and not (BITS_K == 4 and KCH == 2):  # operands scaled per position (2**(KMIN - K))
+            KMO: tl.constexpr = (4 if BITS_K == 4 else 2) if KCH == 2 else 0  # the odd positions' chain's KMIN
+            x0, x1, x2, x3, x4, x5, x6, x7 = _eighths(_split16(qs * pow2_f32(e)[:, None], True)[0], RK, DW)
+            a0 = _sub_operand(x0, 0, BITS_K, 0)
+            a1 = _sub_operand(x1, 1 % QS, BITS_K, KMO)
+            a2 = _sub_operand(x2, 2 % QS, BITS_K, 0)
+            a3 = _sub_operand(x3, 3 % QS, BITS_K, KMO)
+            a4 = _sub_operand(x4, 4 % QS, BITS_K, 0)
+            a5 = _sub_operand(x5, 5 % QS, BITS_K, KMO)
+            a6 = _sub_operand(x6, 6 % QS, BITS_K, 0)
+            a7 = _sub_operand(x7, 7 % QS, BITS_K, KMO)
+        else:
+            a0, a1, a2, a3, a4, a5, a6, a7 = _eighths(_split16(qs * pow2_f32(e)[:, None], True)[0], RK, DW)
         if KCH == 2:  # two independent accumulation chains (even and odd code positions), summed once
             s2 = _dot_acc(a0, c0, tl.zeros((RK, BLOCK_N), tl.float32))
             s2b = _dot_acc(a1, c1, tl.zeros((RK, BLOCK_N), tl.float32))
             s2 = _dot_acc(a6, c6, _dot_acc(a4, c4, _dot_acc(a2, c2, s2)))
             s2b = _dot_acc(a7, c7, _dot_acc(a5, c5, _dot_acc(a3, c3, s2b)))
-            s2 = s2 + s2b
+            if SUB:  # even chain: 2**-24 of its sum; odd chain: 2**(KMO - 24)
+                s2 = tl.fma(s2b, 1.0 / (1 << (4 if BITS_K == 4 else 2)), s2) * 16777216.0
+            else:
+                s2 = s2 + s2b
         else:
             s2 = _dot_acc(a0, c0, tl.zeros((RK, BLOCK_N), tl.float32))
             s2 = _dot_acc(a7, c7, _dot_acc(a6, c6, _dot_acc(a5, c5, _dot_acc(a4, c4, s2))))
             s2 = _dot_acc(a3, c3, _dot_acc(a2, c2, _dot_acc(a1, c1, s2)))
+            if SUB:
+                s2 = s2 * 16777216.0
     elif PK == 2:
-        k0, k1, k2, k3 = _int_phases(kc, BITS_K, True, PTX)
-        a0, a1 = tl.split(tl.reshape(a, (RK, DK, 2)))
+        k0, k1, k2, k3 = _int_phases(kc, BITS_K, True, PTX, SUB)
+        if SUB:
+            x0, x1 = tl.split(tl.reshape(_split16(qs * pow2_f32(e)[:, None], True)[0], (RK, DK, 2)))
+            a0 = _sub_operand(x0, 0, BITS_K, 0)
+            a1 = _sub_operand(x1, 1, BITS_K, 0)
+        else:
+            a0, a1 = tl.split(tl.reshape(_split16(qs * pow2_f32(e)[:, None], True)[0], (RK, DK, 2)))
         s2 = _dot_acc(a1, k1, _dot_acc(a0, k0, tl.zeros((RK, BLOCK_N), tl.float32)))
+        if SUB:
+            s2 = s2 * 16777216.0
     else:
-        k0, k1, k2, k3 = _int_phases(kc, BITS_K, True, PTX)
-        a02, a13 = tl.split(tl.reshape(a, (RK, DK, 2, 2)))
-        a0, a2 = tl.split(a02)
-        a1, a3 = tl.split(a13)
+        k0, k1, k2, k3 = _int_phases(kc, BITS_K, True, PTX, SUB)
+        if SUB:
+            x02, x13 = tl.split(tl.reshape(_split16(qs * pow2_f32(e)[:, None], True)[0], (RK, DK, 2, 2)))
+            x0, x2 = tl.split(x02)
+            x1, x3 = tl.split(x13)
+            a0 = _sub_operand(x0, 0, BITS_K, 0)
+            a1 = _sub_operand(x1, 1, BITS_K, 0)
+            a2 = _sub_operand(x2, 2, BITS_K, 0)
+            a3 = _sub_operand(x3, 3, BITS_K, 0)
+        else:
+            a02, a13 = tl.split(tl.reshape(_split16(qs * pow2_f32(e)[:, None], True)[0], (RK, DK, 2, 2)))
+            a0, a2 = tl.split(a02)
+            a1, a3 = tl.split(a13)
         s2 = _dot_acc(a3, k3, _dot_acc(a2, k2, _dot_acc(a1, k1, _dot_acc(a0, k0, tl.zeros((RK, BLOCK_N),
                                                                                          tl.float32)))))
+        if SUB:
+            s2 = s2 * 16777216.0
     s2 = s2 * pow2_f32(-e)[:, None] + bias[:, None]
     s = tl.sum(tl.where(sel, tl.reshape(s2, (RK // HV, HV, BLOCK_N)), 0.0), 0) * qk_scale
     return s
@@ -1076,7 +1181,7 @@ def _kivi_key_rows(
     BLOCK_H: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, PAGE_SLOTS: tl.constexpr, BLOCK_N: tl.constexpr,
     G_K: tl.constexpr,
     BITS_K: tl.constexpr, G_V: tl.constexpr, BITS_V: tl.constexpr, RN: tl.constexpr, PTX: tl.constexpr,
-    KW: tl.constexpr = False, KCH: tl.constexpr = 1, PIPE: tl.constexpr = False,
+    KW: tl.constexpr = False, KCH: tl.constexpr = 1, PIPE: tl.constexpr = False, KSUB: tl.constexpr = False,
 ):
     """Fast-mode KIVI keys by token-group rows (``key_rows``), values by channel-group rows (``value_rows``).
 
@@ -1099,7 +1204,7 @@ def _kivi_key_rows(
     products in two independent accumulation chains (even and odd p), summed once. ``PIPE``: each step computes the
     next tile's scores (its key loads and products) beside this tile's softmax and value products, the first
     tile's before the loop, so that the two dependency chains of a step are independent; the same arithmetic per
-    tile, so the same bits."""
+    tile, so the same bits. ``KSUB``: the key codes as float16 subnormals (:func:`_kivi_rows_scores`' ``SUB``)."""
     PV: tl.constexpr = 8 // BITS_V
     DV: tl.constexpr = D // PV
     NGK: tl.constexpr = BLOCK_N // G_K if BLOCK_N > G_K else 1
@@ -1139,7 +1244,7 @@ def _kivi_key_rows(
         slot, tmask = _tile_slots(start, end, BT, b, stride_btb, PAGE, PAGE_SLOTS, BLOCK_N)
         kc, ks, kz = _kivi_rows_key_loads(start, slot, tmask, end, BT, K0, K1, K2, b, kvh, stride_btb, k0_s, k0_h,
                                           k1_s, k1_h, k2_s, k2_h, HV, D, PAGE, PAGE_SLOTS, BLOCK_N, G_K, BITS_K, KW)
-        s_next = _kivi_rows_scores(kc, ks, kz, qk, sel, qk_scale, HV, D, BLOCK_N, BITS_K, PTX, KW, KCH)
+        s_next = _kivi_rows_scores(kc, ks, kz, qk, sel, qk_scale, HV, D, BLOCK_N, BITS_K, PTX, KW, KCH, KSUB)
     for t0 in range(start, end, BLOCK_N):
         slot, tmask = _tile_slots(t0, end, BT, b, stride_btb, PAGE, PAGE_SLOTS, BLOCK_N)
         if PIPE:  # the next tile's keys
@@ -1159,9 +1264,9 @@ def _kivi_key_rows(
         srow, zrow = _kivi_value_rows(V1, V2, slot, tmask, kvh, v1_s, v1_h, v2_s, v2_h, HV, BLOCK_H, D // G_V)
         if PIPE:  # this tile's scores (computed one step earlier) and the next tile's, independent of each other
             s = s_next
-            s_next = _kivi_rows_scores(kc, ks, kz, qk, sel, qk_scale, HV, D, BLOCK_N, BITS_K, PTX, KW, KCH)
+            s_next = _kivi_rows_scores(kc, ks, kz, qk, sel, qk_scale, HV, D, BLOCK_N, BITS_K, PTX, KW, KCH, KSUB)
         else:
-            s = _kivi_rows_scores(kc, ks, kz, qk, sel, qk_scale, HV, D, BLOCK_N, BITS_K, PTX, KW, KCH)
+            s = _kivi_rows_scores(kc, ks, kz, qk, sel, qk_scale, HV, D, BLOCK_N, BITS_K, PTX, KW, KCH, KSUB)
         p, alpha, m_i, l_i = _softmax_step(s, tmask, m_i, l_i)
         pr = tl.reshape(tl.broadcast_to(p[None, :, :], (GRV, HV, BLOCK_N)), (BLOCK_H, BLOCK_N))
         ar = tl.reshape(tl.broadcast_to(alpha[None, :], (GRV, HV)), (BLOCK_H,))
@@ -1304,6 +1409,7 @@ def decode_split_kernel(
     KW: tl.constexpr = False,
     KCH: tl.constexpr = 1,
     KPIPE: tl.constexpr = False,
+    KSUB: tl.constexpr = False,
     HALF_K: tl.constexpr = False,
     HALF_V: tl.constexpr = False,
     BLOCK_R: tl.constexpr = 0,
@@ -1413,7 +1519,7 @@ def decode_split_kernel(
             acc0, acc1, acc2, acc3, zacc, m_i, l_i = _kivi_key_rows(
                 Q, BT, K0, K1, K2, V0, V1, V2, b, kvh, start, end, stride_qb, stride_qh, stride_btb, k0_s, k0_h,
                 k1_s, k1_h, k2_s, k2_h, v0_s, v0_h, v1_s, v1_h, v2_s, v2_h, qk_scale, QPK, HV, BLOCK_H, D, PAGE,
-                PAGE_SLOTS, BLOCK_N, G_K, BITS_K, G_V, BITS_V, RN, PTX, KW, KCH, KPIPE)
+                PAGE_SLOTS, BLOCK_N, G_K, BITS_K, G_V, BITS_V, RN, PTX, KW, KCH, KPIPE, KSUB)
         elif BLK:  # fast FP4 by block rows (``_fp4_block_rows``)
             acc0, acc1, m_i, l_i = _fp4_block_rows(
                 Q, BT, K0, K1, V0, V1, b, kvh, start, end, stride_qb, stride_qh, stride_btb, k0_s, k0_h, k1_s, k1_h,
@@ -2120,6 +2226,7 @@ def plan_decode(
     kivi_key_chains: int | None = None,
     kivi_pipeline: bool | None = None,
     direct_output: bool | None = None,
+    kivi_subnormal_codes: bool | None = None,
 ):
     """The launches of decode attention (see :func:`paged_decode`), with their output tensors.
     ``hw_formats``: FP8 format ids converted in hardware (default: what ``q``'s device has); ``maxnreg``:
@@ -2167,6 +2274,12 @@ def plan_decode(
     ``kivi_pipeline``: with ``key_rows``, each step of the tile loop computes the next tile's scores beside this
     tile's softmax and value products (constexpr ``KPIPE``; the same arithmetic per tile, the same bits); default:
     4-bit key words without a register cap (where it measured faster).
+    ``kivi_subnormal_codes``: with ``key_rows``, the key codes unpacked into float16 subnormals ``code * 2**(K - 24)``
+    (no magic number, so no packed subtraction per two codes), the 2**-24 and the code bits K taken out of the
+    float32 products (:func:`_kivi_rows_scores`, constexpr ``KSUB``; exact scalings by powers of two: the same bits
+    wherever no key-row operand falls below float16's normal range, in the interpreter; the H100's tensor cores
+    round some float32 sums of the scaled products differently in the last bit); default: 2-bit keys by key rows
+    (H100: int2 at batch 32 x 8,192 244.1 -> 233.4 us; 4-bit keys gained nothing).
     ``residual_launch``: the residual window's split as its own launch (constexpr ``PART``), so the paged splits
     do not carry the residual path's registers; default: with ``key_rows`` and a residual window.
     ``channel_halves``: with ``block_rows``, a side of at least 32 rows multiplies each channel half by the rows of
@@ -2363,6 +2476,12 @@ def plan_decode(
              else bool(kivi_pipeline))
     if kpipe and not key_rows:
         raise ValueError("kivi_pipeline needs key_rows (fast KIVI by token-group key rows)")
+    # key codes as float16 subnormals for 2-bit keys (H100, 3 rounds: int2 at batch 32 x 8,192 244.1 -> 233.4 us, 128 x
+    # 4,096 535.1 -> 519.4; int4 unchanged, 275.5 -> 275.7, and 1,297 -> 1,329 at 64 query heads: off;
+    # bench/results/ANALYSIS.md, session 21)
+    ksub = bool(key_rows and k.bits == 2) if kivi_subnormal_codes is None else bool(kivi_subnormal_codes)
+    if ksub and not key_rows:
+        raise ValueError("kivi_subnormal_codes needs key_rows (fast KIVI by token-group key rows)")
     if num_stages is None:
         num_stages = 3 if nvfp4_halves or kivi_words or bf16_wide else 2 if block_rows or key_rows else (
             3 if k.kind in ("fp8", "int_k") or fast_mx_ptx or (precision == "fast" and k.kind == "nvfp4"
@@ -2505,6 +2624,7 @@ def plan_decode(
         KW=bool(kivi_words),
         KCH=kch,
         KPIPE=kpipe,
+        KSUB=ksub,
         HALF_K=half_k,
         HALF_V=half_v,
         PART=0,  # 0: the paged and residual splits in one launch (``residual_launch`` makes 1 and 2)
