@@ -245,16 +245,23 @@ def _kivi_quant(x16, mn, mx, MAXINT: tl.constexpr, F16_CVT: tl.constexpr, RCP: t
 
 
 @triton.jit
-def _e2m1_bytes(y, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr):
-    """The E2M1 code bytes [BLOCK_T, BLOCK_H, D / 2] of the finite float32 quotients ``y`` (any shape holding
-    [BLOCK_T, BLOCK_H, D] in row order; element 2i in the low nibble): RNE, saturating at +-6, the sign bit from ``y``
-    (-0.0 gives 0x8), as :func:`encode_e2m1` and :func:`_pack_bits` give them. Built as the unrotated whole-block
-    NVFP4 write builds its bytes (:func:`codecs.e2m1_pair_bytes`): the magnitudes capped at 6 (every magnitude from 6
-    up rounds, or saturates, to code 7) and the pair's sign word (the even element's sign at bit 15, the odd's at bit
-    31): about 8 instructions per pair of elements against 20 for a code each and its packing (sm_90)."""
-    ye, yo = tl.split(tl.reshape(y, (BLOCK_T, BLOCK_H, D // 2, 2)))
-    sw = ((ye.to(tl.int32, bitcast=True) >> 16) & 0x8000) | (yo.to(tl.int32, bitcast=True) & -2147483648)
-    return e2m1_pair_bytes(tl.minimum(tl.abs(ye), 6.0), tl.minimum(tl.abs(yo), 6.0), sw)
+def _pair_sign_words(x, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr):
+    """The sign word of each element pair of ``x`` (float32, any shape holding [BLOCK_T, BLOCK_H, D] in row order) as
+    :func:`codecs.e2m1_pair_bytes` takes it: int32 [BLOCK_T, BLOCK_H, D / 2], element 2i's sign at bit 15, element
+    2i + 1's at bit 31, every other bit 0."""
+    xe, xo = tl.split(tl.reshape(x, (BLOCK_T, BLOCK_H, D // 2, 2)))
+    return ((xe.to(tl.int32, bitcast=True) >> 16) & 0x8000) | (xo.to(tl.int32, bitcast=True) & -2147483648)
+
+
+@triton.jit
+def _e2m1_bytes(mag, sw, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr):
+    """E2M1 code bytes [BLOCK_T, BLOCK_H, D / 2] (element 2i in the low nibble): the RNE codes of the float32
+    magnitudes ``mag`` (in [0, 7): at most 6 after rounding; any shape holding [BLOCK_T, BLOCK_H, D] in row order),
+    the signs from the pair sign words ``sw`` (:func:`_pair_sign_words`; -0.0 gives 0x8). Built as the unrotated
+    whole-block NVFP4 write builds its bytes (:func:`codecs.e2m1_pair_bytes`): about 8 instructions per pair of
+    elements against 20 for a code each and its packing (sm_90)."""
+    me, mo = tl.split(tl.reshape(mag, (BLOCK_T, BLOCK_H, D // 2, 2)))
+    return e2m1_pair_bytes(me, mo, sw)
 
 
 @triton.jit
@@ -445,35 +452,40 @@ def quantize_write_kernel(
                 c = _e2m1_away(y)
             scode = e + 127
         else:
-            # x clamped to +-g * 2**14: a block holding a larger |x| has a scale above 2730 before the clamp to
-            # 448, so its clamped elements still give quotients beyond +-6 (code 7, x's sign); the clamp keeps
-            # every quotient within _div_by's domain without a tile-wide check of the block maxima
+            # magnitudes: the block maxima capped at g * 2**14 (a block holding a larger |x| has a scale above 2730
+            # before the clamp to 448, so its elements beyond the cap give quotients beyond 6 either way: code 7);
+            # every |x| capped at lim = RN(6 dv), as the whole-block write does: a capped element's quotient is 6
+            # within 2**-23 (code 7, as its own quotient, at least 6 (1 - 2**-24), gives), so every quotient is below
+            # 7 and within _div_by's domain without a tile-wide check of the block maxima; the signs come from x
             g = tl.load(SC)
             fast = (g >= NV_G_LO) & (g <= NV_G_HI)
+            ax = tl.abs(xb)
+            sw = _pair_sign_words(xb, BLOCK_T, BLOCK_H, D)  # (here, so that x's registers are free below)
             if fast:  # every quotient below stays finite and exact
-                xa = tl.clamp(xb, g * -NV_CAP, g * NV_CAP)
-                amax = tl.max(tl.abs(xa), 3)
+                amax = tl.minimum(tl.max(ax, 3), g * NV_CAP)
                 rg = _div(1.0, g)
                 s = _div_by(_div_by(amax, 6.0, 1.0 / 6.0, STEPS), g, rg, 2)
             else:
-                xa = xb
-                amax = tl.max(tl.abs(xb), 3)
+                amax = tl.max(ax, 3)
                 s = _div(_div(amax, tl.full(amax.shape, 6.0, tl.float32)), g + tl.zeros_like(amax))
             s = tl.minimum(tl.maximum(s, 0.015625), 448.0)
             # integer E4M3 rounding (see docs/kernels.md, NVFP4 on the H100), s being normal in E4M3
             scode, sv = e4m3_normal_bits(s)
             dv = sv * g
-            if fast:  # |q| <= 2**20
-                y = _div_by(xa, dv[:, :, :, None], _div(tl.full(dv.shape, 1.0, tl.float32), dv)[:, :, :, None],
-                            STEPS)
-            else:
-                y = tl.clamp(_div(xa, dv[:, :, :, None] + tl.zeros_like(xb)), -8.0, 8.0)
+            if fast:
+                ym = _div_by(tl.minimum(ax, (dv * 6.0)[:, :, :, None]), dv[:, :, :, None],
+                             _div(tl.full(dv.shape, 1.0, tl.float32), dv)[:, :, :, None], STEPS)
+            else:  # (a quotient from 6 up is code 7; NaN-free where dv under- or overflowed)
+                ym = tl.minimum(_div(ax, dv[:, :, :, None] + tl.zeros_like(xb)), 6.0)
         i = tl.arange(0, D // 2)
         if KIND == 2 and SGLANG:
             packed = tl.reshape(_pack_bits(tl.reshape(c, (BLOCK_T * BLOCK_H, D)), 4, BLOCK_T * BLOCK_H, D),
                                 (BLOCK_T, BLOCK_H, D // 2))
-        else:  # RNE E2M1 saturating at 6 (y finite; E8M0: |y| < 8): the pair bytes of min(|y|, 6) and y's signs
-            packed = _e2m1_bytes(y, BLOCK_T, BLOCK_H, D)
+        elif KIND == 2:  # RNE E2M1 saturating at 6 (|y| < 8): every magnitude from 6 up rounds or saturates to 6
+            packed = _e2m1_bytes(tl.minimum(tl.abs(y), 6.0), _pair_sign_words(y, BLOCK_T, BLOCK_H, D), BLOCK_T,
+                                 BLOCK_H, D)
+        else:
+            packed = _e2m1_bytes(ym, sw, BLOCK_T, BLOCK_H, D)
         tl.store(F0 + s3 * f0_s + h3 * f0_h + i[None, None, :], packed, mask=m3)
         nb = tl.arange(0, NB)
         tl.store(F1 + s3 * f1_s + h3 * f1_h + nb[None, None, :], scode.to(tl.uint8), mask=m3)
