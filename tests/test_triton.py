@@ -1015,6 +1015,26 @@ def test_nvfp4_write_skips_slots_of_minus_one(blocks):
         assert (rows[untouched] == 0xAB).all() and not (rows[written] == 0xAB).all(), name
 
 
+def test_write_register_cap():
+    """``plan_write(maxnreg=...)`` (a register cap per thread, for tuning): on an NVIDIA GPU the capped launch writes
+    the oracle's bytes; anywhere else, and a cap that is not an int >= 16, is refused before launch."""
+    from kvqref.conformance import to_dtype_values
+
+    rng = np.random.default_rng(23)
+    x = to_dtype_values(kv_tensor(rng, 16, 2, 64, outliers=True), "bfloat16")
+    side = tb.DeviceCache.from_cache(build_cache(("nvfp4", {}, "nvfp4", {}), SMALL, rng)[0], DEVICE).k
+    xt = torch.from_numpy(x).to(torch.bfloat16).to(DEVICE)
+    slots = torch.arange(16, dtype=torch.int64, device=DEVICE)
+    nvidia = GPU and not getattr(torch.version, "hip", None)
+    for bad in ([8, True, 64.0] if nvidia else [64]):
+        with pytest.raises(ValueError, match="maxnreg"):
+            tb.quantize_write(side, xt, slots, maxnreg=bad)
+    if nvidia:
+        ok, detail = triton_write_matches("nvfp4", {}, x, 16, rng, dtype="bfloat16",
+                                          launch={"maxnreg": 40, "nvfp4_blocks": False})
+        assert ok, detail
+
+
 @settings(max_examples=6 if not GPU else 40, deadline=None, suppress_health_check=list(HealthCheck))
 @given(seed=st.integers(0, 2**31), case=st.sampled_from(WRITE_CASES[:13]),
        scale_exp=st.integers(-20, 20), page=st.sampled_from([1, 16, 32]))  # no KIVI keys: pages % G

@@ -598,9 +598,11 @@ def settle_partner_lanes(launch, device, d: int):
 def plan_write(side: Side, x, slot_mapping, *, block_t: int | None = None, block_h: int | None = None,
                num_warps: int | None = None, hw_fp8: bool | None = None, f16_cvt: bool | None = None,
                rotation_route: str | None = None, nvfp4_blocks: bool | None = None, block_d: int | None = None,
-               store_as_loaded: bool | None = None, word_load: bool | None = None):
-    """The launch of :func:`quantize_write` (checked on the host first). ``block_t``/``block_h``/``num_warps``:
-    the tile and warps (default :func:`write_tile`, WRITE_WARPS; KIVI keys always take BLOCK_T = G);
+               store_as_loaded: bool | None = None, word_load: bool | None = None, maxnreg: int | None = None):
+    """The launch of :func:`quantize_write` (checked on the host first). ``maxnreg``: a register cap per thread
+    (Triton's CUDA option; NVIDIA GPUs only, for tuning; default: the measured caps below, else none).
+    ``block_t``/``block_h``/``num_warps``: the tile and warps (default :func:`write_tile`, WRITE_WARPS; KIVI keys
+    always take BLOCK_T = G);
     ``hw_fp8``: OCP FP8 codes by the hardware conversion (default: :func:`hardware_fp8_encode` of x's
     device); ``f16_cvt``: KIVI/float16 roundings by conversion instructions (IEEE round-to-nearest-even, the
     same bits as the float arithmetic) instead of float arithmetic; default: on NVIDIA GPUs (:func:`f16_cvt_default`),
@@ -721,6 +723,11 @@ def plan_write(side: Side, x, slot_mapping, *, block_t: int | None = None, block
         options["maxnreg"] = WRITE_MAXNREG_KIVI_VALUES
     elif cfg["kind"] == "int_k" and rotation is None and block_d == head_dim and _nvidia_gpu(x.device):
         options["maxnreg"] = WRITE_MAXNREG_KIVI_KEYS
+    if maxnreg is not None:
+        if not _nvidia_gpu(x.device) or isinstance(maxnreg, bool) or not isinstance(maxnreg, int) or maxnreg < 16:
+            raise ValueError(f"maxnreg (registers per thread, an int >= 16) needs an NVIDIA GPU; got {maxnreg!r} on "
+                             f"{x.device}")
+        options["maxnreg"] = maxnreg
     grid = (triton.cdiv(n, block_t), triton.cdiv(kv_heads, block_h))
     if block_d != head_dim:
         grid += (head_dim // block_d,)
@@ -738,7 +745,7 @@ def plan_write(side: Side, x, slot_mapping, *, block_t: int | None = None, block
                               "slower)", RuntimeWarning, stacklevel=2)
             return plan_write(side, x, slot_mapping, block_t=block_t, block_h=block_h, num_warps=num_warps,
                               hw_fp8=hw_fp8, f16_cvt=f16_cvt, rotation_route=portable, block_d=block_d,
-                              store_as_loaded=store_as_loaded, word_load=word_load)
+                              store_as_loaded=store_as_loaded, word_load=word_load, maxnreg=maxnreg)
     return launch
 
 
