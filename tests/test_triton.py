@@ -1617,17 +1617,18 @@ def test_rotated_write_butterfly_default_is_the_measured_choice(name):
 
 @pytest.mark.parametrize("nvidia", [False, True])
 def test_rotated_word_load_default_is_the_measured_choice(nvidia, monkeypatch):
-    """Rotated writes load element pairs as 32-bit words by default for NVFP4 and 4-bit KIVI keys and values on
-    NVIDIA GPUs only (H100, session 20: nvfp4 121.0 -> 110.8 us, int4 keys 127.0 -> 115.5, int4 values 95.0 -> 89.2;
-    fp4_e2m1, mxfp4 and 2-bit KIVI lost), only for bfloat16 input at a 4-byte aligned address; an explicit choice wins
-    where it applies (FP4 and KIVI kinds), and nothing else takes it. Planned only (``_nvidia_gpu`` stands in for the
-    device; the portable butterflies, so no shuffle lanes are settled)."""
+    """Rotated writes load element pairs as 32-bit words by default for NVFP4, 4-bit KIVI keys and values and (session
+    21, with tiles of 8,192 elements: 8 tokens x 8 heads here, unless block_t is given) the OCP E8M0 kinds on NVIDIA
+    GPUs only (H100, session 20: nvfp4 121.0 -> 110.8 us, int4 keys 127.0 -> 115.5, int4 values 95.0 -> 89.2; session
+    21: fp4_e2m1 86.0 -> 82.7, mxfp4 85.9 -> 80.5; 2-bit KIVI lost), only for bfloat16 input at a 4-byte aligned
+    address; an explicit choice wins where it applies (FP4 and KIVI kinds), and nothing else takes it. Planned only
+    (``_nvidia_gpu`` stands in for the device; the portable butterflies, so no shuffle lanes are settled)."""
     from kvqref.paged import PagedKVCache
 
     monkeypatch.setattr(tb, "_nvidia_gpu", lambda device: nvidia)
     slots = torch.full((16,), -1, device=DEVICE)
     buf = torch.zeros(16 * 8 * 128 + 1, dtype=torch.bfloat16, device=DEVICE)
-    cases = [("nvfp4", "k", nvidia), ("fp4_e2m1", "k", False), ("mxfp4", "k", False), ("fp8_e4m3", "k", False),
+    cases = [("nvfp4", "k", nvidia), ("fp4_e2m1", "k", nvidia), ("mxfp4", "k", nvidia), ("fp8_e4m3", "k", False),
              ("int4_kivi", "k", nvidia), ("int4_kivi", "v", nvidia), ("int2_kivi", "k", False),
              ("int2_kivi", "v", False)]
     for name, side_name, want in cases:
@@ -1639,6 +1640,13 @@ def test_rotated_word_load_default_is_the_measured_choice(nvidia, monkeypatch):
         x = buf[:-1].view(16, 8, 128)
         launch = tb.plan_write(side, x, slots, hw_fp8=False, rotation_route="sums")
         assert launch.constexprs["WORD_LOAD"] is want, (name, side_name)
+        e8m0_words = want and name in ("fp4_e2m1", "mxfp4")
+        cfg = tb.kernel_config(side.scheme)
+        assert launch.constexprs["BLOCK_T"] == (8 if e8m0_words else tb.write_tile(cfg["kind"], 8, 128,
+                                                                                    cfg.get("group", 1))[0])
+        if e8m0_words:  # a given tile wins
+            assert tb.plan_write(side, x, slots, hw_fp8=False, rotation_route="sums",
+                                 block_t=2).constexprs["BLOCK_T"] == 2
         explicit = tb.plan_write(side, x, slots, hw_fp8=False, rotation_route="sums", word_load=True)
         assert explicit.constexprs["WORD_LOAD"] is (name != "fp8_e4m3"), (name, side_name)
         odd = buf[1:].view(16, 8, 128)  # 2 bytes past a 4-byte boundary: no 32-bit words

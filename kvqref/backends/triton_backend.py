@@ -420,17 +420,27 @@ def _nvidia_gpu(device) -> bool:
     return bool(not INTERPRET and getattr(device, "type", None) == "cuda" and not getattr(torch.version, "hip", None))
 
 
-def rotated_word_load_default(kind: str, bits: int, device) -> bool:
+#: rotated E8M0 writes (fp4_e2m1, mxfp4; OCP rule) with word loads take tiles of about this many elements (H100,
+#: 65,536 x 8 x 128, session 21: 8 tokens x 8 heads; fp4_e2m1 86.0 -> 82.7 us, mxfp4 85.9 -> 80.5 against the default
+#: launch without word loads; word loads at 4 x 8 lost, 87.7 / 89.3;
+#: bench/results/history/ab-h100-session21-rotation-write-e8m0-sweep.json)
+ROTATED_E8M0_WORDS_TILE_ELEMS = 8192
+
+
+def rotated_word_load_default(kind: str, bits: int, device, sglang: int = 0) -> bool:
     """Whether rotated writes of cache tile kind ``kind`` ("mxfp4", "nvfp4", "int_k", "int_v"; ``bits`` per code) of
     bfloat16 input load each pair of elements as one 32-bit word by default (the write kernel's ``WORD_LOAD``; the
     same bytes): the load then has the shape of a 4-bit code store, [tokens, heads, D / 2], and Triton gives both its
     layout (FP4: 32 elements per thread, 2 of the 7 butterfly stages across lanes instead of 4, no conversion before
     the store). Where it measured faster, on NVIDIA GPUs (H100, 65,536 x 8 x 128, rotated write, by the default
     butterflies): NVFP4 121.0 -> 110.8 us, 4-bit KIVI keys 127.0 -> 115.5 (split/join), 4-bit KIVI values 95.0 ->
-    89.2 (shuffles). Lost there: fp4_e2m1 90.8 -> 92.1, mxfp4 89.3 -> 97.1, 2-bit KIVI keys 128.5 -> 129.6, values
-    94.5 -> 97.1 (bench/results/history/rotation-writes-h100-session20-word-loads.json, -no-word-loads.json,
-    ab-h100-session20-rotation-write-kivi-keys.json, -values.json). Not measured on ROCm."""
-    return (kind == "nvfp4" or (kind in ("int_k", "int_v") and bits == 4)) and _nvidia_gpu(device)
+    89.2 (shuffles). Lost there: 2-bit KIVI keys 128.5 -> 129.6, values 94.5 -> 97.1
+    (bench/results/history/rotation-writes-h100-session20-word-loads.json, -no-word-loads.json,
+    ab-h100-session20-rotation-write-kivi-keys.json, -values.json). E8M0 tiles (fp4_e2m1, mxfp4) of the OCP rule
+    (``sglang`` 0) since session 21, with tiles of ROTATED_E8M0_WORDS_TILE_ELEMS elements: at the default tile they
+    lost (session 20: fp4_e2m1 90.8 -> 92.1, mxfp4 89.3 -> 97.1). Not measured on ROCm."""
+    return (kind == "nvfp4" or (kind == "mxfp4" and not sglang)
+            or (kind in ("int_k", "int_v") and bits == 4)) and _nvidia_gpu(device)
 
 
 def hardware_fp8_encode(device) -> bool:
@@ -619,7 +629,8 @@ def plan_write(side: Side, x, slot_mapping, *, block_t: int | None = None, block
     :func:`kivi_key_blocks_default` (else head_dim, stores converted, and on NVIDIA GPUs at most
     WRITE_MAXNREG_KIVI_KEYS registers per thread). ``word_load`` (rotated FP4 kinds, bfloat16 input at a 4-byte
     aligned address): each pair of elements loaded as one 32-bit word (the same bytes; default
-    :func:`rotated_word_load_default`)."""
+    :func:`rotated_word_load_default`; rotated E8M0 writes with word loads take tiles of
+    ROTATED_E8M0_WORDS_TILE_ELEMS elements unless ``block_t`` is given)."""
     import triton
 
     from kvqref.kernels.codecs import INTERPRET
@@ -665,6 +676,7 @@ def plan_write(side: Side, x, slot_mapping, *, block_t: int | None = None, block
         strides += list(tiles.row_strides(t))
     page = fields[0].shape[2] if side.head_major else 1  # tokens per page (field 0 is per token); NHD: unused
     dt, dh = write_tile(cfg["kind"], kv_heads, head_dim, cfg.get("group", 1))
+    tile_given = block_t is not None
     nv_blocks = False
     if cfg["kind"] == "int_k":
         block_t, block_h = dt, block_h or dh
@@ -699,9 +711,11 @@ def plan_write(side: Side, x, slot_mapping, *, block_t: int | None = None, block
         signs, c_d = rotation_signs(rotation, head_dim, x.device), float(norm_f32(head_dim))
     args = [x, slot_mapping, *fields, sc, n, kv_heads, x.stride(0), x.stride(1), *strides, signs, c_d]
     # rotated FP4 and KIVI kinds of bfloat16 input at a 4-byte aligned address: element pairs as 32-bit words
-    words = ((rotated_word_load_default(cfg["kind"], cfg.get("bits", 4), x.device) if word_load is None
-              else bool(word_load)) and rotation is not None and x.dtype == torch.bfloat16
+    words = ((rotated_word_load_default(cfg["kind"], cfg.get("bits", 4), x.device, cfg.get("sglang", 0))
+              if word_load is None else bool(word_load)) and rotation is not None and x.dtype == torch.bfloat16
              and cfg["kind"] in ("mxfp4", "nvfp4", "int_k", "int_v") and not nv_blocks and x.data_ptr() % 4 == 0)
+    if words and cfg["kind"] == "mxfp4" and not tile_given:  # (measured with word loads: ROTATED_E8M0_WORDS_...)
+        block_t = max(1, ROTATED_E8M0_WORDS_TILE_ELEMS // (block_h * head_dim))
     cx = dict(KIND=KIND_IDS[cfg["kind"]], FMT=cfg.get("fmt", 0), SGLANG=int(cfg.get("sglang", 0)), QDT=qdt,
               SATURATE=bool(cfg.get("saturate", True)),
               TOKEN_SCALE=cfg.get("token_scale", False), QB=cfg.get("block", 16), G=cfg.get("group", 1),
