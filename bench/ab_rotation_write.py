@@ -21,7 +21,15 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from decode_bench import ROTATION_LABELS, bandwidth_ceiling_gbs, bench_ms, environment, graph_replay, write_inputs  # noqa: E402,I001
+from decode_bench import (  # noqa: E402
+    ROTATION_LABELS,
+    bandwidth_ceiling_gbs,
+    bench_ms,
+    environment,
+    graph_replay,
+    parse_launches,
+    write_inputs,
+)
 
 
 def _bytes(side) -> list:
@@ -55,9 +63,7 @@ def sweep(label: str, args, doc: dict) -> bool:
     want = _bytes(side)
     launches = [{}]
     if args.launches:  # given launches instead of the tile sweep
-        for text in (t for t in args.launches.split(";") if t.strip()):
-            launches.append({k: int(v) if v.lstrip("-").isdigit() else v
-                             for k, v in (kv.split("=") for kv in text.replace(" ", "").split(","))})
+        launches += [kw for _, kw in parse_launches(args.launches)]
     else:
         for bt in [None] if label.endswith("kivi") else [int(v) for v in args.block_t.split(",")]:
             for bh in (int(v) for v in args.block_h.split(",")):

@@ -47,7 +47,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from decode_bench import bandwidth_ceiling_gbs, bench_ms, environment, write_inputs  # noqa: E402
+from decode_bench import bandwidth_ceiling_gbs, bench_ms, environment, parse_launches, write_inputs  # noqa: E402
 
 #: (row label, decode_bench scheme label, side): KIVI keys and values are different kernels
 CASES = [("bf16", "bf16", "k"), ("fp8_e4m3", "fp8_e4m3", "k"), ("fp8_e5m2", "fp8_e5m2", "k"),
@@ -266,8 +266,8 @@ def main() -> int:
     ap.add_argument("--warps", default="", help="with --sweep: the warps to time (comma-separated; default per kind)")
     ap.add_argument("--launches", default="",
                     help="with --sweep: launches to time, each 'k=v,k=v' and separated by ';': lower-case keys "
-                         "are plan_write's arguments (ints), upper-case ones kernel constexprs, 'maxnreg' the "
-                         "register cap; each one's bytes are checked against the base first")
+                         "are plan_write's arguments (maxnreg among them, the register cap), upper-case ones kernel "
+                         "constexprs; each one's bytes are checked against the base first")
     ap.add_argument("--no-proofs", action="store_true")
     ap.add_argument("--smoke", action="store_true",
                     help="CPU plumbing check under TRITON_INTERPRET=1: 256 tokens, exactness only, no timing")
@@ -341,18 +341,13 @@ def main() -> int:
                 checked.append(({"BLOCK_D": bd, "num_warps": nw, "store_as_loaded": sal, "F16_CVT": True},
                                 tb.plan_write(side, x, slots, num_warps=nw, f16_cvt=True, block_d=bd,
                                               store_as_loaded=sal)))
-            for text in (t for t in args.launches.split(";") if t.strip()):
-                pairs = dict(kv.split("=") for kv in text.replace(" ", "").split(","))
-                launch = tb.plan_write(side, x, slots, **{k: int(v) for k, v in pairs.items()
-                                                          if k.islower() and k != "maxnreg"})
-                launch.constexprs.update({k: int(v) for k, v in pairs.items() if k.isupper()})
-                if "maxnreg" in pairs:
-                    launch.options["maxnreg"] = int(pairs["maxnreg"])
+            for text, kw in parse_launches(args.launches):
+                launch = tb.plan_write(side, x, slots, **{k: v for k, v in kw.items() if k.islower()})
+                launch.constexprs.update({k: v for k, v in kw.items() if k.isupper()})
                 checked.append(({"launch": text}, launch))
             candidates += checked
             for reg in (int(r) for r in args.maxnreg.split(",") if r):  # the default launch, registers capped
-                launch = tb.plan_write(side, x, slots)
-                launch.options["maxnreg"] = reg
+                launch = tb.plan_write(side, x, slots, maxnreg=reg)
                 candidates.append(({"maxnreg": reg, **{k: launch.constexprs[k] for k in ("BLOCK_T", "BLOCK_H",
                                                                                          "F16_CVT")},
                                     "num_warps": launch.options["num_warps"]}, launch))

@@ -312,6 +312,16 @@ def rotation_label(rotation: bool) -> str | None:
     return f"K {ROTATION_K}, V {ROTATION_V}" if rotation else None
 
 
+def parse_launches(text: str) -> list[tuple[str, dict[str, int | str]]]:
+    """The write launches of a ``--launches`` option, ``'k=v,k=v;k=v'``: (each launch's text, its keyword
+    arguments), integer values as ints and the others (``rotation_route=shfl``) as strings."""
+    out = []
+    for item in (t.replace(" ", "") for t in text.split(";") if t.strip()):
+        out.append((item, {k: int(v) if v.lstrip("-").isdigit() else v
+                           for k, v in (kv.split("=") for kv in item.split(","))}))
+    return out
+
+
 def write_inputs(label: str, tokens: int = 65536, kv_heads: int = 8, head_dim: int = 128, side: str = "k",
                  seed: int = 0, device: str = "cuda", rotation: bool = False, layout: str | None = None):
     """(the cache side to write, x, slot mapping, the record without times) of one quantize-on-write row:
