@@ -5,6 +5,7 @@ graph replay, L2 flushed, median), the unrotated write at its default launch bes
     python3 bench/ab_rotation_write.py --out $OUT/rot_write_sweep.json        # GPU
     python3 bench/ab_rotation_write.py --schemes int4_kivi --side v \
         --launches "rotation_route=shfl;rotation_route=shfl,word_load=1" --out $OUT/rot_kivi_values.json
+    python3 bench/ab_rotation_write.py --unrotated --launches "prefetch=2" --out $OUT/write_prefetch.json
 
 Each rotated launch's bytes are first compared, as integers, with the rotated write at the default launch (a
 difference stops the run); the summary prints the best launch per scheme and its ratio to the unrotated write.
@@ -50,15 +51,15 @@ def time_write(side, x, slots, kw: dict) -> float:
 
 
 def sweep(label: str, args, doc: dict) -> bool:
-    """Time ``label``'s unrotated default write and its rotated write over the launches; False if a launch's bytes
-    differ from the rotated default launch's."""
+    """Time ``label``'s unrotated default write and its rotated write (``--unrotated``: its unrotated write) over the
+    launches; False if a launch's bytes differ from the default launch's."""
     import torch
 
     from kvqref.backends import triton_backend as tb
 
     side0, x0, slots0, rec = write_inputs(label, layout=args.layout, side=args.side)
     base_us = time_write(side0, x0, slots0, {})
-    side, x, slots, _ = write_inputs(label, rotation=True, layout=args.layout, side=args.side)
+    side, x, slots, _ = write_inputs(label, rotation=not args.unrotated, layout=args.layout, side=args.side)
     tb.quantize_write(side, x, slots, validate=False)
     want = _bytes(side)
     launches = [{}]
@@ -112,6 +113,8 @@ def main() -> int:
     ap.add_argument("--launches", default="",
                     help="launches to time instead of the tile sweep, each 'k=v,k=v' (plan_write's arguments; ints or "
                          "strings) and separated by ';'")
+    ap.add_argument("--unrotated", action="store_true",
+                    help="time the launches on the unrotated write instead (ratios then to its default launch)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     doc = {"command": " ".join(["python3", *sys.argv]), "environment": environment(),
