@@ -3,9 +3,10 @@
     python3 bench/ncu_decode.py --scheme nvfp4            # the process ncu wraps: warm-up, then one launch
     bash bench/ncu_decode.sh OUTDIR nvfp4 mxfp4 ...       # ncu reports + per-SASS-instruction stall CSVs
 
-The wrapped process runs the decode twice (compile + warm-up, then the profiled call); ncu profiles the second
-call's first ``decode_split_kernel`` launch only (``--launch-skip 1 --launch-count 1``; KIVI, whose calls make two
-split launches, the paged splits and the residual window's, ``--launch-skip 2``).
+The wrapped process runs the decode twice (compile + warm-up, then the profiled call, alone between
+``cudaProfilerStart`` and ``cudaProfilerStop``); ncu (``--profile-from-start off --launch-count 1``) profiles that
+call's first ``decode_split_kernel`` launch only (KIVI's calls make two split launches: the paged splits are the
+first, the residual window's the second).
 """
 
 from __future__ import annotations
@@ -32,8 +33,10 @@ def main() -> int:
     fn, _ = decode_setup(args.scheme, shape, 16, precision=args.precision)
     fn()
     torch.cuda.synchronize()
+    torch.cuda.profiler.start()
     fn()
     torch.cuda.synchronize()
+    torch.cuda.profiler.stop()
     return 0
 
 

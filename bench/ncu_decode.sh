@@ -12,10 +12,9 @@ mkdir -p "$out"
 for spec in "$@"; do
   s=${spec%%:*}; extra=""; [ "$spec" != "$s" ] && extra=${spec#*:}
   tag=$(echo "$spec" | tr -c 'A-Za-z0-9_\n' '_')
-  # the second call's first launch: a KIVI decode makes two split launches per call (the paged splits, then the
-  # residual window's: plan_decode's residual_launch), so skip two there
-  skip=1; [ "$kernel" = decode_split ] && case $s in *kivi*) skip=2;; esac
-  ncu --set full --import-source no -k regex:$kernel --launch-skip $skip --launch-count 1 \
+  # the first launch of the call between cudaProfilerStart/Stop (the script's second call; a KIVI decode's first
+  # split launch is the paged splits', the residual window's second)
+  ncu --set full --import-source no -k regex:$kernel --profile-from-start off --launch-count 1 \
       -f -o "/tmp/ncu-$tag" python3 $script --scheme "$s" ${extra//,/ } > "$out/$tag-run.log" 2>&1
   ncu -i "/tmp/ncu-$tag.ncu-rep" --print-details all > "$out/$tag.txt" 2>&1
   ncu -i "/tmp/ncu-$tag.ncu-rep" --page source --csv --print-source sass > "$out/$tag-sass.csv" 2>&1

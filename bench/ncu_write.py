@@ -4,8 +4,9 @@
     python3 bench/ncu_write.py --scheme nvfp4 [--side v] [--rotation]   # the process ncu wraps
     bash bench/ncu_decode.sh OUTDIR --write nvfp4 int4_kivi ...          # reports + per-SASS stall CSVs
 
-The wrapped process runs the write twice (compile + warm-up, then the profiled call); ncu profiles the second
-``quantize_write_kernel`` launch only.
+The wrapped process runs the write twice (compile + warm-up, with the probe launches that settle a shuffle
+route's lanes, then the profiled call, alone between ``cudaProfilerStart`` and ``cudaProfilerStop``); ncu
+(``--profile-from-start off``) profiles that call's ``quantize_write_kernel`` launch only.
 """
 
 from __future__ import annotations
@@ -34,9 +35,12 @@ def main() -> int:
     args = ap.parse_args()
     side, x, slots, _ = write_inputs(args.scheme, side=args.side, rotation=args.rotation)
     kw = {"rotation_route": args.rotation_route} if args.rotation_route else {}
-    for _ in range(2):
-        tb.quantize_write(side, x, slots, validate=False, **kw)
-        torch.cuda.synchronize()
+    tb.quantize_write(side, x, slots, validate=False, **kw)
+    torch.cuda.synchronize()
+    torch.cuda.profiler.start()
+    tb.quantize_write(side, x, slots, validate=False, **kw)
+    torch.cuda.synchronize()
+    torch.cuda.profiler.stop()
     return 0
 
 
