@@ -842,10 +842,12 @@ def _int_codes_ptx(bits: int, f16: bool, magic_number: bool = True) -> str:
     return "{\n" + "\n".join(lines) + "\n}"
 
 
+@triton.constexpr_function
 def int_code_bit(bits: int, phase: int, f16: bool) -> int:
     """The bit ``k`` at which :func:`_int_codes_ptx` places the code of ``phase`` (half = magic + code * 2**k): its
     own bit ``phase * bits``, lowered where the code would reach past the mantissa (10 bits in float16, 7 in
-    bfloat16) into the exponent; :func:`_from_magic` applies the same rule."""
+    bfloat16) into the exponent. A constexpr function: the PTX generators, :func:`_from_magic`,
+    :func:`_int_codes_sub` and :func:`_sub_operand` all take the bit from here."""
     return phase * bits - max(0, phase * bits + bits - (10 if f16 else 7))
 
 
@@ -863,8 +865,7 @@ def _int_codes_sub(x, P: tl.constexpr, BITS: tl.constexpr, PH: tl.constexpr):
     (exponent field 0, the code at mantissa bit K of phase ``PH``, :func:`int_code_bit`'s rule): a bit placement,
     exact, the values of the PTX unpacking without a magic number (:func:`_int_codes_ptx`, :func:`_int_words_ptx`);
     the caller takes the 2**(K - 24) out of its float32 products (:func:`_kivi_rows_scores`)."""
-    OVER: tl.constexpr = PH * BITS + BITS - 10
-    K: tl.constexpr = PH * BITS - OVER if OVER > 0 else PH * BITS
+    K: tl.constexpr = int_code_bit(BITS, PH, True)
     c = (x.to(tl.int32) >> (P * BITS)) & ((1 << BITS) - 1)
     return (c << K).to(tl.int16).to(tl.float16, bitcast=True)
 
@@ -874,8 +875,7 @@ def _from_magic(x, P: tl.constexpr, BITS: tl.constexpr, F16: tl.constexpr):
     """magic + code * 2**K (float16 magic 1024, or bfloat16 128) -> code, exact: x * 2**-K - magic * 2**-K, with K
     the bit of phase ``P``'s code (:func:`int_code_bit`'s rule)."""
     M: tl.constexpr = 1024.0 if F16 else 128.0
-    OVER: tl.constexpr = P * BITS + BITS - (10 if F16 else 7)
-    K: tl.constexpr = P * BITS - OVER if OVER > 0 else P * BITS
+    K: tl.constexpr = int_code_bit(BITS, P, F16)
     if K == 0:
         return x - M
     else:  # (x * 2**-K is exact, so fused or not the same value)
@@ -1077,14 +1077,14 @@ def _kivi_rows_key_loads(t0, slot, tmask, end, BT, K0, K1, K2, b, kvh, stride_bt
 
 
 @triton.jit
-def _sub_operand(a, PH: tl.constexpr, BITS: tl.constexpr, KMIN: tl.constexpr):
-    """The key rows' float16 operand ``a`` of the codes of phase ``PH`` in a chain whose smallest code bit is ``KMIN``
-    (subnormal codes, :func:`_int_codes_sub`: code * 2**(K - 24)) times 2**(KMIN - K), so that every product of the
-    chain carries the same 2**(KMIN - 24): one float16 multiplication by a power of two, exact except where the
-    product falls below float16's normal range (then rounded once more, to a multiple of 2**-24)."""
-    OVER: tl.constexpr = PH * BITS + BITS - 10
-    K: tl.constexpr = PH * BITS - OVER if OVER > 0 else PH * BITS
-    if K == KMIN:
+def _sub_operand(a, PH: tl.constexpr, BITS: tl.constexpr, KMIN: tl.constexpr, SUB: tl.constexpr):
+    """The key rows' float16 operand ``a`` of the codes of phase ``PH`` in a chain whose smallest code bit is ``KMIN``:
+    with subnormal codes (``SUB``, :func:`_int_codes_sub`: code * 2**(K - 24)) times 2**(KMIN - K), so that every
+    product of the chain carries the same 2**(KMIN - 24): one float16 multiplication by a power of two, exact except
+    where the product falls below float16's normal range (then rounded once more, to a multiple of 2**-24); ``a``
+    itself without ``SUB`` or where K is the chain's KMIN."""
+    K: tl.constexpr = int_code_bit(BITS, PH, True)
+    if not SUB or K == KMIN:
         return a
     else:
         return a * tl.cast(1.0 / (1 << (K - KMIN)), tl.float16)
@@ -1109,66 +1109,51 @@ def _kivi_rows_scores(kc, ks, kz, qk, sel, qk_scale, HV: tl.constexpr, D: tl.con
     QS: tl.constexpr = 2 if BITS_K == 4 else 8  # KW: the phase of code position p is p % QS (_int_words_ptx)
     qs = qk * ks
     e = _f16_exponent(tl.max(tl.abs(qs), 1))
+    a = _split16(qs * pow2_f32(e)[:, None], True)[0]
     bias = tl.sum(qk * kz, 1)
     if KW:
         c0, c1, c2, c3, c4, c5, c6, c7 = _int_word_phases(tl.trans(kc), BITS_K, True, PTX, SUB)
-        if SUB and not (BITS_K == 4 and KCH == 2):  # operands scaled per position (2**(KMIN - K))
-            KMO: tl.constexpr = (4 if BITS_K == 4 else 2) if KCH == 2 else 0  # the odd positions' chain's KMIN
-            x0, x1, x2, x3, x4, x5, x6, x7 = _eighths(_split16(qs * pow2_f32(e)[:, None], True)[0], RK, DW)
-            a0 = _sub_operand(x0, 0, BITS_K, 0)
-            a1 = _sub_operand(x1, 1 % QS, BITS_K, KMO)
-            a2 = _sub_operand(x2, 2 % QS, BITS_K, 0)
-            a3 = _sub_operand(x3, 3 % QS, BITS_K, KMO)
-            a4 = _sub_operand(x4, 4 % QS, BITS_K, 0)
-            a5 = _sub_operand(x5, 5 % QS, BITS_K, KMO)
-            a6 = _sub_operand(x6, 6 % QS, BITS_K, 0)
-            a7 = _sub_operand(x7, 7 % QS, BITS_K, KMO)
-        else:
-            a0, a1, a2, a3, a4, a5, a6, a7 = _eighths(_split16(qs * pow2_f32(e)[:, None], True)[0], RK, DW)
+        # SUB: each chain's smallest code bit (KCH 2: the even positions' is phase 0's, the odd ones' phase 1's)
+        KMO: tl.constexpr = int_code_bit(BITS_K, 1, True) if KCH == 2 else 0
+        a0, a1, a2, a3, a4, a5, a6, a7 = _eighths(a, RK, DW)
+        a0 = _sub_operand(a0, 0, BITS_K, 0, SUB)
+        a1 = _sub_operand(a1, 1 % QS, BITS_K, KMO, SUB)
+        a2 = _sub_operand(a2, 2 % QS, BITS_K, 0, SUB)
+        a3 = _sub_operand(a3, 3 % QS, BITS_K, KMO, SUB)
+        a4 = _sub_operand(a4, 4 % QS, BITS_K, 0, SUB)
+        a5 = _sub_operand(a5, 5 % QS, BITS_K, KMO, SUB)
+        a6 = _sub_operand(a6, 6 % QS, BITS_K, 0, SUB)
+        a7 = _sub_operand(a7, 7 % QS, BITS_K, KMO, SUB)
         if KCH == 2:  # two independent accumulation chains (even and odd code positions), summed once
             s2 = _dot_acc(a0, c0, tl.zeros((RK, BLOCK_N), tl.float32))
             s2b = _dot_acc(a1, c1, tl.zeros((RK, BLOCK_N), tl.float32))
             s2 = _dot_acc(a6, c6, _dot_acc(a4, c4, _dot_acc(a2, c2, s2)))
             s2b = _dot_acc(a7, c7, _dot_acc(a5, c5, _dot_acc(a3, c3, s2b)))
             if SUB:  # even chain: 2**-24 of its sum; odd chain: 2**(KMO - 24)
-                s2 = tl.fma(s2b, 1.0 / (1 << (4 if BITS_K == 4 else 2)), s2) * 16777216.0
+                s2 = tl.fma(s2b, 1.0 / (1 << KMO), s2)
             else:
                 s2 = s2 + s2b
         else:
             s2 = _dot_acc(a0, c0, tl.zeros((RK, BLOCK_N), tl.float32))
             s2 = _dot_acc(a7, c7, _dot_acc(a6, c6, _dot_acc(a5, c5, _dot_acc(a4, c4, s2))))
             s2 = _dot_acc(a3, c3, _dot_acc(a2, c2, _dot_acc(a1, c1, s2)))
-            if SUB:
-                s2 = s2 * 16777216.0
     elif PK == 2:
         k0, k1, k2, k3 = _int_phases(kc, BITS_K, True, PTX, SUB)
-        if SUB:
-            x0, x1 = tl.split(tl.reshape(_split16(qs * pow2_f32(e)[:, None], True)[0], (RK, DK, 2)))
-            a0 = _sub_operand(x0, 0, BITS_K, 0)
-            a1 = _sub_operand(x1, 1, BITS_K, 0)
-        else:
-            a0, a1 = tl.split(tl.reshape(_split16(qs * pow2_f32(e)[:, None], True)[0], (RK, DK, 2)))
+        a0, a1 = tl.split(tl.reshape(a, (RK, DK, 2)))
+        a1 = _sub_operand(a1, 1, BITS_K, 0, SUB)
         s2 = _dot_acc(a1, k1, _dot_acc(a0, k0, tl.zeros((RK, BLOCK_N), tl.float32)))
-        if SUB:
-            s2 = s2 * 16777216.0
     else:
         k0, k1, k2, k3 = _int_phases(kc, BITS_K, True, PTX, SUB)
-        if SUB:
-            x02, x13 = tl.split(tl.reshape(_split16(qs * pow2_f32(e)[:, None], True)[0], (RK, DK, 2, 2)))
-            x0, x2 = tl.split(x02)
-            x1, x3 = tl.split(x13)
-            a0 = _sub_operand(x0, 0, BITS_K, 0)
-            a1 = _sub_operand(x1, 1, BITS_K, 0)
-            a2 = _sub_operand(x2, 2, BITS_K, 0)
-            a3 = _sub_operand(x3, 3, BITS_K, 0)
-        else:
-            a02, a13 = tl.split(tl.reshape(_split16(qs * pow2_f32(e)[:, None], True)[0], (RK, DK, 2, 2)))
-            a0, a2 = tl.split(a02)
-            a1, a3 = tl.split(a13)
+        a02, a13 = tl.split(tl.reshape(a, (RK, DK, 2, 2)))
+        a0, a2 = tl.split(a02)
+        a1, a3 = tl.split(a13)
+        a1 = _sub_operand(a1, 1, BITS_K, 0, SUB)
+        a2 = _sub_operand(a2, 2, BITS_K, 0, SUB)
+        a3 = _sub_operand(a3, 3, BITS_K, 0, SUB)
         s2 = _dot_acc(a3, k3, _dot_acc(a2, k2, _dot_acc(a1, k1, _dot_acc(a0, k0, tl.zeros((RK, BLOCK_N),
                                                                                          tl.float32)))))
-        if SUB:
-            s2 = s2 * 16777216.0
+    if SUB:  # every chain's sum now carries 2**-24 (exact)
+        s2 = s2 * 16777216.0
     s2 = s2 * pow2_f32(-e)[:, None] + bias[:, None]
     s = tl.sum(tl.where(sel, tl.reshape(s2, (RK // HV, HV, BLOCK_N)), 0.0), 0) * qk_scale
     return s

@@ -449,7 +449,11 @@ def quantize_write_kernel(
                 e = tl.where(amax == 0, -127, tl.maximum(floor_log2_f32(amax) - 2, -127))
             y = xb * pow2_f32(-e)[:, :, :, None]  # float32 x / 2**e (SGLang's compiled arithmetic in every dtype)
             if SGLANG:
-                c = _e2m1_away(y)
+                packed = tl.reshape(_pack_bits(tl.reshape(_e2m1_away(y), (BLOCK_T * BLOCK_H, D)), 4, BLOCK_T * BLOCK_H,
+                                               D), (BLOCK_T, BLOCK_H, D // 2))
+            else:  # RNE E2M1 saturating at 6 (|y| < 8): every magnitude from 6 up rounds or saturates to 6
+                packed = _e2m1_bytes(tl.minimum(tl.abs(y), 6.0), _pair_sign_words(y, BLOCK_T, BLOCK_H, D), BLOCK_T,
+                                     BLOCK_H, D)
             scode = e + 127
         else:
             # magnitudes: the block maxima capped at g * 2**14 (a block holding a larger |x| has a scale above 2730
@@ -477,15 +481,8 @@ def quantize_write_kernel(
                              _div(tl.full(dv.shape, 1.0, tl.float32), dv)[:, :, :, None], STEPS)
             else:  # (a quotient from 6 up is code 7; NaN-free where dv under- or overflowed)
                 ym = tl.minimum(_div(ax, dv[:, :, :, None] + tl.zeros_like(xb)), 6.0)
-        i = tl.arange(0, D // 2)
-        if KIND == 2 and SGLANG:
-            packed = tl.reshape(_pack_bits(tl.reshape(c, (BLOCK_T * BLOCK_H, D)), 4, BLOCK_T * BLOCK_H, D),
-                                (BLOCK_T, BLOCK_H, D // 2))
-        elif KIND == 2:  # RNE E2M1 saturating at 6 (|y| < 8): every magnitude from 6 up rounds or saturates to 6
-            packed = _e2m1_bytes(tl.minimum(tl.abs(y), 6.0), _pair_sign_words(y, BLOCK_T, BLOCK_H, D), BLOCK_T,
-                                 BLOCK_H, D)
-        else:
             packed = _e2m1_bytes(ym, sw, BLOCK_T, BLOCK_H, D)
+        i = tl.arange(0, D // 2)
         tl.store(F0 + s3 * f0_s + h3 * f0_h + i[None, None, :], packed, mask=m3)
         nb = tl.arange(0, NB)
         tl.store(F1 + s3 * f1_s + h3 * f1_h + nb[None, None, :], scode.to(tl.uint8), mask=m3)
