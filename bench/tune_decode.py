@@ -2,8 +2,9 @@
 
     python3 bench/tune_decode.py [--shape B,Hq,Hkv,D,T] [--schemes all] [--precision fast,exact]
         [--grid 32,64/2,4/2,3[/splits]] [--ptx-unpack auto,0,1]
-Prints one line per configuration: scheme, precision, block_n, num_warps, num_stages, splits (None: the
-default choice), microseconds (median, L2 flushed), and per scheme and precision the best.
+Prints one line per configuration: scheme, precision, block_n, num_warps, num_stages, splits, maxnreg (0 / None:
+the default choice), microseconds (the call's CUDA-graph replay as bench/decode_bench.py times it: median, L2
+flushed), and per scheme and precision the best.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from decode_bench import SCHEMES, bench_ms, make_cache  # noqa: E402
+from decode_bench import SCHEMES, bench_ms, graph_replay, make_cache  # noqa: E402
 
 
 def main() -> int:
@@ -53,18 +54,18 @@ def main() -> int:
         for prec in args.precision.split(","):
             best = None
             for bn, nw, ns, sp, mr, pu in itertools.product(*grid, args.ptx_unpack.split(",")):
-                sp = sp or None
+                bn, nw, ns, sp, mr = (v or None for v in (bn, nw, ns, sp, mr))
                 tag = () if pu == "auto" else (f"ptx={pu}",)
-                if label.endswith("kivi") and bn > 32:
+                if label.endswith("kivi") and (bn or 0) > 32:
                     continue
                 try:
-                    ms = bench_ms(
+                    ms = bench_ms(graph_replay(
                         lambda q=q, dc=dc, bn=bn, nw=nw, ns=ns, sp=sp, prec=prec, mr=mr, pu=pu: tb.decode(
                             q, dc, validate=False, max_seq_len=shape[4], block_n=bn, num_warps=nw,
-                            num_stages=ns, num_splits=sp, precision=prec, maxnreg=mr or None,
+                            num_stages=ns, num_splits=sp, precision=prec, maxnreg=mr,
                             ptx_unpack=None if pu == "auto" else pu == "1",
                         )
-                    )
+                    ))
                 except Exception as exc:  # noqa: BLE001 - report and go on (e.g. out of shared memory)
                     print(label, prec, bn, nw, ns, sp, mr, *tag, "failed", type(exc).__name__, str(exc)[:80],
                           flush=True)
