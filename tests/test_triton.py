@@ -1432,6 +1432,15 @@ def test_split_counts_are_the_measured_choices():
     assert choose_splits(1, 8, 131072, 32, 132, waves_of=6, down=True) == (196, 672)  # 2,112 programs -> 2 waves
     assert choose_splits(1, 8, 131072, 32, 132, waves_of=6) == (293, 448)  # -> 3 waves, the measured loss
     assert choose_splits(8, 8, 32768, 32, 132, waves_of=6, down=True) == (24, 1376)
+    # mxfp4 by block rows at 2 warps (64-token tiles, 8 resident at TWO_WARP_MAXNREG) with at least as many KV pairs
+    # as multiprocessors: the fewest splits that fill whole waves, where that is fewer than the default (session 22,
+    # H100: batch 32 x 8,192 169.1 -> 163.1 us at 4 splits instead of 9, 64 x 8,192 321.7 -> 312.5 at 2 instead of
+    # 5, 128 x 4,096 327.4 -> 315.0 at 1 instead of 3)
+    assert two_warp_resident(TWO_WARP_MAXNREG) == 8
+    assert choose_splits(32, 8, 8192, 64, 132) == (9, 960)
+    assert choose_splits(32, 8, 8192, 64, 132, resident=8) == (4, 2048)  # 1,024 programs: 0.97 waves
+    assert choose_splits(64, 8, 8192, 64, 132, resident=8) == (2, 4096)
+    assert choose_splits(128, 8, 4096, 64, 132, resident=8) == (1, 4096)
     rng = np.random.default_rng(4)
     cache, _ = build_cache(PAIRS[7], SMALL, rng)  # fast KIVI: key rows by default
     dc = tb.DeviceCache.from_cache(cache, DEVICE)

@@ -2516,10 +2516,12 @@ def plan_decode(
         # fewest splits that fill whole waves, where that is fewer than the default (H100, fp8: batch 32 x 8,192
         # 220.7 -> 214.3 us at 3 splits, 64 x 8,192 452.2 -> 409.9, 64 x 64 heads x 16,384 875.8 -> 798.9; bf16 batch
         # 32 385.0 -> 376.5 at 5; at batch 128, 5 splits instead of 3 lost 2.5 us; nvfp4 at 64 heads 1030.6 -> 983.6
-        # at 3, fp4_e2m1 1064.8 -> 1050.9: bench/results/ANALYSIS.md, session 15)
+        # at 3, fp4_e2m1 1064.8 -> 1050.9: bench/results/ANALYSIS.md, session 15); mxfp4 by block rows too (8 resident
+        # at TWO_WARP_MAXNREG: batch 32 x 8,192 169.1 -> 163.1 us at 4 splits instead of 9, 64 x 8,192 321.7 -> 312.5
+        # at 2 instead of 5, 128 x 4,096 327.4 -> 315.0 at 1 instead of 3: ANALYSIS.md, session 22)
         if num_warps == 2 and precision == "fast" and batch * kv_heads >= sms and not key_rows:
-            fill = (two_warp_resident(maxnreg) if k.kind == v.kind == "fp8" or (
-                        k.kind == v.kind and k.kind in ("mxfp4", "nvfp4") and not block_rows) else
+            fill = (two_warp_resident(maxnreg) if k.kind == v.kind == "fp8" or k.kind == v.kind == "mxfp4" or (
+                        k.kind == v.kind == "nvfp4" and not block_rows) else
                     BF16_TWO_WARP_RESIDENT if k.kind == v.kind == "bf16" else None)
             if fill is not None:
                 num_splits, per = min((num_splits, per),
