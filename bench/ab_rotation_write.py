@@ -5,7 +5,8 @@ graph replay, L2 flushed, median), the unrotated write at its default launch bes
     python3 bench/ab_rotation_write.py --out $OUT/rot_write_sweep.json        # GPU
     python3 bench/ab_rotation_write.py --schemes int4_kivi --side v \
         --launches "rotation_route=shfl;rotation_route=shfl,word_load=1" --out $OUT/rot_kivi_values.json
-    python3 bench/ab_rotation_write.py --unrotated --launches "prefetch=2" --out $OUT/write_prefetch.json
+    python3 bench/ab_rotation_write.py --unrotated --schemes int4_kivi --launches "maxnreg=96;num_warps=1" \
+        --out $OUT/write_launches.json
 
 Each rotated launch's bytes are first compared, as integers, with the rotated write at the default launch (a
 difference stops the run); the summary prints the best launch per scheme and its ratio to the unrotated write.
