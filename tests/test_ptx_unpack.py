@@ -10,51 +10,14 @@ import pytest
 
 pytest.importorskip("triton")
 
+from ptx_emulator import run_ptx  # noqa: E402
+
 from kvqref import formats  # noqa: E402
 from kvqref.kernels import decode  # noqa: E402
-
-MASK = 0xFFFFFFFF
 
 
 def _asm_text(ptx=None) -> str:
     return (ptx or decode.E2M1_PAIRS_PTX).value.strip().removeprefix("{").removesuffix("}")
-
-
-def _num(tok: str, regs: dict) -> int:
-    tok = tok.strip()
-    return regs[tok] if tok in regs else int(tok, 0)
-
-
-def run_ptx(asm: str, inputs: dict[str, int]) -> dict[str, int]:
-    """Execute the straight-line b32 subset used (mov, prmt, shl, shr, and, lop3) on 32-bit integers."""
-    regs = dict(inputs)
-    for line in asm.split(";"):
-        line = line.strip()
-        if not line or line.startswith(".reg"):
-            continue
-        op, rest = line.split(None, 1)
-        d, *a = [t.strip() for t in rest.split(",")]
-        x = [_num(t, regs) for t in a]
-        if op == "mov.b32":
-            r = x[0]
-        elif op == "shl.b32":
-            r = (x[0] << x[1]) & MASK
-        elif op == "shr.b32":
-            r = x[0] >> x[1]
-        elif op == "and.b32":
-            r = x[0] & x[1]
-        elif op == "prmt.b32":  # default mode: selector nibble k (low 3 bits) picks byte k of {b, a}
-            pool = [(x[0] >> 8 * i) & 255 for i in range(4)] + [(x[1] >> 8 * i) & 255 for i in range(4)]
-            assert all((x[2] >> 4 * i) & 8 == 0 for i in range(4)), "sign-replicate mode is not emulated"
-            r = sum(pool[(x[2] >> 4 * i) & 7] << 8 * i for i in range(4))
-        elif op == "lop3.b32":  # bit i of the result: bit (4a + 2b + c) of the LUT
-            r = 0
-            for i in range(32):
-                r |= ((x[3] >> (((x[0] >> i) & 1) << 2 | ((x[1] >> i) & 1) << 1 | ((x[2] >> i) & 1))) & 1) << i
-        else:
-            raise AssertionError(f"instruction {op} not emulated")
-        regs[d] = r
-    return regs
 
 
 def _portable(nibble: int) -> int:

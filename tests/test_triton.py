@@ -924,6 +924,58 @@ def test_kivi_key_write_leaves_slot_minus_one_rows_out(launch):
     assert (got["codes"][untouched_rows] == 0xA5).all(), launch
 
 
+X2_CASES = [("int4_kivi", {"role": "key", "group_size": 32}), ("int2_kivi", {"role": "key", "group_size": 16}),
+            ("int4_kivi", {"role": "value", "group_size": 32}), ("int2_kivi", {"role": "value", "group_size": 16}),
+            ("int4_kivi", {"role": "value", "group_size": 2}),
+            ("int4_kivi", {"role": "key", "group_size": 32, "rotation": "hadamard", "rotation_seed": 2}),
+            ("int2_kivi", {"role": "value", "group_size": 32, "rotation": "hadamard", "rotation_seed": 4})]
+
+
+@pytest.mark.skipif(not GPU, reason="KIVI by float16 pairs is inline PTX: NVIDIA GPUs only")
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+@pytest.mark.parametrize("name,opts", X2_CASES, ids=[f"{n}-{'-'.join(map(str, o.values()))}" for n, o in X2_CASES])
+def test_kivi_f16x2_write_equals_the_portable_one(name, opts, dtype):
+    """``kivi_f16x2`` (KIVI by float16 pairs in inline PTX, the default on NVIDIA GPUs) and the portable write give
+    the oracle's bytes: bfloat16 (loaded as words), float16 and float32 input, keys by channel blocks and whole
+    heads, rotated schemes, token-major and head-major pages, on the signed-zero / constant / subnormal-range input
+    and a random one with outliers."""
+    from kvqref.conformance import to_dtype_values
+
+    rng = np.random.default_rng(23)
+    G = opts["group_size"]
+    tokens = 2 * max(G, 16)
+    x = _signed_zero_input(rng, max(G, 16), tokens=tokens) if G >= 16 else kv_tensor(rng, tokens, 2, 128)
+    noisy = kv_tensor(rng, tokens, 2, 128, outliers=True) * 2.0**-3
+    for inp in (x, noisy):
+        inp = to_dtype_values(inp, dtype).astype(np.float32)
+        launches = [{"kivi_f16x2": True}, {"kivi_f16x2": False}]
+        if opts["role"] == "key" and "rotation" not in opts:
+            launches += [{"kivi_f16x2": True, "block_d": 64, "num_warps": 1}, {"kivi_f16x2": True, "block_d": 32}]
+        for launch in launches:
+            for layout in ("NHD", "HND"):
+                ok, detail = triton_write_matches(name, {**opts, "residual": 0}, inp, max(G, 16), rng, dtype=dtype,
+                                                  launch=launch, layout=layout)
+                assert ok, f"{name} {opts} {dtype} {launch} {layout}: {detail}"
+
+
+def test_kivi_f16x2_is_checked():
+    """``kivi_f16x2=True``: KIVI schemes only, and inline PTX, so not in the interpreter nor on ROCm; its default is
+    on for KIVI writes on NVIDIA GPUs (where KIVI_X2 is then set) and off elsewhere."""
+    from kvqref.paged import PagedKVCache
+
+    k = schemes.get("int4_kivi", role="key", group_size=16, residual=0)
+    dc = tb.DeviceCache.from_cache(PagedKVCache(k, schemes.get("fp8_e4m3"), 2, 16, 2, 128), DEVICE)
+    x, slots = torch.zeros(16, 2, 128, device=DEVICE, dtype=torch.bfloat16), torch.arange(16, device=DEVICE)
+    assert tb.plan_write(dc.k, x, slots).constexprs["KIVI_X2"] is GPU
+    assert tb.plan_write(dc.k, x, slots, kivi_f16x2=False).constexprs["KIVI_X2"] is False
+    if GPU:
+        with pytest.raises(ValueError, match="KIVI schemes only"):
+            tb.plan_write(dc.v, x, slots, kivi_f16x2=True)
+    else:
+        with pytest.raises(ValueError, match="not in the interpreter"):
+            tb.plan_write(dc.k, x, slots, kivi_f16x2=True)
+
+
 def test_kivi_key_block_d_is_checked_and_adds_a_grid_axis():
     """plan_write's block_d: KIVI keys without rotation only, a power of two dividing head_dim into whole code
     bytes; the grid gains head_dim // block_d channel blocks; block_d = head_dim is the default launch."""

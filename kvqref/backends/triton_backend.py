@@ -450,6 +450,27 @@ def hardware_fp8_encode(device) -> bool:
     return _nvidia_gpu(device) and _torch().cuda.get_device_capability(device) >= (8, 9)
 
 
+def kivi_f16x2_default(kind: str, device) -> bool:
+    """Whether KIVI writes (``kind`` "int_k" or "int_v") quantize float16 pairs by default (the write kernel's
+    ``KIVI_X2``: each element pair one 32-bit word, every per-element step one packed or conversion instruction in
+    inline PTX; the same bytes): on NVIDIA GPUs. Not on ROCm nor in the interpreter (the PTX does not run there)."""
+    return kind in ("int_k", "int_v") and _nvidia_gpu(device)
+
+
+#: KIVI writes by float16 pairs: the code bytes stored as 32-bit words of four (``X2_WORDS``: four pairs' codes
+#: gathered by ``prmt``) where that measured fewer instructions (sm_90 SASS, bench/sass_write.py: keys 16.3 per
+#: element against 23.7 by bytes at 64-channel blocks, 2-bit values 18.7 against 19.5), else one byte per store
+#: element (4-bit values: 13.2 against 18.3)
+def kivi_x2_code_words(kind: str, bits: int) -> bool:
+    return kind == "int_k" or bits == 2
+
+
+#: the butterfly route of rotated KIVI key writes by float16 pairs (``kivi_f16x2``), without word loads: sm_90 SASS
+#: (bench/sass_write.py), int4 keys 32.2 instructions per element against 53.5 by split/join and 44.7 by sums (37.7
+#: for the portable quantization's default, split/join with word loads), int2 32.1 against 68.0 and 44.6
+ROTATED_KIVI_X2_KEYS_ROUTE = "shfl"
+
+
 def f16_cvt_default(device) -> bool:
     """Whether the write kernel rounds to float16 by conversion instructions by default: on NVIDIA GPUs
     (``cvt.rn.f16.f32``: round to nearest even, subnormals kept, overflow to infinity, as IEEE and the float
@@ -608,7 +629,8 @@ def settle_partner_lanes(launch, device, d: int):
 def plan_write(side: Side, x, slot_mapping, *, block_t: int | None = None, block_h: int | None = None,
                num_warps: int | None = None, hw_fp8: bool | None = None, f16_cvt: bool | None = None,
                rotation_route: str | None = None, nvfp4_blocks: bool | None = None, block_d: int | None = None,
-               store_as_loaded: bool | None = None, word_load: bool | None = None, maxnreg: int | None = None):
+               store_as_loaded: bool | None = None, word_load: bool | None = None, maxnreg: int | None = None,
+               kivi_f16x2: bool | None = None):
     """The launch of :func:`quantize_write` (checked on the host first). ``maxnreg``: a register cap per thread
     (Triton's CUDA option; NVIDIA GPUs only, for tuning; default: the measured caps below, else none).
     ``block_t``/``block_h``/``num_warps``: the tile and warps (default :func:`write_tile`, WRITE_WARPS; KIVI keys
@@ -630,7 +652,9 @@ def plan_write(side: Side, x, slot_mapping, *, block_t: int | None = None, block
     WRITE_MAXNREG_KIVI_KEYS registers per thread). ``word_load`` (rotated FP4 kinds, bfloat16 input at a 4-byte
     aligned address): each pair of elements loaded as one 32-bit word (the same bytes; default
     :func:`rotated_word_load_default`; rotated E8M0 writes with word loads take tiles of
-    ROTATED_E8M0_WORDS_TILE_ELEMS elements unless ``block_t`` is given)."""
+    ROTATED_E8M0_WORDS_TILE_ELEMS elements unless ``block_t`` is given). ``kivi_f16x2`` (KIVI writes, NVIDIA GPUs):
+    float16 element pairs, one 32-bit word each, quantized by packed and conversion instructions in inline PTX (the
+    same bytes; default :func:`kivi_f16x2_default`); unrotated bfloat16 input is then loaded as words."""
     import triton
 
     from kvqref.kernels.codecs import INTERPRET
@@ -651,6 +675,9 @@ def plan_write(side: Side, x, slot_mapping, *, block_t: int | None = None, block
     if rotation_route is None:
         rotation_route = "split" if rotation is None else rotation_route_default(kernel_config(side.codec)["kind"],
                                                                                  x.device)
+        if (rotation is not None and kernel_config(side.codec)["kind"] == "int_k"
+                and (kivi_f16x2_default("int_k", x.device) if kivi_f16x2 is None else kivi_f16x2)):
+            rotation_route = ROTATED_KIVI_X2_KEYS_ROUTE
     if rotation_route not in ROTATION_ROUTES:
         raise ValueError(f"rotation_route must be one of {sorted(ROTATION_ROUTES)}, got {rotation_route!r}")
     # (an ahead-of-time build for a CUDA target plans on CPU tensors outside the interpreter: allowed)
@@ -714,6 +741,20 @@ def plan_write(side: Side, x, slot_mapping, *, block_t: int | None = None, block
     words = ((rotated_word_load_default(cfg["kind"], cfg.get("bits", 4), x.device, cfg.get("sglang", 0))
               if word_load is None else bool(word_load)) and rotation is not None and x.dtype == torch.bfloat16
              and cfg["kind"] in ("mxfp4", "nvfp4", "int_k", "int_v") and not nv_blocks and x.data_ptr() % 4 == 0)
+    is_kivi = cfg["kind"] in ("int_k", "int_v")
+    if kivi_f16x2 and (INTERPRET or not _nvidia_gpu(x.device) and x.device.type == "cuda"):
+        raise ValueError("kivi_f16x2 runs CUDA inline PTX: not in the interpreter nor on ROCm")
+    if kivi_f16x2 and not is_kivi:
+        raise ValueError(f"kivi_f16x2: KIVI schemes only, got {side.scheme.name}")
+    x2 = kivi_f16x2_default(cfg["kind"], x.device) if kivi_f16x2 is None else bool(kivi_f16x2)
+    # (pairs of whole value groups; code words of whole 32-bit stores where they are taken)
+    x2 = x2 and is_kivi and (cfg["kind"] == "int_k" or cfg["group"] % 2 == 0) and head_dim * cfg["bits"] % 32 == 0
+    if x2 and cfg["kind"] == "int_k" and block_d * cfg["bits"] % 32:
+        x2 = False
+    if x2 and rotation is None and word_load is not False:  # unrotated bfloat16 pairs loaded as words
+        words = x.dtype == torch.bfloat16 and x.data_ptr() % 4 == 0
+    elif x2 and rotation is not None and cfg["kind"] == "int_k" and word_load is None:
+        words = False  # (rotated keys by pairs: ROTATED_KIVI_X2_KEYS_ROUTE without word loads)
     if words and cfg["kind"] == "mxfp4" and not tile_given:  # (measured with word loads: ROTATED_E8M0_WORDS_...)
         block_t = max(1, ROTATED_E8M0_WORDS_TILE_ELEMS // (block_h * head_dim))
     cx = dict(KIND=KIND_IDS[cfg["kind"]], FMT=cfg.get("fmt", 0), SGLANG=int(cfg.get("sglang", 0)), QDT=qdt,
@@ -726,7 +767,7 @@ def plan_write(side: Side, x, slot_mapping, *, block_t: int | None = None, block
               ROT_LANE_H=16, ROT_LANE_N=8, ROT_SHFL=rotation_route == "shfl",
               NV_BLOCKS=nv_blocks, BLOCK_D=0 if block_d == head_dim else block_d,
               STORE_AS_LOADED=bool(store_as_loaded), PAGE=page, PAGE_SLOTS=tiles.page_slots(page),
-              WORD_LOAD=words)
+              WORD_LOAD=words, KIVI_X2=x2, X2_WORDS=x2 and kivi_x2_code_words(cfg["kind"], cfg.get("bits", 4)))
     # rotated: no FP contraction anywhere in the kernel, so the float32 rotation is the oracle's bit for bit
     # whatever consumes it (docs/rotation.md; the butterflies themselves hold no multiply to contract)
     options = {"num_warps": num_warps or (WRITE_WARPS_KIVI_KEYS if cfg["kind"] == "int_k" else
@@ -759,7 +800,8 @@ def plan_write(side: Side, x, slot_mapping, *, block_t: int | None = None, block
                               "slower)", RuntimeWarning, stacklevel=2)
             return plan_write(side, x, slot_mapping, block_t=block_t, block_h=block_h, num_warps=num_warps,
                               hw_fp8=hw_fp8, f16_cvt=f16_cvt, rotation_route=portable, block_d=block_d,
-                              store_as_loaded=store_as_loaded, word_load=word_load, maxnreg=maxnreg)
+                              store_as_loaded=store_as_loaded, word_load=word_load, maxnreg=maxnreg,
+                              kivi_f16x2=kivi_f16x2)
     return launch
 
 

@@ -244,6 +244,156 @@ def _kivi_quant(x16, mn, mx, MAXINT: tl.constexpr, F16_CVT: tl.constexpr, RCP: t
     return q, scale
 
 
+#: KIVI by float16 pairs (``KIVI_X2``, NVIDIA): each 32-bit word holds the float16 bits of two elements (the lower
+#: half the lower channel), and every per-element step is one packed or one conversion instruction (inline PTX).
+#: bfloat16 pair -> float16 pair: the two halves widened exactly, then one RN16 conversion of both.
+KIVI_X2_OF_BF16 = tl.constexpr("{ .reg .b32 lo, hi; shl.b32 lo, $1, 16; and.b32 hi, $1, 0xFFFF0000; "
+                               "cvt.rn.f16x2.f32 $0, hi, lo; }")
+#: float16 pair -> the pair of total-order keys (:func:`_total_order_key`'s rule on each 16-bit half, as signed
+#: 16-bit integers: ``u ^ ((u >>s 15) & 0x7FFF)``; -0.0 -> -1 < +0.0 -> 0): ``prmt`` replicates each half's sign
+#: bit over the half (selector 0xBB99: bytes 1, 1, 3, 3 in sign mode), ``lop3`` 0x78 is ``a ^ (b & c)``. An
+#: involution: the same code maps keys back to the float16 bits.
+KIVI_X2_ORDER_KEY = tl.constexpr("{ .reg .b32 m; prmt.b32 m, $1, 0, 0xBB99; lop3.b32 $0, $1, m, 0x7FFF7FFF, 0x78; }")
+#: packed signed 16-bit min / max of two key pairs, and of the two halves of one pair (both halves then hold it)
+KIVI_X2_MIN = tl.constexpr("min.s16x2 $0, $1, $2;")
+KIVI_X2_MAX = tl.constexpr("max.s16x2 $0, $1, $2;")
+KIVI_X2_HALVES_MIN = tl.constexpr("{ .reg .b32 t; prmt.b32 t, $1, 0, 0x1032; min.s16x2 $0, $1, t; }")
+KIVI_X2_HALVES_MAX = tl.constexpr("{ .reg .b32 t; prmt.b32 t, $1, 0, 0x1032; max.s16x2 $0, $1, t; }")
+
+
+@triton.constexpr_function
+def kivi_x2_codes_ptx(maxint: int) -> str:
+    """The codes of a float16 pair ``$1`` of a group with minimum pair ``$2`` and float32 reciprocal scales ``$3``
+    (lower half), ``$4`` (upper half), as :func:`_kivi_quant`'s ``RCP`` rule: ``d = RN16(x - mn)`` (one packed
+    float16 subtraction: the correctly rounded difference, which is also what RN16(RN32(x - mn)) gives),
+    ``y = RN16(RN32(d * r))`` (two conversions, two float32 multiplications, one packed conversion back:
+    bench/proof_kivi_quotient.py), then ``1024 + y`` rounded to float16, whose spacing is 1 on [1024, 2048): the
+    integer nearest y, ties to even, in the low mantissa bits (y < 1024 always: y <= 2 MAXINT where the scale is
+    not 0, else 0), and a signed 16-bit minimum with ``1024 + maxint``: the clamp. Result: the two codes in bytes
+    0 and 2 (each half is 0x6400 + code)."""
+    cap = 0x6400 + maxint
+    return ("{ .reg .b32 d, y, k, c; .reg .b16 l, h; .reg .f32 a, b; "
+            "sub.rn.f16x2 d, $1, $2; mov.b32 {l, h}, d; cvt.f32.f16 a, l; cvt.f32.f16 b, h; "
+            "mul.rn.f32 a, a, $3; mul.rn.f32 b, b, $4; cvt.rn.f16x2.f32 y, b, a; "
+            f"mov.b32 k, 0x64006400; add.rn.f16x2 y, y, k; mov.b32 c, {cap | cap << 16:#x}; min.s16x2 $0, y, c; }}")
+
+
+@triton.constexpr_function
+def kivi_x2_scale_ptx(maxint: int) -> str:
+    """The scales and reciprocals of a pair of groups (one per half) from their float16 minima ``$3`` and maxima
+    ``$4``: ``scale = RN16(RN32(RN16(mx - mn) * RN32(1 / maxint)))`` (= RN16(RN16(mx - mn) / maxint) for every
+    float16 range: bench/proof_kivi_quotient.py), as a float16 pair ``$0``, and ``r = RN32(1 / scale)`` of each
+    half, ``$1`` (lower) and ``$2``: ``rcp.approx`` then one Newton step ``r + r (1 - scale r)`` by two fused
+    multiply-adds (correctly rounded for every float16 scale from any start within 2 ulp of 1 / scale:
+    bench/proof_kivi_reciprocal.py; the approximation is within 1 ulp), and 0 where the scale is 0 or Inf (codes
+    0, as :func:`_x2_scale`)."""
+    c = {15: "0f3D888889", 3: "0f3EAAAAAB"}[maxint]  # RN32(1 / maxint)
+    half = ("mov.b32 {{l, h}}, s; cvt.f32.f16 a, {0}; rcp.approx.f32 r, a; fma.rn.f32 e, a, r, 0fBF800000; "
+            "neg.f32 e, e; fma.rn.f32 r, e, r, r; setp.gt.f32 p, a, 0f00000000; setp.lt.f32 q, a, 0f7F800000; "
+            "and.pred p, p, q; selp.f32 {1}, r, 0f00000000, p; ")
+    return ("{ .reg .b32 s; .reg .b16 l, h; .reg .f32 a, b, r, e; .reg .pred p, q; "
+            "sub.rn.f16x2 s, $4, $3; mov.b32 {l, h}, s; cvt.f32.f16 a, l; cvt.f32.f16 b, h; "
+            f"mul.rn.f32 a, a, {c}; mul.rn.f32 b, b, {c}; cvt.rn.f16x2.f32 s, b, a; mov.b32 $0, s; "
+            + half.format("l", "$1") + half.format("h", "$2") + "}")
+
+
+#: four code words of 4-bit codes (:func:`kivi_x2_codes_ptx`: channel pairs 0-3 of 8 channels) -> the 4 code bytes
+#: of the 8 channels, LSB first (the lower channel of a pair in the low nibble): ``prmt`` 0x6240 gathers bytes 0
+#: and 2 of two words ([pair 0 lower, pair 1 lower, pair 0 upper, pair 1 upper]), 0x5410 / 0x7632 the lower codes
+#: and the upper codes of the four pairs, and ``lower + upper * 16`` joins them (no carries: codes < 16)
+KIVI_X2_WORD4 = tl.constexpr("{ .reg .b32 a, b, l, h; prmt.b32 a, $1, $2, 0x6240; prmt.b32 b, $3, $4, 0x6240; "
+                             "prmt.b32 l, a, b, 0x5410; prmt.b32 h, a, b, 0x7632; mad.lo.u32 $0, h, 16, l; }")
+#: eight code words of 2-bit codes (channel pairs 0-7 of 16 channels) -> the 4 code bytes of the 16 channels, LSB
+#: first: codes 4j + k gathered into register k's byte j, then ``P0 + 4 P1 + 16 P2 + 64 P3``
+KIVI_X2_WORD2 = tl.constexpr("{ .reg .b32 a, b, c, d, p0, p1, p2, p3; "
+                             "prmt.b32 a, $1, $3, 0x6240; prmt.b32 b, $5, $7, 0x6240; "
+                             "prmt.b32 c, $2, $4, 0x6240; prmt.b32 d, $6, $8, 0x6240; "
+                             "prmt.b32 p0, a, b, 0x5410; prmt.b32 p1, a, b, 0x7632; "
+                             "prmt.b32 p2, c, d, 0x5410; prmt.b32 p3, c, d, 0x7632; "
+                             "mad.lo.u32 p0, p1, 4, p0; mad.lo.u32 p0, p2, 16, p0; mad.lo.u32 $0, p3, 64, p0; }")
+
+
+#: two 4-bit codes in bytes 0 and 2 of a code word -> their code byte (the lower code in the low nibble) in bits
+#: 0-7: ``lop3`` 0xE4 is ``(a & c) | (b & ~c)``; bits 8-31 are left over (the caller truncates)
+KIVI_X2_BYTE4 = tl.constexpr("{ .reg .b32 t; shr.b32 t, $1, 12; lop3.b32 $0, $1, t, 0xF, 0xE4; }")
+#: four 2-bit codes, bytes 0 and 2 of ``$1`` (channels 4j, 4j+1) and of ``$2`` (4j+2, 4j+3) -> their code byte
+#: (LSB first) in bits 0-7: ``prmt`` 0x6240 gathers [c0, c2, c1, c3], ``t | t >> 14`` puts c0 | c1 << 2 in byte 0
+#: and c2 | c3 << 2 in byte 1, and the last ``lop3`` joins byte 0's low nibble with byte 1's moved to bits 4-7
+KIVI_X2_BYTE2 = tl.constexpr("{ .reg .b32 t, u; prmt.b32 t, $1, $2, 0x6240; shr.b32 u, t, 14; or.b32 t, t, u; "
+                             "shr.b32 u, t, 4; lop3.b32 $0, t, u, 0xF, 0xE4; }")
+
+
+@triton.jit
+def _asm1(asm: tl.constexpr, a):
+    return tl.inline_asm_elementwise(asm, "=r,r", [a], dtype=tl.int32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _asm2(asm: tl.constexpr, a, b):
+    return tl.inline_asm_elementwise(asm, "=r,r,r", [a, b], dtype=tl.int32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _x2_min_max(a_lo, a_hi, b_lo, b_hi):
+    return _asm2(KIVI_X2_MIN, a_lo, b_lo), _asm2(KIVI_X2_MAX, a_hi, b_hi)
+
+
+@triton.jit
+def _x2_of_f32(lo, hi):
+    """float32 pairs -> float16 pairs (RN16 each; ``lo`` the lower half)."""
+    return tl.inline_asm_elementwise("cvt.rn.f16x2.f32 $0, $2, $1;", "=r,f,f", [lo, hi], dtype=tl.int32,
+                                     is_pure=True, pack=1)
+
+
+@triton.jit
+def _x2_scale(mn_w, mx_w, MAXINT: tl.constexpr):
+    """:func:`kivi_x2_scale_ptx`: (scale pairs, reciprocal of the lower halves, of the upper halves)."""
+    return tl.inline_asm_elementwise(kivi_x2_scale_ptx(MAXINT), "=r,=f,=f,r,r", [mn_w, mx_w],
+                                     dtype=(tl.int32, tl.float32, tl.float32), is_pure=True, pack=1)
+
+
+@triton.jit
+def _x2_codes(w16, mn_w, inv_lo, inv_hi, MAXINT: tl.constexpr):
+    """:func:`kivi_x2_codes_ptx` on broadcast operands."""
+    z = tl.zeros_like(w16)
+    return tl.inline_asm_elementwise(kivi_x2_codes_ptx(MAXINT), "=r,r,r,f,f",
+                                     [w16, mn_w + z, inv_lo + z.to(tl.float32), inv_hi + z.to(tl.float32)],
+                                     dtype=tl.int32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _x2_code_words(q, BITS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, W2: tl.constexpr):
+    """Code words [BLOCK_T, BLOCK_H, W2] (two codes each, :func:`kivi_x2_codes_ptx`) -> the code bytes as 32-bit
+    words, [.., W2 / 4] (4 bits) or [.., W2 / 8] (2 bits), LSB first along the channels."""
+    if BITS == 4:
+        qe, qo = tl.split(tl.reshape(q, (BLOCK_T, BLOCK_H, W2 // 4, 2, 2)))  # pairs 4k + (0, 2), 4k + (1, 3)
+        q0, q2 = tl.split(qe)
+        q1, q3 = tl.split(qo)
+        return tl.inline_asm_elementwise(KIVI_X2_WORD4, "=r,r,r,r,r", [q0, q1, q2, q3], dtype=tl.int32,
+                                         is_pure=True, pack=1)
+    else:
+        x0, x1 = tl.split(tl.reshape(q, (BLOCK_T, BLOCK_H, W2 // 8, 2, 2, 2)))  # pair 8k + 4a + 2b + c: by c
+        x00, x01 = tl.split(x0)  # by b
+        x10, x11 = tl.split(x1)
+        q0, q4 = tl.split(x00)  # by a
+        q2, q6 = tl.split(x01)
+        q1, q5 = tl.split(x10)
+        q3, q7 = tl.split(x11)
+        return tl.inline_asm_elementwise(KIVI_X2_WORD2, "=r,r,r,r,r,r,r,r,r", [q0, q1, q2, q3, q4, q5, q6, q7],
+                                         dtype=tl.int32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _x2_code_bytes(q, BITS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, W2: tl.constexpr):
+    """Code words [BLOCK_T, BLOCK_H, W2] (two codes each) -> the code bytes, [.., W2] (4 bits) or [.., W2 / 2]
+    (2 bits) uint8, LSB first along the channels."""
+    if BITS == 4:
+        return _asm1(KIVI_X2_BYTE4, q).to(tl.uint8)
+    else:
+        qa, qb = tl.split(tl.reshape(q, (BLOCK_T, BLOCK_H, W2 // 2, 2)))
+        return _asm2(KIVI_X2_BYTE2, qa, qb).to(tl.uint8)
+
+
 @triton.jit
 def _pair_sign_words(x, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr):
     """The sign word of each element pair of ``x`` (float32, any shape holding [BLOCK_T, BLOCK_H, D] in row order) as
@@ -310,6 +460,7 @@ def quantize_write_kernel(
     ROT_LANE_H: tl.constexpr = 16, ROT_LANE_N: tl.constexpr = 8, ROT_SHFL: tl.constexpr = False,
     NV_BLOCKS: tl.constexpr = False, BLOCK_D: tl.constexpr = 0, STORE_AS_LOADED: tl.constexpr = False,
     PAGE: tl.constexpr = 1, PAGE_SLOTS: tl.constexpr = 1, WORD_LOAD: tl.constexpr = False,
+    KIVI_X2: tl.constexpr = False, X2_WORDS: tl.constexpr = False,
 ):
     # W: the channels of a row this program holds: all D, or (KIVI keys, BLOCK_D) channels d0 .. d0 + W - 1 of
     # channel block program_id(2) (per-channel statistics: the blocks are independent)
@@ -339,12 +490,12 @@ def quantize_write_kernel(
     # whose group min/max (rows with slot -1 left out by ``tm``) measured faster with the slot-masked load (H100: int4
     # keys 81 -> 85 us, the other kinds 1-4% faster; bench/results/history/ab-h100-session14-write-loads.log)
     xm = m3 if KIND == 5 else (tin[:, None] & hm[None, :])[:, :, None]
-    if WORD_LOAD:  # bfloat16 pairs as 32-bit words [BLOCK_T, BLOCK_H, D / 2]: a 4-bit code store's shape
-        i2 = tl.arange(0, D // 2)
+    if WORD_LOAD:  # bfloat16 pairs as 32-bit words [BLOCK_T, BLOCK_H, W / 2]: a 4-bit code store's shape
+        i2 = d0 // 2 + tl.arange(0, W // 2)
         xw = tl.load(X.to(tl.pointer_type(tl.int32)) + ((t3 * x_t + h3 * x_h) // 2 + i2[None, None, :]), mask=xm,
                      other=0)
         x = tl.reshape(tl.join((xw << 16).to(tl.float32, bitcast=True), (xw & -65536).to(tl.float32, bitcast=True)),
-                       (BLOCK_T, BLOCK_H, D))
+                       (BLOCK_T, BLOCK_H, W))
     else:
         xr = tl.load(X + t3 * x_t + h3 * x_h + d[None, None, :], mask=xm, other=0.0)
         if X.dtype.element_ty == tl.bfloat16:  # widened from the bits: exact for subnormals (the interpreter
@@ -486,6 +637,56 @@ def quantize_write_kernel(
         tl.store(F0 + s3 * f0_s + h3 * f0_h + i[None, None, :], packed, mask=m3)
         nb = tl.arange(0, NB)
         tl.store(F1 + s3 * f1_s + h3 * f1_h + nb[None, None, :], scode.to(tl.uint8), mask=m3)
+    elif KIVI_X2:  # KIVI by float16 pairs (inline PTX, NVIDIA): the same bytes as the branch below
+        tl.static_assert(KIND == 4 or KIND == 5, "KIVI_X2: KIVI kinds only")
+        MAXINT_X2: tl.constexpr = (1 << BITS) - 1
+        W2: tl.constexpr = W // 2
+        if WORD_LOAD and not ROTATE:
+            w16 = _asm1(KIVI_X2_OF_BF16, xw)
+        else:
+            x_lo, x_hi = tl.split(tl.reshape(x, (BLOCK_T, BLOCK_H, W2, 2)))
+            w16 = _x2_of_f32(x_lo, x_hi)
+        key = _asm1(KIVI_X2_ORDER_KEY, w16)
+        if KIND == 4:  # per token over G channels: pairs [.., NG, G / 2], then the two halves of each group's pair
+            NG: tl.constexpr = D // G
+            kg = tl.reshape(key, (BLOCK_T, BLOCK_H, NG, G // 2))
+            kmn, kmx = tl.reduce((kg, kg), 3, _x2_min_max)
+            mn_w = _asm1(KIVI_X2_ORDER_KEY, _asm1(KIVI_X2_HALVES_MIN, kmn))  # [T, H, NG], both halves the minimum
+            mx_w = _asm1(KIVI_X2_ORDER_KEY, _asm1(KIVI_X2_HALVES_MAX, kmx))
+            scale_w, inv, _inv_hi = _x2_scale(mn_w, mx_w, MAXINT_X2)
+            qg = _x2_codes(tl.reshape(w16, (BLOCK_T, BLOCK_H, NG, G // 2)), mn_w[:, :, :, None],
+                           inv[:, :, :, None], inv[:, :, :, None], MAXINT_X2)
+            q = tl.reshape(qg, (BLOCK_T, BLOCK_H, W2))
+            ng = tl.arange(0, NG)
+            tl.store(F1.to(tl.pointer_type(tl.int16)) + s3 * f1_s + h3 * f1_h + ng[None, None, :],
+                     scale_w.to(tl.int16), mask=m3)
+            tl.store(F2.to(tl.pointer_type(tl.int16)) + s3 * f2_s + h3 * f2_h + ng[None, None, :],
+                     mn_w.to(tl.int16), mask=m3)
+        else:  # per channel over the program's G tokens (rows not written left out)
+            wm = tm[:, None, None]
+            kmn, kmx = tl.reduce((tl.where(wm, key, 0x7FFF7FFF), tl.where(wm, key, -2147450880)), 0, _x2_min_max)
+            mn_w = _asm1(KIVI_X2_ORDER_KEY, kmn)  # [BLOCK_H, W / 2] float16 pairs
+            mx_w = _asm1(KIVI_X2_ORDER_KEY, kmx)
+            scale_w, inv_lo, inv_hi = _x2_scale(mn_w, mx_w, MAXINT_X2)
+            q = _x2_codes(w16, mn_w[None, :, :], inv_lo[None, :, :], inv_hi[None, :, :], MAXINT_X2)
+            last = tl.max(tl.where(tm, slot, -1), 0)
+            grp = last // G
+            gm = hm[:, None] & ((tl.zeros((W2,), tl.int64) + last) >= 0)[None, :]
+            j2 = d0 // 2 + tl.arange(0, W2)
+            # scales and minima as float16 pairs, one 32-bit word per two channels (rows of D float16: even strides)
+            tl.store(F1.to(tl.pointer_type(tl.int32)) + (grp * f1_s + hh[:, None] * f1_h) // 2 + j2[None, :],
+                     scale_w, mask=gm)
+            tl.store(F2.to(tl.pointer_type(tl.int32)) + (grp * f2_s + hh[:, None] * f2_h) // 2 + j2[None, :], mn_w,
+                     mask=gm)
+        if X2_WORDS:  # 4 code bytes per 32-bit store
+            NWORDS: tl.constexpr = W * BITS // 32  # code words of the program's channels
+            iw = d0 * BITS // 32 + tl.arange(0, NWORDS)
+            tl.store(F0.to(tl.pointer_type(tl.int32)) + (s3 * f0_s + h3 * f0_h) // 4 + iw[None, None, :],
+                     _x2_code_words(q, BITS, BLOCK_T, BLOCK_H, W2), mask=m3)
+        else:
+            ib = d0 * BITS // 8 + tl.arange(0, W * BITS // 8)
+            tl.store(F0 + s3 * f0_s + h3 * f0_h + ib[None, None, :], _x2_code_bytes(q, BITS, BLOCK_T, BLOCK_H, W2),
+                     mask=m3)
     else:
         MAXINT: tl.constexpr = (1 << BITS) - 1
         if X.dtype.element_ty == tl.bfloat16 and not ROTATE and not F16_CVT:  # x holds bfloat16 values
