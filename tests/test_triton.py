@@ -944,7 +944,7 @@ def test_kivi_f16x2_write_equals_the_portable_one(name, opts, dtype):
     rng = np.random.default_rng(23)
     G = opts["group_size"]
     tokens = 2 * max(G, 16)
-    x = _signed_zero_input(rng, max(G, 16), tokens=tokens) if G >= 16 else kv_tensor(rng, tokens, 2, 128)
+    x = _signed_zero_input(rng, max(G, 16), tokens=tokens) if G >= 16 else kv_tensor(rng, tokens, 2, 128, False)
     noisy = kv_tensor(rng, tokens, 2, 128, outliers=True) * 2.0**-3
     for inp in (x, noisy):
         inp = to_dtype_values(inp, dtype).astype(np.float32)
@@ -1277,11 +1277,12 @@ def test_launch_defaults_are_the_measured_choices():
         nvidia = GPU and not getattr(torch.version, "hip", None)
         assert launch.constexprs["F16_CVT"] is nvidia
         assert launch.options["num_warps"] == (2 if pair[0].endswith("kivi") else tb.WRITE_WARPS)
-        # KIVI keys of whole heads (head_dim 64 here): capped registers on NVIDIA GPUs
-        want_cap = tb.WRITE_MAXNREG_KIVI_KEYS if nvidia and pair[0].endswith("kivi") else None
-        assert launch.options.get("maxnreg") == want_cap, pair[0]
+        # KIVI keys of whole heads (head_dim 64 here), by float16 pairs: capped registers on NVIDIA GPUs
+        kivi_nv = nvidia and pair[0].endswith("kivi")
+        assert launch.constexprs["KIVI_X2"] is kivi_nv
+        assert launch.options.get("maxnreg") == (tb.WRITE_MAXNREG_KIVI_X2_KEYS if kivi_nv else None), pair[0]
         vlaunch = tb.plan_write(dc.v, x, torch.full((16,), -1, device=DEVICE))  # KIVI values: capped registers
-        assert vlaunch.options.get("maxnreg") == (64 if nvidia and pair[0].endswith("kivi") else None), pair[0]
+        assert vlaunch.options.get("maxnreg") == (tb.WRITE_MAXNREG_KIVI_X2_VALUES if kivi_nv else None), pair[0]
 
 
 def test_every_launch_names_fp_fusion():
@@ -1612,8 +1613,10 @@ def test_write_layout_defaults_are_the_measured_choices(nvidia, monkeypatch):
     bfloat16 input with whole blocks per thread (85.3 -> 70.8 us), 4-bit KIVI keys of head_dim 128 by 64-channel
     blocks, one warp, stores as loaded (92.6 -> 82.4 us); 2-bit keys (no gain) and head_dim 64 keep whole heads;
     elsewhere neither; session 14: NVFP4 whole blocks at 2 warps (74.1 -> 70.1 us), whole-head keys at <= 96
-    registers. Planned only (``_nvidia_gpu`` stands in for the device, FP8 encoding by integers); an explicit
-    choice wins."""
+    registers. Session 23: KIVI by float16 pairs (NVIDIA's default) takes whole heads at 2 warps and
+    WRITE_MAXNREG_KIVI_X2_KEYS registers (int4 keys 81.6 -> 71.1 us); the layouts above are those of
+    ``kivi_f16x2=False``. Planned only (``_nvidia_gpu`` stands in for the device, FP8 encoding by integers); an
+    explicit choice wins."""
     from kvqref.paged import PagedKVCache
 
     monkeypatch.setattr(tb, "_nvidia_gpu", lambda device: nvidia)
@@ -1623,15 +1626,19 @@ def test_write_layout_defaults_are_the_measured_choices(nvidia, monkeypatch):
         k, v = (schemes.get(name, role=r, group_size=16, residual=0) for r in ("key", "value"))
         dc = tb.DeviceCache.from_cache(PagedKVCache(k, v, 2, 16, 8, head_dim), DEVICE)
         x = torch.zeros(16, 8, head_dim, device=DEVICE)
+        x2 = tb.plan_write(dc.k, x, slots, hw_fp8=False)
+        assert x2.constexprs["KIVI_X2"] is nvidia and x2.constexprs["BLOCK_D"] == 0, (name, head_dim)
+        assert x2.options["num_warps"] == tb.WRITE_WARPS_KIVI_KEYS, (name, head_dim)
+        assert x2.options.get("maxnreg") == (tb.WRITE_MAXNREG_KIVI_X2_KEYS if nvidia else None), (name, head_dim)
         want = chosen if nvidia else None
-        launch = tb.plan_write(dc.k, x, slots, hw_fp8=False)
+        launch = tb.plan_write(dc.k, x, slots, hw_fp8=False, kivi_f16x2=False)
         assert launch.constexprs["BLOCK_D"] == (want[0] if want else 0), (name, head_dim)
         assert launch.options["num_warps"] == (want[1] if want else tb.WRITE_WARPS_KIVI_KEYS), (name, head_dim)
         assert launch.constexprs["STORE_AS_LOADED"] is (want is not None), (name, head_dim)
         # whole heads capped at WRITE_MAXNREG_KIVI_KEYS registers (session 14: int2 keys 86.2 -> 82.8 us)
         cap = tb.WRITE_MAXNREG_KIVI_KEYS if nvidia and chosen is None else None
         assert launch.options.get("maxnreg") == cap, (name, head_dim)
-        whole = tb.plan_write(dc.k, x, slots, block_d=head_dim, store_as_loaded=False, hw_fp8=False)
+        whole = tb.plan_write(dc.k, x, slots, block_d=head_dim, store_as_loaded=False, hw_fp8=False, kivi_f16x2=False)
         assert whole.constexprs["BLOCK_D"] == 0 and whole.constexprs["STORE_AS_LOADED"] is False
         assert whole.options["num_warps"] == tb.WRITE_WARPS_KIVI_KEYS
         assert tb.plan_write(dc.v, x, slots, hw_fp8=False).constexprs["BLOCK_D"] == 0  # values: per-token statistics
@@ -1653,13 +1660,14 @@ def test_rotated_write_butterfly_default_is_the_measured_choice(name):
     """Rotated writes' butterfly route by default (H100, session 6, rotated / unrotated write time by split/join,
     sums, warp shuffles: fp8 1.44 / 1.42 / 1.22, fp4_e2m1 2.25 / 1.61 / 1.29, nvfp4 2.23 / 1.66 / 1.39, KIVI keys
     1.39 / 2.04 / 1.49; session 20, int4 KIVI values 5.99 / 1.65 / 1.34): warp shuffles for FP8, the FP4 kinds and
-    KIVI values on an NVIDIA GPU; elsewhere sums for the FP4 kinds and KIVI values, split/join for the rest; an
-    unrotated write has no butterflies."""
+    KIVI values on an NVIDIA GPU, and for KIVI keys there too, which are quantized by float16 pairs
+    (``ROTATED_KIVI_X2_KEYS_ROUTE``, session 23); elsewhere sums for the FP4 kinds and KIVI values, split/join for the
+    rest; an unrotated write has no butterflies."""
     from kvqref.paged import PagedKVCache
 
     fp4, shuffled = name in ("fp4_e2m1", "mxfp4", "nvfp4"), name.startswith(("fp8", "fp4", "mx", "nv"))
     nvidia = GPU and not getattr(torch.version, "hip", None)
-    want = "shfl" if shuffled and nvidia else "sums" if fp4 else "split"
+    want = "shfl" if (shuffled or name.endswith("kivi")) and nvidia else "sums" if fp4 else "split"
     # KIVI values (session 20: split/join 5.99 x the unrotated write, sums 1.65, shuffles 1.34): shuffles on NVIDIA,
     # sums elsewhere
     want_v = "shfl" if nvidia else "sums" if name.endswith("kivi") else want
@@ -1682,7 +1690,8 @@ def test_rotated_word_load_default_is_the_measured_choice(nvidia, monkeypatch):
     21, with tiles of 8,192 elements: 8 tokens x 8 heads here, unless block_t is given) the OCP E8M0 kinds on NVIDIA
     GPUs only (H100, session 20: nvfp4 121.0 -> 110.8 us, int4 keys 127.0 -> 115.5, int4 values 95.0 -> 89.2; session
     21: fp4_e2m1 86.0 -> 82.7, mxfp4 85.9 -> 80.5; 2-bit KIVI lost), only for bfloat16 input at a 4-byte aligned
-    address; an explicit choice wins where it applies (FP4 and KIVI kinds), and nothing else takes it. Planned only
+    address; an explicit choice wins where it applies (FP4 and KIVI kinds), and nothing else takes it. KIVI keys by
+    float16 pairs (NVIDIA's default since session 23) load no words unless asked. Planned only
     (``_nvidia_gpu`` stands in for the device; the portable butterflies, so no shuffle lanes are settled)."""
     from kvqref.paged import PagedKVCache
 
@@ -1690,7 +1699,7 @@ def test_rotated_word_load_default_is_the_measured_choice(nvidia, monkeypatch):
     slots = torch.full((16,), -1, device=DEVICE)
     buf = torch.zeros(16 * 8 * 128 + 1, dtype=torch.bfloat16, device=DEVICE)
     cases = [("nvfp4", "k", nvidia), ("fp4_e2m1", "k", nvidia), ("mxfp4", "k", nvidia), ("fp8_e4m3", "k", False),
-             ("int4_kivi", "k", nvidia), ("int4_kivi", "v", nvidia), ("int2_kivi", "k", False),
+             ("int4_kivi", "k", False), ("int4_kivi", "v", nvidia), ("int2_kivi", "k", False),
              ("int2_kivi", "v", False)]
     for name, side_name, want in cases:
         kivi = {"group_size": 16, "residual": 0} if name.endswith("kivi") else {}

@@ -465,6 +465,17 @@ def kivi_x2_code_words(kind: str, bits: int) -> bool:
     return kind == "int_k" or bits == 2
 
 
+#: KIVI writes by float16 pairs (``kivi_f16x2``) on NVIDIA GPUs: registers per thread (Triton's ``maxnreg``). Keys
+#: take whole heads (no channel blocks) at WRITE_WARPS_KIVI_KEYS warps. H100, 65,536 x 8 x 128, head-major pages
+#: (bench/results/history/ab-h100-session23-x2-*.json): unrotated keys at 64 registers int4 78.4 us (64-channel
+#: blocks, one warp, no cap) -> 71.2 (0.81 of the ceiling), int2 72.3 (96) -> 68.4; values at 48 int2 65.9 (64) ->
+#: 64.7, int4 66.9 -> 67.2 (noise); rotated keys at 96 int4 95.9 (no cap) -> 91.4, int2 97.3 -> 91.3 (80: 109.6 /
+#: 106.9, 112: 96.6 / 94.8)
+WRITE_MAXNREG_KIVI_X2_KEYS = 64
+WRITE_MAXNREG_KIVI_X2_VALUES = 48
+WRITE_MAXNREG_KIVI_X2_ROTATED_KEYS = 96
+
+
 #: the butterfly route of rotated KIVI key writes by float16 pairs (``kivi_f16x2``), without word loads: sm_90 SASS
 #: (bench/sass_write.py), int4 keys 32.2 instructions per element against 53.5 by split/join and 44.7 by sums (37.7
 #: for the portable quantization's default, split/join with word loads), int2 32.1 against 68.0 and 44.6
@@ -714,7 +725,8 @@ def plan_write(side: Side, x, slot_mapping, *, block_t: int | None = None, block
         nv_blocks = nv_blocks and cfg["kind"] == "nvfp4" and x.dtype == torch.bfloat16 and rotation is None
         block_h = block_h or (min(dh, NVFP4_BLOCKS_HEADS_HND) if nv_blocks and side.head_major else dh)
         block_t = block_t or (max(1, NVFP4_BLOCKS_TILE_ELEMS // (block_h * head_dim)) if nv_blocks else dt)
-    if block_d is None and cfg["kind"] == "int_k" and rotation is None:
+    x2_wanted = kivi_f16x2_default(cfg["kind"], x.device) if kivi_f16x2 is None else bool(kivi_f16x2)
+    if block_d is None and cfg["kind"] == "int_k" and rotation is None and not x2_wanted:
         chosen = kivi_key_blocks_default(cfg["bits"], head_dim, x.device)
         if chosen is not None:
             block_d, num_warps = chosen[0], num_warps or chosen[1]
@@ -746,11 +758,13 @@ def plan_write(side: Side, x, slot_mapping, *, block_t: int | None = None, block
         raise ValueError("kivi_f16x2 runs CUDA inline PTX: not in the interpreter nor on ROCm")
     if kivi_f16x2 and not is_kivi:
         raise ValueError(f"kivi_f16x2: KIVI schemes only, got {side.scheme.name}")
-    x2 = kivi_f16x2_default(cfg["kind"], x.device) if kivi_f16x2 is None else bool(kivi_f16x2)
-    # (pairs of whole value groups; code words of whole 32-bit stores where they are taken)
-    x2 = x2 and is_kivi and (cfg["kind"] == "int_k" or cfg["group"] % 2 == 0) and head_dim * cfg["bits"] % 32 == 0
-    if x2 and cfg["kind"] == "int_k" and block_d * cfg["bits"] % 32:
-        x2 = False
+    # (pairs of whole value groups; the program's code bytes in whole 32-bit words)
+    x2_fits = is_kivi and (cfg["kind"] == "int_k" or cfg["group"] % 2 == 0) and block_d * cfg.get("bits", 8) % 32 == 0
+    if kivi_f16x2 and not x2_fits:
+        raise ValueError(f"kivi_f16x2 needs value groups of an even size and the program's code bytes in whole 32-bit "
+                         f"words (head_dim or block_d times the code bits a multiple of 32); got {side.scheme.name}, "
+                         f"group {cfg.get('group')}, {block_d} channels")
+    x2 = x2_wanted and x2_fits
     if x2 and rotation is None and word_load is not False:  # unrotated bfloat16 pairs loaded as words
         words = x.dtype == torch.bfloat16 and x.data_ptr() % 4 == 0
     elif x2 and rotation is not None and cfg["kind"] == "int_k" and word_load is None:
@@ -774,7 +788,10 @@ def plan_write(side: Side, x, slot_mapping, *, block_t: int | None = None, block
                                           NVFP4_BLOCKS_WARPS if nv_blocks else WRITE_WARPS)}
     if rotation is not None:
         options["enable_fp_fusion"] = False
-    if cfg["kind"] == "int_v" and _nvidia_gpu(x.device):
+    if x2 and _nvidia_gpu(x.device) and (cfg["kind"] == "int_v" or block_d == head_dim):
+        options["maxnreg"] = (WRITE_MAXNREG_KIVI_X2_VALUES if cfg["kind"] == "int_v" else
+                              WRITE_MAXNREG_KIVI_X2_KEYS if rotation is None else WRITE_MAXNREG_KIVI_X2_ROTATED_KEYS)
+    elif cfg["kind"] == "int_v" and _nvidia_gpu(x.device):
         options["maxnreg"] = WRITE_MAXNREG_KIVI_VALUES
     elif cfg["kind"] == "int_k" and rotation is None and block_d == head_dim and _nvidia_gpu(x.device):
         options["maxnreg"] = WRITE_MAXNREG_KIVI_KEYS
