@@ -384,8 +384,9 @@ def nvfp4_blocks_default(device) -> bool:
 
 
 def kivi_key_blocks_default(bits: int, head_dim: int, device) -> tuple[int, int, bool] | None:
-    """(block_d, num_warps, store_as_loaded) of unrotated KIVI key writes by default, or None for whole heads
-    (WRITE_WARPS_KIVI_KEYS warps, stores converted): on NVIDIA GPUs 4-bit keys of head_dim > 64 by 64-channel
+    """(block_d, num_warps, store_as_loaded) of unrotated KIVI key writes by the portable quantization
+    (``kivi_f16x2=False``; by float16 pairs, NVIDIA's default, keys take whole heads) by default, or None for whole
+    heads (WRITE_WARPS_KIVI_KEYS warps, stores converted): on NVIDIA GPUs 4-bit keys of head_dim > 64 by 64-channel
     blocks, one warp, stores in the load's layout (H100: int4 keys 92.6 -> 82.4 us, 0.62 -> 0.70 of the ceiling;
     2-bit keys gained nothing, 88.9 us whole against 89.4 at best by blocks:
     bench/results/history/ab-h100-session7-write-kivi-key-blocks.log); not measured on ROCm."""

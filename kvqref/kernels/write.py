@@ -25,6 +25,11 @@ butterflies' data movement (0 split/join, 1 sums over the pair axis, 2 partner b
 the signs are folded into the first stage). ``WORD_LOAD`` (rotated FP4 and KIVI writes of bfloat16 input): each pair
 of elements loaded as one 32-bit word, ``[BLOCK_T, BLOCK_H, D / 2]``, the shape of a 4-bit code store, so that the
 load takes the store's layout (the pair widens exactly: ``w << 16`` and ``w & 0xFFFF0000``).
+
+``KIVI_X2`` (KIVI kinds, NVIDIA; docs/kernels.md, "KIVI writes by float16 pairs"): each pair of channels is one 32-bit
+word of two float16 values, and the min/max, scales, codes and code bytes are computed by packed and conversion
+instructions in inline PTX (``KIVI_X2_*``, :func:`kivi_x2_scale_ptx`, :func:`kivi_x2_codes_ptx`); the same bytes as
+the portable branch. ``X2_WORDS``: the code bytes stored as 32-bit words of four.
 """
 
 from __future__ import annotations
