@@ -958,6 +958,67 @@ def test_kivi_f16x2_write_equals_the_portable_one(name, opts, dtype):
                 assert ok, f"{name} {opts} {dtype} {launch} {layout}: {detail}"
 
 
+@pytest.mark.parametrize("rotated", [False, True])
+def test_kivi_write_rejects_what_overflows_float16(rotated):
+    """KIVI computes in float16: a value that rounds beyond its range, or a group whose max - min does, raises the
+    oracle's ValueError instead of writing the codes of an infinite range; values near the limit in other groups, and
+    (keys) an overflowing range only through a row of slot -1, which is not written, do not; the same decisions as the
+    oracle. Rotated schemes are checked on their rotated values (rows of random signs at growing scales)."""
+    from kvqref.paged import PagedKVCache
+
+    rot = {"rotation": "hadamard", "rotation_seed": 3} if rotated else {}
+    k = schemes.get("int4_kivi", role="key", group_size=16, residual=0, **rot)
+    v = schemes.get("int4_kivi", role="value", group_size=32, residual=0, **rot)
+    dc = tb.DeviceCache.from_cache(PagedKVCache(k, v, 4, 16, 2, 128), DEVICE)
+    slots = torch.arange(32, device=DEVICE)
+    rng = np.random.default_rng(29)
+    inputs = []
+    if rotated:  # whole rows of +-s: rotated values up to about s * sqrt(128) / a few
+        for scale in (1000.0, 12000.0, 15000.0, 18000.0, 21000.0, 30000.0):
+            x = np.zeros((32, 2, 128), np.float32)
+            x[:2] = rng.choice([-scale, scale], (2, 2, 128))
+            inputs.append((x, slots))
+    else:
+        for (a, va), (b, vb) in (
+                (((0, 0, 5), 40000.0), ((1, 0, 5), -40000.0)),    # a key column's range; two channels of a value group
+                (((0, 0, 5), 40000.0), ((17, 0, 5), -40000.0)),   # two key groups; two value groups of two tokens
+                (((0, 0, 5), 40000.0), ((0, 0, 6), -40000.0)),    # two key columns; one value group's range
+                (((3, 1, 0), 70000.0), ((3, 1, 1), 0.0)),         # beyond float16
+                (((0, 0, 5), 32768.0), ((1, 0, 5), -32752.0)),    # a key range of 65520: RN16 ties to Inf (values: ok)
+                (((0, 0, 5), 32768.0), ((0, 0, 6), -32752.0)),    # a value range of 65520 (keys: ok)
+                (((0, 0, 5), 32768.0), ((0, 0, 6), -32736.0))):   # 65504: finite
+
+            x = np.zeros((32, 2, 128), np.float32)
+            x[a], x[b] = va, vb
+            inputs.append((x, slots))
+    kinds = set()
+    for side, scheme in ((dc.k, k), (dc.v, v)):
+        for x, sl in inputs:
+            try:
+                scheme.quantize(x)
+                want = None
+            except ValueError as e:
+                want = str(e)
+            xt = torch.from_numpy(x).to(DEVICE)
+            if want is None:
+                tb.quantize_write(side, xt, sl)
+            else:
+                with pytest.raises(ValueError) as got:
+                    tb.quantize_write(side, xt, sl)
+                assert str(got.value) == want, side is dc.k
+            kinds.add("ok" if want is None else "range" if "range max - min" in want else "float16")
+    assert kinds == {"ok", "range", "float16"}, kinds  # every outcome reached
+    x = np.zeros((32, 2, 128), np.float32)  # keys: the overflowing row not written, so no error
+    x[0, 0, :] = 40000.0
+    x[1, 0, :] = -40000.0
+    skip = slots.clone()
+    skip[1] = -1
+    if not rotated:
+        tb.quantize_write(dc.k, torch.from_numpy(x).to(DEVICE), skip)
+        with pytest.raises(ValueError, match="range max - min"):
+            tb.quantize_write(dc.k, torch.from_numpy(x).to(DEVICE), slots)
+
+
 def test_kivi_f16x2_is_checked():
     """``kivi_f16x2=True``: KIVI schemes only, and inline PTX, so not in the interpreter nor on ROCm; its default is
     on for KIVI writes on NVIDIA GPUs (where KIVI_X2 is then set) and off elsewhere."""

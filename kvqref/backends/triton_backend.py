@@ -354,6 +354,45 @@ def _check_rotated_input(side: Side, x, rdt: int) -> None:
         raise ValueError(f"{side.scheme.name}: the rotated values overflow {md}")
 
 
+#: below this max|x| every float16 value and every group range max - min of a KIVI write is finite (2 x 32752 < 65520)
+KIVI_SAFE_ABS = 32752.0
+
+
+def _check_kivi_range(side: Side, x, slot_mapping) -> None:
+    """The oracle's errors for a KIVI write (``KiviScheme._input16`` / ``_quant_groups``: KIVI computes in float16):
+    values that round to Inf in float16, and a group whose range ``max - min`` of float16 values does (the kernel would
+    store the codes of an infinite range). A rotated scheme's values are its rotated ones (``torch_backend.hadamard``,
+    bit-identical to the kernel's butterflies, rounded to the model dtype). Key groups leave rows of slot -1 out, as the
+    kernel does. Cheap: only if max|x| (rotated: times D, a bound of every rotated value) reaches KIVI_SAFE_ABS are the
+    values rounded and the groups reduced."""
+    torch = _torch()
+    codec, rotation = side.codec, rotation_of(side.scheme)
+    n, H, D = x.shape
+    bound = float(x.abs().max()) * (D if rotation is not None else 1) if x.numel() else 0.0
+    if bound < KIVI_SAFE_ABS:
+        return
+    z = x.float()
+    if rotation is not None:
+        from kvqref.backends.torch_backend import hadamard
+
+        z = hadamard(z * rotation_signs(rotation, D, x.device)) * float(norm_f32(D))
+        md = {v: k for k, v in QDT_IDS.items()}[_rotated_dtypes(codec)[0]]
+        z = z.to(getattr(torch, md)).float()
+    x16 = z.to(torch.float16).double()
+    if torch.isinf(x16).any():
+        raise ValueError(f"{codec.name}: input exceeds the float16 range (KIVI computes in float16)")
+    G = codec.group_size
+    if codec.role == "value":
+        g = x16.view(n, H, D // G, G)
+        rng = g.amax(-1) - g.amin(-1)
+    else:  # whole groups of G tokens (plan_write checked n); rows of slot -1 left out
+        g = x16.view(n // G, G, H, D)
+        kept = (slot_mapping >= 0).view(n // G, G, 1, 1)
+        rng = torch.where(kept, g, -torch.inf).amax(1) - torch.where(kept, g, torch.inf).amin(1)
+    if (rng >= 65520).any():  # RN16 of the range is Inf (exact in float64: float16 values differ by < 2**41 ulps)
+        raise ValueError(f"{codec.name}: a group's range max - min overflows float16")
+
+
 #: tuned write launch (bench/ab_write.py on the H100): elements per program and warps; KIVI keys take the
 #: group size G as BLOCK_T and one head per program
 WRITE_TILE_ELEMS = 4096
@@ -826,8 +865,9 @@ def plan_write(side: Side, x, slot_mapping, *, block_t: int | None = None, block
 def quantize_write(side: Side, x, slot_mapping, *, validate: bool = True, **launch: Any) -> None:
     """Quantize ``x`` [tokens, kv_heads, D] into ``side``'s fields at ``slot_mapping`` [tokens] (int64;
     -1 skips a token), in place, with the scheme's exact rounding (bytes equal the oracle's). KIVI keys:
-    tokens come in whole, slot-consecutive groups of G. E2M1 and KIVI schemes reject NaN/Inf input;
-    ``validate=False`` skips that check (a reduction and a device sync) in a serving loop. A rotated scheme:
+    tokens come in whole, slot-consecutive groups of G. E2M1 and KIVI schemes reject NaN/Inf input, and KIVI input
+    that rounds beyond float16's range or a group whose range does (:func:`_check_kivi_range`), as the oracle does;
+    ``validate=False`` skips these checks (reductions and a device sync) in a serving loop. A rotated scheme:
     the kernel rotates each (token, head) vector first (the bytes of ``RotatedScheme.quantize``); NaN/Inf
     input and rotated values that overflow are rejected as the oracle rejects them. ``launch``: the launch
     options of :func:`plan_write`."""
@@ -840,6 +880,8 @@ def quantize_write(side: Side, x, slot_mapping, *, validate: bool = True, **laun
     if validate and side.params:  # the scales the kernel divides by: once per call, on the host
         side.scheme.check_params(side.params, x.shape[1] if x.dim() == 3 else None)
     plan = plan_write(side, x, slot_mapping, **launch)
+    if validate and isinstance(side.codec, KiviScheme):
+        _check_kivi_range(side, x, slot_mapping)
     if validate and slot_mapping.numel():  # a slot beyond the cache would be written out of bounds
         lo, hi = int(slot_mapping.min()), int(slot_mapping.max())
         if lo < -1 or hi >= side.num_slots:
