@@ -24,7 +24,8 @@ import numpy as np
 
 
 def rn32(v: Fraction) -> Fraction:
-    """``v`` rounded to the nearest float32 (ties to even), for normal-range results."""
+    """``v`` rounded to the nearest float32 (ties to even), for normal-range results and zero (also the rounding of
+    tests/ptx_emulator.py's fused multiply-adds)."""
     if v == 0:
         return Fraction(0)
     sign = -1 if v < 0 else 1

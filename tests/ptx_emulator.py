@@ -8,9 +8,14 @@ correctly rounded reciprocal moved by ``rcp_ulps`` float32 ulps (the hardware is
 from __future__ import annotations
 
 import re
+import sys
 from fractions import Fraction
+from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+from proof_kivi_reciprocal import rn32  # noqa: E402  (exact float32 rounding of a rational, ties to even)
 
 MASK = 0xFFFFFFFF
 _SPLIT = re.compile(r"mov\.b32\s*\{\s*(\S+?)\s*,\s*(\S+?)\s*\}\s*,\s*(\S+)")
@@ -30,21 +35,6 @@ def f16_of(bits: int) -> np.float16:
 
 def bits_of_f16(v) -> int:
     return int(np.array([v], np.float16).view(np.uint16)[0])
-
-
-def rn32(v: Fraction) -> Fraction:
-    """``v`` rounded to the nearest float32, ties to even (normal range and zero)."""
-    if v == 0:
-        return Fraction(0)
-    a = abs(v)
-    e = a.numerator.bit_length() - a.denominator.bit_length()
-    if Fraction(2) ** e > a:
-        e -= 1
-    scaled = a / Fraction(2) ** (e - 23)
-    q, r = divmod(scaled.numerator, scaled.denominator)
-    if 2 * r > scaled.denominator or (2 * r == scaled.denominator and q & 1):
-        q += 1
-    return (1 if v > 0 else -1) * Fraction(q) * Fraction(2) ** (e - 23)
 
 
 def _fma32(a: int, b: int, c: int) -> int:
