@@ -338,20 +338,26 @@ def _check_rotated_input(side: Side, x, rdt: int) -> None:
     cheap: only if ``max|x| * D`` (a bound of every butterfly sum) comes near the limit are the rotated values
     computed (by ``torch_backend.hadamard``, bit-identical to the kernel's butterflies) and checked."""
     torch = _torch()
-    rotation = rotation_of(side.scheme)
     D = x.shape[-1]
     if not torch.isfinite(x).all():
         raise ValueError(f"{side.scheme.name}: input holds NaN or Inf, which a rotation spreads over the head")
     limit = 65504.0 if rdt == QDT_IDS["float16"] else 3.0e38
     if x.numel() == 0 or float(x.abs().max()) * D * 1.01 < limit:
         return
-    from kvqref.backends.torch_backend import hadamard
-
-    y = hadamard(x.float() * rotation_signs(rotation, D, x.device))
-    z = y * float(norm_f32(D))
-    md = {v: k for k, v in QDT_IDS.items()}[rdt]
+    y, z, md = _rotated_values(side, x, rdt)
     if not (torch.isfinite(y).all() and torch.isfinite(z.to(getattr(torch, md))).all()):
         raise ValueError(f"{side.scheme.name}: the rotated values overflow {md}")
+
+
+def _rotated_values(side: Side, x, rdt: int):
+    """(butterfly sums, rotated values ``z``, the model dtype's name) of a rotated write's input ``x``, in float32 by
+    ``torch_backend.hadamard``, bit-identical to the kernel's butterflies; ``z`` before its rounding to the model
+    dtype ``rdt``."""
+    from kvqref.backends.torch_backend import hadamard
+
+    D = x.shape[-1]
+    y = hadamard(x.float() * rotation_signs(rotation_of(side.scheme), D, x.device))
+    return y, y * float(norm_f32(D)), {v: k for k, v in QDT_IDS.items()}[rdt]
 
 
 #: below this max|x| every float16 value and every group range max - min of a KIVI write is finite (2 x 32752 < 65520)
@@ -373,10 +379,7 @@ def _check_kivi_range(side: Side, x, slot_mapping) -> None:
         return
     z = x.float()
     if rotation is not None:
-        from kvqref.backends.torch_backend import hadamard
-
-        z = hadamard(z * rotation_signs(rotation, D, x.device)) * float(norm_f32(D))
-        md = {v: k for k, v in QDT_IDS.items()}[_rotated_dtypes(codec)[0]]
+        _, z, md = _rotated_values(side, x, _rotated_dtypes(codec)[0])
         z = z.to(getattr(torch, md)).float()
     x16 = z.to(torch.float16).double()
     if torch.isinf(x16).any():
@@ -497,11 +500,11 @@ def kivi_f16x2_default(kind: str, device) -> bool:
     return kind in ("int_k", "int_v") and _nvidia_gpu(device)
 
 
-#: KIVI writes by float16 pairs: the code bytes stored as 32-bit words of four (``X2_WORDS``: four pairs' codes
-#: gathered by ``prmt``) where that measured fewer instructions (sm_90 SASS, bench/sass_write.py: keys 16.3 per
-#: element against 23.7 by bytes at 64-channel blocks, 2-bit values 18.7 against 19.5), else one byte per store
-#: element (4-bit values: 13.2 against 18.3)
 def kivi_x2_code_words(kind: str, bits: int) -> bool:
+    """Whether KIVI writes by float16 pairs store their code bytes as 32-bit words of four (``X2_WORDS``: four pairs'
+    codes gathered by ``prmt``): where that measured fewer instructions (sm_90 SASS, bench/sass_write.py: keys 16.3 per
+    element against 23.7 by bytes at 64-channel blocks, 2-bit values 18.7 against 19.5); else one byte per store
+    element (4-bit values: 13.2 against 18.3)."""
     return kind == "int_k" or bits == 2
 
 
@@ -723,11 +726,11 @@ def plan_write(side: Side, x, slot_mapping, *, block_t: int | None = None, block
     if rotation_route is not None and rotation is None:
         raise ValueError(f"rotation_route needs a rotated scheme, got {side.scheme.name} (no butterflies to run)")
     route_given = rotation_route is not None
+    kind = kernel_config(side.codec)["kind"]
+    x2_wanted = kivi_f16x2_default(kind, x.device) if kivi_f16x2 is None else bool(kivi_f16x2)
     if rotation_route is None:
-        rotation_route = "split" if rotation is None else rotation_route_default(kernel_config(side.codec)["kind"],
-                                                                                 x.device)
-        if (rotation is not None and kernel_config(side.codec)["kind"] == "int_k"
-                and (kivi_f16x2_default("int_k", x.device) if kivi_f16x2 is None else kivi_f16x2)):
+        rotation_route = "split" if rotation is None else rotation_route_default(kind, x.device)
+        if rotation is not None and kind == "int_k" and x2_wanted:
             rotation_route = ROTATED_KIVI_X2_KEYS_ROUTE
     if rotation_route not in ROTATION_ROUTES:
         raise ValueError(f"rotation_route must be one of {sorted(ROTATION_ROUTES)}, got {rotation_route!r}")
@@ -765,7 +768,6 @@ def plan_write(side: Side, x, slot_mapping, *, block_t: int | None = None, block
         nv_blocks = nv_blocks and cfg["kind"] == "nvfp4" and x.dtype == torch.bfloat16 and rotation is None
         block_h = block_h or (min(dh, NVFP4_BLOCKS_HEADS_HND) if nv_blocks and side.head_major else dh)
         block_t = block_t or (max(1, NVFP4_BLOCKS_TILE_ELEMS // (block_h * head_dim)) if nv_blocks else dt)
-    x2_wanted = kivi_f16x2_default(cfg["kind"], x.device) if kivi_f16x2 is None else bool(kivi_f16x2)
     if block_d is None and cfg["kind"] == "int_k" and rotation is None and not x2_wanted:
         chosen = kivi_key_blocks_default(cfg["bits"], head_dim, x.device)
         if chosen is not None:
