@@ -13,8 +13,11 @@ Variants per scheme (batch 32 x 8,192 by default, page 16, fast mode):
 * ``plain-q-f32``: the unrotated cache with q passed in float32 (the dtype the rotated path hands the split
   kernel), so a difference to ``plain`` is the query dtype's.
 
-Besides the end-to-end times, each launch of ``plain`` and ``rotated`` (rotate_q, split kernel, merge kernel)
-is timed alone. Output: JSON rows and a printed summary of medians per variant.
+Besides the end-to-end times, each launch of ``plain`` and ``rotated`` (rotate_q, split kernels, merge kernel,
+planned as ``tb.decode`` plans them, KIVI's residual window included) is timed alone. ``--graph``: every call and
+launch replayed from a CUDA graph, as bench/decode_bench.py times its rows (eager calls include the host's launch
+overhead, which at these sizes can exceed a launch's GPU time). ``--layout``: the fields' layout (the committed
+runs' HND by default). Output: JSON rows and a printed summary of medians per variant.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from decode_bench import ab_document, bench_ms, make_cache  # noqa: E402
+from decode_bench import ab_document, bench_ms, graph_replay, make_cache  # noqa: E402
 
 
 def unrotated_view(dc):
@@ -47,14 +50,21 @@ def main() -> int:
     ap.add_argument("--schemes", default="fp8_e4m3,fp4_e2m1,nvfp4,int4_kivi")
     ap.add_argument("--shape", default="32,32,8,128,8192")
     ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--graph", action="store_true", help="time CUDA-graph replays (as decode_bench.py)")
+    ap.add_argument("--layout", default="HND", choices=("HND", "NHD"))
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
+
+    def timing(fn) -> float:
+        return bench_ms(graph_replay(fn) if args.graph else fn) * 1e3
+
     shape = tuple(int(v) for v in args.shape.split(","))
     batch, q_heads, kv_heads, head_dim, tokens = shape
     doc = ab_document(shape)
+    doc.update(graph=args.graph, layout=args.layout)
     for label in args.schemes.split(","):
-        plain, _, _ = make_cache(label, shape, 16)
-        rot, _, _ = make_cache(label, shape, 16, rotation=True)
+        plain, _, _ = make_cache(label, shape, 16, layout=args.layout)
+        rot, _, _ = make_cache(label, shape, 16, rotation=True, layout=args.layout)
         q = torch.randn(batch, q_heads, head_dim, device="cuda").to(torch.bfloat16)
         q32 = q.float()
         calls = {
@@ -76,15 +86,16 @@ def main() -> int:
         times: dict[str, list[float]] = {n: [] for n in fns}
         for rnd in range(args.rounds):
             for name, fn in fns.items():
-                us = bench_ms(fn) * 1e3
+                us = timing(fn)
                 times[name].append(us)
                 doc["rows"].append({"scheme": label, "variant": name, "round": rnd, "time_us": us})
         for name in ("plain", "rotated"):  # each launch alone
             dc = calls[name][0]
+            residual = (dc.k_residual, dc.v_residual, dc.k_lens, dc.v_lens) if dc.has_residual else None
             launches, _, _ = plan_decode(q, dc.k.tiles(), dc.v.tiles(), dc.block_table, dc.seq_lens,
-                                         dc.page_size, max_seq_len=tokens)
+                                         dc.page_size, residual=residual, max_seq_len=tokens)
             for i, launch in enumerate(launches):
-                us = bench_ms(launch) * 1e3
+                us = timing(launch)
                 kname = getattr(launch.kernel, "__name__", str(i))
                 doc["rows"].append({"scheme": label, "variant": name, "launch": i, "kernel": kname,
                                     "time_us": us})

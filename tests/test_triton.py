@@ -1431,8 +1431,9 @@ def test_merge_channel_blocks_agree_with_the_whole_row_merge():
 def test_direct_output_is_the_merge_of_one_split():
     """One split and nothing to merge (``direct_output``, the default there): no merge launch, and the split kernel's
     output and natural-log LSE have the merged launch's values (the merge weighs one split by exactly 1), within the
-    oracle's bound, an empty sequence included (out 0, LSE -inf); ``direct_output=True`` with two splits, a residual
-    window or a rotated V raises, and a rotated V with one split keeps the merge (it un-rotates)."""
+    oracle's bound, an empty sequence included (out 0, LSE -inf); ``direct_output=True`` with two splits or a residual
+    window raises; a rotated V with one split is un-rotated by the split kernel (``ROT_V``; its values:
+    tests/test_triton_rotation.py)."""
     from kvqref.kernels.decode import merge_kernel, plan_decode
 
     rng = np.random.default_rng(57)
@@ -1467,10 +1468,12 @@ def test_direct_output_is_the_merge_of_one_split():
     qz = torch.zeros(3, 4, 64, dtype=torch.bfloat16, device=DEVICE)
     launches, _, _ = plan_decode(qz, rc.k.tiles(), rc.v.tiles(), rc.block_table, rc.seq_lens, rc.page_size,
                                  num_splits=1)
+    assert launches[-1].constexprs["DIRECT"] and launches[-1].constexprs["ROT_V"]
+    assert not any(la.kernel is merge_kernel for la in launches)
+    launches, _, _ = plan_decode(qz, rc.k.tiles(), rc.v.tiles(), rc.block_table, rc.seq_lens, rc.page_size,
+                                 num_splits=1, direct_output=False)
     assert launches[-1].kernel is merge_kernel and launches[-1].constexprs["ROT_V"]
-    with pytest.raises(ValueError, match="direct_output needs one split"):
-        plan_decode(qz, rc.k.tiles(), rc.v.tiles(), rc.block_table, rc.seq_lens, rc.page_size, num_splits=1,
-                    direct_output=True)
+    assert not launches[-2].constexprs["ROT_V"]
 
 
 def test_bf16_launch_is_the_measured_choice(monkeypatch):

@@ -364,8 +364,9 @@ PAIRS = [
 IDS = [p[0].replace(" ", "_").replace(",", "") for p in PAIRS]
 
 
-def _rotated_decode(pair, precision: str, qdtype: str, seed: int, shape=None, plant=None):
-    """(max over rows of |err| / bound for out, the same for lse) of the triton decode of a rotated cache."""
+def _rotated_decode(pair, precision: str, qdtype: str, seed: int, shape=None, plant=None, outputs=None, **kw):
+    """(max over rows of |err| / bound for out, the same for lse) of the triton decode of a rotated cache (``kw``:
+    plan_decode's options; ``outputs``: a list that gets the (out, lse) tensors)."""
     shape = shape or (BIG if GPU else SMALL)
     rng = np.random.default_rng(seed)
     cache, _ = conformance.build_cache(pair, shape, rng)
@@ -385,8 +386,10 @@ def _rotated_decode(pair, precision: str, qdtype: str, seed: int, shape=None, pl
     dc = be.prepare(cache)
     if plant is not None:
         plant(dc)
-    out, lse = be.decode(q.to(dc.block_table.device), dc, precision=precision)
+    out, lse = be.decode(q.to(dc.block_table.device), dc, precision=precision, **kw)
     out, lse = out.cpu().numpy().astype(np.float64), lse.cpu().numpy().astype(np.float64)
+    if outputs is not None:
+        outputs.append((out, lse))
     assert np.isfinite(out).all() and np.isfinite(lse).all()
     err = np.linalg.norm(out - ref, axis=-1)
     return (err / tol_o).max(), (np.abs(lse - ref_lse) / tol_l).max()
@@ -419,6 +422,89 @@ def test_rotated_decode_planted_bugs_are_seen(precision):
     assert r_out > 1 and r_lse > 1
     r_out, r_lse = _rotated_decode(pair, precision, "float32", seed=3, plant=swap("v"))
     assert r_out > 1 and r_lse <= 1
+
+
+#: rotated V read by every value path of the split kernel: one product (bf16), FP8 (value words on NVIDIA), FP4 block
+#: rows, KIVI value rows of 4-bit (two phases) and 2-bit codes (four), without a residual window (one split)
+ONE_SPLIT_PAIRS = [
+    ("", "bf16", rot(1), "bf16", rot(2)),
+    ("", "fp8_e4m3", {}, "fp8_e4m3", rot(3)),
+    ("", "mxfp4", rot(5), "nvfp4", rot(6)),
+    ("", "int4_kivi", {"role": "key", "group_size": 16, "residual": 0, **rot(7)},
+     "int4_kivi", {"role": "value", "group_size": 16, "residual": 0, **rot(8)}),
+    ("", "int2_kivi", {"role": "key", "group_size": 16, "residual": 0},
+     "int2_kivi", {"role": "value", "group_size": 32, "residual": 0, **rot(9)}),
+]
+
+
+@pytest.mark.parametrize("precision", ["fast", "exact"])
+@pytest.mark.parametrize("i", range(len(ONE_SPLIT_PAIRS)))
+def test_rotated_decode_of_one_split_unrotates_in_the_split_kernel(i, precision):
+    """One split and no residual window (``direct_output``): the split kernel un-rotates a rotated V itself (``ROT_V``)
+    and no merge launch follows; the output and LSE equal those of the merged launch (``direct_output=False``, the
+    merge kernel un-rotating) and lie within the oracle's bound; V's rotation replaced by another seed's fails it."""
+    from kvqref.kernels.decode import merge_kernel, plan_decode
+
+    pair = ONE_SPLIT_PAIRS[i]
+
+    # whole KIVI key groups: with residual 0 every token then lies in pages, so the device cache needs no residual
+    # split (as the benchmarks' caches)
+    shape = dict(BIG, lens=(32, 320, 1024, 2496)) if GPU else dict(SMALL, lens=(32, 64, 96))
+
+    def no_window(dc):
+        assert torch.equal(dc.k_lens, dc.seq_lens) and torch.equal(dc.v_lens, dc.seq_lens)
+        dc.has_residual = False
+
+    got, merged = [], []
+    r_out, r_lse = _rotated_decode(pair, precision, "bfloat16", seed=40 + i, shape=shape, plant=no_window, outputs=got,
+                                   num_splits=1, direct_output=True)
+    assert r_out <= 1 and r_lse <= 1, (r_out, r_lse)
+    _rotated_decode(pair, precision, "bfloat16", seed=40 + i, shape=shape, plant=no_window, outputs=merged,
+                    num_splits=1, direct_output=False)
+    assert np.array_equal(got[0][0], merged[0][0]) and np.array_equal(got[0][1], merged[0][1])
+    cache, _ = conformance.build_cache(pair, SMALL, np.random.default_rng(0))
+    dc = backends.get("triton").prepare(cache)
+    q = torch.zeros(SMALL["batch"], SMALL["q_heads"], SMALL["head_dim"], dtype=torch.bfloat16,
+                    device=dc.block_table.device)
+    launches, _, _ = plan_decode(q, dc.k.tiles(), dc.v.tiles(), dc.block_table, dc.seq_lens, dc.page_size,
+                                 num_splits=1, precision=precision)
+    assert launches[-1].constexprs["DIRECT"] and launches[-1].constexprs["ROT_V"]
+    assert not any(la.kernel is merge_kernel for la in launches)
+
+    def swap_v(dc):
+        no_window(dc)
+        dc.v.scheme = schemes.get(pair[3], **{**pair[4], **rot(99)})
+
+    r_out, _ = _rotated_decode(pair, precision, "bfloat16", seed=40 + i, shape=shape, plant=swap_v, num_splits=1,
+                               direct_output=True)
+    assert r_out > 1
+
+
+def test_rotated_q_in_bfloat16_where_the_keys_meet_q_in_bfloat16():
+    """Fast mode with bf16 or KIVI keys: the rotation's launch hands the split kernel q' rounded once to bfloat16 (to
+    nearest even: torch's rounding of its float32 q', bit for bit, for q with huge, tiny and signed-zero components);
+    exact mode and FP8 / FP4 keys (which meet q in float16) take the float32 q'."""
+    from kvqref.kernels.decode import plan_decode, rotate_q_kernel
+
+    rng = np.random.default_rng(11)
+    q = torch.from_numpy(rng.standard_normal((3, 4, 64)).astype(np.float32))
+    q[0, 0, :8] = torch.tensor([1e-39, -3e-40, 1.0 + 2.0**-8, 1.0 + 3 * 2.0**-8, 3.0e38, -0.0, 0.0, 2.0**-126])
+    qs = {}
+    for label, pair in (("kivi", ONE_SPLIT_PAIRS[3]), ("fp8", ("", "fp8_e4m3", rot(3), "fp8_e4m3", {}))):
+        cache, _ = conformance.build_cache(pair, SMALL, np.random.default_rng(0))
+        dc = backends.get("triton").prepare(cache)
+        for precision in ("fast", "exact"):
+            launches, _, _ = plan_decode(q.to(DEVICE), dc.k.tiles(), dc.v.tiles(), dc.block_table, dc.seq_lens,
+                                         dc.page_size, precision=precision)
+            rq = launches[0]
+            assert rq.kernel is rotate_q_kernel
+            rq()
+            qs[label, precision] = rq.args[2].cpu()
+    assert qs["kivi", "fast"].dtype == torch.bfloat16
+    assert all(qs[key].dtype == torch.float32 for key in (("kivi", "exact"), ("fp8", "fast"), ("fp8", "exact")))
+    want = qs["kivi", "exact"].to(torch.bfloat16)  # the same K rotation and q
+    got = qs["kivi", "fast"]
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
 
 
 def test_rotated_decode_head_dim_256_and_mqa():

@@ -1359,6 +1359,7 @@ def decode_split_kernel(
     op_s,
     lp_b,
     lp_h,
+    VSQ,
     QPK: tl.constexpr,
     BLOCK_H: tl.constexpr,
     D: tl.constexpr,
@@ -1401,13 +1402,16 @@ def decode_split_kernel(
     PART: tl.constexpr = 0,
     VW8: tl.constexpr = 0,
     DIRECT: tl.constexpr = False,
+    ROT_V: tl.constexpr = False,
 ):
     """One (sequence, KV head, split): K tiles are read transposed [D/PACK, N] per phase (the elements
     sharing a byte position), V tiles [N, D/PACK]; no register transposes or interleaves. ``VW8`` (FP8 values
     without token scales, ``fp8_value_words``): V read as 16-bit words of two channels [N, D/2], the even and
     the odd channels two products (acc0, acc1: PV = 2), 1 portable, 2 by inline PTX (:func:`_fp8_word_halves`).
     ``DIRECT`` (one split, nothing to merge: ``direct_output``): ``OP`` / ``LP`` are the outputs [B, Hq, D] and
-    [B, Hq], and the LSE is stored in natural log (:func:`_lse_natural`), as the merge of one split would."""
+    [B, Hq], and the LSE is stored in natural log (:func:`_lse_natural`), as the merge of one split would; with
+    ``ROT_V`` (V stored rotated) the output is un-rotated here as the merge kernel does it (``butterflies(out) * VSQ``,
+    ``VSQ`` float32 [D]), on the same float32 values (the merge weighs one split by exactly 1)."""
     PK: tl.constexpr = 1 if KIND_K <= 1 else (2 if KIND_K <= 3 else 8 // BITS_K)
     PV: tl.constexpr = 2 if VW8 > 0 else (1 if KIND_V <= 1 else (2 if KIND_V <= 3 else 8 // BITS_V))
     DK: tl.constexpr = D // PK
@@ -1780,12 +1784,24 @@ def decode_split_kernel(
     vs = tl.load(VS + kvh)
     lse2 = tl.where(l_i > 0, m_i + tl.log2(safe_l), float("-inf"))
     base = b * op_b + qh[:, None].to(tl.int64) * op_h + split * op_s
-    tl.store(OP + base + (iv * PV)[None, :], acc0 / safe_l[:, None] * vs, mask=hmask[:, None])
-    if PV >= 2:
-        tl.store(OP + base + (iv * PV + 1)[None, :], acc1 / safe_l[:, None] * vs, mask=hmask[:, None])
-    if PV == 4:
-        tl.store(OP + base + (iv * PV + 2)[None, :], acc2 / safe_l[:, None] * vs, mask=hmask[:, None])
-        tl.store(OP + base + (iv * PV + 3)[None, :], acc3 / safe_l[:, None] * vs, mask=hmask[:, None])
+    if DIRECT and ROT_V:  # the whole rows in channel order (accumulator P holds channels i * PV + P), un-rotated
+        RO: tl.constexpr = HV if HV > 0 else BLOCK_H
+        o = acc0 / safe_l[:, None] * vs
+        if PV == 2:
+            o = tl.reshape(tl.join(o, acc1 / safe_l[:, None] * vs), (RO, D))
+        elif PV == 4:
+            o = tl.reshape(tl.join(tl.join(o, acc2 / safe_l[:, None] * vs),
+                                   tl.join(acc1 / safe_l[:, None] * vs, acc3 / safe_l[:, None] * vs)), (RO, D))
+        dd = tl.arange(0, D)
+        o = hadamard_rows(o, RO, D) * tl.load(VSQ + dd)[None, :]
+        tl.store(OP + base + dd[None, :], o, mask=hmask[:, None])
+    else:
+        tl.store(OP + base + (iv * PV)[None, :], acc0 / safe_l[:, None] * vs, mask=hmask[:, None])
+        if PV >= 2:
+            tl.store(OP + base + (iv * PV + 1)[None, :], acc1 / safe_l[:, None] * vs, mask=hmask[:, None])
+        if PV == 4:
+            tl.store(OP + base + (iv * PV + 2)[None, :], acc2 / safe_l[:, None] * vs, mask=hmask[:, None])
+            tl.store(OP + base + (iv * PV + 3)[None, :], acc3 / safe_l[:, None] * vs, mask=hmask[:, None])
     if DIRECT:
         lse2 = _lse_natural(lse2)
     tl.store(LP + b * lp_b + qh.to(tl.int64) * lp_h + split, lse2, mask=hmask)
@@ -1794,8 +1810,8 @@ def decode_split_kernel(
 @triton.jit
 def rotate_q_kernel(Q, SIGNS, QR, q_heads, stride_qb, stride_qh, D: tl.constexpr, ROWS: tl.constexpr):
     """Rotated queries of a rotated K (docs/rotation.md): ``QR[b, h] = butterflies(q[b, h] * signs)`` in float32
-    (``QR`` contiguous [B, Hq, D]); the factor ``1 / (D * C_D)`` is folded into the softmax scale. One program:
-    ``ROWS`` query heads of one sequence."""
+    (``QR`` contiguous [B, Hq, D]; a bfloat16 ``QR`` gets them rounded once to bfloat16, to nearest even); the factor
+    ``1 / (D * C_D)`` is folded into the softmax scale. One program: ``ROWS`` query heads of one sequence."""
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
     d = tl.arange(0, D)
@@ -1806,7 +1822,11 @@ def rotate_q_kernel(Q, SIGNS, QR, q_heads, stride_qb, stride_qh, D: tl.constexpr
     else:
         q = qr.to(tl.float32)
     q = hadamard_rows(q * tl.load(SIGNS + d)[None, :], ROWS, D)
-    tl.store(QR + (b * q_heads + h[:, None]) * D + d[None, :], q, mask=m)
+    if QR.dtype.element_ty == tl.bfloat16:  # by the bits (the interpreter's bfloat16 cast truncates)
+        tl.store(QR.to(tl.pointer_type(tl.int16)) + (b * q_heads + h[:, None]) * D + d[None, :],
+                 f32_to_bf16_bits(q).to(tl.int16), mask=m)
+    else:
+        tl.store(QR + (b * q_heads + h[:, None]) * D + d[None, :], q, mask=m)
 
 
 @triton.jit
@@ -2285,8 +2305,9 @@ def plan_decode(
     177 -> 117 registers).
     ``direct_output``: with one split and no residual window, the split kernel writes the output and the natural-log
     LSE itself and no merge launch follows (constexpr ``DIRECT``; the merge of one split weighs it by exactly 1, so
-    the same values; a -0.0 output element stays -0.0 where the merge's sum gives +0.0); not with a rotated V (the
-    merge un-rotates); default: wherever it applies; ``True`` where it does not raises."""
+    the same values; a -0.0 output element stays -0.0 where the merge's sum gives +0.0); a rotated V is un-rotated
+    by the split kernel then (constexpr ``ROT_V``, the merge kernel's butterflies and ``VSQ`` multiply on the same
+    values); default: wherever it applies; ``True`` where it does not raises."""
     import torch
 
     if precision not in PRECISIONS:
@@ -2345,8 +2366,14 @@ def plan_decode(
     kt4 = bool(fp4_keys_by_token)
     rotate_q = []
     if k.rotation is not None:  # q' = butterflies(q * signs) in float32; 1 / (D C_D) goes into the softmax scale
+        # fast mode, keys that meet q in bfloat16 (bf16 and KIVI keys): q' rounded once to bfloat16 by the rotation's
+        # launch, which the split kernel's bfloat16 rounding of q then leaves as it is; KIVI key rows take q' * s from
+        # that bfloat16 q' (the bound of a float32 q covers it: docs/rotation.md), as for an unrotated bfloat16 q.
+        # H100: a float32 q costs the int4 key-rows loop 80 instructions per tile (+6%) and 3% of its time
+        # (bench/results/ANALYSIS.md, session 24)
+        q16 = precision == "fast" and k.kind in ("bf16", "int_k")
         signs, _, inv = rotation_vectors(k.rotation.seed, head_dim, q.device)
-        qr = torch.empty(batch, q_heads, head_dim, dtype=torch.float32, device=q.device)
+        qr = torch.empty(batch, q_heads, head_dim, dtype=torch.bfloat16 if q16 else torch.float32, device=q.device)
         rows = min(8, triton.next_power_of_2(q_heads))
         rotate_q.append(Launch(rotate_q_kernel, (batch, triton.cdiv(q_heads, rows)),
                                [q, signs, qr, q_heads, q.stride(0), q.stride(1)], dict(D=head_dim, ROWS=rows), {}))
@@ -2530,10 +2557,10 @@ def plan_decode(
         per = -(-max(max_seq_len, 1) // num_splits)
         per = -(-per // block_n) * block_n
     total = num_splits + int(has_res)
-    direct_ok = total == 1 and v.rotation is None
+    direct_ok = total == 1
     if direct_output and not direct_ok:
-        raise ValueError("direct_output needs one split, no residual window and an unrotated V "
-                         f"(here {num_splits} splits, residual {has_res}, V rotated {v.rotation is not None})")
+        raise ValueError(f"direct_output needs one split and no residual window (here {num_splits} splits, "
+                         f"residual {has_res})")
     direct = direct_ok if direct_output is None else bool(direct_output)
     out = torch.empty(batch, q_heads, head_dim, dtype=torch.float32, device=q.device)
     lse = torch.empty(batch, q_heads, dtype=torch.float32, device=q.device)
@@ -2574,6 +2601,7 @@ def plan_decode(
         op.stride(2),
         lp.stride(0),
         lp.stride(1),
+        lp if v.rotation is None else rotation_vectors(v.rotation.seed, head_dim, q.device)[1],  # VSQ (ROT_V)
     ]
     split_cx = dict(
         QPK=qpk,
@@ -2618,6 +2646,7 @@ def plan_decode(
         BLOCK_R=min(block_n, 32) if key_rows else 0,  # residual tiles: 32 tokens (128 measured 188 KB of shared memory)
         VW8=vw8,
         DIRECT=direct,
+        ROT_V=direct and v.rotation is not None,
     )
     merge_args = [
         op,
