@@ -251,7 +251,8 @@ def decode(q, dc: DeviceCache, sm_scale: float | None = None, validate: bool = T
     error bounds; :func:`kvqref.reference.kernel_tolerance` implements them). ``validate=False`` skips the
     host-side checks (they synchronize with the device); a serving loop validates once and passes
     ``max_seq_len`` too. A rotated side (docs/rotation.md): q is rotated by K's rotation before the split kernel
-    (one small launch) and the output un-rotated by V's in the merge kernel; ``out`` is in the original domain,
+    (one small launch) and the output un-rotated by V's in the merge kernel (with one split and no residual window,
+    in the split kernel); ``out`` is in the original domain,
     ``lse`` needs nothing."""
     from kvqref.kernels.decode import PRECISIONS, paged_decode
 

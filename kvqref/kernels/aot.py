@@ -42,9 +42,12 @@ DECODE_CASES: list[tuple[str, str, dict, str, dict]] = [
     ("int4_kivi+H", "int4_kivi", {"role": "key", "group_size": 16, "residual": 16, "rotation": "hadamard"},
      "int4_kivi", {"role": "value", "group_size": 16, "residual": 16, "rotation": "hadamard", "rotation_seed": 3}),
 ]
-#: kernels compiled once, whatever the scheme: the merge kernel, q's rotation, the merge kernel un-rotating, the
-#: merge by channel blocks (``merge_channels``)
-SHARED_KERNELS = ("merge", "rotate_q", "merge[rotated]", "merge[channels]")
+#: the cases also compiled as one split writing the outputs itself (``direct_output``)
+DIRECT_CASES = ("bf16", "fp8_e4m3", "fp8_e4m3+H")
+#: kernels compiled once, whatever the scheme: the merge kernel, q's rotation (float32 q', and bfloat16 q' for the
+#: keys that meet q in bfloat16 in fast mode), the merge kernel un-rotating, the merge by channel blocks
+#: (``merge_channels``)
+SHARED_KERNELS = ("merge", "rotate_q", "rotate_q[bf16]", "merge[rotated]", "merge[channels]")
 WRITE_CASES: list[tuple[str, dict]] = [
     ("bf16", {}), ("fp8_e4m3", {}), ("fp8_e4m3", {"granularity": "token_head"}),
     ("fp8_e4m3", {"profile": "sglang", "scale": 1.0}), ("fp8_e4m3", {"profile": "rocm"}),
@@ -156,7 +159,8 @@ def _launches(target: str, cases: list | None = None, page: int = 16) -> list[tu
                                              fp8_value_words=True, ptx_unpack=target.startswith("cuda"))
                 words = split(launches)
                 out.append((f"decode[{label},vw8={words.constexprs['VW8']}]", words))
-            if label in ("bf16", "fp8_e4m3"):  # one split writing the outputs itself (``direct_output``)
+            if label in DIRECT_CASES:  # one split writing the outputs itself (``direct_output``; a rotated V
+                # un-rotated by the split kernel, ``ROT_V``)
                 wide = dict(zip(("block_n", "num_warps", "num_stages"), BF16_WIDE, strict=True))
                 launches, _, _ = plan_decode(q, dc.k.tiles(), dc.v.tiles(), dc.block_table, dc.seq_lens, page,
                                              max_seq_len=40, num_splits=1, hw_formats=_hw_formats(target),
@@ -200,7 +204,8 @@ def _launches(target: str, cases: list | None = None, page: int = 16) -> list[tu
                                                      ptx_unpack=True)
                         out.append((f"decode[{label},kr=1,ptx]", split(launches)))
             for launch in launches:  # the merge kernel does not depend on the scheme, nor rotate_q
-                name = ("rotate_q" if launch.kernel is rotate_q_kernel else None if launch.kernel is not merge_kernel
+                name = (("rotate_q[bf16]" if launch.args[2].dtype == torch.bfloat16 else "rotate_q")
+                        if launch.kernel is rotate_q_kernel else None if launch.kernel is not merge_kernel
                         else "merge[rotated]" if launch.constexprs["ROT_V"] else "merge")
                 if name is not None:
                     shared.setdefault(name, launch)

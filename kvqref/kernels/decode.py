@@ -1411,7 +1411,8 @@ def decode_split_kernel(
     ``DIRECT`` (one split, nothing to merge: ``direct_output``): ``OP`` / ``LP`` are the outputs [B, Hq, D] and
     [B, Hq], and the LSE is stored in natural log (:func:`_lse_natural`), as the merge of one split would; with
     ``ROT_V`` (V stored rotated) the output is un-rotated here as the merge kernel does it (``butterflies(out) * VSQ``,
-    ``VSQ`` float32 [D]), on the same float32 values (the merge weighs one split by exactly 1)."""
+    ``VSQ`` float32 [D]), on the same float32 values (the merge weighs one split by exactly 1), read back from
+    ``OP`` after a barrier."""
     PK: tl.constexpr = 1 if KIND_K <= 1 else (2 if KIND_K <= 3 else 8 // BITS_K)
     PV: tl.constexpr = 2 if VW8 > 0 else (1 if KIND_V <= 1 else (2 if KIND_V <= 3 else 8 // BITS_V))
     DK: tl.constexpr = D // PK
@@ -1784,24 +1785,19 @@ def decode_split_kernel(
     vs = tl.load(VS + kvh)
     lse2 = tl.where(l_i > 0, m_i + tl.log2(safe_l), float("-inf"))
     base = b * op_b + qh[:, None].to(tl.int64) * op_h + split * op_s
-    if DIRECT and ROT_V:  # the whole rows in channel order (accumulator P holds channels i * PV + P), un-rotated
-        RO: tl.constexpr = HV if HV > 0 else BLOCK_H
-        o = acc0 / safe_l[:, None] * vs
-        if PV == 2:
-            o = tl.reshape(tl.join(o, acc1 / safe_l[:, None] * vs), (RO, D))
-        elif PV == 4:
-            o = tl.reshape(tl.join(tl.join(o, acc2 / safe_l[:, None] * vs),
-                                   tl.join(acc1 / safe_l[:, None] * vs, acc3 / safe_l[:, None] * vs)), (RO, D))
+    tl.store(OP + base + (iv * PV)[None, :], acc0 / safe_l[:, None] * vs, mask=hmask[:, None])
+    if PV >= 2:
+        tl.store(OP + base + (iv * PV + 1)[None, :], acc1 / safe_l[:, None] * vs, mask=hmask[:, None])
+    if PV == 4:
+        tl.store(OP + base + (iv * PV + 2)[None, :], acc2 / safe_l[:, None] * vs, mask=hmask[:, None])
+        tl.store(OP + base + (iv * PV + 3)[None, :], acc3 / safe_l[:, None] * vs, mask=hmask[:, None])
+    if DIRECT and ROT_V:  # the program's output rows read back whole (the program's own stores, after a barrier: as
+        # the merge reads them, so that no multiply above is contracted into the butterflies) and un-rotated
+        tl.debug_barrier()
         dd = tl.arange(0, D)
-        o = hadamard_rows(o, RO, D) * tl.load(VSQ + dd)[None, :]
-        tl.store(OP + base + dd[None, :], o, mask=hmask[:, None])
-    else:
-        tl.store(OP + base + (iv * PV)[None, :], acc0 / safe_l[:, None] * vs, mask=hmask[:, None])
-        if PV >= 2:
-            tl.store(OP + base + (iv * PV + 1)[None, :], acc1 / safe_l[:, None] * vs, mask=hmask[:, None])
-        if PV == 4:
-            tl.store(OP + base + (iv * PV + 2)[None, :], acc2 / safe_l[:, None] * vs, mask=hmask[:, None])
-            tl.store(OP + base + (iv * PV + 3)[None, :], acc3 / safe_l[:, None] * vs, mask=hmask[:, None])
+        RO: tl.constexpr = HV if HV > 0 else BLOCK_H
+        o = tl.load(OP + base + dd[None, :], mask=hmask[:, None], other=0.0)
+        tl.store(OP + base + dd[None, :], hadamard_rows(o, RO, D) * tl.load(VSQ + dd)[None, :], mask=hmask[:, None])
     if DIRECT:
         lse2 = _lse_natural(lse2)
     tl.store(LP + b * lp_b + qh.to(tl.int64) * lp_h + split, lse2, mask=hmask)
