@@ -685,7 +685,7 @@ def plan_write(side: Side, x, slot_mapping, *, block_t: int | None = None, block
                num_warps: int | None = None, hw_fp8: bool | None = None, f16_cvt: bool | None = None,
                rotation_route: str | None = None, nvfp4_blocks: bool | None = None, block_d: int | None = None,
                store_as_loaded: bool | None = None, word_load: bool | None = None, maxnreg: int | None = None,
-               kivi_f16x2: bool | None = None):
+               kivi_f16x2: bool | None = None, heads_fast: bool | None = None):
     """The launch of :func:`quantize_write` (checked on the host first). ``maxnreg``: a register cap per thread
     (Triton's CUDA option; NVIDIA GPUs only, for tuning; default: the measured caps below, else none).
     ``block_t``/``block_h``/``num_warps``: the tile and warps (default :func:`write_tile`, WRITE_WARPS; KIVI keys
@@ -709,7 +709,10 @@ def plan_write(side: Side, x, slot_mapping, *, block_t: int | None = None, block
     :func:`rotated_word_load_default`; rotated E8M0 writes with word loads take tiles of
     ROTATED_E8M0_WORDS_TILE_ELEMS elements unless ``block_t`` is given). ``kivi_f16x2`` (KIVI writes, NVIDIA GPUs):
     float16 element pairs, one 32-bit word each, quantized by packed and conversion instructions in inline PTX (the
-    same bytes; default :func:`kivi_f16x2_default`); unrotated bfloat16 input is then loaded as words."""
+    same bytes; default :func:`kivi_f16x2_default`); unrotated bfloat16 input is then loaded as words.
+    ``heads_fast``: the grid's fastest axis walks the head blocks (grid ``(head blocks, token blocks)``), so that the
+    programs running together read whole token rows of x (the same bytes; needs at most 65,535 token blocks);
+    default: unrotated KIVI keys on NVIDIA GPUs (one head per program), where it measured faster."""
     import triton
 
     from kvqref.kernels.codecs import INTERPRET
@@ -843,7 +846,17 @@ def plan_write(side: Side, x, slot_mapping, *, block_t: int | None = None, block
             raise ValueError(f"maxnreg (registers per thread, an int >= 16) needs an NVIDIA GPU; got {maxnreg!r} on "
                              f"{x.device}")
         options["maxnreg"] = maxnreg
-    grid = (triton.cdiv(n, block_t), triton.cdiv(kv_heads, block_h))
+    t_blocks, h_blocks = triton.cdiv(n, block_t), triton.cdiv(kv_heads, block_h)
+    if heads_fast is None:  # unrotated KIVI keys by head on NVIDIA GPUs (H100, session 24: int4 keys 71.1 -> 69.0 us,
+        # int2 68.2 -> 66.8; values, rotated and other writes unchanged: bench/results/ANALYSIS.md)
+        hf = (cfg["kind"] == "int_k" and rotation is None and h_blocks > 1 and t_blocks <= 65535
+              and _nvidia_gpu(x.device))
+    else:
+        hf = bool(heads_fast)
+    if hf and t_blocks > 65535:
+        raise ValueError(f"heads_fast puts the {t_blocks} token blocks on the grid's second axis (at most 65,535)")
+    cx["HEADS_FAST"] = hf
+    grid = (h_blocks, t_blocks) if hf else (t_blocks, h_blocks)
     if block_d != head_dim:
         grid += (head_dim // block_d,)
     launch = Launch(quantize_write_kernel, grid, args, cx, options)
@@ -861,7 +874,7 @@ def plan_write(side: Side, x, slot_mapping, *, block_t: int | None = None, block
             return plan_write(side, x, slot_mapping, block_t=block_t, block_h=block_h, num_warps=num_warps,
                               hw_fp8=hw_fp8, f16_cvt=f16_cvt, rotation_route=portable, block_d=block_d,
                               store_as_loaded=store_as_loaded, word_load=word_load, maxnreg=maxnreg,
-                              kivi_f16x2=kivi_f16x2)
+                              kivi_f16x2=kivi_f16x2, heads_fast=heads_fast)
     return launch
 
 

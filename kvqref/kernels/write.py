@@ -465,15 +465,17 @@ def quantize_write_kernel(
     ROT_LANE_H: tl.constexpr = 16, ROT_LANE_N: tl.constexpr = 8, ROT_SHFL: tl.constexpr = False,
     NV_BLOCKS: tl.constexpr = False, BLOCK_D: tl.constexpr = 0, STORE_AS_LOADED: tl.constexpr = False,
     PAGE: tl.constexpr = 1, PAGE_SLOTS: tl.constexpr = 1, WORD_LOAD: tl.constexpr = False,
-    KIVI_X2: tl.constexpr = False, X2_WORDS: tl.constexpr = False,
+    KIVI_X2: tl.constexpr = False, X2_WORDS: tl.constexpr = False, HEADS_FAST: tl.constexpr = False,
 ):
     # W: the channels of a row this program holds: all D, or (KIVI keys, BLOCK_D) channels d0 .. d0 + W - 1 of
     # channel block program_id(2) (per-channel statistics: the blocks are independent)
     W: tl.constexpr = D if BLOCK_D == 0 else BLOCK_D
     tl.static_assert(W == D or (KIND == 5 and not ROTATE and D % W == 0 and W * BITS % 8 == 0),
                      "BLOCK_D < D: KIVI keys only, unrotated, dividing D, whole code bytes")
-    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    hh = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    # HEADS_FAST: the head blocks on the grid's fastest axis (grid (heads, tokens)), so that the programs running
+    # together read whole token rows of x rather than one head's slice of many rows
+    t = tl.program_id(1 if HEADS_FAST else 0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    hh = tl.program_id(0 if HEADS_FAST else 1) * BLOCK_H + tl.arange(0, BLOCK_H)
     if W == D:
         d0 = 0
         d = tl.arange(0, D)
