@@ -501,6 +501,16 @@ def kivi_f16x2_default(kind: str, device) -> bool:
     return kind in ("int_k", "int_v") and _nvidia_gpu(device)
 
 
+def write_evict_first_default(kind: str, bits: int, rotated: bool, device) -> bool:
+    """Whether the write kernel loads x with ``evict_first`` by default (x is read once; its lines then leave L2
+    first): on NVIDIA GPUs, every write but the unrotated bf16, FP8 and 4-bit KIVI value writes, where it measured
+    slower (H100, session 24, 3 alternating rounds: int2 KIVI keys 66.9 -> 65.5 us, int2 values 64.7 -> 62.5,
+    fp4_e2m1 68.1 -> 66.7, mxfp4 68.0 -> 66.5, nvfp4 70.5 -> 68.7, int4 keys 69.2 -> 69.0, rotated writes 0.2-2.3%
+    faster; bf16 98.0 -> 99.2, fp8 74.7 -> 75.3, int4 values 67.5 -> 67.9: bench/results/ANALYSIS.md)."""
+    slower = not rotated and (kind in ("bf16", "fp8") or (kind == "int_v" and bits == 4))
+    return not slower and _nvidia_gpu(device)
+
+
 def kivi_x2_code_words(kind: str, bits: int) -> bool:
     """Whether KIVI writes by float16 pairs store their code bytes as 32-bit words of four (``X2_WORDS``: four pairs'
     codes gathered by ``prmt``): where that measured fewer instructions (sm_90 SASS, bench/sass_write.py: keys 16.3 per
@@ -685,7 +695,7 @@ def plan_write(side: Side, x, slot_mapping, *, block_t: int | None = None, block
                num_warps: int | None = None, hw_fp8: bool | None = None, f16_cvt: bool | None = None,
                rotation_route: str | None = None, nvfp4_blocks: bool | None = None, block_d: int | None = None,
                store_as_loaded: bool | None = None, word_load: bool | None = None, maxnreg: int | None = None,
-               kivi_f16x2: bool | None = None, heads_fast: bool | None = None):
+               kivi_f16x2: bool | None = None, heads_fast: bool | None = None, x_evict_first: bool | None = None):
     """The launch of :func:`quantize_write` (checked on the host first). ``maxnreg``: a register cap per thread
     (Triton's CUDA option; NVIDIA GPUs only, for tuning; default: the measured caps below, else none).
     ``block_t``/``block_h``/``num_warps``: the tile and warps (default :func:`write_tile`, WRITE_WARPS; KIVI keys
@@ -712,7 +722,9 @@ def plan_write(side: Side, x, slot_mapping, *, block_t: int | None = None, block
     same bytes; default :func:`kivi_f16x2_default`); unrotated bfloat16 input is then loaded as words.
     ``heads_fast``: the grid's fastest axis walks the head blocks (grid ``(head blocks, token blocks)``), so that the
     programs running together read whole token rows of x (the same bytes; needs at most 65,535 token blocks);
-    default: unrotated KIVI keys on NVIDIA GPUs (one head per program), where it measured faster."""
+    default: unrotated KIVI keys on NVIDIA GPUs (one head per program), where it measured faster.
+    ``x_evict_first``: x loaded with the ``evict_first`` cache policy (the same bytes; default
+    :func:`write_evict_first_default`)."""
     import triton
 
     from kvqref.kernels.codecs import INTERPRET
@@ -856,6 +868,9 @@ def plan_write(side: Side, x, slot_mapping, *, block_t: int | None = None, block
     if hf and t_blocks > 65535:
         raise ValueError(f"heads_fast puts the {t_blocks} token blocks on the grid's second axis (at most 65,535)")
     cx["HEADS_FAST"] = hf
+    if x_evict_first is None:
+        x_evict_first = write_evict_first_default(cfg["kind"], cfg.get("bits", 8), rotation is not None, x.device)
+    cx["X_EVICT"] = "evict_first" if x_evict_first else ""
     grid = (h_blocks, t_blocks) if hf else (t_blocks, h_blocks)
     if block_d != head_dim:
         grid += (head_dim // block_d,)
@@ -874,7 +889,7 @@ def plan_write(side: Side, x, slot_mapping, *, block_t: int | None = None, block
             return plan_write(side, x, slot_mapping, block_t=block_t, block_h=block_h, num_warps=num_warps,
                               hw_fp8=hw_fp8, f16_cvt=f16_cvt, rotation_route=portable, block_d=block_d,
                               store_as_loaded=store_as_loaded, word_load=word_load, maxnreg=maxnreg,
-                              kivi_f16x2=kivi_f16x2, heads_fast=heads_fast)
+                              kivi_f16x2=kivi_f16x2, heads_fast=heads_fast, x_evict_first=x_evict_first)
     return launch
 
 

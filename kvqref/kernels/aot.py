@@ -227,8 +227,9 @@ def _launches(target: str, cases: list | None = None, page: int = 16) -> list[tu
             if "kivi" in name:  # float16 roundings by conversion instructions (plan_write's f16_cvt)
                 out.append((f"write[{label},f16cvt]", tb.plan_write(side, x, torch.arange(16), f16_cvt=True)))
                 if hw:  # float16 pairs by inline PTX (plan_write's kivi_f16x2: NVIDIA's default)
-                    out.append((f"write[{label},x2]", tb.plan_write(  # (unrotated keys: the GPU's grid order)
-                        side, x, torch.arange(16), f16_cvt=True, kivi_f16x2=True,
+                    out.append((f"write[{label},x2]", tb.plan_write(  # (unrotated keys: the GPU's grid order;
+                        # x loaded with evict_first, as NVIDIA's default for these writes)
+                        side, x, torch.arange(16), f16_cvt=True, kivi_f16x2=True, x_evict_first=True,
                         heads_fast=opts.get("role") == "key" and "rotation" not in opts)))
             if name == "nvfp4" and "rotation" not in opts:  # whole blocks per thread (plan_write's nvfp4_blocks)
                 out.append((f"write[{label},blocks]", tb.plan_write(side, x, torch.arange(16), hw_fp8=hw,

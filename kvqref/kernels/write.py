@@ -466,6 +466,7 @@ def quantize_write_kernel(
     NV_BLOCKS: tl.constexpr = False, BLOCK_D: tl.constexpr = 0, STORE_AS_LOADED: tl.constexpr = False,
     PAGE: tl.constexpr = 1, PAGE_SLOTS: tl.constexpr = 1, WORD_LOAD: tl.constexpr = False,
     KIVI_X2: tl.constexpr = False, X2_WORDS: tl.constexpr = False, HEADS_FAST: tl.constexpr = False,
+    X_EVICT: tl.constexpr = "",
 ):
     # W: the channels of a row this program holds: all D, or (KIVI keys, BLOCK_D) channels d0 .. d0 + W - 1 of
     # channel block program_id(2) (per-channel statistics: the blocks are independent)
@@ -500,11 +501,11 @@ def quantize_write_kernel(
     if WORD_LOAD:  # bfloat16 pairs as 32-bit words [BLOCK_T, BLOCK_H, W / 2]: a 4-bit code store's shape
         i2 = d0 // 2 + tl.arange(0, W // 2)
         xw = tl.load(X.to(tl.pointer_type(tl.int32)) + ((t3 * x_t + h3 * x_h) // 2 + i2[None, None, :]), mask=xm,
-                     other=0)
+                     other=0, eviction_policy=X_EVICT)
         x = tl.reshape(tl.join((xw << 16).to(tl.float32, bitcast=True), (xw & -65536).to(tl.float32, bitcast=True)),
                        (BLOCK_T, BLOCK_H, W))
     else:
-        xr = tl.load(X + t3 * x_t + h3 * x_h + d[None, None, :], mask=xm, other=0.0)
+        xr = tl.load(X + t3 * x_t + h3 * x_h + d[None, None, :], mask=xm, other=0.0, eviction_policy=X_EVICT)
         if X.dtype.element_ty == tl.bfloat16:  # widened from the bits: exact for subnormals (the interpreter
             # flushes them)
             x = bf16_bits_to_f32(xr.to(tl.int16, bitcast=True))
@@ -570,8 +571,9 @@ def quantize_write_kernel(
         # loaded for every token in range, written where its slot is not -1 (the loads wait for no slot)
         mx4 = (tin[:, None] & hm[None, :])[None, :, :, None]
         px = X + (rows_x + nb * QB)[:, :, :, None] + tl.arange(0, HB)[None, None, None, :]
-        e_l, o_l, sw_l = _nv_half(tl.load(px, mask=mx4, other=0.0), NB, BLOCK_T, BLOCK_H, HB)
-        e_h, o_h, sw_h = _nv_half(tl.load(px + HB, mask=mx4, other=0.0), NB, BLOCK_T, BLOCK_H, HB)
+        e_l, o_l, sw_l = _nv_half(tl.load(px, mask=mx4, other=0.0, eviction_policy=X_EVICT), NB, BLOCK_T, BLOCK_H, HB)
+        e_h, o_h, sw_h = _nv_half(tl.load(px + HB, mask=mx4, other=0.0, eviction_policy=X_EVICT), NB, BLOCK_T, BLOCK_H,
+                                  HB)
         amax = tl.max(tl.maximum(tl.maximum(e_l, o_l), tl.maximum(e_h, o_h)), 3)
         g = tl.load(SC)
         fast = (g >= NV_G_LO) & (g <= NV_G_HI)
