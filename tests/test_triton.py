@@ -1039,17 +1039,19 @@ def test_kivi_f16x2_is_checked():
 
 def test_kivi_key_block_d_is_checked_and_adds_a_grid_axis():
     """plan_write's block_d: KIVI keys without rotation only, a power of two dividing head_dim into whole code
-    bytes; the grid gains head_dim // block_d channel blocks; block_d = head_dim is the default launch."""
+    bytes; the grid gains head_dim // block_d channel blocks (its third axis, with either grid order:
+    ``heads_fast``); block_d = head_dim is the default launch."""
     from kvqref.paged import PagedKVCache
 
     k = schemes.get("int2_kivi", role="key", group_size=16, residual=0)
     v = schemes.get("int4_kivi", role="value", group_size=32, residual=0)
     dc = tb.DeviceCache.from_cache(PagedKVCache(k, v, 2, 16, 2, 128), DEVICE)
     x, slots = torch.zeros(16, 2, 128, device=DEVICE), torch.full((16,), -1, device=DEVICE)
-    launch = tb.plan_write(dc.k, x, slots, block_d=32)
+    launch = tb.plan_write(dc.k, x, slots, block_d=32, heads_fast=False)
     assert launch.grid == (1, 2, 4) and launch.constexprs["BLOCK_D"] == 32
-    default = tb.plan_write(dc.k, x, slots)
-    assert default.grid == tb.plan_write(dc.k, x, slots, block_d=128).grid == (1, 2)
+    assert tb.plan_write(dc.k, x, slots, block_d=32, heads_fast=True).grid == (2, 1, 4)
+    default = tb.plan_write(dc.k, x, slots, heads_fast=False)
+    assert default.grid == tb.plan_write(dc.k, x, slots, block_d=128, heads_fast=False).grid == (1, 2)
     assert default.constexprs["BLOCK_D"] == 0 and default.constexprs["STORE_AS_LOADED"] is False
     for bad in (48, 256, 2, 0):
         with pytest.raises(ValueError, match="power of two"):
