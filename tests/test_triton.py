@@ -1804,7 +1804,7 @@ def test_write_heads_fast_bytes_equal(name):
         launch()
         got.append([t.clone().view(torch.uint8) if t.element_size() == 1 else t.clone() for t in dc.k.fields.values()])
     assert all(torch.equal(a, b) for a, b in zip(*got, strict=True))
-    assert any(t.abs().sum() > 0 for t in got[0] if t.dtype != torch.uint8) or any(t.any() for t in got[0])
+    assert any(t.any() for t in got[0])  # something was written
 
 
 @pytest.mark.parametrize("name", ["fp8_e4m3", "fp4_e2m1", "mxfp4", "nvfp4", "int4_kivi", "bf16"])

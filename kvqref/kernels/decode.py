@@ -2567,6 +2567,8 @@ def plan_decode(
         lp = torch.empty(batch, q_heads, total, dtype=torch.float32, device=q.device)
     heads_fast = bool(heads_fast)
     grid = (kv_heads, batch, total) if heads_fast else (batch, kv_heads, total)
+    # V's un-rotation (the merge kernel's, or with one split the split kernel's): v_signs / (D C_D); unread otherwise
+    vsq = lp if v.rotation is None else rotation_vectors(v.rotation.seed, head_dim, q.device)[1]
     split_args = [
         q,
         block_table,
@@ -2597,7 +2599,7 @@ def plan_decode(
         op.stride(2),
         lp.stride(0),
         lp.stride(1),
-        lp if v.rotation is None else rotation_vectors(v.rotation.seed, head_dim, q.device)[1],  # VSQ (ROT_V)
+        vsq,
     ]
     split_cx = dict(
         QPK=qpk,
@@ -2658,7 +2660,7 @@ def plan_decode(
         out.stride(0),
         out.stride(1),
         lse.stride(0),
-        lp if v.rotation is None else rotation_vectors(v.rotation.seed, head_dim, q.device)[1],
+        vsq,
     ]
     merge_cx = dict(D=head_dim, S_PAD=max(2, triton.next_power_of_2(total)), ROT_V=v.rotation is not None)
     opts = {"num_warps": num_warps, "num_stages": num_stages, **({"maxnreg": maxnreg} if maxnreg else {})}
