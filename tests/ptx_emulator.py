@@ -1,9 +1,8 @@
 """A small CPU emulator of the straight-line inline PTX the kernels use, so that CI (no GPU) checks what each snippet
 computes bit for bit: integer ``b32`` operations, packed 16-bit integer min/max, ``prmt`` (default and sign-replicate
-modes), ``cvt.rn.f16x2.e4m3x2`` (each byte through the oracle's E4M3FN codec), and the float16/float32 arithmetic of
-the KIVI write (IEEE round-to-nearest-even by NumPy's correctly rounded float16/float32 operations, fused
-multiply-adds in exact rational arithmetic). ``rcp.approx.f32`` is emulated as the correctly rounded reciprocal moved
-by ``rcp_ulps`` float32 ulps (the hardware is within 1 ulp; callers try several).
+modes), and the float16/float32 arithmetic of the KIVI write (IEEE round-to-nearest-even by NumPy's correctly rounded
+float16/float32 operations, fused multiply-adds in exact rational arithmetic). ``rcp.approx.f32`` is emulated as the
+correctly rounded reciprocal moved by ``rcp_ulps`` float32 ulps (the hardware is within 1 ulp; callers try several).
 """
 
 from __future__ import annotations
@@ -82,14 +81,6 @@ def _prmt(a: int, b: int, sel: int) -> int:
     return out
 
 
-def _e4m3_f16(code: int) -> int:
-    """The float16 bits of an E4M3FN code's value (exact: every E4M3FN value is a float16 value; NaN as 0x7E00)."""
-    from kvqref import formats
-
-    v = formats.get("float8_e4m3fn").decode(np.array([code]))[0]
-    return 0x7E00 if np.isnan(v) else bits_of_f16(np.float16(v))
-
-
 def _lop3(a: int, b: int, c: int, lut: int) -> int:
     out = 0
     for i in range(32):
@@ -148,8 +139,6 @@ def run_ptx(asm: str, inputs: dict[str, int], rcp_ulps: int = 0) -> dict[str, in
             r = _s16x2(min if op == "min.s16x2" else max, x[0], x[1])
         elif op in ("sub.rn.f16x2", "add.rn.f16x2"):
             r = _f16x2((lambda p, q: p - q) if op.startswith("sub") else (lambda p, q: p + q), x[0], x[1])
-        elif op == "cvt.rn.f16x2.e4m3x2":  # d = {E4M3(high byte) in the upper half, E4M3(low byte) in the lower}
-            r = _e4m3_f16(x[0] >> 8 & 255) << 16 | _e4m3_f16(x[0] & 255)
         elif op == "cvt.f32.f16":
             r = bits_of_f32(np.float32(f16_of(x[0])))
         elif op == "cvt.rn.f16x2.f32":  # d = {RN16(a) in the upper half, RN16(b) in the lower}

@@ -186,36 +186,3 @@ def test_ptx_unpacking_is_refused_on_rocm(monkeypatch):
     monkeypatch.setattr(torch.version, "hip", "6.2", raising=False)
     with pytest.raises(ValueError, match="ptx_unpack"):
         tb.decode(torch.zeros(1, 4, 64), dc, ptx_unpack=True)
-
-
-@pytest.mark.parametrize("kind", [2, 3], ids=["e8m0", "e4m3"])
-def test_scale_pairs_ptx_converts_every_code_in_both_positions(kind):
-    """``_scale_pairs`` (FP4 block scales of block rows, two per ``prmt``): for b0 = 0, 1 the selector picks blocks b0
-    and b0 + 2 of the word; E8M0 gives each code in float32's exponent field (``code << 23``, what
-    ``e8m0_bits_to_f32`` mends), E4M3FN the float32 of the oracle codec's value (NaN for the NaN codes); every code
-    value in both positions, the other bytes random."""
-    asm = _asm_text(decode.SCALE_PAIRS_E8M0_PTX if kind == 2 else decode.SCALE_PAIRS_E4M3_PTX)
-    e4m3 = formats.get("float8_e4m3fn")
-    rng = np.random.default_rng(5)
-    for b0 in (0, 1):
-        sel = decode.scale_pair_selector(kind, b0)
-        for code in range(256):
-            for which in (0, 1):
-                bs = [int(v) for v in rng.integers(0, 256, 4)]
-                bs[b0 + 2 * which] = code
-                regs = run_ptx(asm, {"$2": sum(v << 8 * i for i, v in enumerate(bs)), "$3": sel})
-                for k in (0, 1):
-                    got, c = regs[f"${k}"], bs[b0 + 2 * k]
-                    if kind == 2:
-                        assert got == c << 23, (b0, k, c, hex(got))
-                    else:
-                        want = np.float32(e4m3.decode(np.array([c]))[0])
-                        v = np.array([got], np.uint32).view(np.float32)[0]
-                        assert (np.isnan(v) and np.isnan(want)) or v == want, (b0, k, c, v, want)
-
-
-def test_scale_pairs_ptx_catches_a_planted_selector_error():
-    """The test above fails for a selector that takes block b0 + 1 instead of b0 + 2."""
-    asm = _asm_text(decode.SCALE_PAIRS_E8M0_PTX)
-    regs = run_ptx(asm, {"$2": 0x04030201, "$3": 0x0404 | 0 << 4 | 1 << 12})
-    assert regs["$1"] != 3 << 23 and regs["$0"] == 1 << 23

@@ -132,17 +132,12 @@ def decode_f32(code, FMT: tl.constexpr):
 @triton.jit
 def e8m0_to_f32(code):
     """E8M0 code -> 2**(code - 127) as float32 (code 0 gives 2**-127, a float32 subnormal; 0xFF NaN)."""
-    return e8m0_bits_to_f32(code.to(tl.int32) << 23)
-
-
-@triton.jit
-def e8m0_bits_to_f32(bits):
-    """The E8M0 scale of a code already in float32's exponent field (int32 ``bits`` = code << 23) -> float32:
-    2**(c - 127) for codes 1..254 as they stand, +0 for 0 and +inf for 255; the maximum with 2**-127 (maxNum: a
-    float32 subnormal, kept) mends code 0, and fma(g, 0, g) is g for every finite g and NaN for inf (inf * 0). Two
-    float operations, where a compare, a select and a shift-add on the code cost two more per scale (sm_90:
-    fp4_e2m1's tile loop 1,615 -> 1,442 instructions; bench/results/ANALYSIS.md, session 25)."""
-    g = tl.maximum(bits.to(tl.float32, bitcast=True), tl.full((), 0x400000, tl.int32).to(tl.float32, bitcast=True))
+    # the code in float32's exponent field: 2**(c - 127) for codes 1..254, +0 for 0 and +inf for 255; the maximum
+    # with 2**-127 (maxNum: a float32 subnormal, kept) mends code 0, and fma(g, 0, g) is g for every finite g and
+    # NaN for inf (inf * 0): a shift and two float operations, where a compare, a select and a shift-add on the
+    # code cost two more per scale (sm_90: fp4_e2m1's tile loop 1,615 -> 1,442 instructions; ANALYSIS.md, 149)
+    g = tl.maximum((code.to(tl.int32) << 23).to(tl.float32, bitcast=True),
+                   tl.full((), 0x400000, tl.int32).to(tl.float32, bitcast=True))
     return tl.fma(g, 0.0, g)
 
 

@@ -37,7 +37,6 @@ from kvqref.kernels.codecs import (
     INTERPRET,
     bf16_bits_to_f32,
     decode_f32,
-    e8m0_bits_to_f32,
     e8m0_to_f32,
     f32_to_bf16_bits,
     floor_log2_f32,
@@ -348,78 +347,6 @@ def _fp4_scale(code, KIND: tl.constexpr, FMT: tl.constexpr = 0):
         return decode_f32(code, 0)
 
 
-def _scale_pairs_ptx(kind: int) -> str:
-    """The PTX of :func:`_scale_pairs`: ``$2`` a word of four block-scale codes (block j in byte j), ``$3`` the
-    ``prmt`` selector of two of its bytes (blocks b0 and b0 + 2); ``$0``, ``$1`` their scales. E8M0 (``kind`` 2):
-    ``prmt`` puts the bytes in bytes 1 and 3 of a zeroed word, one shift moves each into float32's exponent field
-    (the codes as bits ``c << 23``, for :func:`e8m0_bits_to_f32`). E4M3FN (3): ``prmt`` puts them in bytes 0 and 1,
-    one ``cvt.rn.f16x2.e4m3x2`` converts both (the low byte into the low float16), two ``cvt.f32.f16`` widen them."""
-    if kind == 2:
-        body = ["prmt.b32 t, $2, 0, $3;", "shl.b32 $0, t, 15;", "shr.b32 t, t, 1;", "and.b32 $1, t, 0x7F800000;"]
-        return "\n".join(["{", ".reg .b32 t;", *body, "}"])
-    return "\n".join(["{", ".reg .b32 t, h;", ".reg .b16 lo, hi;", "prmt.b32 t, $2, 0, $3;", "mov.b32 {lo, hi}, t;",
-                      "cvt.rn.f16x2.e4m3x2 h, lo;", "mov.b32 {lo, hi}, h;", "cvt.f32.f16 $0, lo;",
-                      "cvt.f32.f16 $1, hi;", "}"])
-
-
-def scale_pair_selector(kind: int, b0: int) -> int:
-    """The ``prmt`` selector of :func:`_scale_pairs_ptx` for blocks b0 and b0 + 2 of a word (selector index 4 is a
-    zero byte): E8M0 (``kind`` 2) bytes 1 and 3, E4M3FN (3) bytes 0 and 1."""
-    if kind == 2:
-        return 0x0404 | b0 << 4 | (b0 + 2) << 12
-    return 0x4400 | b0 | (b0 + 2) << 4
-
-
-SCALE_PAIRS_E8M0_PTX = tl.constexpr(_scale_pairs_ptx(2))
-SCALE_PAIRS_E4M3_PTX = tl.constexpr(_scale_pairs_ptx(3))
-E8M0_PAIR_SEL0, E8M0_PAIR_SEL1 = tl.constexpr(scale_pair_selector(2, 0)), tl.constexpr(scale_pair_selector(2, 1))
-E4M3_PAIR_SEL0, E4M3_PAIR_SEL1 = tl.constexpr(scale_pair_selector(3, 0)), tl.constexpr(scale_pair_selector(3, 1))
-
-
-@triton.jit
-def _scale_pairs(w, KIND: tl.constexpr, N: tl.constexpr):
-    """CUDA: the float32 scales [4, N] of the four block-scale codes in each word of ``w`` (int32 [N], block j in
-    byte j; E8M0 for ``KIND`` 2, E4M3FN for 3), row j block j. Computed as two tensors [2, N] of blocks b0 and
-    b0 + 2 (b0 = 0, 1; :func:`_scale_pairs_ptx`, one ``prmt`` per two scales), so that in the block-row layout,
-    where a lane's score rows are blocks b0 and b0 + 2 of one head (rows 8 apart), each lane converts its own two
-    codes of a word in one go instead of extracting each byte by a 64-bit shift (:func:`_block_scales`)."""
-    b0 = tl.arange(0, 2)[:, None]
-    if KIND == 2:
-        sel = tl.where(b0 == 0, E8M0_PAIR_SEL0, E8M0_PAIR_SEL1)
-        x0, x1 = tl.inline_asm_elementwise(SCALE_PAIRS_E8M0_PTX, "=r,=r,r,r",
-                                           [tl.broadcast_to(w[None, :], (2, N)), tl.broadcast_to(sel, (2, N))],
-                                           dtype=(tl.int32, tl.int32), is_pure=True, pack=1)
-        out = e8m0_bits_to_f32(tl.reshape(tl.permute(tl.join(x0, x1), (2, 0, 1)), (4, N)))
-    else:
-        sel = tl.where(b0 == 0, E4M3_PAIR_SEL0, E4M3_PAIR_SEL1)
-        f0, f1 = tl.inline_asm_elementwise(SCALE_PAIRS_E4M3_PTX, "=r,=r,r,r",
-                                           [tl.broadcast_to(w[None, :], (2, N)), tl.broadcast_to(sel, (2, N))],
-                                           dtype=(tl.float32, tl.float32), is_pure=True, pack=1)
-        out = tl.reshape(tl.permute(tl.join(f0, f1), (2, 0, 1)), (4, N))  # row k * 2 + b0 = block b0 + 2 k
-    return out
-
-
-@triton.jit
-def _block_scale_rows(F1, slot, kvh, f1_s, f1_h, m, NB: tl.constexpr, WIDE: tl.constexpr, KIND: tl.constexpr,
-                      FMT: tl.constexpr, PTX: tl.constexpr, HALF: tl.constexpr):
-    """The float32 block scales [NB, N] of the tokens in ``slot`` [N] for block rows (exact: E8M0, or E4M3FN in
-    hardware where ``FMT`` >= 8), as (blocks 0 .. NB/2 - 1, blocks NB/2 .. NB - 1) with ``HALF``, else (all, all).
-    CUDA, eight blocks by halves (``PTX``, ``WIDE``, ``HALF``; E8M0 or E4M3FN in hardware): :func:`_scale_pairs` on
-    each 32-bit half of the token's 64-bit word (sm_90 static, tile loop: nvfp4 1,300 -> 1,246 instructions,
-    fp4_e2m1 1,442 -> 1,421; mxfp4's four blocks in one word rose 1,232 -> 1,278, so they keep the codes);
-    elsewhere the codes of :func:`_block_scales` through :func:`_fp4_scale`."""
-    N: tl.constexpr = slot.shape[0]
-    if PTX and not INTERPRET and WIDE and (KIND == 2 or FMT == 8) and NB == 8 and HALF:
-        w = tl.load((F1 + slot * f1_s + kvh * f1_h).to(tl.pointer_type(tl.int64)), mask=m, other=0)
-        return _scale_pairs(w.to(tl.int32), KIND, N), _scale_pairs((w >> 32).to(tl.int32), KIND, N)
-    else:
-        f = _fp4_scale(_block_scales(F1, slot, kvh, f1_s, f1_h, m, NB, WIDE, True), KIND, FMT)
-        if HALF:
-            return _row_halves(f, NB, N)
-        else:
-            return f, f
-
-
 @triton.jit
 def _fp8_f16(byte, FMT: tl.constexpr):
     """FP8 codes (uint8) -> their values as float16, exact (every FP8 value is a float16 value; float32 in the
@@ -693,32 +620,35 @@ def _block_rows_q(Q, b, kvh, stride_qb, stride_qh, QPK: tl.constexpr, H: tl.cons
 
 
 @triton.jit
-def _block_rows_scores(qe16, qo16, kb, ksf, NB: tl.constexpr, H: tl.constexpr, N: tl.constexpr, PTX: tl.constexpr):
+def _block_rows_scores(qe16, qo16, kb, ksc, NB: tl.constexpr, H: tl.constexpr, N: tl.constexpr, KIND: tl.constexpr,
+                       FMT: tl.constexpr, PTX: tl.constexpr):
     """Scores [H, N] (without the softmax scale) of NB blocks: q's block rows (float16 [NB * H, C], even / odd
     channels) against the code bytes ``kb`` [C, N] as float16 E2M1 * 2**-14, each block's partial dot times its
-    scale (float32 ``ksf`` [NB, N], :func:`_block_scale_rows`), summed over the blocks."""
+    scale (codes ``ksc`` [NB, N], :func:`_fp4_scale`), summed over the blocks."""
     klo, khi = _e2m1_nibbles_f16(kb, PTX)
     s2 = _dot_acc(qo16, khi, _dot_acc(qe16, klo, tl.zeros((NB * H, N), tl.float32)))
-    return tl.sum(tl.reshape(s2, (NB, H, N)) * ksf[:, None, :], 0)
+    return tl.sum(tl.reshape(s2, (NB, H, N)) * _fp4_scale(ksc, KIND, FMT)[:, None, :], 0)
 
 
 @triton.jit
-def _block_rows_p(p, vsf, NB: tl.constexpr, H: tl.constexpr, N: tl.constexpr, KIND_V: tl.constexpr):
-    """The value product's rows (block, head): p [H, N] times the block scale (float32 ``vsf`` [NB, N]), rounded
+def _block_rows_p(p, vsc, NB: tl.constexpr, H: tl.constexpr, N: tl.constexpr, KIND_V: tl.constexpr,
+                  FMT_V: tl.constexpr):
+    """The value product's rows (block, head): p [H, N] times the block scale (codes ``vsc`` [NB, N]), rounded
     once: NVFP4 ``fl16(p * s * 2**7)``, E8M0 ``bf16(p * 2**(c - 127))``."""
-    if KIND_V == 3:  # (p * 2**7 once per (head, token), exact: the same product as p * (s * 2**7))
-        return _split16(tl.reshape((p * 128.0)[None, :, :] * vsf[:, None, :], (NB * H, N)), True)[0]
+    if KIND_V == 3:
+        return _split16(tl.reshape(p[None, :, :] * (_fp4_scale(vsc, 3, FMT_V) * 128.0)[:, None, :], (NB * H, N)),
+                        True)[0]
     else:
-        return _split(tl.reshape(p[None, :, :] * vsf[:, None, :], (NB * H, N)), True, True)[0]
+        return _split(tl.reshape(p[None, :, :] * e8m0_to_f32(vsc)[:, None, :], (NB * H, N)), True, True)[0]
 
 
 @triton.jit
-def _block_rows_values(p, vsf, vb, alpha, acc_lo, acc_hi, NB: tl.constexpr, H: tl.constexpr, N: tl.constexpr,
-                       KIND_V: tl.constexpr, PTX: tl.constexpr):
+def _block_rows_values(p, vsc, vb, alpha, acc_lo, acc_hi, NB: tl.constexpr, H: tl.constexpr, N: tl.constexpr,
+                       KIND_V: tl.constexpr, FMT_V: tl.constexpr, PTX: tl.constexpr):
     """The accumulators of NB blocks' value rows (even / odd channels of the code bytes ``vb`` [N, C]), rescaled by
     ``alpha`` [H], plus :func:`_block_rows_p` times the codes (NVFP4: float16 E2M1 * 2**-14; E8M0: exact bfloat16)."""
     ar = tl.reshape(tl.broadcast_to(alpha[None, :], (NB, H)), (NB * H,))
-    pr = _block_rows_p(p, vsf, NB, H, N, KIND_V)
+    pr = _block_rows_p(p, vsc, NB, H, N, KIND_V, FMT_V)
     if KIND_V == 3:
         v0, v1 = _e2m1_nibbles_f16(vb, PTX)
     else:
@@ -727,13 +657,13 @@ def _block_rows_values(p, vsf, vb, alpha, acc_lo, acc_hi, NB: tl.constexpr, H: t
 
 
 @triton.jit
-def _block_rows_value_words(p, vsf, vw, alpha, a0, a1, a2, a3, NB: tl.constexpr, H: tl.constexpr, N: tl.constexpr,
-                            KIND_V: tl.constexpr, PTX: tl.constexpr):
+def _block_rows_value_words(p, vsc, vw, alpha, a0, a1, a2, a3, NB: tl.constexpr, H: tl.constexpr, N: tl.constexpr,
+                            KIND_V: tl.constexpr, FMT_V: tl.constexpr, PTX: tl.constexpr):
     """The four accumulators of NB blocks' value rows against the code words ``vw`` [N, C] (int16; nibble k of word c
     is channel 4c + k, :func:`_e2m1_quads`), each rescaled by ``alpha`` [H], plus :func:`_block_rows_p` times its
     quad of channels."""
     ar = tl.reshape(tl.broadcast_to(alpha[None, :], (NB, H)), (NB * H,))
-    pr = _block_rows_p(p, vsf, NB, H, N, KIND_V)
+    pr = _block_rows_p(p, vsc, NB, H, N, KIND_V, FMT_V)
     v0, v1, v2, v3 = _e2m1_quads(vw, PTX, KIND_V == 2)
     return (_dot_acc(pr, v0, a0 * ar[:, None]), _dot_acc(pr, v1, a1 * ar[:, None]), _dot_acc(pr, v2, a2 * ar[:, None]),
             _dot_acc(pr, v3, a3 * ar[:, None]))
@@ -834,7 +764,7 @@ def _fp4_block_rows(
         kb = tl.load(krow + jk[:, None], mask=tmask[None, :], other=0)
         if HALF_K:
             kb_b = tl.load(krow + (DKP + jk)[:, None], mask=tmask[None, :], other=0)
-        ks_a, ks_b = _block_scale_rows(K1, slot, kvh, k1_s, k1_h, tmask, NBK, WSC_K, KIND_K, FMT_K, PTX, HALF_K)
+        ksc = _block_scales(K1, slot, kvh, k1_s, k1_h, tmask, NBK, WSC_K, True)
         vrow = V0 + slot[:, None] * v0_s + kvh * v0_h
         if VW:
             vb = tl.load(vrow.to(tl.pointer_type(tl.int16)) + jv[None, :], mask=tmask[:, None], other=0)
@@ -844,27 +774,30 @@ def _fp4_block_rows(
             vb = tl.load(vrow + jv[None, :], mask=tmask[:, None], other=0)
             if HALF_V:
                 vb_b = tl.load(vrow + (DV + jv)[None, :], mask=tmask[:, None], other=0)
-        vs_a, vs_b = _block_scale_rows(V1, slot, kvh, v1_s, v1_h, tmask, NBV, WSC_V, KIND_V, FMT_V, PTX, HALF_V)
+        vsc = _block_scales(V1, slot, kvh, v1_s, v1_h, tmask, NBV, WSC_V, True)
         if HALF_K:
-            s = _block_rows_scores(qe16, qo16, kb, ks_a, NBK // 2, H, BLOCK_N, PTX)
-            s += _block_rows_scores(qe16_b, qo16_b, kb_b, ks_b, NBK // 2, H, BLOCK_N, PTX)
+            ks_a, ks_b = _row_halves(ksc, NBK, BLOCK_N)
+            s = _block_rows_scores(qe16, qo16, kb, ks_a, NBK // 2, H, BLOCK_N, KIND_K, FMT_K, PTX)
+            s += _block_rows_scores(qe16_b, qo16_b, kb_b, ks_b, NBK // 2, H, BLOCK_N, KIND_K, FMT_K, PTX)
             s = s * sc_k
         else:
-            s = _block_rows_scores(qe16, qo16, kb, ks_a, NBK, H, BLOCK_N, PTX) * sc_k
+            s = _block_rows_scores(qe16, qo16, kb, ksc, NBK, H, BLOCK_N, KIND_K, FMT_K, PTX) * sc_k
         p, alpha, m_i, l_i = _softmax_step(s, tmask, m_i, l_i)
         if VW and HALF_V:
+            vs_a, vs_b = _row_halves(vsc, NBV, BLOCK_N)
             acc0, acc1, acc2, acc3 = _block_rows_value_words(p, vs_a, vb, alpha, acc0, acc1, acc2, acc3, NBV // 2, H,
-                                                             BLOCK_N, KIND_V, PTX)
+                                                             BLOCK_N, KIND_V, FMT_V, PTX)
             acc4, acc5, acc6, acc7 = _block_rows_value_words(p, vs_b, vb_b, alpha, acc4, acc5, acc6, acc7, NBV // 2,
-                                                             H, BLOCK_N, KIND_V, PTX)
+                                                             H, BLOCK_N, KIND_V, FMT_V, PTX)
         elif HALF_V:
-            acc0, acc1 = _block_rows_values(p, vs_a, vb, alpha, acc0, acc1, NBV // 2, H, BLOCK_N, KIND_V, PTX)
-            acc2, acc3 = _block_rows_values(p, vs_b, vb_b, alpha, acc2, acc3, NBV // 2, H, BLOCK_N, KIND_V, PTX)
+            vs_a, vs_b = _row_halves(vsc, NBV, BLOCK_N)
+            acc0, acc1 = _block_rows_values(p, vs_a, vb, alpha, acc0, acc1, NBV // 2, H, BLOCK_N, KIND_V, FMT_V, PTX)
+            acc2, acc3 = _block_rows_values(p, vs_b, vb_b, alpha, acc2, acc3, NBV // 2, H, BLOCK_N, KIND_V, FMT_V, PTX)
         elif VW:
-            acc0, acc1, acc2, acc3 = _block_rows_value_words(p, vs_a, vb, alpha, acc0, acc1, acc2, acc3, NBV, H,
-                                                             BLOCK_N, KIND_V, PTX)
+            acc0, acc1, acc2, acc3 = _block_rows_value_words(p, vsc, vb, alpha, acc0, acc1, acc2, acc3, NBV, H, BLOCK_N,
+                                                             KIND_V, FMT_V, PTX)
         else:
-            acc0, acc1 = _block_rows_values(p, vs_a, vb, alpha, acc0, acc1, NBV, H, BLOCK_N, KIND_V, PTX)
+            acc0, acc1 = _block_rows_values(p, vsc, vb, alpha, acc0, acc1, NBV, H, BLOCK_N, KIND_V, FMT_V, PTX)
     f: tl.constexpr = 2.0**14 / 128.0 if KIND_V == 3 else 1.0
     if VW and HALF_V:  # the channels of the first half's words, then of the second's
         lo_a, hi_a = _word_channels(acc0, acc1, acc2, acc3, NBV // 2, H, DV, QB_V)
