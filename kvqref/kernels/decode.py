@@ -2490,8 +2490,13 @@ def plan_decode(
     ksub = bool(key_rows and k.bits == 2) if kivi_subnormal_codes is None else bool(kivi_subnormal_codes)
     if ksub and not key_rows:
         raise ValueError("kivi_subnormal_codes needs key_rows (fast KIVI by token-group key rows)")
+    # fp4_e2m1 (E8M0 blocks of 16) by value words and channel halves, pages of more than one token: 3 stages (H100,
+    # batch 32 x 8,192: head-major 170.3 -> 167.2 us, token-major 183.7 -> 178.6; batch 1 x 131,072 93.7 -> 92.3;
+    # NVFP4 the same launch 159.6 -> 160.2: 2 stay; bench/results/ANALYSIS.md, session 25)
+    e8m0_16_words = words_halves and k.kind == v.kind == "mxfp4" and k.block == v.block == 16 and page_size > 1
     if num_stages is None:
-        num_stages = 3 if nvfp4_halves or kivi_words or bf16_wide else 2 if block_rows or key_rows else (
+        wide_stages = nvfp4_halves or kivi_words or bf16_wide or e8m0_16_words
+        num_stages = 3 if wide_stages else 2 if block_rows or key_rows else (
             3 if k.kind in ("fp8", "int_k") or fast_mx_ptx or (precision == "fast" and k.kind == "nvfp4"
                                                                 and not ptx_unpack) else 2)
     hw = hardware_fp8_formats(q.device) if hw_formats is None else hw_formats
