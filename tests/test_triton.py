@@ -765,7 +765,8 @@ def test_fp4_block_rows(pair, q_heads, kv_heads, head_dim):
 def test_fp4_halves_tiles_by_page_size(page_size, want):
     """FP4 by channel halves (4 query heads per KV head, D 128: 32 rows per side) reads its value tiles as words by
     default, in 32-token tiles with one warp at every page size (H100, session 12: fp4_e2m1 261 -> 235 us at page
-    16, 294 -> 248 at page 1; NVFP4 194 -> 183); with value bytes (``value_words=False``) fp4_e2m1 takes the tiles
+    16, 294 -> 248 at page 1; NVFP4 194 -> 183), fp4_e2m1 with 3 stages in pages of 16 (session 25: 170.3 -> 167.2
+    us; at page 1 184.3 against 184.9, so 2 there); with value bytes (``value_words=False``) fp4_e2m1 takes the tiles
     measured for its page size: 128 tokens / 4 warps in pages of 16 (261 us against 275 at 64 / 2), 64 / 2 in pages
     of 1 (290 us against 316; bench/results/ANALYSIS.md, session 11), and NVFP4 64 / 2 with 3 stages."""
     from kvqref.kernels.decode import plan_decode
@@ -776,7 +777,8 @@ def test_fp4_halves_tiles_by_page_size(page_size, want):
         cache, _ = build_cache(pair, shape, rng)
         dc = tb.DeviceCache.from_cache(cache, DEVICE)
         q = torch.zeros(3, 8, 128, dtype=torch.bfloat16, device=DEVICE)
-        for words, expect in ((None, (32, 1, 2)), (False, bytes_launch)):
+        words_launch = (32, 1, 3 if pair is PAIRS[5] and page_size > 1 else 2)
+        for words, expect in ((None, words_launch), (False, bytes_launch)):
             launches, _, _ = plan_decode(q, dc.k.tiles(), dc.v.tiles(), dc.block_table, dc.seq_lens, dc.page_size,
                                          value_words=words)
             split = next(launch for launch in launches if "BLK" in launch.constexprs)

@@ -57,6 +57,8 @@ def _unary_kernel(X, OUT, n, OP: tl.constexpr, BLOCK: tl.constexpr):
         y = encode_f32(x, 0, True)
     elif OP == 9:
         y = e8m0_to_f32(x.to(tl.int32)).to(tl.int32, bitcast=True)  # x: E8M0 codes as floats
+    elif OP == 11:
+        y = e8m0_to_f32(x.to(tl.int32), False).to(tl.int32, bitcast=True)  # the integer rule
     else:
         y = encode_f32(x, 4, True)
     tl.store(OUT + i, y, mask=m)
@@ -196,11 +198,12 @@ def test_e4m3_normal_bits_equal_the_oracle_codec():
     assert np.array_equal(_run(_unary_kernel, x, OP=7), want)  # encode_f32, the general encoder
 
 
-def test_e8m0_decoding_equals_the_oracle_codec_on_every_code():
-    """e8m0_to_f32 (the kernels' E8M0 block scales) on all 256 codes: the float32 bits of the oracle's E8M0 codec
-    (2**-127 a subnormal for 0x00), NaN for 0xFF."""
+@pytest.mark.parametrize("op", [9, 11], ids=["float-ops", "integer-ops"])
+def test_e8m0_decoding_equals_the_oracle_codec_on_every_code(op):
+    """e8m0_to_f32 (the kernels' E8M0 block scales), both rules, on all 256 codes: the float32 bits of the oracle's
+    E8M0 codec (2**-127 a subnormal for 0x00), NaN for 0xFF."""
     codes = np.arange(256, dtype=np.float32)
-    got = _run(_unary_kernel, codes, OP=9)
+    got = _run(_unary_kernel, codes, OP=op)
     want = formats.get("float8_e8m0fnu").decode(np.arange(256)).astype(np.float32)
     assert np.isnan(got.view(np.float32)[255]) and np.isnan(want[255])
     assert np.array_equal(got[:255], want[:255].view(np.int32)), np.nonzero(got[:255] != want[:255].view(np.int32))

@@ -130,15 +130,24 @@ def decode_f32(code, FMT: tl.constexpr):
 
 
 @triton.jit
-def e8m0_to_f32(code):
-    """E8M0 code -> 2**(code - 127) as float32 (code 0 gives 2**-127, a float32 subnormal; 0xFF NaN)."""
-    # the code in float32's exponent field: 2**(c - 127) for codes 1..254, +0 for 0 and +inf for 255; the maximum
-    # with 2**-127 (maxNum: a float32 subnormal, kept) mends code 0, and fma(g, 0, g) is g for every finite g and
-    # NaN for inf (inf * 0): a shift and two float operations, where a compare, a select and a shift-add on the
-    # code cost two more per scale (sm_90: fp4_e2m1's tile loop 1,615 -> 1,442 instructions; ANALYSIS.md, 149)
-    g = tl.maximum((code.to(tl.int32) << 23).to(tl.float32, bitcast=True),
-                   tl.full((), 0x400000, tl.int32).to(tl.float32, bitcast=True))
-    return tl.fma(g, 0.0, g)
+def e8m0_to_f32(code, FLOAT_OPS: tl.constexpr = True):
+    """E8M0 code -> 2**(code - 127) as float32 (code 0 gives 2**-127, a float32 subnormal; 0xFF NaN).
+
+    The code goes into float32's exponent field (``c << 23``): 2**(c - 127) for codes 1..254, +0 for 0 and +inf
+    for 255, which two rules mend, the same bits (``test_e8m0_decoding_equals_the_oracle_codec_on_every_code``):
+    ``FLOAT_OPS`` (fast decode): the maximum with 2**-127 (maxNum: a float32 subnormal, kept) mends code 0 and
+    fma(g, 0, g), g for every finite g and NaN for inf (inf * 0), code 255: a shift and two float operations
+    (H100, batch 32 x 8,192: fp4_e2m1 188.2 -> 170.5 us); else on the code, the top mantissa bit where
+    ``(c + 1) & 0xFE == 0`` (codes 0 and 255 only: 0x00400000 = 2**-127, 0x7FC00000 = NaN), a compare, a select
+    and a shift-add on the integer pipe, which exact decode keeps: its float32 pipe carries the split products
+    (fp4_e2m1 exact 426.6 -> 468.6 us with the float rule; bench/results/ANALYSIS.md, session 25)."""
+    c = code.to(tl.int32)
+    if FLOAT_OPS:
+        g = tl.maximum((c << 23).to(tl.float32, bitcast=True),
+                       tl.full((), 0x400000, tl.int32).to(tl.float32, bitcast=True))
+        return tl.fma(g, 0.0, g)
+    else:
+        return ((c << 23) + tl.where(((c + 1) & 0xFE) == 0, 0x400000, 0)).to(tl.float32, bitcast=True)
 
 
 @triton.jit

@@ -335,12 +335,13 @@ def _block_scales(F1, slot, kvh, f1_s, f1_h, m, NB: tl.constexpr, WIDE: tl.const
 
 
 @triton.jit
-def _fp4_scale(code, KIND: tl.constexpr, FMT: tl.constexpr = 0):
-    """Block scale code -> float32 (exact): E8M0 (KIND 2) by its bits, or E4M3FN (KIND 3, NVFP4) in hardware where
-    ``FMT`` >= 8, else with integer operations (the per-element paths pass no ``FMT``: the hardware E4M3 conversion
-    measured 11% slower there in exact mode on the H100: bench/results/ANALYSIS.md)."""
+def _fp4_scale(code, KIND: tl.constexpr, FMT: tl.constexpr = 0, FLOAT_OPS: tl.constexpr = True):
+    """Block scale code -> float32 (exact): E8M0 (KIND 2) by its bits (``FLOAT_OPS``: :func:`e8m0_to_f32`'s rule
+    for fast decode, else its integer one), or E4M3FN (KIND 3, NVFP4) in hardware where ``FMT`` >= 8, else with
+    integer operations (the per-element paths pass no ``FMT``: the hardware E4M3 conversion measured 11% slower
+    there in exact mode on the H100: bench/results/ANALYSIS.md)."""
     if KIND == 2:
-        return e8m0_to_f32(code)
+        return e8m0_to_f32(code, FLOAT_OPS)
     elif FMT >= 8 and not INTERPRET:
         return code.to(tl.float8e4nv, bitcast=True).to(tl.float32)
     else:
@@ -424,7 +425,7 @@ def _phase(
     elif KIND == 2 or KIND == 3:
         nib = (byte.to(tl.int32) >> (4 * P)) & 0xF
         sc = tl.load(F1 + slot * f1_s + kvh * f1_h + e // QB, mask=m, other=0)
-        return decode_f32(nib, 4) * _fp4_scale(sc, KIND)
+        return decode_f32(nib, 4) * _fp4_scale(sc, KIND, 0, False)
     else:
         f = ((byte.to(tl.int32) >> (P * BITS)) & ((1 << BITS) - 1)).to(tl.float32)
         if KIND == 4:
@@ -1584,7 +1585,7 @@ def decode_split_kernel(
                         k_lo = tl.reshape(k_lo, KSH)
                         k_hi = tl.reshape(k_hi, KSH)
                     else:
-                        ks3 = _fp4_scale(ksc, KIND_K)
+                        ks3 = _fp4_scale(ksc, KIND_K, 0, FAST)
                         k_lo16, k_hi16 = _e2m1_nibbles_f16(kb3, PTX)
                         k_lo = tl.reshape(k_lo16.to(tl.float32) * 16384.0 * ks3, KSH)
                         k_hi = tl.reshape(k_hi16.to(tl.float32) * 16384.0 * ks3, KSH)
@@ -1684,7 +1685,7 @@ def decode_split_kernel(
                         v_lo = tl.reshape(v_lo, (BLOCK_N, DV))
                         v_hi = tl.reshape(v_hi, (BLOCK_N, DV))
                     else:
-                        vs3 = _fp4_scale(vsc, KIND_V)[:, :, None]
+                        vs3 = _fp4_scale(vsc, KIND_V, 0, FAST)[:, :, None]
                         v_lo16, v_hi16 = _e2m1_nibbles_f16(vb3, PTX)
                         v_lo = tl.reshape(v_lo16.to(tl.float32) * 16384.0 * vs3, (BLOCK_N, DV))
                         v_hi = tl.reshape(v_hi16.to(tl.float32) * 16384.0 * vs3, (BLOCK_N, DV))
