@@ -2,7 +2,7 @@
 
     python3 bench/sass_write.py [--cases nvfp4,int4_kivi-k] [--tile BT,BH] [--warps W] [--dump DIR]
                                 [--routes none,split,sums,gather,shfl] [--block-d 128,64,32]
-                                [--store-as-loaded]
+                                [--store-as-loaded] [--lines N]
 
 Builds each write launch of ``bench/ab_write.py`` (the same host code, bf16 input, 8 KV heads x 128, the
 default tile and warps unless given) on the CPU, compiles it for sm_90 as ``python3 -m kvqref.kernels.aot``
@@ -93,6 +93,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="rotated writes: element pairs loaded as 32-bit words (plan_write's word_load)")
     ap.add_argument("--cx", default="", help="extra kernel constexprs NAME=INT,... (A/B variants)")
     ap.add_argument("--dump", help="write each kernel's SASS here")
+    ap.add_argument("--lines", type=int, default=0,
+                    help="also print the N source lines with the most instructions (nvdisasm's line table)")
     ap.add_argument("--routes", default="none", help="none (unrotated) and/or rotated by rotation_route: "
                     "split, sums, gather, shfl (comma-separated)")
     ap.add_argument("--block-d", default="", help="KIVI keys: channels per program (comma-separated; plan_write's "
@@ -149,7 +151,32 @@ def main(argv: list[str] | None = None) -> int:
               f"{resident_warps(regs, warps, smem)} | {len(body)} | {len(body) / per_thread:.1f} | {fast} | "
               f"{fast / per_thread:.2f} | {bars} | "
               + " | ".join(str(c.get(k, 0)) for k in cols) + " |", flush=True)
+        if args.lines:
+            print_source_lines(launch, args.lines, per_thread)
     return 0
+
+
+def print_source_lines(launch, n: int, per_thread: float) -> None:
+    """The ``n`` source lines (innermost, inlined helpers by their own lines) with the most instructions of the whole
+    kernel, per thread and per element, by ``nvdisasm --print-line-info`` of its sm_90 cubin."""
+    import collections
+    import tempfile
+
+    from ncu_stall_lines import line_table
+
+    from kvqref.backends._aot import make_target
+    from kvqref.kernels.aot import compile_launch
+
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compile_launch(launch, make_target("cuda", 90)).asm["cubin"])
+        f.flush()
+        loc, ops = line_table(f.name)
+    count: collections.Counter = collections.Counter(loc.values())
+    mix: dict = collections.defaultdict(collections.Counter)
+    for off, where in loc.items():
+        mix[where][ops[off].split(".")[0]] += 1
+    for (name, line), k in count.most_common(n):
+        print(f"    {k:5d} ({k / per_thread:5.2f} per element) {name}:{line} {dict(mix[(name, line)].most_common(4))}")
 
 
 if __name__ == "__main__":
