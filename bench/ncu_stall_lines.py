@@ -21,6 +21,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from sass_mix import _LINE  # noqa: E402  (one SASS instruction: address, opcode, modifiers, operands)
+
 
 def _nvdisasm() -> str:
     import triton
@@ -41,7 +45,7 @@ def line_table(cubin: str) -> tuple[dict[int, tuple[str, int]], dict[int, str]]:
             if m:
                 cur = (Path(m.group(1)).name, int(m.group(2)))
             continue
-        m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", text)
+        m = _LINE.search(text)
         if m:
             loc[int(m.group(1), 16)] = cur
             ops[int(m.group(1), 16)] = m.group(2)

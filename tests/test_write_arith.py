@@ -58,7 +58,7 @@ def _unary_kernel(X, OUT, n, OP: tl.constexpr, BLOCK: tl.constexpr):
     elif OP == 9:
         y = e8m0_to_f32(x.to(tl.int32)).to(tl.int32, bitcast=True)  # x: E8M0 codes as floats
     elif OP == 11:
-        y = e8m0_to_f32(x.to(tl.int32), False).to(tl.int32, bitcast=True)  # the integer rule
+        y = e8m0_to_f32(x.to(tl.int32), FLOAT_OPS=False).to(tl.int32, bitcast=True)  # the integer rule
     else:
         y = encode_f32(x, 4, True)
     tl.store(OUT + i, y, mask=m)

@@ -425,7 +425,7 @@ def _phase(
     elif KIND == 2 or KIND == 3:
         nib = (byte.to(tl.int32) >> (4 * P)) & 0xF
         sc = tl.load(F1 + slot * f1_s + kvh * f1_h + e // QB, mask=m, other=0)
-        return decode_f32(nib, 4) * _fp4_scale(sc, KIND, 0, False)
+        return decode_f32(nib, 4) * _fp4_scale(sc, KIND, FLOAT_OPS=False)
     else:
         f = ((byte.to(tl.int32) >> (P * BITS)) & ((1 << BITS) - 1)).to(tl.float32)
         if KIND == 4:
@@ -1585,7 +1585,7 @@ def decode_split_kernel(
                         k_lo = tl.reshape(k_lo, KSH)
                         k_hi = tl.reshape(k_hi, KSH)
                     else:
-                        ks3 = _fp4_scale(ksc, KIND_K, 0, FAST)
+                        ks3 = _fp4_scale(ksc, KIND_K, FLOAT_OPS=FAST)
                         k_lo16, k_hi16 = _e2m1_nibbles_f16(kb3, PTX)
                         k_lo = tl.reshape(k_lo16.to(tl.float32) * 16384.0 * ks3, KSH)
                         k_hi = tl.reshape(k_hi16.to(tl.float32) * 16384.0 * ks3, KSH)
@@ -1685,7 +1685,7 @@ def decode_split_kernel(
                         v_lo = tl.reshape(v_lo, (BLOCK_N, DV))
                         v_hi = tl.reshape(v_hi, (BLOCK_N, DV))
                     else:
-                        vs3 = _fp4_scale(vsc, KIND_V, 0, FAST)[:, :, None]
+                        vs3 = _fp4_scale(vsc, KIND_V, FLOAT_OPS=FAST)[:, :, None]
                         v_lo16, v_hi16 = _e2m1_nibbles_f16(vb3, PTX)
                         v_lo = tl.reshape(v_lo16.to(tl.float32) * 16384.0 * vs3, (BLOCK_N, DV))
                         v_hi = tl.reshape(v_hi16.to(tl.float32) * 16384.0 * vs3, (BLOCK_N, DV))
@@ -2494,7 +2494,7 @@ def plan_decode(
     # fp4_e2m1 (E8M0 blocks of 16) by value words and channel halves, pages of more than one token: 3 stages (H100,
     # batch 32 x 8,192: head-major 170.3 -> 167.2 us, token-major 183.7 -> 178.6; batch 1 x 131,072 93.7 -> 92.3;
     # NVFP4 the same launch 159.6 -> 160.2: 2 stay; bench/results/ANALYSIS.md, session 25)
-    e8m0_16_words = words_halves and k.kind == v.kind == "mxfp4" and k.block == v.block == 16 and page_size > 1
+    e8m0_16_words = e8m0_16_halves and words_halves and k.kind == "mxfp4" and k.block == 16
     if num_stages is None:
         wide_stages = nvfp4_halves or kivi_words or bf16_wide or e8m0_16_words
         num_stages = 3 if wide_stages else 2 if block_rows or key_rows else (
