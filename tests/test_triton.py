@@ -602,6 +602,45 @@ def test_e8m0_block_rows_at_the_rare_scale_codes(pair, code):
     assert (np.abs(out - ref_out) <= tol_o).all() and (np.abs(lse - ref_lse) <= tol_l).all()
 
 
+@pytest.mark.filterwarnings("ignore:divide by zero encountered in log2:RuntimeWarning")  # (the NaN rows' merge)
+@pytest.mark.parametrize("plant", ["0", "255", "255-key"])
+@pytest.mark.parametrize("pair", [PAIRS[5], PAIRS[6]], ids=[IDS[5], IDS[6]])
+def test_e8m0_tile_check_takes_the_rule_for_codes_0_and_255(pair, plant):
+    """``e8m0_tile_check`` (fast FP4 block rows read as bare exponent fields, then the split again with the rule for
+    codes 0 and 255 where a tile held one): the same bits as the launch without it on a cache with every code in
+    1 .. 254, and with a planted code in sequence 2's KV head 1: ``0`` / ``255`` in every V block and in one K block
+    of one token; code 0 (2**-127) must then give nonzero outputs in those query heads (the bare field would give
+    +0.0 there), code 255 NaN in them. ``255-key``: 255 only in that K block, whose codes are all -1.0 against a q
+    of +1.0 there, so the block's partial dot is negative: the bare field (+inf) would give the token a score of
+    -inf and drop it (finite outputs), the oracle's NaN scale gives NaN."""
+    rng = np.random.default_rng(25)
+    cache, _ = build_cache(pair, dict(SMALL, head_dim=128), rng)  # (4 or 8 blocks a token: scale words)
+    q = torch.from_numpy(rng.standard_normal((3, 4, 128)).astype(np.float32))
+    b, kvh, t_k = 2, 1, 7
+    heads = slice(2 * kvh, 2 * kvh + 2)  # 4 query heads over 2 KV heads
+    q[b, heads, :16] = 1.0
+    cfg = dict(precision="fast", wide_scale_loads=True)
+    base, base_lse, _ = _run_decode(cache, q, e8m0_tile_check=False, **cfg)
+    out, lse, _ = _run_decode(cache, q, e8m0_tile_check=True, **cfg)
+    assert np.array_equal(out, base) and np.array_equal(lse, base_lse)
+    code = 0 if plant == "0" else 255
+    for t in range(int(cache.seq_lens[b])):
+        page, off = divmod(int(cache.slot_mapping(b, t, 1)[0]), cache.page_size)
+        if cache.v.scheme.name in ("fp4_e2m1", "mxfp4") and plant != "255-key":
+            cache.v.storage["scales"][page, off, kvh] = code
+        if cache.k.scheme.name in ("fp4_e2m1", "mxfp4") and t == t_k:
+            cache.k.storage["scales"][page, off, kvh, 0] = code
+            if plant == "255-key":
+                cache.k.storage["codes"][page, off, kvh, :8] = 0xAA  # E2M1 -1.0 in channels 0 .. 15
+    base, base_lse, _ = _run_decode(cache, q, e8m0_tile_check=False, **cfg)
+    out, lse, _ = _run_decode(cache, q, e8m0_tile_check=True, **cfg)
+    assert np.array_equal(out, base, equal_nan=True) and np.array_equal(lse, base_lse, equal_nan=True)
+    if code == 255:
+        assert np.isnan(out[b, heads]).all() and np.isfinite(np.delete(out, b, axis=0)).all()
+    elif cache.v.scheme.name in ("fp4_e2m1", "mxfp4"):
+        assert (out[b, heads] != 0).any() and np.isfinite(out).all()
+
+
 @pytest.mark.parametrize("precision", ["fast", "exact"])
 def test_tolerance_catches_a_planted_scale_exponent_off_by_one(precision):
     """An E8M0 block scale one power of two too large, in one block of one token: must fail the check."""
@@ -723,6 +762,10 @@ def test_fp4_block_rows(pair, q_heads, kv_heads, head_dim):
         want = ((32, 1, 3 if e8m0_16 else 2) if words and halves[1] else (64, 2, 2) if prod <= 16 else (128, 4, 2))
         assert (split.constexprs["BLOCK_N"], split.options["num_warps"], split.options["num_stages"]) == want
     assert split.constexprs["VW"] is words  # value words: the measured default
+    # the E8M0 tile check: by default with value words by channel halves, where every E8M0 side's scales are words
+    e8m0 = [split.constexprs[w] for t, w in ((dc.k.tiles(), "WSC_K"), (dc.v.tiles(), "WSC_V")) if t.kind == "mxfp4"]
+    want_check = rows <= 32 and words and halves[1] and bool(e8m0) and all(e8m0)
+    assert split.constexprs["E8M0_CHECK"] is want_check, (pair[0], q_heads, head_dim)
     if v_rows > 32:
         with pytest.raises(ValueError, match="at most 32 value rows"):
             _run_decode(cache, q, block_rows=True, value_words=True)

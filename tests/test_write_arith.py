@@ -23,6 +23,7 @@ from kvqref.kernels.codecs import (  # noqa: E402
     e2m1_pair_bytes,
     e4m3_normal_bits,
     e8m0_to_f32,
+    e8m0_words_rare,
     encode_e2m1,
     encode_f32,
     round_f16,
@@ -59,6 +60,8 @@ def _unary_kernel(X, OUT, n, OP: tl.constexpr, BLOCK: tl.constexpr):
         y = e8m0_to_f32(x.to(tl.int32)).to(tl.int32, bitcast=True)  # x: E8M0 codes as floats
     elif OP == 11:
         y = e8m0_to_f32(x.to(tl.int32), FLOAT_OPS=False).to(tl.int32, bitcast=True)  # the integer rule
+    elif OP == 12:
+        y = e8m0_to_f32(x.to(tl.int32), BARE=True).to(tl.int32, bitcast=True)  # the bare field (codes 1 .. 254)
     else:
         y = encode_f32(x, 4, True)
     tl.store(OUT + i, y, mask=m)
@@ -207,6 +210,37 @@ def test_e8m0_decoding_equals_the_oracle_codec_on_every_code(op):
     want = formats.get("float8_e8m0fnu").decode(np.arange(256)).astype(np.float32)
     assert np.isnan(got.view(np.float32)[255]) and np.isnan(want[255])
     assert np.array_equal(got[:255], want[:255].view(np.int32)), np.nonzero(got[:255] != want[:255].view(np.int32))
+    bare = _run(_unary_kernel, codes[1:255], OP=12)  # BARE: the callers' codes lie in 1 .. 254
+    assert np.array_equal(bare, want[1:255].view(np.int32))
+
+
+@triton.jit
+def _words_rare_kernel(W, OUT, n, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = i < n
+    tl.store(OUT + i, (e8m0_words_rare(tl.load(W + i, mask=m, other=1)) != 0).to(tl.int32), mask=m)
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.int64])
+def test_e8m0_words_rare_flags_exactly_the_words_holding_code_0_or_255(dtype):
+    """e8m0_words_rare (the fast FP4 decode's check per tile): nonzero exactly for the 32/64-bit words with a byte
+    0x00 or 0xFF, on every byte value at every position among bytes drawn from 1 .. 254 and from the rare codes'
+    neighbours (0x01, 0xFE, 0x80, 0x7F), pairs of rare bytes, and random words."""
+    rng = np.random.default_rng(8)
+    nb = np.dtype(dtype).itemsize
+    fill = rng.choice(np.array([1, 2, 0x7F, 0x80, 0xFE, 0xFD], np.uint8), size=(256 * nb * 4, nb))
+    fill[::2] = rng.integers(1, 255, size=fill[::2].shape, dtype=np.uint8)
+    k = np.arange(fill.shape[0])
+    fill[k, (k // 4) % nb] = (k // (4 * nb)) % 256  # every byte value at every position
+    pairs = rng.integers(1, 255, size=(4096, nb), dtype=np.uint8)
+    pairs[:, 0] = rng.choice(np.array([0, 255, 1, 254], np.uint8), 4096)
+    pairs[np.arange(4096), rng.integers(1, nb, 4096)] = rng.choice(np.array([0, 255, 1, 254], np.uint8), 4096)
+    words = np.concatenate([fill, pairs, rng.integers(0, 256, size=(1 << 14, nb), dtype=np.uint8)])
+    want = ((words == 0) | (words == 255)).any(1).astype(np.int32)
+    x = torch.from_numpy(np.ascontiguousarray(words).view(dtype).reshape(-1).copy()).to(DEVICE)
+    got = torch.empty(x.numel(), dtype=torch.int32, device=DEVICE)
+    _words_rare_kernel[(triton.cdiv(x.numel(), 1024),)](x, got, x.numel(), BLOCK=1024)
+    assert np.array_equal(got.cpu().numpy(), want), words[got.cpu().numpy() != want][:4]
 
 
 def _exact_quotient(a: np.ndarray, b: np.ndarray) -> np.ndarray:

@@ -130,7 +130,7 @@ def decode_f32(code, FMT: tl.constexpr):
 
 
 @triton.jit
-def e8m0_to_f32(code, FLOAT_OPS: tl.constexpr = True):
+def e8m0_to_f32(code, FLOAT_OPS: tl.constexpr = True, BARE: tl.constexpr = False):
     """E8M0 code -> 2**(code - 127) as float32 (code 0 gives 2**-127, a float32 subnormal; 0xFF NaN).
 
     The code goes into float32's exponent field (``c << 23``): 2**(c - 127) for codes 1..254, +0 for 0 and +inf
@@ -140,14 +140,28 @@ def e8m0_to_f32(code, FLOAT_OPS: tl.constexpr = True):
     (H100, batch 32 x 8,192: fp4_e2m1 188.2 -> 170.5 us); else on the code, the top mantissa bit where
     ``(c + 1) & 0xFE == 0`` (codes 0 and 255 only: 0x00400000 = 2**-127, 0x7FC00000 = NaN), a compare, a select
     and a shift-add on the integer pipe, which exact decode keeps: its float32 pipe carries the split products
-    (fp4_e2m1 exact 426.6 -> 468.6 us with the float rule; bench/results/ANALYSIS.md, session 25)."""
+    (fp4_e2m1 exact 426.6 -> 468.6 us with the float rule; bench/results/ANALYSIS.md, session 25). ``BARE``: the
+    exponent field alone, for callers that have checked that no code is 0 or 255 (fast FP4 decode, per tile)."""
     c = code.to(tl.int32)
-    if FLOAT_OPS:
+    if BARE:  # the caller knows every code lies in 1 .. 254
+        return (c << 23).to(tl.float32, bitcast=True)
+    elif FLOAT_OPS:
         g = tl.maximum((c << 23).to(tl.float32, bitcast=True),
                        tl.full((), 0x400000, tl.int32).to(tl.float32, bitcast=True))
         return tl.fma(g, 0.0, g)
     else:
         return ((c << 23) + tl.where(((c + 1) & 0xFE) == 0, 0x400000, 0)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def e8m0_words_rare(w):
+    """Per word of ``w`` [N] (int32/int64 holding E8M0 codes as bytes), nonzero where a byte is 0x00 or 0xFF (the
+    two codes whose float32 is not the bare exponent field, :func:`e8m0_to_f32`): the bit trick for a zero byte,
+    ``(v - 0x01..01) & ~v & 0x80..80``, on the word and on its complement (exact: the lowest such byte always sets
+    its top bit; a borrow only sets bits above it)."""
+    ones = tl.full((), 0x0101010101010101, tl.int64).to(w.dtype)
+    tops = ones << 7
+    return (((w - ones) & ~w) | ((~w - ones) & w)) & tops
 
 
 @triton.jit

@@ -38,6 +38,7 @@ from kvqref.kernels.codecs import (
     bf16_bits_to_f32,
     decode_f32,
     e8m0_to_f32,
+    e8m0_words_rare,
     f32_to_bf16_bits,
     floor_log2_f32,
     hadamard_rows,
@@ -321,12 +322,7 @@ def _block_scales(F1, slot, kvh, f1_s, f1_h, m, NB: tl.constexpr, WIDE: tl.const
     prefetch with the code tiles (one-byte loads are not pipelined and stall every tile: ANALYSIS.md)."""
     b = tl.arange(0, NB)
     if WIDE:
-        WT: tl.constexpr = tl.int64 if NB == 8 else tl.int32
-        w = tl.load((F1 + slot * f1_s + kvh * f1_h).to(tl.pointer_type(WT)), mask=m, other=0)
-        if TOKENS_LAST:
-            return ((w[None, :] >> (8 * b[:, None]).to(WT)) & 0xFF).to(tl.uint8)
-        else:
-            return ((w[:, None] >> (8 * b[None, :]).to(WT)) & 0xFF).to(tl.uint8)
+        return _scale_word_bytes(_block_scale_words(F1, slot, kvh, f1_s, f1_h, m, NB), NB, TOKENS_LAST)
     else:
         if TOKENS_LAST:
             return tl.load(F1 + slot[None, :] * f1_s + kvh * f1_h + b[:, None], mask=m[None, :], other=0)
@@ -335,13 +331,32 @@ def _block_scales(F1, slot, kvh, f1_s, f1_h, m, NB: tl.constexpr, WIDE: tl.const
 
 
 @triton.jit
-def _fp4_scale(code, KIND: tl.constexpr, FMT: tl.constexpr = 0, FLOAT_OPS: tl.constexpr = True):
+def _block_scale_words(F1, slot, kvh, f1_s, f1_h, m, NB: tl.constexpr):
+    """The NB (4 or 8) block-scale codes of each token in ``slot`` [N] (mask ``m``) as one little-endian 32/64-bit
+    word per token (:func:`_block_scales`' ``WIDE`` layout)."""
+    WT: tl.constexpr = tl.int64 if NB == 8 else tl.int32
+    return tl.load((F1 + slot * f1_s + kvh * f1_h).to(tl.pointer_type(WT)), mask=m, other=0)
+
+
+@triton.jit
+def _scale_word_bytes(w, NB: tl.constexpr, TOKENS_LAST: tl.constexpr):
+    """Byte b of each word of ``w`` [N] (block b's code) as uint8 [NB, N] if ``TOKENS_LAST`` else [N, NB]."""
+    b = tl.arange(0, NB)
+    if TOKENS_LAST:
+        return ((w[None, :] >> (8 * b[:, None]).to(w.dtype)) & 0xFF).to(tl.uint8)
+    else:
+        return ((w[:, None] >> (8 * b[None, :]).to(w.dtype)) & 0xFF).to(tl.uint8)
+
+
+@triton.jit
+def _fp4_scale(code, KIND: tl.constexpr, FMT: tl.constexpr = 0, FLOAT_OPS: tl.constexpr = True,
+               BARE: tl.constexpr = False):
     """Block scale code -> float32 (exact): E8M0 (KIND 2) by its bits (``FLOAT_OPS``: :func:`e8m0_to_f32`'s rule
     for fast decode, else its integer one), or E4M3FN (KIND 3, NVFP4) in hardware where ``FMT`` >= 8, else with
     integer operations (the per-element paths pass no ``FMT``: the hardware E4M3 conversion measured 11% slower
-    there in exact mode on the H100: bench/results/ANALYSIS.md)."""
+    there in exact mode on the H100: bench/results/ANALYSIS.md). ``BARE``: E8M0 codes known to lie in 1 .. 254."""
     if KIND == 2:
-        return e8m0_to_f32(code, FLOAT_OPS)
+        return e8m0_to_f32(code, FLOAT_OPS, BARE)
     elif FMT >= 8 and not INTERPRET:
         return code.to(tl.float8e4nv, bitcast=True).to(tl.float32)
     else:
@@ -622,34 +637,34 @@ def _block_rows_q(Q, b, kvh, stride_qb, stride_qh, QPK: tl.constexpr, H: tl.cons
 
 @triton.jit
 def _block_rows_scores(qe16, qo16, kb, ksc, NB: tl.constexpr, H: tl.constexpr, N: tl.constexpr, KIND: tl.constexpr,
-                       FMT: tl.constexpr, PTX: tl.constexpr):
+                       FMT: tl.constexpr, PTX: tl.constexpr, BARE: tl.constexpr):
     """Scores [H, N] (without the softmax scale) of NB blocks: q's block rows (float16 [NB * H, C], even / odd
     channels) against the code bytes ``kb`` [C, N] as float16 E2M1 * 2**-14, each block's partial dot times its
-    scale (codes ``ksc`` [NB, N], :func:`_fp4_scale`), summed over the blocks."""
+    scale (codes ``ksc`` [NB, N], :func:`_fp4_scale`; ``BARE`` as there), summed over the blocks."""
     klo, khi = _e2m1_nibbles_f16(kb, PTX)
     s2 = _dot_acc(qo16, khi, _dot_acc(qe16, klo, tl.zeros((NB * H, N), tl.float32)))
-    return tl.sum(tl.reshape(s2, (NB, H, N)) * _fp4_scale(ksc, KIND, FMT)[:, None, :], 0)
+    return tl.sum(tl.reshape(s2, (NB, H, N)) * _fp4_scale(ksc, KIND, FMT, BARE=BARE)[:, None, :], 0)
 
 
 @triton.jit
 def _block_rows_p(p, vsc, NB: tl.constexpr, H: tl.constexpr, N: tl.constexpr, KIND_V: tl.constexpr,
-                  FMT_V: tl.constexpr):
+                  FMT_V: tl.constexpr, BARE: tl.constexpr):
     """The value product's rows (block, head): p [H, N] times the block scale (codes ``vsc`` [NB, N]), rounded
-    once: NVFP4 ``fl16(p * s * 2**7)``, E8M0 ``bf16(p * 2**(c - 127))``."""
+    once: NVFP4 ``fl16(p * s * 2**7)``, E8M0 ``bf16(p * 2**(c - 127))`` (``BARE``: :func:`e8m0_to_f32`'s)."""
     if KIND_V == 3:
         return _split16(tl.reshape(p[None, :, :] * (_fp4_scale(vsc, 3, FMT_V) * 128.0)[:, None, :], (NB * H, N)),
                         True)[0]
     else:
-        return _split(tl.reshape(p[None, :, :] * e8m0_to_f32(vsc)[:, None, :], (NB * H, N)), True, True)[0]
+        return _split(tl.reshape(p[None, :, :] * e8m0_to_f32(vsc, BARE=BARE)[:, None, :], (NB * H, N)), True, True)[0]
 
 
 @triton.jit
 def _block_rows_values(p, vsc, vb, alpha, acc_lo, acc_hi, NB: tl.constexpr, H: tl.constexpr, N: tl.constexpr,
-                       KIND_V: tl.constexpr, FMT_V: tl.constexpr, PTX: tl.constexpr):
+                       KIND_V: tl.constexpr, FMT_V: tl.constexpr, PTX: tl.constexpr, BARE: tl.constexpr):
     """The accumulators of NB blocks' value rows (even / odd channels of the code bytes ``vb`` [N, C]), rescaled by
     ``alpha`` [H], plus :func:`_block_rows_p` times the codes (NVFP4: float16 E2M1 * 2**-14; E8M0: exact bfloat16)."""
     ar = tl.reshape(tl.broadcast_to(alpha[None, :], (NB, H)), (NB * H,))
-    pr = _block_rows_p(p, vsc, NB, H, N, KIND_V, FMT_V)
+    pr = _block_rows_p(p, vsc, NB, H, N, KIND_V, FMT_V, BARE)
     if KIND_V == 3:
         v0, v1 = _e2m1_nibbles_f16(vb, PTX)
     else:
@@ -659,12 +674,12 @@ def _block_rows_values(p, vsc, vb, alpha, acc_lo, acc_hi, NB: tl.constexpr, H: t
 
 @triton.jit
 def _block_rows_value_words(p, vsc, vw, alpha, a0, a1, a2, a3, NB: tl.constexpr, H: tl.constexpr, N: tl.constexpr,
-                            KIND_V: tl.constexpr, FMT_V: tl.constexpr, PTX: tl.constexpr):
+                            KIND_V: tl.constexpr, FMT_V: tl.constexpr, PTX: tl.constexpr, BARE: tl.constexpr):
     """The four accumulators of NB blocks' value rows against the code words ``vw`` [N, C] (int16; nibble k of word c
     is channel 4c + k, :func:`_e2m1_quads`), each rescaled by ``alpha`` [H], plus :func:`_block_rows_p` times its
     quad of channels."""
     ar = tl.reshape(tl.broadcast_to(alpha[None, :], (NB, H)), (NB * H,))
-    pr = _block_rows_p(p, vsc, NB, H, N, KIND_V, FMT_V)
+    pr = _block_rows_p(p, vsc, NB, H, N, KIND_V, FMT_V, BARE)
     v0, v1, v2, v3 = _e2m1_quads(vw, PTX, KIND_V == 2)
     return (_dot_acc(pr, v0, a0 * ar[:, None]), _dot_acc(pr, v1, a1 * ar[:, None]), _dot_acc(pr, v2, a2 * ar[:, None]),
             _dot_acc(pr, v3, a3 * ar[:, None]))
@@ -695,12 +710,124 @@ def _columns_cat(a, b, H: tl.constexpr, C: tl.constexpr):
 
 
 @triton.jit
+def _fp4_block_rows_step(qe16, qo16, qe16_b, qo16_b, sc_k, kb, kb_b, ksc, vb, vb_b, vsc, tmask, m_i, l_i, acc0, acc1,
+                         acc2, acc3, acc4, acc5, acc6, acc7, H: tl.constexpr, BLOCK_N: tl.constexpr, NBK: tl.constexpr,
+                         NBV: tl.constexpr, KIND_K: tl.constexpr, FMT_K: tl.constexpr, KIND_V: tl.constexpr,
+                         FMT_V: tl.constexpr, PTX: tl.constexpr, VW: tl.constexpr, HALF_K: tl.constexpr,
+                         HALF_V: tl.constexpr, BARE: tl.constexpr):
+    """One tile of :func:`_fp4_block_rows` after its loads: the scores, the softmax step and the value products
+    (``BARE``: the tile's E8M0 codes all lie in 1 .. 254, :func:`e8m0_to_f32`). Returns the softmax state and the
+    eight accumulators (those the layout does not use pass through)."""
+    if HALF_K:
+        ks_a, ks_b = _row_halves(ksc, NBK, BLOCK_N)
+        s = _block_rows_scores(qe16, qo16, kb, ks_a, NBK // 2, H, BLOCK_N, KIND_K, FMT_K, PTX, BARE)
+        s += _block_rows_scores(qe16_b, qo16_b, kb_b, ks_b, NBK // 2, H, BLOCK_N, KIND_K, FMT_K, PTX, BARE)
+        s = s * sc_k
+    else:
+        s = _block_rows_scores(qe16, qo16, kb, ksc, NBK, H, BLOCK_N, KIND_K, FMT_K, PTX, BARE) * sc_k
+    p, alpha, m_i, l_i = _softmax_step(s, tmask, m_i, l_i)
+    if VW and HALF_V:
+        vs_a, vs_b = _row_halves(vsc, NBV, BLOCK_N)
+        acc0, acc1, acc2, acc3 = _block_rows_value_words(p, vs_a, vb, alpha, acc0, acc1, acc2, acc3, NBV // 2, H,
+                                                         BLOCK_N, KIND_V, FMT_V, PTX, BARE)
+        acc4, acc5, acc6, acc7 = _block_rows_value_words(p, vs_b, vb_b, alpha, acc4, acc5, acc6, acc7, NBV // 2,
+                                                         H, BLOCK_N, KIND_V, FMT_V, PTX, BARE)
+    elif HALF_V:
+        vs_a, vs_b = _row_halves(vsc, NBV, BLOCK_N)
+        acc0, acc1 = _block_rows_values(p, vs_a, vb, alpha, acc0, acc1, NBV // 2, H, BLOCK_N, KIND_V, FMT_V, PTX,
+                                        BARE)
+        acc2, acc3 = _block_rows_values(p, vs_b, vb_b, alpha, acc2, acc3, NBV // 2, H, BLOCK_N, KIND_V, FMT_V, PTX,
+                                        BARE)
+    elif VW:
+        acc0, acc1, acc2, acc3 = _block_rows_value_words(p, vsc, vb, alpha, acc0, acc1, acc2, acc3, NBV, H, BLOCK_N,
+                                                         KIND_V, FMT_V, PTX, BARE)
+    else:
+        acc0, acc1 = _block_rows_values(p, vsc, vb, alpha, acc0, acc1, NBV, H, BLOCK_N, KIND_V, FMT_V, PTX, BARE)
+    return m_i, l_i, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7
+
+
+@triton.jit
+def _fp4_block_rows_loop(
+    qe16, qo16, qe16_b, qo16_b, sc_k, BT, K0, K1, V0, V1, b, kvh, start, end, stride_btb, k0_s, k0_h, k1_s, k1_h, v0_s,
+    v0_h, v1_s, v1_h, H: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, PAGE_SLOTS: tl.constexpr,
+    BLOCK_N: tl.constexpr, KIND_K: tl.constexpr, QB_K: tl.constexpr, FMT_K: tl.constexpr, KIND_V: tl.constexpr,
+    QB_V: tl.constexpr, FMT_V: tl.constexpr, PTX: tl.constexpr, WSC_K: tl.constexpr, WSC_V: tl.constexpr,
+    VW: tl.constexpr, HALF_K: tl.constexpr, HALF_V: tl.constexpr, CHECK: tl.constexpr, BARE: tl.constexpr,
+):
+    """The tile loop of :func:`_fp4_block_rows` over tokens ``start`` .. ``end`` from a fresh softmax state. ``BARE``:
+    every E8M0 code taken as the bare exponent field (:func:`e8m0_to_f32`), valid where none is 0 or 255; ``CHECK``:
+    also returns, per token position of a tile, whether any E8M0 code of those tokens was 0 or 255 (int32, nonzero
+    if so). Returns m, l, the eight accumulators and that flag."""
+    NBK: tl.constexpr = D // QB_K
+    NBV: tl.constexpr = D // QB_V
+    RV: tl.constexpr = NBV * H
+    DH: tl.constexpr = D // 2
+    DKP: tl.constexpr = DH // 2 if HALF_K else DH
+    jk = tl.arange(0, DKP)
+    m_i = tl.full((H,), float("-inf"), tl.float32)
+    l_i = tl.zeros((H,), tl.float32)
+    # value accumulator rows and columns: channel words of a half (VW and HALF_V: acc0 .. acc3 the first half's
+    # quads, acc4 .. acc7 the second's), channel words (VW), channel pairs of a half (HALF_V: acc0 / acc1 the first
+    # half's even / odd channels, acc2 / acc3 the second's), or channel pairs
+    RVP: tl.constexpr = RV // 2 if HALF_V else RV
+    DV: tl.constexpr = (D // 8 if HALF_V else D // 4) if VW else (D // 4 if HALF_V else D // 2)
+    jv = tl.arange(0, DV)
+    acc0 = tl.zeros((RVP, DV), tl.float32)
+    acc1 = tl.zeros((RVP, DV), tl.float32)
+    acc2 = tl.zeros((RVP, DV), tl.float32)
+    acc3 = tl.zeros((RVP, DV), tl.float32)
+    acc4 = tl.zeros((RVP, DV), tl.float32)  # (VW and HALF_V only)
+    acc5 = tl.zeros((RVP, DV), tl.float32)
+    acc6 = tl.zeros((RVP, DV), tl.float32)
+    acc7 = tl.zeros((RVP, DV), tl.float32)
+    sticky = tl.zeros((BLOCK_N,), tl.int32)
+    for t0 in range(start, end, BLOCK_N):
+        slot, tmask = _tile_slots(t0, end, BT, b, stride_btb, PAGE, PAGE_SLOTS, BLOCK_N)
+        # every load first (the order measured: 165 registers against 227 with the value loads after the softmax)
+        krow = K0 + slot[None, :] * k0_s + kvh * k0_h
+        kb = tl.load(krow + jk[:, None], mask=tmask[None, :], other=0)
+        kb_b = kb  # (HALF_K only)
+        if HALF_K:
+            kb_b = tl.load(krow + (DKP + jk)[:, None], mask=tmask[None, :], other=0)
+        if CHECK and KIND_K == 2:
+            kw = _block_scale_words(K1, slot, kvh, k1_s, k1_h, tmask, NBK)
+            ksc = _scale_word_bytes(kw, NBK, True)
+        else:
+            ksc = _block_scales(K1, slot, kvh, k1_s, k1_h, tmask, NBK, WSC_K, True)
+        vrow = V0 + slot[:, None] * v0_s + kvh * v0_h
+        vb_b = 0  # (HALF_V only)
+        if VW:
+            vb = tl.load(vrow.to(tl.pointer_type(tl.int16)) + jv[None, :], mask=tmask[:, None], other=0)
+            if HALF_V:
+                vb_b = tl.load(vrow.to(tl.pointer_type(tl.int16)) + (DV + jv)[None, :], mask=tmask[:, None], other=0)
+        else:
+            vb = tl.load(vrow + jv[None, :], mask=tmask[:, None], other=0)
+            if HALF_V:
+                vb_b = tl.load(vrow + (DV + jv)[None, :], mask=tmask[:, None], other=0)
+        if CHECK and KIND_V == 2:
+            vws = _block_scale_words(V1, slot, kvh, v1_s, v1_h, tmask, NBV)
+            vsc = _scale_word_bytes(vws, NBV, True)
+        else:
+            vsc = _block_scales(V1, slot, kvh, v1_s, v1_h, tmask, NBV, WSC_V, True)
+        if CHECK:  # codes 0 and 255 of the tile's E8M0 scales, for the caller's one check after the loop
+            if KIND_K == 2:
+                sticky = sticky | (e8m0_words_rare(kw) != 0).to(tl.int32)
+            if KIND_V == 2:
+                sticky = sticky | (e8m0_words_rare(vws) != 0).to(tl.int32)
+        m_i, l_i, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _fp4_block_rows_step(
+            qe16, qo16, qe16_b, qo16_b, sc_k, kb, kb_b, ksc, vb, vb_b, vsc, tmask, m_i, l_i, acc0, acc1, acc2, acc3,
+            acc4, acc5, acc6, acc7, H, BLOCK_N, NBK, NBV, KIND_K, FMT_K, KIND_V, FMT_V, PTX, VW, HALF_K, HALF_V, BARE)
+    return m_i, l_i, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, sticky
+
+
+@triton.jit
 def _fp4_block_rows(
     Q, BT, K0, K1, V0, V1, b, kvh, start, end, stride_qb, stride_qh, stride_btb, k0_s, k0_h, k1_s, k1_h, v0_s, v0_h,
     v1_s, v1_h, qk_scale, QPK: tl.constexpr, H: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
     PAGE_SLOTS: tl.constexpr, BLOCK_N: tl.constexpr, KIND_K: tl.constexpr, QB_K: tl.constexpr, FMT_K: tl.constexpr,
     KIND_V: tl.constexpr, QB_V: tl.constexpr, FMT_V: tl.constexpr, PTX: tl.constexpr, WSC_K: tl.constexpr,
     WSC_V: tl.constexpr, VW: tl.constexpr = False, HALF_K: tl.constexpr = False, HALF_V: tl.constexpr = False,
+    E8M0_CHECK: tl.constexpr = False,
 ):
     """Fast-mode FP4 keys and values by block rows (``block_rows``): no block scale touches a tile element.
 
@@ -723,12 +850,10 @@ def _fp4_block_rows(
     NBK: tl.constexpr = D // QB_K
     NBV: tl.constexpr = D // QB_V
     RK: tl.constexpr = NBK * H
-    RV: tl.constexpr = NBV * H
     DH: tl.constexpr = D // 2
     j = tl.arange(0, DH)
     RKP: tl.constexpr = RK // 2 if HALF_K else RK  # rows and code bytes of one key product
     DKP: tl.constexpr = DH // 2 if HALF_K else DH
-    jk = tl.arange(0, DKP)
     qe, qo = _block_rows_q(Q, b, kvh, stride_qb, stride_qh, QPK, H, RKP, DKP, QB_K, 0)
     qmax = tl.max(tl.max(tl.maximum(tl.abs(qe), tl.abs(qo)), 1), 0)
     if HALF_K:  # the second half's rows: blocks NBK / 2 .. NBK - 1 against code bytes DH / 2 .. DH - 1
@@ -740,65 +865,22 @@ def _fp4_block_rows(
     if HALF_K:
         qe16_b = _split16(qe_b * pow2_f32(eq), True)[0]
         qo16_b = _split16(qo_b * pow2_f32(eq), True)[0]
+    else:  # (unused)
+        qe16_b = qe16
+        qo16_b = qo16
     sc_k = qk_scale * pow2_f32(-eq) * 16384.0  # the key tiles hold E2M1 * 2**-14
-    m_i = tl.full((H,), float("-inf"), tl.float32)
-    l_i = tl.zeros((H,), tl.float32)
-    # value accumulator rows and columns: channel words of a half (VW and HALF_V: acc0 .. acc3 the first half's
-    # quads, acc4 .. acc7 the second's), channel words (VW), channel pairs of a half (HALF_V: acc0 / acc1 the first
-    # half's even / odd channels, acc2 / acc3 the second's), or channel pairs
-    RVP: tl.constexpr = RV // 2 if HALF_V else RV
+    m_i, l_i, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, rare = _fp4_block_rows_loop(
+        qe16, qo16, qe16_b, qo16_b, sc_k, BT, K0, K1, V0, V1, b, kvh, start, end, stride_btb, k0_s, k0_h, k1_s,
+        k1_h, v0_s, v0_h, v1_s, v1_h, H, D, PAGE, PAGE_SLOTS, BLOCK_N, KIND_K, QB_K, FMT_K, KIND_V, QB_V, FMT_V, PTX,
+        WSC_K, WSC_V, VW, HALF_K, HALF_V, E8M0_CHECK, E8M0_CHECK)
+    if E8M0_CHECK:  # a code 0 or 255 among the E8M0 scales: the split again, with the rule for them
+        if tl.max(rare, 0) != 0:
+            m_i, l_i, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, rare = _fp4_block_rows_loop(
+                qe16, qo16, qe16_b, qo16_b, sc_k, BT, K0, K1, V0, V1, b, kvh, start, end, stride_btb, k0_s, k0_h, k1_s,
+                k1_h, v0_s, v0_h, v1_s, v1_h, H, D, PAGE, PAGE_SLOTS, BLOCK_N, KIND_K, QB_K, FMT_K, KIND_V, QB_V, FMT_V,
+                PTX, WSC_K, WSC_V, VW, HALF_K, HALF_V, False, False)
     DV: tl.constexpr = (D // 8 if HALF_V else D // 4) if VW else (D // 4 if HALF_V else D // 2)
     jv = tl.arange(0, DV)
-    acc0 = tl.zeros((RVP, DV), tl.float32)
-    acc1 = tl.zeros((RVP, DV), tl.float32)
-    acc2 = tl.zeros((RVP, DV), tl.float32)
-    acc3 = tl.zeros((RVP, DV), tl.float32)
-    if VW and HALF_V:
-        acc4 = tl.zeros((RVP, DV), tl.float32)
-        acc5 = tl.zeros((RVP, DV), tl.float32)
-        acc6 = tl.zeros((RVP, DV), tl.float32)
-        acc7 = tl.zeros((RVP, DV), tl.float32)
-    for t0 in range(start, end, BLOCK_N):
-        slot, tmask = _tile_slots(t0, end, BT, b, stride_btb, PAGE, PAGE_SLOTS, BLOCK_N)
-        # every load first (the order measured: 165 registers against 227 with the value loads after the softmax)
-        krow = K0 + slot[None, :] * k0_s + kvh * k0_h
-        kb = tl.load(krow + jk[:, None], mask=tmask[None, :], other=0)
-        if HALF_K:
-            kb_b = tl.load(krow + (DKP + jk)[:, None], mask=tmask[None, :], other=0)
-        ksc = _block_scales(K1, slot, kvh, k1_s, k1_h, tmask, NBK, WSC_K, True)
-        vrow = V0 + slot[:, None] * v0_s + kvh * v0_h
-        if VW:
-            vb = tl.load(vrow.to(tl.pointer_type(tl.int16)) + jv[None, :], mask=tmask[:, None], other=0)
-            if HALF_V:
-                vb_b = tl.load(vrow.to(tl.pointer_type(tl.int16)) + (DV + jv)[None, :], mask=tmask[:, None], other=0)
-        else:
-            vb = tl.load(vrow + jv[None, :], mask=tmask[:, None], other=0)
-            if HALF_V:
-                vb_b = tl.load(vrow + (DV + jv)[None, :], mask=tmask[:, None], other=0)
-        vsc = _block_scales(V1, slot, kvh, v1_s, v1_h, tmask, NBV, WSC_V, True)
-        if HALF_K:
-            ks_a, ks_b = _row_halves(ksc, NBK, BLOCK_N)
-            s = _block_rows_scores(qe16, qo16, kb, ks_a, NBK // 2, H, BLOCK_N, KIND_K, FMT_K, PTX)
-            s += _block_rows_scores(qe16_b, qo16_b, kb_b, ks_b, NBK // 2, H, BLOCK_N, KIND_K, FMT_K, PTX)
-            s = s * sc_k
-        else:
-            s = _block_rows_scores(qe16, qo16, kb, ksc, NBK, H, BLOCK_N, KIND_K, FMT_K, PTX) * sc_k
-        p, alpha, m_i, l_i = _softmax_step(s, tmask, m_i, l_i)
-        if VW and HALF_V:
-            vs_a, vs_b = _row_halves(vsc, NBV, BLOCK_N)
-            acc0, acc1, acc2, acc3 = _block_rows_value_words(p, vs_a, vb, alpha, acc0, acc1, acc2, acc3, NBV // 2, H,
-                                                             BLOCK_N, KIND_V, FMT_V, PTX)
-            acc4, acc5, acc6, acc7 = _block_rows_value_words(p, vs_b, vb_b, alpha, acc4, acc5, acc6, acc7, NBV // 2,
-                                                             H, BLOCK_N, KIND_V, FMT_V, PTX)
-        elif HALF_V:
-            vs_a, vs_b = _row_halves(vsc, NBV, BLOCK_N)
-            acc0, acc1 = _block_rows_values(p, vs_a, vb, alpha, acc0, acc1, NBV // 2, H, BLOCK_N, KIND_V, FMT_V, PTX)
-            acc2, acc3 = _block_rows_values(p, vs_b, vb_b, alpha, acc2, acc3, NBV // 2, H, BLOCK_N, KIND_V, FMT_V, PTX)
-        elif VW:
-            acc0, acc1, acc2, acc3 = _block_rows_value_words(p, vsc, vb, alpha, acc0, acc1, acc2, acc3, NBV, H, BLOCK_N,
-                                                             KIND_V, FMT_V, PTX)
-        else:
-            acc0, acc1 = _block_rows_values(p, vsc, vb, alpha, acc0, acc1, NBV, H, BLOCK_N, KIND_V, FMT_V, PTX)
     f: tl.constexpr = 2.0**14 / 128.0 if KIND_V == 3 else 1.0
     if VW and HALF_V:  # the channels of the first half's words, then of the second's
         lo_a, hi_a = _word_channels(acc0, acc1, acc2, acc3, NBV // 2, H, DV, QB_V)
@@ -1399,6 +1481,7 @@ def decode_split_kernel(
     KSUB: tl.constexpr = False,
     HALF_K: tl.constexpr = False,
     HALF_V: tl.constexpr = False,
+    E8M0_CHECK: tl.constexpr = False,
     BLOCK_R: tl.constexpr = 0,
     PART: tl.constexpr = 0,
     VW8: tl.constexpr = 0,
@@ -1515,7 +1598,7 @@ def decode_split_kernel(
             acc0, acc1, m_i, l_i = _fp4_block_rows(
                 Q, BT, K0, K1, V0, V1, b, kvh, start, end, stride_qb, stride_qh, stride_btb, k0_s, k0_h, k1_s, k1_h,
                 v0_s, v0_h, v1_s, v1_h, qk_scale, QPK, BLOCK_H, D, PAGE, PAGE_SLOTS, BLOCK_N, KIND_K, QB_K, FMT_K,
-                KIND_V, QB_V, FMT_V, PTX, WSC_K, WSC_V, VW, HALF_K, HALF_V)
+                KIND_V, QB_V, FMT_V, PTX, WSC_K, WSC_V, VW, HALF_K, HALF_V, E8M0_CHECK)
         else:
             for t0 in range(start, end, BLOCK_N):
                 slot, tmask = _tile_slots(t0, end, BT, b, stride_btb, PAGE, PAGE_SLOTS, BLOCK_N)
@@ -2100,6 +2183,8 @@ def key_rows_resident(num_warps: int, maxnreg: int | None) -> int:
 
 #: one-warp programs of FP4 value words by channel halves resident per multiprocessor (<= 168 registers per thread)
 WORDS_HALVES_RESIDENT = 12
+#: their register cap where a second copy of the tile loop (``e8m0_tile_check``) would take more
+WORDS_HALVES_MAXNREG = 168
 #: two-warp programs of fast FP8 and of mxfp4 block rows resident per multiprocessor, as the H100's split counts
 #: measure it (whole waves of 6 per multiprocessor are fast, of 7 are not: history/ab-h100-session12-splits-2warp.log)
 TWO_WARP_RESIDENT = 6
@@ -2229,6 +2314,7 @@ def plan_decode(
     kivi_pipeline: bool | None = None,
     direct_output: bool | None = None,
     kivi_subnormal_codes: bool | None = None,
+    e8m0_tile_check: bool | None = None,
 ):
     """The launches of decode attention (see :func:`paged_decode`), with their output tensors.
     ``hw_formats``: FP8 format ids converted in hardware (default: what ``q``'s device has); ``maxnreg``:
@@ -2282,6 +2368,11 @@ def plan_decode(
     wherever no key-row operand falls below float16's normal range, in the interpreter; the H100's tensor cores
     round some float32 sums of the scaled products differently in the last bit); default: 2-bit keys by key rows
     (H100: int2 at batch 32 x 8,192 244.1 -> 233.4 us; 4-bit keys gained nothing).
+    ``e8m0_tile_check``: with ``block_rows``, one check per tile that every E8M0 block-scale code of the tile lies
+    in 1 .. 254, then the bare exponent field as each code's float32 instead of :func:`e8m0_to_f32`'s rule for codes
+    0 and 255 (constexpr ``E8M0_CHECK``; a uniform branch per tile: the same bits); needs every E8M0 side's scales as
+    words (``wide_scale_loads``); default: with value words by channel halves (one warp: ``value_words`` and
+    ``channel_halves``).
     ``residual_launch``: the residual window's split as its own launch (constexpr ``PART``), so the paged splits
     do not carry the residual path's registers; default: with ``key_rows`` and a residual window.
     ``channel_halves``: with ``block_rows``, a side of at least 32 rows multiplies each channel half by the rows of
@@ -2489,6 +2580,14 @@ def plan_decode(
     # 4,096 535.1 -> 519.4; int4 unchanged, 275.5 -> 275.7, and 1,297 -> 1,329 at 64 query heads: off;
     # bench/results/ANALYSIS.md, session 21)
     ksub = bool(key_rows and k.bits == 2) if kivi_subnormal_codes is None else bool(kivi_subnormal_codes)
+    e8m0_sides = [t for t in (k, v) if t.kind == "mxfp4"]
+    e8m0_check_ok = bool(block_rows) and bool(e8m0_sides) and all(wide(t) for t in e8m0_sides)
+    if e8m0_tile_check and not e8m0_check_ok:
+        raise ValueError("e8m0_tile_check needs block_rows with E8M0 (mxfp4) scales read as words (wide_scale_loads)")
+    # default: one-warp value words by channel halves only (H200, session 26: fp4_e2m1 162.5 -> 157.5 us at batch 32
+    # x 8,192, mxfp4 at 64 query heads 299.5 -> 270.8; mxfp4's two-warp programs, capped at 128 registers, spill
+    # the second loop's and lose 0.5-2%: bench/results/ANALYSIS.md)
+    e8m0_check = (e8m0_check_ok and words_halves) if e8m0_tile_check is None else bool(e8m0_tile_check)
     if ksub and not key_rows:
         raise ValueError("kivi_subnormal_codes needs key_rows (fast KIVI by token-group key rows)")
     # fp4_e2m1 (E8M0 blocks of 16) by value words and channel halves, pages of more than one token: 3 stages (H100,
@@ -2508,6 +2607,8 @@ def plan_decode(
         or (bool(block_rows) and k.kind == v.kind == "mxfp4" and block_n == 64 and not words_halves)))
     if maxnreg is None and two_warp_capped:
         maxnreg = TWO_WARP_MAXNREG
+    elif maxnreg is None and e8m0_check and words_halves and _nvidia_cuda(q):
+        maxnreg = WORDS_HALVES_MAXNREG  # (triton 3.6, sm_90: fp4_e2m1 242 registers uncapped, 168 without spills)
     has_res = residual is not None
     # FP8 values as 16-bit words of two channels (``VW8``): transposed 16-bit matrix loads instead of one-byte shared
     # loads for the value products (:func:`_fp8_word_halves`)
@@ -2646,6 +2747,7 @@ def plan_decode(
         KSUB=ksub,
         HALF_K=half_k,
         HALF_V=half_v,
+        E8M0_CHECK=e8m0_check,
         PART=0,  # 0: the paged and residual splits in one launch (``residual_launch`` makes 1 and 2)
         BLOCK_R=min(block_n, 32) if key_rows else 0,  # residual tiles: 32 tokens (128 measured 188 KB of shared memory)
         VW8=vw8,
