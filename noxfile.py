@@ -20,9 +20,10 @@ def _install(session: nox.Session, *extras: str) -> None:
 
 @nox.session
 def tests(session: nox.Session) -> None:
-    """The test suite (what .ci/run runs): CPU, Triton interpreter and AOT tests; GPU tests skip without one."""
+    """The test suite (what .ci/run runs, one pytest-xdist worker per core): CPU, Triton interpreter and AOT tests;
+    GPU tests skip without one."""
     _install(session, "test")
-    session.run("python", "-m", "pytest", "-q", *session.posargs)
+    session.run("python", "-m", "pytest", "-q", "-n", "auto", *session.posargs)
 
 
 @nox.session
