@@ -752,12 +752,12 @@ def _fp4_block_rows_loop(
     v0_h, v1_s, v1_h, H: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, PAGE_SLOTS: tl.constexpr,
     BLOCK_N: tl.constexpr, KIND_K: tl.constexpr, QB_K: tl.constexpr, FMT_K: tl.constexpr, KIND_V: tl.constexpr,
     QB_V: tl.constexpr, FMT_V: tl.constexpr, PTX: tl.constexpr, WSC_K: tl.constexpr, WSC_V: tl.constexpr,
-    VW: tl.constexpr, HALF_K: tl.constexpr, HALF_V: tl.constexpr, CHECK: tl.constexpr, BARE: tl.constexpr,
+    VW: tl.constexpr, HALF_K: tl.constexpr, HALF_V: tl.constexpr, BARE: tl.constexpr,
 ):
     """The tile loop of :func:`_fp4_block_rows` over tokens ``start`` .. ``end`` from a fresh softmax state. ``BARE``:
-    every E8M0 code taken as the bare exponent field (:func:`e8m0_to_f32`), valid where none is 0 or 255; ``CHECK``:
-    also returns, per token position of a tile, whether any E8M0 code of those tokens was 0 or 255 (int32, nonzero
-    if so). Returns m, l, the eight accumulators and that flag."""
+    every E8M0 code taken as the bare exponent field (:func:`e8m0_to_f32`), valid where none is 0 or 255, and per
+    token position of a tile a flag of whether any E8M0 code of those tokens was 0 or 255 (int32, nonzero if so; the
+    caller reruns the loop without ``BARE`` if one was). Returns m, l, the eight accumulators and that flag."""
     NBK: tl.constexpr = D // QB_K
     NBV: tl.constexpr = D // QB_V
     RV: tl.constexpr = NBV * H
@@ -789,7 +789,7 @@ def _fp4_block_rows_loop(
         kb_b = kb  # (HALF_K only)
         if HALF_K:
             kb_b = tl.load(krow + (DKP + jk)[:, None], mask=tmask[None, :], other=0)
-        if CHECK and KIND_K == 2:
+        if BARE and KIND_K == 2:
             kw = _block_scale_words(K1, slot, kvh, k1_s, k1_h, tmask, NBK)
             ksc = _scale_word_bytes(kw, NBK, True)
         else:
@@ -804,12 +804,12 @@ def _fp4_block_rows_loop(
             vb = tl.load(vrow + jv[None, :], mask=tmask[:, None], other=0)
             if HALF_V:
                 vb_b = tl.load(vrow + (DV + jv)[None, :], mask=tmask[:, None], other=0)
-        if CHECK and KIND_V == 2:
+        if BARE and KIND_V == 2:
             vws = _block_scale_words(V1, slot, kvh, v1_s, v1_h, tmask, NBV)
             vsc = _scale_word_bytes(vws, NBV, True)
         else:
             vsc = _block_scales(V1, slot, kvh, v1_s, v1_h, tmask, NBV, WSC_V, True)
-        if CHECK:  # codes 0 and 255 of the tile's E8M0 scales, for the caller's one check after the loop
+        if BARE:  # codes 0 and 255 of the tile's E8M0 scales, for the caller's one check after the loop
             if KIND_K == 2:
                 sticky = sticky | (e8m0_words_rare(kw) != 0).to(tl.int32)
             if KIND_V == 2:
@@ -872,13 +872,13 @@ def _fp4_block_rows(
     m_i, l_i, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, rare = _fp4_block_rows_loop(
         qe16, qo16, qe16_b, qo16_b, sc_k, BT, K0, K1, V0, V1, b, kvh, start, end, stride_btb, k0_s, k0_h, k1_s,
         k1_h, v0_s, v0_h, v1_s, v1_h, H, D, PAGE, PAGE_SLOTS, BLOCK_N, KIND_K, QB_K, FMT_K, KIND_V, QB_V, FMT_V, PTX,
-        WSC_K, WSC_V, VW, HALF_K, HALF_V, E8M0_CHECK, E8M0_CHECK)
+        WSC_K, WSC_V, VW, HALF_K, HALF_V, E8M0_CHECK)
     if E8M0_CHECK:  # a code 0 or 255 among the E8M0 scales: the split again, with the rule for them
         if tl.max(rare, 0) != 0:
             m_i, l_i, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, rare = _fp4_block_rows_loop(
                 qe16, qo16, qe16_b, qo16_b, sc_k, BT, K0, K1, V0, V1, b, kvh, start, end, stride_btb, k0_s, k0_h, k1_s,
                 k1_h, v0_s, v0_h, v1_s, v1_h, H, D, PAGE, PAGE_SLOTS, BLOCK_N, KIND_K, QB_K, FMT_K, KIND_V, QB_V, FMT_V,
-                PTX, WSC_K, WSC_V, VW, HALF_K, HALF_V, False, False)
+                PTX, WSC_K, WSC_V, VW, HALF_K, HALF_V, False)
     DV: tl.constexpr = (D // 8 if HALF_V else D // 4) if VW else (D // 4 if HALF_V else D // 2)
     jv = tl.arange(0, DV)
     f: tl.constexpr = 2.0**14 / 128.0 if KIND_V == 3 else 1.0
@@ -2370,9 +2370,9 @@ def plan_decode(
     (H100: int2 at batch 32 x 8,192 244.1 -> 233.4 us; 4-bit keys gained nothing).
     ``e8m0_tile_check``: with ``block_rows``, one check per tile that every E8M0 block-scale code of the tile lies
     in 1 .. 254, then the bare exponent field as each code's float32 instead of :func:`e8m0_to_f32`'s rule for codes
-    0 and 255 (constexpr ``E8M0_CHECK``; a uniform branch per tile: the same bits); needs every E8M0 side's scales as
-    words (``wide_scale_loads``); default: with value words by channel halves (one warp: ``value_words`` and
-    ``channel_halves``).
+    0 and 255 (constexpr ``E8M0_CHECK``); if a tile held code 0 or 255, one uniform branch after the loop reruns the
+    split with that rule: the same bits either way; needs every E8M0 side's scales as words (``wide_scale_loads``);
+    default: with value words by channel halves (one warp: ``value_words`` and ``channel_halves``).
     ``residual_launch``: the residual window's split as its own launch (constexpr ``PART``), so the paged splits
     do not carry the residual path's registers; default: with ``key_rows`` and a residual window.
     ``channel_halves``: with ``block_rows``, a side of at least 32 rows multiplies each channel half by the rows of
