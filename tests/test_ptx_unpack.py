@@ -144,27 +144,39 @@ def test_the_portable_rule_is_e2m1_times_2_to_the_minus_14():
     assert np.array_equal(vals, want) and np.array_equal(np.signbit(vals), np.signbit(want))
 
 
+def _mx_scale_bits(c: int) -> int:
+    """``_mx_tile_bf16``'s bfloat16 bits of the E8M0 scale of code ``c``: ``c << 7``, or-ed with 0x40 where
+    ``(c + 1) & 255 < 2`` (codes 0 and 255)."""
+    return (c << 7) | (0x40 if ((c + 1) & 255) < 2 else 0)
+
+
 def test_the_bf16_rule_times_the_e8m0_factors_is_e2m1_times_the_scale():
-    """``_mx_tile_bf16``'s arithmetic: bfloat16 E2M1 x 2**-126 times 2**a times 2**b (a = (c - 1) >> 1, b = c - 1 - a)
-    equals E2M1 x 2**(c - 127) for every code pair, exactly (float32 products of bfloat16 values with float32's
-    exponent range: each product is a power-of-two scaling of a value with 2 significant bits, so exact unless it
-    overflows, which the float32 route does as well); code 0xFF gives NaN."""
+    """``_mx_tile_bf16``'s arithmetic: bfloat16 E2M1 x 2**-126 times 2**126 times the scale's bfloat16 bits
+    (:func:`_mx_scale_bits`) equals E2M1 x 2**(c - 127) for every code pair, exactly (products of bfloat16 values by
+    powers of two with float32's exponent range: exact unless they overflow, which the float32 route does as
+    well; code 0 is the subnormal 2**-127); code 0xFF gives NaN. A planted scale rule without the code-0 fix (bits
+    0 for code 0) fails it."""
     e2m1 = np.asarray(formats.get("float4_e2m1fn").decode(np.arange(16, dtype=np.uint8)), np.float64)
-    for c in range(256):
-        e = c - 1
-        a = e >> 1
-        fa = _bf16_value((a + 127) << 7)
-        fb = float("nan") if c == 255 else _bf16_value((e - a + 127) << 7)
-        for n in range(16):
-            with np.errstate(over="ignore", invalid="ignore"):
-                got = np.float32(np.float32(_bf16_value(_portable_bf16(n))) * np.float32(fa)) * np.float32(fb)
-            want = e2m1[n] * 2.0 ** (c - 127)
-            if c == 255:
-                assert np.isnan(got)
-            elif abs(want) < 3.4e38:
-                assert got == want and np.signbit(got) == np.signbit(want), (c, n)
-            else:
-                assert np.isinf(got) and np.sign(got) == np.sign(want), (c, n)
+
+    def mismatches(scale_bits) -> int:
+        bad = 0
+        for c in range(256):
+            fc = _bf16_value(scale_bits(c))
+            for n in range(16):
+                with np.errstate(over="ignore", invalid="ignore"):
+                    got = np.float32(np.float32(_bf16_value(_portable_bf16(n))) * np.float32(2.0**126)) * np.float32(fc)
+                want = e2m1[n] * 2.0 ** (c - 127)
+                if c == 255:
+                    bad += not np.isnan(got)
+                elif abs(want) < 3.4e38:
+                    bad += not (got == want and np.signbit(got) == np.signbit(want))
+                else:
+                    bad += not (np.isinf(got) and np.sign(got) == np.sign(want))
+        return bad
+
+    assert _bf16_value(0x7E80) == 2.0**126
+    assert mismatches(_mx_scale_bits) == 0
+    assert mismatches(lambda c: c << 7) > 0  # code 0 as +0 and code 255 as inf: wrong
 
 
 def test_a_planted_lut_error_is_caught():

@@ -547,9 +547,9 @@ def test_int_word_phases_ptx_equals_the_portable_one(bits, f16, rows, cols, warp
 @pytest.mark.skipif(not GPU, reason="inline PTX runs on a CUDA device only (the interpreter takes the portable path)")
 @pytest.mark.parametrize("pair", [PAIRS[5], PAIRS[6]], ids=[IDS[5], IDS[6]])
 def test_bf16_e8m0_tiles_are_exact_at_extreme_scale_codes(pair):
-    """Fast-mode E8M0 tiles built in bfloat16 (PTX unpacking, two power-of-two multiplies) equal the float32
-    route bit for bit where bfloat16 subnormals and large exponents occur: block scale codes 0, 1, 2 (E2M1 x
-    2**-127 ... : bfloat16 subnormal products) and 150 planted in K and V."""
+    """Fast-mode E8M0 tiles built in bfloat16 (PTX unpacking, power-of-two multiplies), by block rows and per
+    element, equal the float32 route bit for bit where bfloat16 subnormals and large exponents occur: block scale
+    codes 0, 1, 2 (E2M1 x 2**-127 ... : bfloat16 subnormal products) and 150 planted in K and V."""
     if getattr(torch.version, "hip", None):
         pytest.skip("CUDA only")
     rng = np.random.default_rng(23)
@@ -562,11 +562,13 @@ def test_bf16_e8m0_tiles_are_exact_at_extreme_scale_codes(pair):
         idx = rng.choice(flat.size, size=min(flat.size, 4000), replace=False)
         flat[idx] = rng.choice(np.array([0, 1, 2, 150], dtype=flat.dtype), size=idx.size)
     q = torch.from_numpy(rng.standard_normal((BIG["batch"], BIG["q_heads"], BIG["head_dim"])).astype(np.float32))
-    cfg = dict(precision="fast", block_n=64, num_warps=2, num_stages=3, value_words=False)  # bytes: same order
-    out_int, lse_int, _ = _run_decode(cache, q, ptx_unpack=False, **cfg)
-    out_ptx, lse_ptx, _ = _run_decode(cache, q, ptx_unpack=True, **cfg)
-    assert np.isfinite(out_int).all()
-    assert np.array_equal(out_ptx, out_int) and np.array_equal(lse_ptx, lse_int)
+    for blk in (None, False):  # block rows (the default here), and the per-element tiles (``_mx_tile_bf16``)
+        cfg = dict(precision="fast", block_n=64, num_warps=2, num_stages=3, value_words=False,  # bytes: same order
+                   block_rows=blk)
+        out_int, lse_int, _ = _run_decode(cache, q, ptx_unpack=False, **cfg)
+        out_ptx, lse_ptx, _ = _run_decode(cache, q, ptx_unpack=True, **cfg)
+        assert np.isfinite(out_int).all()
+        assert np.array_equal(out_ptx, out_int) and np.array_equal(lse_ptx, lse_int), blk
     ref_out, ref_lse, tol_o, tol_l = _oracle(cache, q.numpy().astype(np.float64), "fast", "float32")
     for ptx in (True, False):  # the default launch (value words by channel halves for fp4_e2m1), each route
         out, lse, _ = _run_decode(cache, q, ptx_unpack=ptx)
@@ -578,9 +580,9 @@ def test_bf16_e8m0_tiles_are_exact_at_extreme_scale_codes(pair):
 @pytest.mark.parametrize("pair", [PAIRS[5], PAIRS[6]], ids=[IDS[5], IDS[6]])
 def test_e8m0_block_rows_at_the_rare_scale_codes(pair, code):
     """E8M0 scale codes no quantization writes but a cache may hold: a planted code 0 (2**-127) in one K and one V
-    block of one token keeps the oracle's result within the bound in fast FP4 block rows; a planted 255 (NaN: the
-    oracle refuses such a cache) gives NaN in exactly the query heads of that sequence and KV head, and finite
-    outputs elsewhere (no silent number)."""
+    block of one token keeps the oracle's result within the bound in fast FP4 (block rows and per element); a
+    planted 255 (NaN: the oracle refuses such a cache) gives NaN in exactly the query heads of that sequence and KV
+    head, and finite outputs elsewhere (no silent number)."""
     rng = np.random.default_rng(24)
     cache, _ = build_cache(pair, SMALL, rng)
     b, kvh = 2, 1
@@ -589,17 +591,18 @@ def test_e8m0_block_rows_at_the_rare_scale_codes(pair, code):
         if side.scheme.name in ("fp4_e2m1", "mxfp4"):
             side.storage["scales"][page, off, kvh, 0] = code
     q = torch.from_numpy(rng.standard_normal((3, 4, 64)).astype(np.float32))
-    out, lse, dc = _run_decode(cache, q, precision="fast")
-    if code == 255:
-        with pytest.raises(ValueError, match="NaN"):
-            _oracle(cache, q.numpy().astype(np.float64), "fast", "float32")
-        want = np.zeros(out.shape[:2], dtype=bool)
-        want[b, 2 * kvh: 2 * kvh + 2] = True  # 4 query heads over 2 KV heads
-        assert np.array_equal(np.isnan(out).any(-1), want) and np.array_equal(np.isnan(out).all(-1), want)
-        assert np.isfinite(out[~want]).all()
-        return
-    ref_out, ref_lse, tol_o, tol_l = _oracle(cache, q.numpy().astype(np.float64), "fast", "float32")
-    assert (np.abs(out - ref_out) <= tol_o).all() and (np.abs(lse - ref_lse) <= tol_l).all()
+    for blk in (None, False):  # block rows (the default here), and the per-element tiles
+        out, lse, dc = _run_decode(cache, q, precision="fast", block_rows=blk)
+        if code == 255:
+            with pytest.raises(ValueError, match="NaN"):
+                _oracle(cache, q.numpy().astype(np.float64), "fast", "float32")
+            want = np.zeros(out.shape[:2], dtype=bool)
+            want[b, 2 * kvh: 2 * kvh + 2] = True  # 4 query heads over 2 KV heads
+            assert np.array_equal(np.isnan(out).any(-1), want) and np.array_equal(np.isnan(out).all(-1), want), blk
+            assert np.isfinite(out[~want]).all()
+            continue
+        ref_out, ref_lse, tol_o, tol_l = _oracle(cache, q.numpy().astype(np.float64), "fast", "float32")
+        assert (np.abs(out - ref_out) <= tol_o).all() and (np.abs(lse - ref_lse) <= tol_l).all(), blk
 
 
 @pytest.mark.filterwarnings("ignore:divide by zero encountered in log2:RuntimeWarning")  # (the NaN rows' merge)

@@ -302,16 +302,16 @@ def _e2m1_pairs(byte, BF16: tl.constexpr):
 @triton.jit
 def _mx_tile_bf16(byte, code):
     """CUDA, fast mode: MXFP4 tile elements of the low and high nibbles of ``byte`` (uint8) times their E8M0
-    block scale ``code`` (broadcast), as bfloat16, with no float32 step: the PTX unpacking gives E2M1 * 2**-126
-    and two packed bfloat16 multiplies by powers of two 2**a, 2**b (a + b = code - 1, both in [-1, 127]) give
-    E2M1 * 2**(code - 127): exact wherever the float32 route is finite (bfloat16 has float32's exponent
-    range; subnormal results included); code 0xFF gives NaN as the float32 route does."""
-    e = code.to(tl.int32) - 1
-    a = e >> 1
-    fa = ((a + 127) << 7).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-    fb = tl.where(code == 255, 0x7FC0, (e - a + 127) << 7).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    block scale ``code`` (broadcast), as bfloat16, with no float32 step: the PTX unpacking gives E2M1 * 2**-126,
+    one packed bfloat16 multiply by 2**126 the E2M1 value and one by the scale 2**(code - 127) as bfloat16 bits
+    ``code << 7`` (code 0: the subnormal 2**-127, bits 0x0040; code 0xFF: NaN 0x7FC0; both by or-ing 0x40 into the
+    bits where ``(code + 1) & 255 < 2``): exact wherever the float32 route is finite (bfloat16 has float32's
+    exponent range; subnormal results included)."""
+    c = code.to(tl.int32)
+    fc = ((c << 7) | tl.where(((c + 1) & 255) < 2, 0x40, 0)).to(tl.uint16).to(tl.bfloat16, bitcast=True)
     lo, hi = _e2m1_pairs(byte, True)
-    return lo * fa * fb, hi * fa * fb
+    two126: tl.constexpr = 8.507059173023462e37  # 2**126, exact in bfloat16
+    return lo * two126 * fc, hi * two126 * fc
 
 
 @triton.jit
