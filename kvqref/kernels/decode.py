@@ -2534,6 +2534,11 @@ def plan_decode(
             block_n = 32
         elif block_rows:
             block_n = 128 if blk_wide else 64
+        elif fast_nvfp4_ptx and fp4_pair and k.kind == v.kind == "nvfp4":  # NVFP4 per element (rows over 32: 8
+            # query heads per KV head at D 128): 128-token tiles (H200, head-major, 2 warps, 2 stages: 64 q / 8 KV
+            # heads x 16,384 1,003.6 -> 945.9 us, 8 x 32,768 278.9 -> 264.4, 1 x 131,072 154.5 -> 149.3;
+            # bench/results/ANALYSIS.md, session 27)
+            block_n = 128
         else:
             block_n = 64 if precision == "fast" and (fast_e8m0 or fast_nvfp4_ptx or k.kind == "bf16") else 32
     if num_warps is None:
