@@ -766,8 +766,9 @@ def test_fp4_block_rows(pair, q_heads, kv_heads, head_dim):
         want = ((32, 1, 3 if e8m0_16 else 2) if words and halves[1] else (64, 2, 2) if prod <= 16 else (128, 4, 2))
         assert (split.constexprs["BLOCK_N"], split.options["num_warps"], split.options["num_stages"]) == want
     assert split.constexprs["VW"] is words  # value words: the measured default
-    if rows > 32 and pair[0] == pair[2] == "nvfp4" and not getattr(torch.version, "hip", None):  # NVFP4 per element, unpacked by PTX: 128-token tiles, 2 warps,
-        # 2 stages (the measured launch, ANALYSIS.md session 27; planned for CUDA on any machine)
+    if rows > 32 and pair[0] == pair[2] == "nvfp4" and not getattr(torch.version, "hip", None):
+        # NVFP4 per element, unpacked by PTX: 128-token tiles, 2 warps, 2 stages (the measured launch, ANALYSIS.md
+        # session 27; planned for CUDA on any machine)
         launches, _, _ = plan_decode(q.to(DEVICE), dc.k.tiles(), dc.v.tiles(), dc.block_table, dc.seq_lens,
                                      dc.page_size, ptx_unpack=True)
         split_ptx = next(launch for launch in launches if "BLK" in launch.constexprs)
