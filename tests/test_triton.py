@@ -1600,6 +1600,12 @@ def test_split_counts_are_the_measured_choices():
     assert choose_splits(8, 8, 32768, 128, 132, resident=3) == (6, 5504)
     assert key_rows_resident(4, None) == 2 and key_rows_resident(4, KIVI_KEY_ROWS_MAXNREG) == 3
     assert key_rows_resident(4, 255) == 2
+    # 2-bit KIVI words at 8 query heads per KV head: 2 warps, twice the programs resident (session 27, H200: 8 x
+    # 32,768 344 -> 242 us at 8 splits, 1 x 131,072 188 -> 139 at 64, 64 x 16,384 1,300 -> 874 at 1)
+    assert key_rows_resident(2, None) == 4
+    assert choose_splits(8, 8, 32768, 64, 132, resident=4) == (8, 4096)
+    assert choose_splits(1, 8, 131072, 64, 132, resident=4) == (63, 2112)
+    assert choose_splits(64, 8, 16384, 64, 132, resident=4) == (1, 16384)
     # one-warp FP4 value words by halves: the default's programs rounded to whole waves of 12 per multiprocessor
     # (session 12, H100: batch 1 x 131,072 nvfp4 114 -> 94 us, batch 32 x 8,192 184 -> 170)
     assert choose_splits(1, 8, 131072, 32, 132, waves_of=12) == (196, 672)  # 2,112 programs -> 1 wave: 198 wanted
@@ -1647,20 +1653,25 @@ def test_split_counts_are_the_measured_choices():
     assert split.grid[2] == choose_splits(SMALL["batch"], SMALL["kv_heads"], 65536, split.constexprs["BLOCK_N"], sms,
                                           resident=3 if nvidia else 2)[0]
     # 8 query heads per KV head (KIVI groups of 32, head_dim 128): value rows of 32 beside key rows at 64-token
-    # tiles; 4-bit codes as bytes with registers capped (3 programs per multiprocessor), 2-bit as words uncapped
-    # (session 17, H100, 64 q / 8 KV heads x 16,384: int4 2,379 -> 1,047-1,070 us, int2 1,914 -> 1,274)
+    # tiles; 4-bit codes as bytes, 2-bit as words, both at 2 warps uncapped, 4 programs per multiprocessor (session
+    # 17, H100, 64 q / 8 KV heads x 16,384: int4 2,379 -> 1,047-1,070 us, int2 1,914 -> 1,274; session 27, H200, 2
+    # warps instead of 4: int2 1,315 -> 883, int4 1,038 -> 941); an explicit 4 warps keeps int4's register cap
     g32 = {"group_size": 32, "residual": 32}
     int2_g32 = ("int2_kivi", {"role": "key", **g32}, "int2_kivi", {"role": "value", **g32})
-    for pair, words, cap in ((KIVI_WORD_PAIRS[0], False, KIVI_KEY_ROWS_MAXNREG), (int2_g32, True, None)):
+    for pair, words, cap, warps in ((KIVI_WORD_PAIRS[0], False, None, 2), (int2_g32, True, None, 2),
+                                    (KIVI_WORD_PAIRS[0], False, KIVI_KEY_ROWS_MAXNREG, 4)):
         cache, _ = build_cache(pair, dict(SMALL, q_heads=16, kv_heads=2, head_dim=128, page_size=32), rng)
         dc = tb.DeviceCache.from_cache(cache, DEVICE)
         q = torch.zeros(SMALL["batch"], 16, 128, dtype=torch.bfloat16, device=DEVICE)
         launches, _, _ = plan_decode(q, dc.k.tiles(), dc.v.tiles(), dc.block_table, dc.seq_lens, dc.page_size,
-                                     max_seq_len=65536)
+                                     max_seq_len=65536, num_warps=None if warps == 2 else warps)
         cx = next(launch for launch in launches if "KR" in launch.constexprs)
         assert (cx.constexprs["KR"], cx.constexprs["HV"], cx.constexprs["BLOCK_H"], cx.constexprs["BLOCK_N"]) == (
             True, 8, 32, 64) and cx.constexprs["KW"] is words, pair[0]
         assert cx.options.get("maxnreg") == (cap if nvidia else None), pair[0]
+        assert cx.options["num_warps"] == warps, pair[0]
+        resident = key_rows_resident(warps, cap if nvidia else None)
+        assert cx.grid[2] == choose_splits(SMALL["batch"], 2, 65536, 64, sms, resident=resident)[0], pair[0]
     cache, _ = build_cache(PAIRS[9], dict(SMALL, q_heads=8, kv_heads=2, head_dim=128), rng)  # NVFP4 value words
     dc = tb.DeviceCache.from_cache(cache, DEVICE)  # by halves: whole waves
     q = torch.zeros(SMALL["batch"], 8, 128, dtype=torch.bfloat16, device=DEVICE)

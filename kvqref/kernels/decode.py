@@ -2176,9 +2176,9 @@ def _capped_resident(measured: int, num_warps: int, maxnreg: int | None) -> int:
 
 
 def key_rows_resident(num_warps: int, maxnreg: int | None) -> int:
-    """Programs of the KIVI key-rows kernel one multiprocessor holds (:func:`_capped_resident` of KEY_ROWS_RESIDENT;
-    168 registers at 4 warps: 3)."""
-    return _capped_resident(KEY_ROWS_RESIDENT, num_warps, maxnreg)
+    """Programs of the KIVI key-rows kernel one multiprocessor holds (:func:`_capped_resident` of KEY_ROWS_RESIDENT
+    programs of 4 warps, or as many warps in programs of ``num_warps``; 168 registers at 4 warps: 3)."""
+    return _capped_resident(max(1, KEY_ROWS_RESIDENT * 4 // num_warps), num_warps, maxnreg)
 
 
 #: one-warp programs of FP4 value words by channel halves resident per multiprocessor (<= 168 registers per thread)
@@ -2541,6 +2541,7 @@ def plan_decode(
             block_n = 128
         else:
             block_n = 64 if precision == "fast" and (fast_e8m0 or fast_nvfp4_ptx or k.kind == "bf16") else 32
+    warps_auto = num_warps is None
     if num_warps is None:
         num_warps = (1 if words_halves else BF16_WIDE[1] if bf16_wide else
                      4 if (fast_e8m0 and not fast_mx_ptx and not block_rows) or blk_wide or key_rows else 2)
@@ -2565,8 +2566,13 @@ def plan_decode(
                              f"{head_dim}), tiles of at least 32 tokens (here {block_n}) and code rows aligned to "
                              "their word (4 bytes for 4-bit codes, 2 for 2-bit)")
     two_bit_words = kivi_words and k.bits == v.bits == 2
+    if warps_auto and key_rows and block_h > 16:  # KIVI key rows with 32 value rows (8 query heads per KV head):
+        # 2 warps, no register cap, twice the resident programs and so about twice the splits (H200, head-major:
+        # int2 words 64 q / 8 KV heads x 16,384 1,315 -> 883 us, 8 x 32,768 347 -> 243, 1 x 131,072 189 -> 143;
+        # int4 bytes 1,038 -> 941, 278 -> 251, 151 -> 138; bench/results/ANALYSIS.md, session 27)
+        num_warps = 2
     if maxnreg is None and key_rows and _nvidia_cuda(q) and (
-            (two_bit_words and block_h <= 16) or (not kivi_words and k.bits == 4 and block_h > 16)):
+            (two_bit_words and block_h <= 16) or (not kivi_words and k.bits == 4 and block_h > 16 and num_warps == 4)):
         maxnreg = KIVI_KEY_ROWS_MAXNREG
     # KIVI key words' eight products per tile as two independent accumulation chains (even and odd code positions)
     # for 4-bit keys (H100, batch 32 x 8,192: int4 255.9 -> 249.6 us; int2 at its 168-register cap 211.3 -> 216.8:
