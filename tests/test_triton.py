@@ -1652,6 +1652,20 @@ def test_split_counts_are_the_measured_choices():
     assert split.constexprs["KW"] and split.options.get("maxnreg") == (KIVI_KEY_ROWS_MAXNREG if nvidia else None)
     assert split.grid[2] == choose_splits(SMALL["batch"], SMALL["kv_heads"], 65536, split.constexprs["BLOCK_N"], sms,
                                           resident=3 if nvidia else 2)[0]
+    assert split.options["num_warps"] == 4  # 2 query heads per KV head (2 warps tied there, lost at 1: session 28)
+    # ... at 4 query heads per KV head: 2 warps, no cap, 4 programs per multiprocessor (session 28, H200: batch 32 x
+    # 8,192 205.4 -> 193.8 us, 128 x 4,096 442.8 -> 382.9); 4-bit words keep 4 warps (237.2 -> 278.7 at 2)
+    for pair, warps in ((KIVI_WORD_PAIRS[1], 2), (KIVI_WORD_PAIRS[0], 4)):
+        cache, _ = build_cache(pair, dict(SMALL, q_heads=8, head_dim=128, page_size=32), rng)
+        dc = tb.DeviceCache.from_cache(cache, DEVICE)
+        q = torch.zeros(SMALL["batch"], 8, 128, dtype=torch.bfloat16, device=DEVICE)
+        launches, _, _ = plan_decode(q, dc.k.tiles(), dc.v.tiles(), dc.block_table, dc.seq_lens, dc.page_size,
+                                     max_seq_len=65536, residual=(dc.k_residual, dc.v_residual, dc.k_lens, dc.v_lens))
+        split = next(launch for launch in launches if "KR" in launch.constexprs)
+        assert split.constexprs["KW"] and split.constexprs["BLOCK_H"] == 16, pair[0]
+        assert (split.options["num_warps"], split.options.get("maxnreg")) == (warps, None), pair[0]
+        assert split.grid[2] == choose_splits(SMALL["batch"], SMALL["kv_heads"], 65536, split.constexprs["BLOCK_N"],
+                                              sms, resident=key_rows_resident(warps, None))[0], pair[0]
     # 8 query heads per KV head (KIVI groups of 32, head_dim 128): value rows of 32 beside key rows at 64-token
     # tiles; 4-bit codes as bytes, 2-bit as words, both at 2 warps uncapped, 4 programs per multiprocessor (session
     # 17, H100, 64 q / 8 KV heads x 16,384: int4 2,379 -> 1,047-1,070 us, int2 1,914 -> 1,274; session 27, H200, 2

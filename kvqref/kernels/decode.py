@@ -2541,13 +2541,6 @@ def plan_decode(
             block_n = 128
         else:
             block_n = 64 if precision == "fast" and (fast_e8m0 or fast_nvfp4_ptx or k.kind == "bf16") else 32
-    if num_warps is None:  # (KIVI key rows with more than 16 head rows, 8 query heads per KV head: 2 warps, no
-        # register cap, twice the resident programs and so about twice the splits; H200, head-major: int2 words 64 q /
-        # 8 KV heads x 16,384 1,315 -> 883 us, 8 x 32,768 347 -> 243, 1 x 131,072 189 -> 143; int4 bytes 1,038 -> 941,
-        # 278 -> 251, 151 -> 138; bench/results/ANALYSIS.md, session 27)
-        num_warps = (1 if words_halves else BF16_WIDE[1] if bf16_wide else
-                     4 if (fast_e8m0 and not fast_mx_ptx and not block_rows) or blk_wide or (key_rows and block_h <= 16)
-                     else 2)
     if key_rows:  # a tile holds whole KIVI token groups, or lies inside one
         if block_n % k.group and k.group % block_n:
             raise ValueError(f"with key_rows, block_n {block_n} must divide or be a multiple of the KIVI key group "
@@ -2569,8 +2562,20 @@ def plan_decode(
                              f"{head_dim}), tiles of at least 32 tokens (here {block_n}) and code rows aligned to "
                              "their word (4 bytes for 4-bit codes, 2 for 2-bit)")
     two_bit_words = kivi_words and k.bits == v.bits == 2
-    if maxnreg is None and key_rows and _nvidia_cuda(q) and (
-            (two_bit_words and block_h <= 16) or (not kivi_words and k.bits == 4 and block_h > 16 and num_warps == 4)):
+    # KIVI key rows at 2 warps without a register cap, twice the resident programs and so about twice the splits:
+    # with more than 16 head rows (8 query heads per KV head; H200, head-major: int2 words 64 q / 8 KV heads x 16,384
+    # 1,315 -> 883 us, 8 x 32,768 347 -> 243, 1 x 131,072 189 -> 143; int4 bytes 1,038 -> 941, 278 -> 251, 151 -> 138;
+    # session 27) and for 2-bit words at 4 query heads per KV head (H200: batch 32 x 8,192 205.4 -> 193.8 us, 128 x
+    # 4,096 442.8 -> 382.9, 8 x 32,768 195.1 -> 190.5, 1 x 131,072 111.4 -> 108.2; at 2 query heads per KV head a tie,
+    # 208.0 -> 207.0, at 1 a loss, 219.6 -> 227.6; 4-bit words at 4 lost, 237.2 -> 278.7; bench/results/ANALYSIS.md,
+    # session 28)
+    kivi_two_warps = key_rows and (block_h > 16 or (two_bit_words and qpk >= 4))
+    if num_warps is None:
+        num_warps = (1 if words_halves else BF16_WIDE[1] if bf16_wide else
+                     4 if ((fast_e8m0 and not fast_mx_ptx and not block_rows) or blk_wide
+                           or (key_rows and not kivi_two_warps)) else 2)
+    if maxnreg is None and key_rows and _nvidia_cuda(q) and num_warps == 4 and (
+            (two_bit_words and block_h <= 16) or (not kivi_words and k.bits == 4 and block_h > 16)):
         maxnreg = KIVI_KEY_ROWS_MAXNREG
     # KIVI key words' eight products per tile as two independent accumulation chains (even and odd code positions)
     # for 4-bit keys (H100, batch 32 x 8,192: int4 255.9 -> 249.6 us; int2 at its 168-register cap 211.3 -> 216.8:
