@@ -2159,7 +2159,8 @@ def default_value_rows(precision: str, v_kind: str, q_per_kv: int, head_dim: int
 #: programs of the KIVI key-rows kernel resident per multiprocessor (about 250 registers per thread at 4 warps)
 KEY_ROWS_RESIDENT = 2
 #: KIVI key rows on NVIDIA GPUs: registers capped at this many per thread (Triton's ``maxnreg``), so that 3 programs
-#: of 4 warps fit a multiprocessor (:func:`key_rows_resident`), for 2-bit code words with 16 value rows (H100,
+#: of 4 warps fit a multiprocessor (:func:`key_rows_resident`), for 2-bit code words with 16 value rows at 4 warps
+#: (1 or 2 query heads per KV head since session 28: at 4 or more they take 2 warps uncapped; H100,
 #: int2_kivi: batch 32 x 8,192 224 -> 215 us with 3 splits, batch 1 x 131,072 128 -> 114.5 us with 49; 4-bit words
 #: lost at 168: 255 -> 262 us; bench/results/history/ab-h100-session13-kivi-words-2.log,
 #: ab-h100-session14-int2-registers.log) and 4-bit byte phases with 32 (8 query heads per KV head; 64 q / 8 KV heads
@@ -2319,8 +2320,8 @@ def plan_decode(
     """The launches of decode attention (see :func:`paged_decode`), with their output tensors.
     ``hw_formats``: FP8 format ids converted in hardware (default: what ``q``'s device has); ``maxnreg``:
     a register cap per thread (CUDA only; for tuning occupancy; default on NVIDIA GPUs: ``TWO_WARP_MAXNREG`` for
-    two-warp fast FP8 and mxfp4 block rows, ``KIVI_KEY_ROWS_MAXNREG`` for 2-bit KIVI words with 16 value rows and 4-bit
-    KIVI byte phases with 32, else none);
+    two-warp fast FP8 and mxfp4 block rows, ``KIVI_KEY_ROWS_MAXNREG`` for KIVI key rows at 4 warps: 2-bit words with
+    16 value rows (1 or 2 query heads per KV head) and 4-bit byte phases with 32, else none);
     ``ptx_unpack``: FP4 nibbles (and, with
     ``key_rows``, KIVI codes; with ``fp8_value_words``, the FP8 words' halves in the OCP formats the device converts)
     unpacked with inline PTX (CUDA only); default (None): where it measured faster on the H100, fast-mode E8M0
