@@ -94,7 +94,29 @@ def markdown(doc: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def plotted_rows(doc: dict) -> tuple[dict[str, list[tuple[int, float]]], dict[str, dict[tuple[int, int, int], float]]]:
+    """The rows :func:`plot` draws: fast decode rows in the run's main layout at page size 16 (or dense), as
+    ``{backend:scheme: [(batch x tokens, GB/s)]}`` and ``{backend:scheme: {(batch, q_heads, tokens): SDPA baseline
+    time / time}}`` (the speed-up of each row over its shape's baseline, :func:`sdpa_baselines`; none for SDPA)."""
+    rows = doc["results"]
+    base = sdpa_baselines(rows)
+    by: dict[str, list[tuple[int, float]]] = {}
+    ratio: dict[str, dict[tuple[int, int, int], float]] = {}
+    for r in rows:
+        main_layout = r["backend"] != "triton" or r.get("layout") in (None, doc.get("layout", r.get("layout")))
+        if r["op"] == "decode" and r["page_size"] in (0, 16) and r.get("precision", "fast") != "exact" and main_layout:
+            label = f"{r['backend']}:{r['scheme']}"
+            by.setdefault(label, []).append((r["batch"] * r["tokens"], r["gbs"]))
+            key = (r["batch"], r["q_heads"], r["tokens"])
+            if key in base and r["backend"] != "torch-sdpa-dense":
+                ratio.setdefault(label, {})[key] = base[key] / r["time_us"]
+    return by, ratio
+
+
 def plot(doc: dict, out: Path) -> bool:
+    """Two panels of the fast decode rows in the run's main layout (page size 16 or dense): achieved GB/s against
+    batch x tokens, and each scheme's speed-up over SDPA on BF16 per shape (1.0: the baseline; every series its own
+    colour and marker). False where matplotlib is not installed."""
     try:
         import matplotlib
 
@@ -102,22 +124,33 @@ def plot(doc: dict, out: Path) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    by = {}
-    for r in doc["results"]:
-        main_layout = r["backend"] != "triton" or r.get("layout") in (None, doc.get("layout", r.get("layout")))
-        if r["op"] == "decode" and r["page_size"] in (0, 16) and r.get("precision", "fast") != "exact" and main_layout:
-            by.setdefault(f"{r['backend']}:{r['scheme']}", []).append((r["batch"] * r["tokens"], r["gbs"]))
-    for k, pts in sorted(by.items()):
+    by, ratio = plotted_rows(doc)
+    shapes = sorted({k for v in ratio.values() for k in v}, key=lambda k: (k[1], k[0] * k[2], k[0]))
+    colors = plt.get_cmap("tab20").colors
+    markers = "os^vD<>ph*X"
+    style = {label: dict(color=colors[i % len(colors)], marker=markers[i % len(markers)])
+             for i, label in enumerate(sorted(by))}
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(13, 4.8))
+    for label, pts in sorted(by.items()):
         pts.sort()
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=k)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], label=label, **style[label])
     ax.axhline(doc["ceiling_gbs"], color="k", ls="--", label="measured ceiling")
     ax.set_xscale("log")
     ax.set_xlabel("batch x tokens")
     ax.set_ylabel("achieved GB/s (cache bytes / time)")
+    ax.set_title("bandwidth", fontsize=9)
     ax.legend(fontsize=7, ncol=2)
+    for label, per in sorted(ratio.items()):
+        xs = [i for i, k in enumerate(shapes) if k in per]
+        bx.plot(xs, [per[shapes[i]] for i in xs], label=label, **style[label])
+    bx.axhline(1.0, color="k", ls="--", label="SDPA over BF16")
+    bx.set_xticks(range(len(shapes)), [f"{b} x {t:,}\n{h} q heads" for b, h, t in shapes], fontsize=7)
+    bx.set_ylabel("speed-up vs SDPA over BF16 (same run)")
+    bx.set_title("speed-up per shape (batch x tokens)", fontsize=9)
+    bx.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     fig.savefig(out, dpi=120)
+    plt.close(fig)
     return True
 
 
