@@ -1538,6 +1538,32 @@ def test_direct_output_is_the_merge_of_one_split():
     assert not launches[-2].constexprs["ROT_V"]
 
 
+def test_fast_fp8_launch_is_the_measured_choice(monkeypatch):
+    """Fast FP8 on NVIDIA GPUs reads 64-token tiles (H200, session 28, head-major: batch 32 x 8,192 149.2 -> 143.2 us,
+    128 x 4,096 276.2 -> 261.5, 64 q / 8 KV heads x 16,384 549.6 -> 511.7; token-major and page size 1 faster
+    too); exact mode and other devices keep 32 (planned on the CPU as for a GPU)."""
+    from kvqref.kernels import decode
+    from kvqref.kernels.decode import plan_decode
+
+    rng = np.random.default_rng(59)
+    for pair in (PAIRS[1], PAIRS[3]):  # OCP E4M3 pages; the ROCm FNUZ formats on an NVIDIA GPU (software)
+        cache, _ = build_cache(pair, SMALL, rng)
+        dc = tb.DeviceCache.from_cache(cache, "cpu")
+        q = torch.zeros(3, 4, 64, dtype=torch.bfloat16)
+
+        def block_n(q=q, dc=dc, **kw):
+            launches, _, _ = plan_decode(q, dc.k.tiles(), dc.v.tiles(), dc.block_table, dc.seq_lens, dc.page_size,
+                                         **kw)
+            return next(la for la in launches if la.kernel is decode.decode_split_kernel).constexprs["BLOCK_N"]
+
+        assert block_n() == 32  # not an NVIDIA GPU
+        with monkeypatch.context() as m:
+            m.setattr(decode, "_nvidia_cuda", lambda t: True)
+            assert block_n() == 64, pair[0]
+            assert block_n(precision="exact") == 32
+            assert block_n(block_n=32) == 32
+
+
 def test_bf16_launch_is_the_measured_choice(monkeypatch):
     """Fast bf16 on NVIDIA GPUs: 128-token tiles, 4 warps, 3 stages and the fewest splits that fill whole waves of 2
     programs (H100, session 19: batch 32 x 8,192 375.8 -> 370.3 us at one split, which writes the output itself;

@@ -2540,6 +2540,10 @@ def plan_decode(
             # heads x 16,384 1,003.6 -> 945.9 us, 8 x 32,768 278.9 -> 264.4, 1 x 131,072 154.5 -> 149.3;
             # bench/results/ANALYSIS.md, session 27)
             block_n = 128
+        elif precision == "fast" and k.kind == v.kind == "fp8" and _nvidia_cuda(q):  # fast FP8 on NVIDIA GPUs:
+            # 64-token tiles (H200, head-major, batch 32 x 8,192: 148.8 -> 143.4 us; bench/results/ANALYSIS.md,
+            # session 28)
+            block_n = 64
         else:
             block_n = 64 if precision == "fast" and (fast_e8m0 or fast_nvfp4_ptx or k.kind == "bf16") else 32
     if key_rows:  # a tile holds whole KIVI token groups, or lies inside one
