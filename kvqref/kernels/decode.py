@@ -2470,8 +2470,8 @@ def plan_decode(
     # defaults tuned on the H100 (bench/tune_decode.py; logs in bench/results/history/tune-h100-*.log): the
     # kernel's occupancy is limited by registers, so small programs (2 warps, 32-token tiles) win, except in
     # fast mode for bf16 (64-token tiles), E8M0 FP4 (64-token tiles, 4 warps; with PTX-unpacked bfloat16 tiles
-    # and word-wide scales: 2 warps, 3 stages, history/ab-h100-mx-bf16.log) and NVFP4 unpacked by PTX (64-token
-    # tiles: bench/results/history/tune-h100-fp4-ptx.log)
+    # and word-wide scales: 2 warps, 3 stages, history/ab-h100-mx-bf16.log), NVFP4 unpacked by PTX (64-token
+    # tiles: bench/results/history/tune-h100-fp4-ptx.log) and, on NVIDIA GPUs, FP8 (64-token tiles: H200, session 28)
     fast_e8m0 = precision == "fast" and k.kind == "mxfp4"
     fast_mx_ptx = fast_e8m0 and wide_k and bool(ptx_unpack)
     fast_nvfp4_ptx = precision == "fast" and k.kind == "nvfp4" and ptx_unpack
