@@ -88,7 +88,7 @@ def test_every_kernel_compiles_for_rocm_and_cuda_targets():
         # + FP8 values as 16-bit words (``fp8_value_words``; V without token scales): by inline PTX on CUDA where
         # the format converts in hardware (OCP), portable elsewhere
         vw8 = sum(c[3].startswith("fp8") and c[4].get("granularity") != "token_head" for c in DECODE_CASES)
-        # + on CUDA the same at 64-token tiles (fast FP8's default on NVIDIA GPUs since session 28)
+        # + on CUDA the same at 64-token tiles (fast FP8's default on the H200 since session 28)
         bn64 = vw8 if t.startswith("cuda") else 0
         # + one split writing the outputs itself (``direct_output``): bf16 (at the NVIDIA launch, ``BF16_WIDE``), FP8
         # and rotated FP8 (its V un-rotated by the split kernel)

@@ -1539,9 +1539,9 @@ def test_direct_output_is_the_merge_of_one_split():
 
 
 def test_fast_fp8_launch_is_the_measured_choice(monkeypatch):
-    """Fast FP8 on NVIDIA GPUs reads 64-token tiles (H200, session 28, head-major: batch 32 x 8,192 149.2 -> 143.2 us,
-    128 x 4,096 276.2 -> 261.5, 64 q / 8 KV heads x 16,384 549.6 -> 511.7; token-major and page size 1 faster
-    too); exact mode and other devices keep 32 (planned on the CPU as for a GPU)."""
+    """Fast FP8 on an H200 reads 64-token tiles (session 28, head-major: batch 32 x 8,192 149.2 -> 143.2 us, 128 x
+    4,096 276.2 -> 261.5, 64 q / 8 KV heads x 16,384 549.6 -> 511.7; token-major and page size 1 faster too); the
+    H100 (64 lost there in session 15), other devices and exact mode keep 32 (planned on the CPU as for a GPU)."""
     from kvqref.kernels import decode
     from kvqref.kernels.decode import plan_decode
 
@@ -1559,9 +1559,12 @@ def test_fast_fp8_launch_is_the_measured_choice(monkeypatch):
         assert block_n() == 32  # not an NVIDIA GPU
         with monkeypatch.context() as m:
             m.setattr(decode, "_nvidia_cuda", lambda t: True)
+            m.setattr(decode, "_device_name", lambda d: "NVIDIA H200")
             assert block_n() == 64, pair[0]
             assert block_n(precision="exact") == 32
             assert block_n(block_n=32) == 32
+            m.setattr(decode, "_device_name", lambda d: "NVIDIA H100 80GB HBM3")
+            assert block_n() == 32, pair[0]
 
 
 def test_bf16_launch_is_the_measured_choice(monkeypatch):

@@ -159,7 +159,7 @@ def _launches(target: str, cases: list | None = None, page: int = 16) -> list[tu
                                              fp8_value_words=True, ptx_unpack=target.startswith("cuda"))
                 words = split(launches)
                 out.append((f"decode[{label},vw8={words.constexprs['VW8']}]", words))
-                if target.startswith("cuda") and not kn.endswith("kivi"):  # fast FP8 on NVIDIA GPUs: 64-token tiles
+                if target.startswith("cuda") and not kn.endswith("kivi"):  # fast FP8 on the H200: 64-token tiles
                     launches, _, _ = plan_decode(q, dc.k.tiles(), dc.v.tiles(), dc.block_table, dc.seq_lens, page,
                                                  max_seq_len=40, num_splits=2, hw_formats=_hw_formats(target),
                                                  fp8_value_words=True, ptx_unpack=True, block_n=64)

@@ -1986,6 +1986,28 @@ def _multiprocessors(device: str) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+@functools.lru_cache(maxsize=16)
+def _device_name(device: str) -> str:
+    import torch
+
+    return torch.cuda.get_device_name(device)
+
+
+#: tokens per tile of fast FP8 decode on NVIDIA GPUs, by a substring of the device's name (first match), as measured:
+#: the H200 gains with 64-token tiles at every bench shape (batch 32 x 8,192 149.2 -> 143.2 us, 128 x 4,096 276.2 ->
+#: 261.5, 64 q / 8 KV heads x 16,384 549.6 -> 511.7; bench/results/ANALYSIS.md, session 28, 180); the H100 measured
+#: 64-token tiles slower (session 15, 73: 214.3 -> 219.3-269.1 us; not re-measured since FP8 value words), so every
+#: other device keeps 32
+FP8_FAST_BLOCK_N = (("H200", 64),)
+
+
+def fast_fp8_block_n(device: str) -> int:
+    """Fast FP8 decode's default tile on the NVIDIA device ``device`` (:data:`FP8_FAST_BLOCK_N`; 32 where no entry
+    names it)."""
+    name = _device_name(device)
+    return next((n for key, n in FP8_FAST_BLOCK_N if key in name), 32)
+
+
 def hardware_fp8_formats(device) -> set[int]:
     """FP8 format ids the device converts to float16 in hardware (exactly): OCP E4M3FN/E5M2 on NVIDIA
     sm_89+ and AMD gfx950, the FNUZ formats on AMD gfx942; none in the interpreter."""
@@ -2471,7 +2493,7 @@ def plan_decode(
     # kernel's occupancy is limited by registers, so small programs (2 warps, 32-token tiles) win, except in
     # fast mode for bf16 (64-token tiles), E8M0 FP4 (64-token tiles, 4 warps; with PTX-unpacked bfloat16 tiles
     # and word-wide scales: 2 warps, 3 stages, history/ab-h100-mx-bf16.log), NVFP4 unpacked by PTX (64-token
-    # tiles: bench/results/history/tune-h100-fp4-ptx.log) and, on NVIDIA GPUs, FP8 (64-token tiles: H200, session 28)
+    # tiles: bench/results/history/tune-h100-fp4-ptx.log) and FP8 on the H200 (64-token tiles, FP8_FAST_BLOCK_N)
     fast_e8m0 = precision == "fast" and k.kind == "mxfp4"
     fast_mx_ptx = fast_e8m0 and wide_k and bool(ptx_unpack)
     fast_nvfp4_ptx = precision == "fast" and k.kind == "nvfp4" and ptx_unpack
@@ -2540,10 +2562,8 @@ def plan_decode(
             # heads x 16,384 1,003.6 -> 945.9 us, 8 x 32,768 278.9 -> 264.4, 1 x 131,072 154.5 -> 149.3;
             # bench/results/ANALYSIS.md, session 27)
             block_n = 128
-        elif precision == "fast" and k.kind == v.kind == "fp8" and _nvidia_cuda(q):  # fast FP8 on NVIDIA GPUs:
-            # 64-token tiles (H200, head-major, batch 32 x 8,192: 148.8 -> 143.4 us; bench/results/ANALYSIS.md,
-            # session 28)
-            block_n = 64
+        elif precision == "fast" and k.kind == v.kind == "fp8" and _nvidia_cuda(q):  # per device (64 on the H200)
+            block_n = fast_fp8_block_n(str(q.device))
         else:
             block_n = 64 if precision == "fast" and (fast_e8m0 or fast_nvfp4_ptx or k.kind == "bf16") else 32
     if key_rows:  # a tile holds whole KIVI token groups, or lies inside one
