@@ -154,16 +154,14 @@ def _launches(target: str, cases: list | None = None, page: int = 16) -> list[tu
                 out.append((f"decode[{label},vw=0{',ptx' if target.startswith('cuda') else ''}]", split(launches)))
             if vn.startswith("fp8") and not vo.get("granularity") == "token_head":  # FP8 value words
                 # (fp8_value_words; the default on NVIDIA GPUs): the PTX halves on CUDA targets, portable elsewhere
-                launches, _, _ = plan_decode(q, dc.k.tiles(), dc.v.tiles(), dc.block_table, dc.seq_lens, page,
-                                             max_seq_len=40, num_splits=2, hw_formats=_hw_formats(target),
-                                             fp8_value_words=True, ptx_unpack=target.startswith("cuda"))
-                words = split(launches)
-                out.append((f"decode[{label},vw8={words.constexprs['VW8']}]", words))
-                if target.startswith("cuda") and not kn.endswith("kivi"):  # fast FP8 on the H200: 64-token tiles
+                # (on CUDA also at 64-token tiles: fast FP8's default on the H200, ``FP8_FAST_BLOCK_N``)
+                for bn in (None, 64) if target.startswith("cuda") and kn.startswith("fp8") else (None,):
                     launches, _, _ = plan_decode(q, dc.k.tiles(), dc.v.tiles(), dc.block_table, dc.seq_lens, page,
                                                  max_seq_len=40, num_splits=2, hw_formats=_hw_formats(target),
-                                                 fp8_value_words=True, ptx_unpack=True, block_n=64)
-                    out.append((f"decode[{label},vw8={words.constexprs['VW8']},bn=64]", split(launches)))
+                                                 fp8_value_words=True, ptx_unpack=target.startswith("cuda"),
+                                                 block_n=bn)
+                    words = split(launches)
+                    out.append((f"decode[{label},vw8={words.constexprs['VW8']}{',bn=64' if bn else ''}]", words))
             if label in DIRECT_CASES:  # one split writing the outputs itself (``direct_output``; a rotated V
                 # un-rotated by the split kernel, ``ROT_V``)
                 wide = dict(zip(("block_n", "num_warps", "num_stages"), BF16_WIDE, strict=True))

@@ -310,8 +310,7 @@ def _mx_tile_bf16(byte, code):
     c = code.to(tl.int32)
     fc = ((c << 7) | tl.where(((c + 1) & 255) < 2, 0x40, 0)).to(tl.uint16).to(tl.bfloat16, bitcast=True)
     lo, hi = _e2m1_pairs(byte, True)
-    two126: tl.constexpr = 8.507059173023462e37  # 2**126, exact in bfloat16
-    return lo * two126 * fc, hi * two126 * fc
+    return lo * TWO_126 * fc, hi * TWO_126 * fc
 
 
 @triton.jit
