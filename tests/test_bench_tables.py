@@ -34,12 +34,14 @@ def test_a_single_sdpa_time_is_the_baseline():
 
 def test_the_plotted_speed_ups_are_the_tables():
     """The plot's speed-up panel: fast rows of the run's layout at page size 16 against the same baseline as the
-    table; exact rows, other layouts and page sizes are left out, and SDPA gets no speed-up of its own."""
+    table; exact rows, other layouts and page sizes and rows of other ops (a
+    --rotation run's ratios, which name no backend) are left out, and SDPA gets no speed-up of its own."""
     rows = [_row("torch-sdpa-dense", 370.0), _row("torch-sdpa-dense", 364.0),
             _row("triton", 182.0, precision="fast", layout="HND"),
             _row("triton", 400.0, precision="exact", layout="HND"),
             _row("triton", 300.0, precision="fast", layout="NHD"),
-            _row("triton", 250.0, precision="fast", layout="HND", page_size=1)]
+            _row("triton", 250.0, precision="fast", layout="HND", page_size=1),
+            {"op": "rotation_ratio", "of": "decode", "scheme": "fp8_e4m3", "ratio": 1.02}]  # --rotation's summary rows
     by, ratio = tables.plotted_rows({"layout": "HND", "results": rows})
     assert ratio == {"triton:bf16": {(32, 32, 8192): 2.0}}  # 364 / 182
     assert sorted(by) == ["torch-sdpa-dense:bf16", "triton:bf16"] and len(by["triton:bf16"]) == 1
