@@ -401,8 +401,8 @@ def test_kivi_subnormal_codes(pair, words, flip_chains):
     in their default two chains give the same bits in the interpreter (every scaling is an exact power of two on
     float32 sums; the H100's tensor cores round some of the scaled sums differently in the last bit); every path
     (words in one or two chains, byte phases; bfloat16 and float32 q) meets the oracle's bound and agrees with the
-    exact codes within both bounds. The default: on for 2-bit keys by key rows (where it measured faster), off for
-    4-bit. Refused without key rows. Planted bugs fail it: the odd chain's 2**-4
+    exact codes within both bounds. The default: on for 2-bit keys by key rows (where it measured faster), and for
+    4-bit keys only in head-major pages (token-major 4-bit keys lost at 64 query heads). Refused without key rows. Planted bugs fail it: the odd chain's 2**-4
     dropped (the two-chain cases: int4 words, int2 words in two chains), the 2**24 dropped (every case)."""
     from kvqref.kernels.decode import decode_split_kernel, plan_decode
 
@@ -423,11 +423,12 @@ def test_kivi_subnormal_codes(pair, words, flip_chains):
             assert np.array_equal(out, exact) and np.array_equal(lse, lse_x), qdtype
         else:
             assert (np.abs(out - exact) <= 2 * tol_o).all() and (np.abs(lse - lse_x) <= 2 * tol_l).all(), qdtype
-    dc = tb.DeviceCache.from_cache(cache, DEVICE)
-    launches, _, _ = plan_decode(q.to(DEVICE), dc.k.tiles(), dc.v.tiles(), dc.block_table, dc.seq_lens, dc.page_size,
-                                 **kw)
-    assert next(la for la in launches if la.kernel is decode_split_kernel).constexprs["KSUB"] is (
-        pair[0] == "int2_kivi")
+    for layout in ("NHD", "HND"):
+        dc = tb.DeviceCache.from_cache(cache, DEVICE).with_layout(layout)
+        launches, _, _ = plan_decode(q.to(DEVICE), dc.k.tiles(), dc.v.tiles(), dc.block_table, dc.seq_lens,
+                                     dc.page_size, **kw)
+        assert next(la for la in launches if la.kernel is decode_split_kernel).constexprs["KSUB"] is (
+            pair[0] == "int2_kivi" or layout == "HND"), layout
     with pytest.raises(ValueError, match="kivi_subnormal_codes needs key_rows"):
         _run_decode(cache, q, precision="fast", key_rows=False, kivi_subnormal_codes=True)
 

@@ -2389,7 +2389,8 @@ def plan_decode(
     float32 products (:func:`_kivi_rows_scores`, constexpr ``KSUB``; exact scalings by powers of two: the same bits
     wherever no key-row operand falls below float16's normal range, in the interpreter; the H100's tensor cores
     round some float32 sums of the scaled products differently in the last bit); default: 2-bit keys by key rows
-    (H100: int2 at batch 32 x 8,192 244.1 -> 233.4 us; 4-bit keys gained nothing).
+    (H100: int2 at batch 32 x 8,192 244.1 -> 233.4 us), and 4-bit keys by key rows in head-major pages (H200: int4
+    237.9 -> 234.0 us, 938.1 -> 903.2 at 64 query heads; token-major pages lost there, 1,084.6 -> 1,119.0).
     ``e8m0_tile_check``: with ``block_rows``, one check per tile that every E8M0 block-scale code of the tile lies
     in 1 .. 254, then the bare exponent field as each code's float32 instead of :func:`e8m0_to_f32`'s rule for codes
     0 and 255 (constexpr ``E8M0_CHECK``); if a tile held code 0 or 255, one uniform branch after the loop reruns the
@@ -2615,9 +2616,12 @@ def plan_decode(
     if kpipe and not key_rows:
         raise ValueError("kivi_pipeline needs key_rows (fast KIVI by token-group key rows)")
     # key codes as float16 subnormals for 2-bit keys (H100, 3 rounds: int2 at batch 32 x 8,192 244.1 -> 233.4 us, 128 x
-    # 4,096 535.1 -> 519.4; int4 unchanged, 275.5 -> 275.7, and 1,297 -> 1,329 at 64 query heads: off;
-    # bench/results/ANALYSIS.md, session 21)
-    ksub = bool(key_rows and k.bits == 2) if kivi_subnormal_codes is None else bool(kivi_subnormal_codes)
+    # 4,096 535.1 -> 519.4; int4 unchanged there, 275.5 -> 275.7, and 1,297 -> 1,329 at 64 query heads; session 21)
+    # and for 4-bit keys in head-major pages (H200, session 29, today's kernels: int4 at batch 32 x 8,192 237.9 ->
+    # 234.0 us, 1 x 131,072 131.7 -> 130.5, 128 x 4,096 491.3 -> 484.2, 64 q / 8 KV heads 938.1 -> 903.2; token-major
+    # 266.3 -> 265.2 at batch 32 but 1,084.6 -> 1,119.0 at 64 query heads: off; bench/results/ANALYSIS.md)
+    ksub = (bool(key_rows and (k.bits == 2 or (k.bits == 4 and k.head_major))) if kivi_subnormal_codes is None
+            else bool(kivi_subnormal_codes))
     e8m0_sides = [t for t in (k, v) if t.kind == "mxfp4"]
     e8m0_check_ok = bool(block_rows) and bool(e8m0_sides) and all(wide(t) for t in e8m0_sides)
     if e8m0_tile_check and not e8m0_check_ok:
