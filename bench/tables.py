@@ -104,7 +104,7 @@ def plotted_rows(doc: dict) -> tuple[dict[str, list[tuple[int, float]]], dict[st
     ratio: dict[str, dict[tuple[int, int, int], float]] = {}
     for r in rows:
         main_layout = r.get("backend") != "triton" or r.get("layout") in (None, doc.get("layout", r.get("layout")))
-        if r["op"] == "decode" and r.get("page_size") in (0, 16) and r.get("precision", "fast") != "exact" and main_layout:
+        if r["op"] == "decode" and r["page_size"] in (0, 16) and r.get("precision", "fast") != "exact" and main_layout:
             label = f"{r['backend']}:{r['scheme']}"
             by.setdefault(label, []).append((r["batch"] * r["tokens"], r["gbs"]))
             key = (r["batch"], r["q_heads"], r["tokens"])

@@ -402,7 +402,8 @@ def test_kivi_subnormal_codes(pair, words, flip_chains):
     float32 sums; the H100's tensor cores round some of the scaled sums differently in the last bit); every path
     (words in one or two chains, byte phases; bfloat16 and float32 q) meets the oracle's bound and agrees with the
     exact codes within both bounds. The default: on for 2-bit keys by key rows (where it measured faster), and for
-    4-bit keys only in head-major pages (token-major 4-bit keys lost at 64 query heads). Refused without key rows. Planted bugs fail it: the odd chain's 2**-4
+    4-bit keys only in head-major pages (token-major 4-bit keys lost at 64 query heads). Refused without key rows.
+    Planted bugs fail it: the odd chain's 2**-4
     dropped (the two-chain cases: int4 words, int2 words in two chains), the 2**24 dropped (every case)."""
     from kvqref.kernels.decode import decode_split_kernel, plan_decode
 
