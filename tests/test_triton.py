@@ -1569,6 +1569,39 @@ def test_fast_fp8_launch_is_the_measured_choice(monkeypatch):
             assert block_n() == 32, pair[0]
 
 
+def test_per_element_e8m0_tiles_are_two_axis_by_default(monkeypatch):
+    """Fast per-element E8M0 tiles (fp4_e2m1 without block rows: the default at 8 query heads per KV head) are built as
+    two-axis tiles by default on NVIDIA GPUs (``e8m0_tiles_2d``; session 29, H200: fp4_e2m1 at 64 q / 8 KV heads x
+    16,384 1,019.6 -> 902.1 us, the same bits), planned on the CPU as for a GPU with PTX unpacking; exact mode,
+    block rows and the portable unpacking refuse it. On the GPU, every per-element E8M0 test (extreme and rare scale
+    codes: ``test_bf16_e8m0_tiles_are_exact_at_extreme_scale_codes``, ``test_e8m0_block_rows_at_the_rare_scale_codes``)
+    runs it."""
+    from kvqref.kernels import decode
+    from kvqref.kernels.aot import _hw_formats
+    from kvqref.kernels.decode import plan_decode
+
+    rng = np.random.default_rng(61)
+    cache, _ = build_cache(PAIRS[5], dict(SMALL, head_dim=128), rng)  # 8 blocks x 8 heads: more than 32 rows
+    dc = tb.DeviceCache.from_cache(cache, "cpu")
+    q = torch.zeros(3, 16, 128, dtype=torch.bfloat16)  # 8 query heads per KV head
+
+    def plan(**kw):
+        launches, _, _ = plan_decode(q, dc.k.tiles(), dc.v.tiles(), dc.block_table, dc.seq_lens, dc.page_size,
+                                     hw_formats=_hw_formats("cuda:90"), **kw)
+        return next(la for la in launches if la.kernel is decode.decode_split_kernel).constexprs
+
+    with monkeypatch.context() as m:
+        m.setattr(decode, "_nvidia_cuda", lambda t: True)
+        cx = plan(ptx_unpack=True)
+        assert not cx["BLK"] and cx["MX2D"]
+        assert not plan(ptx_unpack=True, e8m0_tiles_2d=False)["MX2D"]
+        assert not plan(ptx_unpack=True, precision="exact")["MX2D"]
+        for bad in ({"precision": "exact"}, {"block_rows": True}, {"ptx_unpack": False}):
+            with pytest.raises(ValueError, match="e8m0_tiles_2d needs"):
+                plan(**{"ptx_unpack": True, "e8m0_tiles_2d": True, **bad})
+    assert not plan()["MX2D"]  # the portable unpacking (not an NVIDIA GPU)
+
+
 def test_bf16_launch_is_the_measured_choice(monkeypatch):
     """Fast bf16 on NVIDIA GPUs: 128-token tiles, 4 warps, 3 stages and the fewest splits that fill whole waves of 2
     programs (H100, session 19: batch 32 x 8,192 375.8 -> 370.3 us at one split, which writes the output itself;

@@ -1486,6 +1486,7 @@ def decode_split_kernel(
     VW8: tl.constexpr = 0,
     DIRECT: tl.constexpr = False,
     ROT_V: tl.constexpr = False,
+    MX2D: tl.constexpr = False,
 ):
     """One (sequence, KV head, split): K tiles are read transposed [D/PACK, N] per phase (the elements
     sharing a byte position), V tiles [N, D/PACK]; no register transposes or interleaves. ``VW8`` (FP8 values
@@ -1662,7 +1663,15 @@ def decode_split_kernel(
                                       other=0)
                         ksc = _block_scales(K1, slot, kvh, k1_s, k1_h, tmask, NBK, WSC_K, True)[:, None, :]
                         KSH: tl.constexpr = (DK, BLOCK_N)
-                    if MXB_K:  # E8M0 tiles built in bfloat16 (CUDA, fast mode, PTX)
+                    if MXB_K and MX2D and not KT4:  # [bytes, N] tiles, each byte's block code from its token's
+                        # scale word: no reshape before the product, so the bfloat16 tile reaches shared memory in
+                        # wide stores (sm_90 loop: 274 -> 172 shared-memory instructions per tile)
+                        kb2 = tl.load(K0 + slot[None, :] * k0_s + kvh * k0_h + ik[:, None], mask=tmask[None, :],
+                                      other=0)
+                        kwd = _block_scale_words(K1, slot, kvh, k1_s, k1_h, tmask, NBK)
+                        kc2 = (kwd[None, :] >> (8 * (ik[:, None] // (QB_K // 2))).to(kwd.dtype)) & 0xFF
+                        k_lo, k_hi = _mx_tile_bf16(kb2, kc2)
+                    elif MXB_K:  # E8M0 tiles built in bfloat16 (CUDA, fast mode, PTX)
                         k_lo, k_hi = _mx_tile_bf16(kb3, ksc)
                         k_lo = tl.reshape(k_lo, KSH)
                         k_hi = tl.reshape(k_hi, KSH)
@@ -1762,7 +1771,13 @@ def decode_split_kernel(
                     vb3 = tl.load(V0 + slot[:, None, None] * v0_s + kvh * v0_h + voff, mask=tmask[:, None, None],
                                   other=0)
                     vsc = _block_scales(V1, slot, kvh, v1_s, v1_h, tmask, NBV, WSC_V, False)
-                    if MXB_V:
+                    if MXB_V and MX2D:  # [N, bytes] tiles, as the keys
+                        vb2 = tl.load(V0 + slot[:, None] * v0_s + kvh * v0_h + iv[None, :], mask=tmask[:, None],
+                                      other=0)
+                        vwd = _block_scale_words(V1, slot, kvh, v1_s, v1_h, tmask, NBV)
+                        vc2 = (vwd[:, None] >> (8 * (iv[None, :] // (QB_V // 2))).to(vwd.dtype)) & 0xFF
+                        v_lo, v_hi = _mx_tile_bf16(vb2, vc2)
+                    elif MXB_V:
                         v_lo, v_hi = _mx_tile_bf16(vb3, vsc[:, :, None])
                         v_lo = tl.reshape(v_lo, (BLOCK_N, DV))
                         v_hi = tl.reshape(v_hi, (BLOCK_N, DV))
@@ -2337,6 +2352,7 @@ def plan_decode(
     direct_output: bool | None = None,
     kivi_subnormal_codes: bool | None = None,
     e8m0_tile_check: bool | None = None,
+    e8m0_tiles_2d: bool | None = None,
 ):
     """The launches of decode attention (see :func:`paged_decode`), with their output tensors.
     ``hw_formats``: FP8 format ids converted in hardware (default: what ``q``'s device has); ``maxnreg``:
@@ -2396,6 +2412,12 @@ def plan_decode(
     0 and 255 (constexpr ``E8M0_CHECK``); if a tile held code 0 or 255, one uniform branch after the loop reruns the
     split with that rule: the same bits either way; needs every E8M0 side's scales as words (``wide_scale_loads``);
     default: with value words by channel halves (one warp: ``value_words`` and ``channel_halves``).
+    ``e8m0_tiles_2d``: fast per-element E8M0 tiles (no block rows; CUDA, PTX unpacking, scales read as words) built
+    as [code bytes, tokens] (keys) and [tokens, code bytes] (values), each byte's block code shifted out of its
+    token's scale word, instead of [blocks, bytes, tokens] tiles times a broadcast scale, reshaped (constexpr
+    ``MX2D``; the same values); default: wherever it applies (the shared-memory round trip of the bfloat16 tiles
+    bounds this path, and the two-axis tiles make it with fewer, wider stores: H200, fp4_e2m1 at 8 query heads per
+    KV head 12% faster).
     ``residual_launch``: the residual window's split as its own launch (constexpr ``PART``), so the paged splits
     do not carry the residual path's registers; default: with ``key_rows`` and a residual window.
     ``channel_halves``: with ``block_rows``, a side of at least 32 rows multiplies each channel half by the rows of
@@ -2630,6 +2652,16 @@ def plan_decode(
     # x 8,192, mxfp4 at 64 query heads 299.5 -> 270.8; mxfp4's two-warp programs, capped at 128 registers, spill
     # the second loop's and lose 0.5-2%: bench/results/ANALYSIS.md)
     e8m0_check = (e8m0_check_ok and words_halves) if e8m0_tile_check is None else bool(e8m0_tile_check)
+    # per-element E8M0 tiles as [bytes, tokens] with each byte's scale code from its token's scale word (``MX2D``):
+    # no reshape of [blocks, bytes, tokens] tiles before the product, so fewer, wider shared-memory stores
+    # (H200, fp4_e2m1 at 64 q / 8 KV heads, head-major: 64 x 16,384 1,019.6 -> 902.1 us, 8 x 32,768 281.1 -> 247.5,
+    # 1 x 131,072 156.1 -> 137.1; token-major 1,198.0 -> 930.0; the same bits: bench/results/ANALYSIS.md, session 29)
+    mx2d_ok = (precision == "fast" and not block_rows and not key_rows and bool(ptx_unpack)
+               and all(wide(t) for t in (k, v) if t.kind == "mxfp4") and "mxfp4" in (k.kind, v.kind))
+    if e8m0_tiles_2d and not mx2d_ok:
+        raise ValueError("e8m0_tiles_2d needs fast per-element E8M0 (mxfp4-kind) tiles unpacked by PTX with their "
+                         "scales read as words (wide_scale_loads; no block_rows or key_rows)")
+    mx2d = mx2d_ok if e8m0_tiles_2d is None else bool(e8m0_tiles_2d)
     if ksub and not key_rows:
         raise ValueError("kivi_subnormal_codes needs key_rows (fast KIVI by token-group key rows)")
     # fp4_e2m1 (E8M0 blocks of 16) by value words and channel halves, pages of more than one token: 3 stages (H100,
@@ -2795,6 +2827,7 @@ def plan_decode(
         VW8=vw8,
         DIRECT=direct,
         ROT_V=direct and v.rotation is not None,
+        MX2D=mx2d,
     )
     merge_args = [
         op,
