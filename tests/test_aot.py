@@ -97,12 +97,12 @@ def test_every_kernel_compiles_for_rocm_and_cuda_targets():
         kr_ptx = key_rows if t.startswith("cuda") else 0
         # + on CUDA the KIVI write cases by float16 pairs in inline PTX (``kivi_f16x2``, their default on NVIDIA GPUs)
         x2 = f16cvt if t.startswith("cuda") else 0
-        # + on CUDA fp4_e2m1's per-element tiles as two-axis tiles (``e8m0_tiles_2d``)
-        mx2d = 1 if t.startswith("cuda") else 0
+        # + per-element FP4 tiles as two-axis tiles (``fp4_tiles_2d``): NVFP4 on every target, fp4_e2m1 on CUDA
+        t2d = 2 if t.startswith("cuda") else 1
         assert len(rows) == (2 * len(DECODE_CASES) + len(SHARED_KERNELS) + len(WRITE_CASES) + ptx + f16cvt
                              + rows_off + kt4 + ktile_off + 3 * key_rows + sums + nvb + blocks + vw_off + vw8
-                             + direct + kr_ptx + word_loads + x2 + bn64 + mx2d), t
-        assert sum(r["kernel"].endswith(",mx2d]") and r["ok"] for r in rows) == mx2d, t
+                             + direct + kr_ptx + word_loads + x2 + bn64 + t2d), t
+        assert sum(r["kernel"].endswith(",t2d]") and r["ok"] for r in rows) == t2d, t
         assert sum(r["kernel"].endswith(",x2]") and r["ok"] for r in rows) == x2, t
         assert word_loads and sum(",words," in r["kernel"] and r["ok"] for r in rows) == word_loads, t
         assert sum(r["kernel"].endswith(",kr=1,ptx]") and r["ok"] for r in rows) == kr_ptx, t

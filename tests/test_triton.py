@@ -1569,37 +1569,60 @@ def test_fast_fp8_launch_is_the_measured_choice(monkeypatch):
             assert block_n() == 32, pair[0]
 
 
-def test_per_element_e8m0_tiles_are_two_axis_by_default(monkeypatch):
-    """Fast per-element E8M0 tiles (fp4_e2m1 without block rows: the default at 8 query heads per KV head) are built as
-    two-axis tiles by default on NVIDIA GPUs (``e8m0_tiles_2d``; session 29, H200: fp4_e2m1 at 64 q / 8 KV heads x
-    16,384 1,019.6 -> 902.1 us, the same bits), planned on the CPU as for a GPU with PTX unpacking; exact mode,
-    block rows and the portable unpacking refuse it. On the GPU, every per-element E8M0 test (extreme and rare scale
-    codes: ``test_bf16_e8m0_tiles_are_exact_at_extreme_scale_codes``, ``test_e8m0_block_rows_at_the_rare_scale_codes``)
-    runs it."""
+def test_two_axis_fp4_tiles_default(monkeypatch):
+    """Per-element FP4 tiles built on two axes (``fp4_tiles_2d``): the default for fast E8M0 tiles unpacked by PTX
+    (fp4_e2m1 without block rows: the default at 8 query heads per KV head; session 29, H200: 64 q / 8 KV heads x
+    16,384 1,019.6 -> 902.1 us, the same bits), planned on the CPU as for a GPU; off in exact mode, for NVFP4 sides
+    and for the portable unpacking (not measured yet); refused with block rows. On the GPU every per-element E8M0
+    test (extreme and rare scale codes) runs it by default."""
     from kvqref.kernels import decode
     from kvqref.kernels.aot import _hw_formats
     from kvqref.kernels.decode import plan_decode
 
     rng = np.random.default_rng(61)
-    cache, _ = build_cache(PAIRS[5], dict(SMALL, head_dim=128), rng)  # 8 blocks x 8 heads: more than 32 rows
-    dc = tb.DeviceCache.from_cache(cache, "cpu")
+    shape = dict(SMALL, head_dim=128)  # 8 blocks x 8 heads: more rows than block rows take
     q = torch.zeros(3, 16, 128, dtype=torch.bfloat16)  # 8 query heads per KV head
 
-    def plan(**kw):
+    def plan(pair, **kw):
+        cache, _ = build_cache(pair, shape, rng)
+        dc = tb.DeviceCache.from_cache(cache, "cpu")
         launches, _, _ = plan_decode(q, dc.k.tiles(), dc.v.tiles(), dc.block_table, dc.seq_lens, dc.page_size,
                                      hw_formats=_hw_formats("cuda:90"), **kw)
         return next(la for la in launches if la.kernel is decode.decode_split_kernel).constexprs
 
     with monkeypatch.context() as m:
         m.setattr(decode, "_nvidia_cuda", lambda t: True)
-        cx = plan(ptx_unpack=True)
-        assert not cx["BLK"] and cx["MX2D"]
-        assert not plan(ptx_unpack=True, e8m0_tiles_2d=False)["MX2D"]
-        assert not plan(ptx_unpack=True, precision="exact")["MX2D"]
-        for bad in ({"precision": "exact"}, {"block_rows": True}, {"ptx_unpack": False}):
-            with pytest.raises(ValueError, match="e8m0_tiles_2d needs"):
-                plan(**{"ptx_unpack": True, "e8m0_tiles_2d": True, **bad})
-    assert not plan()["MX2D"]  # the portable unpacking (not an NVIDIA GPU)
+        cx = plan(PAIRS[5], ptx_unpack=True)
+        assert not cx["BLK"] and cx["T2D"]
+        assert not plan(PAIRS[5], ptx_unpack=True, fp4_tiles_2d=False)["T2D"]
+        assert not plan(PAIRS[5], ptx_unpack=True, precision="exact")["T2D"]
+        assert not plan(PAIRS[9], ptx_unpack=True)["T2D"]  # NVFP4: not measured yet
+        assert plan(PAIRS[9], ptx_unpack=True, fp4_tiles_2d=True)["T2D"]
+        with pytest.raises(ValueError, match="fp4_tiles_2d needs"):
+            plan(PAIRS[5], ptx_unpack=True, block_rows=True, fp4_tiles_2d=True)
+    assert not plan(PAIRS[5])["T2D"]  # the portable unpacking (not an NVIDIA GPU)
+    with pytest.raises(ValueError, match="fp4_tiles_2d needs"):
+        plan(PAIRS[1], fp4_tiles_2d=True)  # no FP4 side
+
+
+@pytest.mark.parametrize("precision", ["fast", "exact"])
+@pytest.mark.parametrize("pair", [PAIRS[5], PAIRS[6], PAIRS[9]], ids=[IDS[5], IDS[6], IDS[9]])
+def test_two_axis_fp4_tiles_equal_the_reshaped_ones(pair, precision):
+    """``fp4_tiles_2d=True`` (each code byte's block scale code shifted out of its token's scale word, tiles
+    [bytes, tokens] / [tokens, bytes]) gives the same bits as the reshaped [blocks, bytes, tokens] tiles, per element
+    (no block rows), E8M0 and E4M3 scales, head_dim 128 (8-byte words) and 64 (4-byte words), ragged lengths (masked
+    tails), both precisions, and meets the oracle's bound. A planted wrong block index (byte j // (bytes per
+    block * 2)) fails it."""
+    rng = np.random.default_rng(62)
+    for hd in (128, 64) if pair[0] != "mxfp4" else (128,):  # (mxfp4's blocks of 32: 2 scale bytes at 64, no word)
+        cache, _ = build_cache(pair, dict(SMALL, head_dim=hd), rng)
+        q = torch.from_numpy(rng.standard_normal((3, 4, hd)).astype(np.float32))
+        kw = dict(precision=precision, block_rows=False, wide_scale_loads=True)
+        out2, lse2, _ = _run_decode(cache, q, fp4_tiles_2d=True, **kw)
+        out3, lse3, _ = _run_decode(cache, q, fp4_tiles_2d=False, **kw)
+        assert np.array_equal(out2, out3) and np.array_equal(lse2, lse3), hd
+        ref_out, ref_lse, tol_o, tol_l = _oracle(cache, q.numpy().astype(np.float64), precision, "float32")
+        assert (np.abs(out2 - ref_out) <= tol_o).all() and (np.abs(lse2 - ref_lse) <= tol_l).all(), hd
 
 
 def test_bf16_launch_is_the_measured_choice(monkeypatch):

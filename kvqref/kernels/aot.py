@@ -145,13 +145,14 @@ def _launches(target: str, cases: list | None = None, page: int = 16) -> list[tu
                                              max_seq_len=40, num_splits=2, hw_formats=_hw_formats(target),
                                              ptx_unpack=True)
                 out.append((f"decode[{label},ptx]", split(launches)))
-            if target.startswith("cuda") and label == "fp4_e2m1":  # per-element E8M0 tiles (no block rows; the
-                # default at 8 query heads per KV head) as two-axis tiles (``e8m0_tiles_2d``)
+            if (target.startswith("cuda") and label == "fp4_e2m1") or label == "nvfp4":  # per-element FP4 tiles (no
+                # block rows: fp4_e2m1's default at 8 query heads per KV head, by PTX) as two-axis tiles
+                # (``fp4_tiles_2d``); NVFP4's on every target (not its default yet)
                 launches, _, _ = plan_decode(q, dc.k.tiles(), dc.v.tiles(), dc.block_table, dc.seq_lens, page,
                                              max_seq_len=40, num_splits=2, hw_formats=_hw_formats(target),
-                                             ptx_unpack=True, block_rows=False)
-                assert split(launches).constexprs["MX2D"], label
-                out.append((f"decode[{label},mx2d]", split(launches)))
+                                             ptx_unpack=target.startswith("cuda"), block_rows=False,
+                                             fp4_tiles_2d=True)
+                out.append((f"decode[{label},t2d]", split(launches)))
             fast = default["fast"].constexprs
             if fast.get("BLK") and fast["VW"] and fast["HALF_V"]:  # block rows'
                 # value tiles by channel halves as bytes (``value_words=False``), where words are the default

@@ -348,6 +348,30 @@ def _scale_word_bytes(w, NB: tl.constexpr, TOKENS_LAST: tl.constexpr):
 
 
 @triton.jit
+def _fp4_bytes_codes(F0, F1, slot, m, kvh, f0_s, f0_h, f1_s, f1_h, NB: tl.constexpr, BYTES: tl.constexpr,
+                     TOKENS_LAST: tl.constexpr, U8: tl.constexpr = True):
+    """Two-axis per-element FP4 tiles (``fp4_tiles_2d``): the code bytes of the tokens ``slot`` [N] (mask ``m``) as
+    [BYTES, N] if ``TOKENS_LAST`` (keys) else [N, BYTES] (values), and each byte's block scale code (uint8, the same
+    shape; ``U8`` False: in the word's integer type, 0 .. 255) shifted out of its token's NB-byte scale word
+    (:func:`_block_scale_words`): byte j's block is j // (BYTES / NB), as :func:`_scale_word_bytes` reads block b
+    from byte b of the word."""
+    j = tl.arange(0, BYTES)
+    PER: tl.constexpr = BYTES // NB
+    if TOKENS_LAST:
+        b = tl.load(F0 + slot[None, :] * f0_s + kvh * f0_h + j[:, None], mask=m[None, :], other=0)
+        w = _block_scale_words(F1, slot, kvh, f1_s, f1_h, m, NB)
+        c = (w[None, :] >> (8 * (j[:, None] // PER)).to(w.dtype)) & 0xFF
+    else:
+        b = tl.load(F0 + slot[:, None] * f0_s + kvh * f0_h + j[None, :], mask=m[:, None], other=0)
+        w = _block_scale_words(F1, slot, kvh, f1_s, f1_h, m, NB)
+        c = (w[:, None] >> (8 * (j[None, :] // PER)).to(w.dtype)) & 0xFF
+    if U8:
+        return b, c.to(tl.uint8)
+    else:
+        return b, c
+
+
+@triton.jit
 def _fp4_scale(code, KIND: tl.constexpr, FMT: tl.constexpr = 0, FLOAT_OPS: tl.constexpr = True,
                BARE: tl.constexpr = False):
     """Block scale code -> float32 (exact): E8M0 (KIND 2) by its bits (``FLOAT_OPS``: :func:`e8m0_to_f32`'s rule
@@ -1486,7 +1510,7 @@ def decode_split_kernel(
     VW8: tl.constexpr = 0,
     DIRECT: tl.constexpr = False,
     ROT_V: tl.constexpr = False,
-    MX2D: tl.constexpr = False,
+    T2D: tl.constexpr = False,
 ):
     """One (sequence, KV head, split): K tiles are read transposed [D/PACK, N] per phase (the elements
     sharing a byte position), V tiles [N, D/PACK]; no register transposes or interleaves. ``VW8`` (FP8 values
@@ -1639,6 +1663,11 @@ def decode_split_kernel(
                         k4lo, k4hi = _nvfp4_tile16(kbt, ksct[:, :, None], FMT_K, PTX)
                         s = tl.trans(_mm_t(tl.reshape(k4lo, (BLOCK_N, DK)), q4aT, q4aT, q4aT, 1, True)
                                      + _mm_t(tl.reshape(k4hi, (BLOCK_N, DK)), q4bT, q4bT, q4bT, 1, True))
+                    elif T2D:  # two-axis tiles [bytes, N] (``fp4_tiles_2d``)
+                        kb2, kc2 = _fp4_bytes_codes(K0, K1, slot, tmask, kvh, k0_s, k0_h, k1_s, k1_h, NBK4, DK, True)
+                        k4lo, k4hi = _nvfp4_tile16(kb2, kc2, FMT_K, PTX)
+                        s = _mm16(q4a, q4a, k4lo, 1)
+                        s += _mm16(q4b, q4b, k4hi, 1)
                     else:
                         kb4 = tl.load(K0 + slot[None, None, :] * k0_s + kvh * k0_h + koff4, mask=tmask[None, None, :],
                                       other=0)
@@ -1663,14 +1692,18 @@ def decode_split_kernel(
                                       other=0)
                         ksc = _block_scales(K1, slot, kvh, k1_s, k1_h, tmask, NBK, WSC_K, True)[:, None, :]
                         KSH: tl.constexpr = (DK, BLOCK_N)
-                    if MXB_K and MX2D and not KT4:  # [bytes, N] tiles, each byte's block code from its token's
-                        # scale word: no reshape before the product, so the bfloat16 tile reaches shared memory in
-                        # wide stores (sm_90 loop: 274 -> 172 shared-memory instructions per tile)
-                        kb2 = tl.load(K0 + slot[None, :] * k0_s + kvh * k0_h + ik[:, None], mask=tmask[None, :],
-                                      other=0)
-                        kwd = _block_scale_words(K1, slot, kvh, k1_s, k1_h, tmask, NBK)
-                        kc2 = (kwd[None, :] >> (8 * (ik[:, None] // (QB_K // 2))).to(kwd.dtype)) & 0xFF
-                        k_lo, k_hi = _mx_tile_bf16(kb2, kc2)
+                    if T2D and not KT4:  # two-axis tiles [bytes, N] (``fp4_tiles_2d``): no reshape before the
+                        # product, so the 16-bit tile reaches shared memory in wide stores (sm_90, fp4_e2m1 at 8 query
+                        # heads per KV head: 274 -> 172 shared-memory instructions per tile)
+                        kb2, kc2 = _fp4_bytes_codes(K0, K1, slot, tmask, kvh, k0_s, k0_h, k1_s, k1_h, NBK, DK, True,
+                                                    not MXB_K)
+                        if MXB_K:
+                            k_lo, k_hi = _mx_tile_bf16(kb2, kc2)
+                        else:
+                            ks2 = _fp4_scale(kc2, KIND_K, FLOAT_OPS=FAST)
+                            k_lo16, k_hi16 = _e2m1_nibbles_f16(kb2, PTX)
+                            k_lo = k_lo16.to(tl.float32) * 16384.0 * ks2
+                            k_hi = k_hi16.to(tl.float32) * 16384.0 * ks2
                     elif MXB_K:  # E8M0 tiles built in bfloat16 (CUDA, fast mode, PTX)
                         k_lo, k_hi = _mx_tile_bf16(kb3, ksc)
                         k_lo = tl.reshape(k_lo, KSH)
@@ -1757,12 +1790,18 @@ def decode_split_kernel(
                     bv4 = tl.arange(0, NBV4)
                     jv4 = tl.arange(0, QB_V // 2)
                     voff4 = (bv4[:, None] * (QB_V // 2) + jv4[None, :])[None, :, :]
-                    vb4 = tl.load(V0 + slot[:, None, None] * v0_s + kvh * v0_h + voff4, mask=tmask[:, None, None],
-                                  other=0)
-                    vsc4 = _block_scales(V1, slot, kvh, v1_s, v1_h, tmask, NBV4, WSC_V, False)
-                    v4lo, v4hi = _nvfp4_tile16(vb4, vsc4[:, :, None], FMT_V, PTX)
-                    acc0 = acc0 * alpha[:, None] + _mm16(p16h, p16l, tl.reshape(v4lo, (BLOCK_N, DV)), 1)
-                    acc1 = acc1 * alpha[:, None] + _mm16(p16h, p16l, tl.reshape(v4hi, (BLOCK_N, DV)), 1)
+                    if T2D:  # two-axis tiles [N, bytes] (``fp4_tiles_2d``)
+                        vb2, vc2 = _fp4_bytes_codes(V0, V1, slot, tmask, kvh, v0_s, v0_h, v1_s, v1_h, NBV4, DV, False)
+                        v4lo, v4hi = _nvfp4_tile16(vb2, vc2, FMT_V, PTX)
+                    else:
+                        vb4 = tl.load(V0 + slot[:, None, None] * v0_s + kvh * v0_h + voff4, mask=tmask[:, None, None],
+                                      other=0)
+                        vsc4 = _block_scales(V1, slot, kvh, v1_s, v1_h, tmask, NBV4, WSC_V, False)
+                        v4lo, v4hi = _nvfp4_tile16(vb4, vsc4[:, :, None], FMT_V, PTX)
+                        v4lo = tl.reshape(v4lo, (BLOCK_N, DV))
+                        v4hi = tl.reshape(v4hi, (BLOCK_N, DV))
+                    acc0 = acc0 * alpha[:, None] + _mm16(p16h, p16l, v4lo, 1)
+                    acc1 = acc1 * alpha[:, None] + _mm16(p16h, p16l, v4hi, 1)
                 elif KIND_V == 2 or KIND_V == 3:
                     NBV: tl.constexpr = D // QB_V
                     bv = tl.arange(0, NBV)
@@ -1771,12 +1810,16 @@ def decode_split_kernel(
                     vb3 = tl.load(V0 + slot[:, None, None] * v0_s + kvh * v0_h + voff, mask=tmask[:, None, None],
                                   other=0)
                     vsc = _block_scales(V1, slot, kvh, v1_s, v1_h, tmask, NBV, WSC_V, False)
-                    if MXB_V and MX2D:  # [N, bytes] tiles, as the keys
-                        vb2 = tl.load(V0 + slot[:, None] * v0_s + kvh * v0_h + iv[None, :], mask=tmask[:, None],
-                                      other=0)
-                        vwd = _block_scale_words(V1, slot, kvh, v1_s, v1_h, tmask, NBV)
-                        vc2 = (vwd[:, None] >> (8 * (iv[None, :] // (QB_V // 2))).to(vwd.dtype)) & 0xFF
-                        v_lo, v_hi = _mx_tile_bf16(vb2, vc2)
+                    if T2D:  # two-axis tiles [N, bytes] (``fp4_tiles_2d``), as the keys
+                        vb2, vc2 = _fp4_bytes_codes(V0, V1, slot, tmask, kvh, v0_s, v0_h, v1_s, v1_h, NBV, DV, False,
+                                                    not MXB_V)
+                        if MXB_V:
+                            v_lo, v_hi = _mx_tile_bf16(vb2, vc2)
+                        else:
+                            vs2 = _fp4_scale(vc2, KIND_V, FLOAT_OPS=FAST)
+                            v_lo16, v_hi16 = _e2m1_nibbles_f16(vb2, PTX)
+                            v_lo = v_lo16.to(tl.float32) * 16384.0 * vs2
+                            v_hi = v_hi16.to(tl.float32) * 16384.0 * vs2
                     elif MXB_V:
                         v_lo, v_hi = _mx_tile_bf16(vb3, vsc[:, :, None])
                         v_lo = tl.reshape(v_lo, (BLOCK_N, DV))
@@ -2352,7 +2395,7 @@ def plan_decode(
     direct_output: bool | None = None,
     kivi_subnormal_codes: bool | None = None,
     e8m0_tile_check: bool | None = None,
-    e8m0_tiles_2d: bool | None = None,
+    fp4_tiles_2d: bool | None = None,
 ):
     """The launches of decode attention (see :func:`paged_decode`), with their output tensors.
     ``hw_formats``: FP8 format ids converted in hardware (default: what ``q``'s device has); ``maxnreg``:
@@ -2412,12 +2455,12 @@ def plan_decode(
     0 and 255 (constexpr ``E8M0_CHECK``); if a tile held code 0 or 255, one uniform branch after the loop reruns the
     split with that rule: the same bits either way; needs every E8M0 side's scales as words (``wide_scale_loads``);
     default: with value words by channel halves (one warp: ``value_words`` and ``channel_halves``).
-    ``e8m0_tiles_2d``: fast per-element E8M0 tiles (no block rows; CUDA, PTX unpacking, scales read as words) built
-    as [code bytes, tokens] (keys) and [tokens, code bytes] (values), each byte's block code shifted out of its
-    token's scale word, instead of [blocks, bytes, tokens] tiles times a broadcast scale, reshaped (constexpr
-    ``MX2D``; the same values); default: wherever it applies (the shared-memory round trip of the bfloat16 tiles
+    ``fp4_tiles_2d``: per-element FP4 tiles (no block rows; block scales read as words) built as [code bytes, tokens]
+    (keys) and [tokens, code bytes] (values), each byte's block scale code shifted out of its token's scale word
+    (:func:`_fp4_bytes_codes`), instead of [blocks, bytes, tokens] tiles times a broadcast scale, reshaped (constexpr
+    ``T2D``; the same values); default: fast E8M0 tiles built by PTX (the shared-memory round trip of the 16-bit tiles
     bounds this path, and the two-axis tiles make it with fewer, wider stores: H200, fp4_e2m1 at 8 query heads per
-    KV head 12% faster).
+    KV head 12% faster); NVFP4 and the float32 routes not measured yet.
     ``residual_launch``: the residual window's split as its own launch (constexpr ``PART``), so the paged splits
     do not carry the residual path's registers; default: with ``key_rows`` and a residual window.
     ``channel_halves``: with ``block_rows``, a side of at least 32 rows multiplies each channel half by the rows of
@@ -2652,16 +2695,18 @@ def plan_decode(
     # x 8,192, mxfp4 at 64 query heads 299.5 -> 270.8; mxfp4's two-warp programs, capped at 128 registers, spill
     # the second loop's and lose 0.5-2%: bench/results/ANALYSIS.md)
     e8m0_check = (e8m0_check_ok and words_halves) if e8m0_tile_check is None else bool(e8m0_tile_check)
-    # per-element E8M0 tiles as [bytes, tokens] with each byte's scale code from its token's scale word (``MX2D``):
-    # no reshape of [blocks, bytes, tokens] tiles before the product, so fewer, wider shared-memory stores
-    # (H200, fp4_e2m1 at 64 q / 8 KV heads, head-major: 64 x 16,384 1,019.6 -> 902.1 us, 8 x 32,768 281.1 -> 247.5,
-    # 1 x 131,072 156.1 -> 137.1; token-major 1,198.0 -> 930.0; the same bits: bench/results/ANALYSIS.md, session 29)
-    mx2d_ok = (precision == "fast" and not block_rows and not key_rows and bool(ptx_unpack)
-               and all(wide(t) for t in (k, v) if t.kind == "mxfp4") and "mxfp4" in (k.kind, v.kind))
-    if e8m0_tiles_2d and not mx2d_ok:
-        raise ValueError("e8m0_tiles_2d needs fast per-element E8M0 (mxfp4-kind) tiles unpacked by PTX with their "
-                         "scales read as words (wide_scale_loads; no block_rows or key_rows)")
-    mx2d = mx2d_ok if e8m0_tiles_2d is None else bool(e8m0_tiles_2d)
+    # per-element FP4 tiles as [bytes, tokens] with each byte's scale code from its token's scale word (``T2D``): no
+    # reshape of [blocks, bytes, tokens] tiles before the product, so fewer, wider shared-memory stores. Default for
+    # E8M0 tiles built by PTX (H200, fp4_e2m1 at 64 q / 8 KV heads, head-major: 64 x 16,384 1,019.6 -> 902.1 us, 8 x
+    # 32,768 281.1 -> 247.5, 1 x 131,072 156.1 -> 137.1; token-major 1,198.0 -> 930.0; the same bits:
+    # bench/results/ANALYSIS.md, session 29); NVFP4 and the float32 routes not measured yet: off
+    fp4_sides = [t for t in (k, v) if t.kind in ("mxfp4", "nvfp4")]
+    t2d_ok = not block_rows and not key_rows and bool(fp4_sides) and all(wide(t) for t in fp4_sides)
+    if fp4_tiles_2d and not t2d_ok:
+        raise ValueError("fp4_tiles_2d needs per-element FP4 tiles (no block_rows or key_rows) with their block scales "
+                         "read as words (wide_scale_loads)")
+    t2d = (t2d_ok and precision == "fast" and bool(ptx_unpack) and all(t.kind == "mxfp4" for t in fp4_sides)
+           if fp4_tiles_2d is None else bool(fp4_tiles_2d))
     if ksub and not key_rows:
         raise ValueError("kivi_subnormal_codes needs key_rows (fast KIVI by token-group key rows)")
     # fp4_e2m1 (E8M0 blocks of 16) by value words and channel halves, pages of more than one token: 3 stages (H100,
@@ -2827,7 +2872,7 @@ def plan_decode(
         VW8=vw8,
         DIRECT=direct,
         ROT_V=direct and v.rotation is not None,
-        MX2D=mx2d,
+        T2D=t2d,
     )
     merge_args = [
         op,
