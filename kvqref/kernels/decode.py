@@ -372,6 +372,18 @@ def _fp4_bytes_codes(F0, F1, slot, m, kvh, f0_s, f0_h, f1_s, f1_h, NB: tl.conste
 
 
 @triton.jit
+def _fp4_tile_elements(byte, code, KIND: tl.constexpr, MXB: tl.constexpr, FAST: tl.constexpr, PTX: tl.constexpr):
+    """Per-element FP4 tile values of the low and high nibbles of ``byte`` times their block scale ``code`` (the same
+    shape): bfloat16 E8M0 tiles by PTX (``MXB``, :func:`_mx_tile_bf16`), else float32 E2M1 x scale (exact)."""
+    if MXB:
+        return _mx_tile_bf16(byte, code)
+    else:
+        sc = _fp4_scale(code, KIND, FLOAT_OPS=FAST)
+        lo16, hi16 = _e2m1_nibbles_f16(byte, PTX)
+        return lo16.to(tl.float32) * 16384.0 * sc, hi16.to(tl.float32) * 16384.0 * sc
+
+
+@triton.jit
 def _fp4_scale(code, KIND: tl.constexpr, FMT: tl.constexpr = 0, FLOAT_OPS: tl.constexpr = True,
                BARE: tl.constexpr = False):
     """Block scale code -> float32 (exact): E8M0 (KIND 2) by its bits (``FLOAT_OPS``: :func:`e8m0_to_f32`'s rule
@@ -1697,13 +1709,7 @@ def decode_split_kernel(
                         # heads per KV head: 274 -> 172 shared-memory instructions per tile)
                         kb2, kc2 = _fp4_bytes_codes(K0, K1, slot, tmask, kvh, k0_s, k0_h, k1_s, k1_h, NBK, DK, True,
                                                     not MXB_K)
-                        if MXB_K:
-                            k_lo, k_hi = _mx_tile_bf16(kb2, kc2)
-                        else:
-                            ks2 = _fp4_scale(kc2, KIND_K, FLOAT_OPS=FAST)
-                            k_lo16, k_hi16 = _e2m1_nibbles_f16(kb2, PTX)
-                            k_lo = k_lo16.to(tl.float32) * 16384.0 * ks2
-                            k_hi = k_hi16.to(tl.float32) * 16384.0 * ks2
+                        k_lo, k_hi = _fp4_tile_elements(kb2, kc2, KIND_K, MXB_K, FAST, PTX)
                     elif MXB_K:  # E8M0 tiles built in bfloat16 (CUDA, fast mode, PTX)
                         k_lo, k_hi = _mx_tile_bf16(kb3, ksc)
                         k_lo = tl.reshape(k_lo, KSH)
@@ -1813,13 +1819,7 @@ def decode_split_kernel(
                     if T2D:  # two-axis tiles [N, bytes] (``fp4_tiles_2d``), as the keys
                         vb2, vc2 = _fp4_bytes_codes(V0, V1, slot, tmask, kvh, v0_s, v0_h, v1_s, v1_h, NBV, DV, False,
                                                     not MXB_V)
-                        if MXB_V:
-                            v_lo, v_hi = _mx_tile_bf16(vb2, vc2)
-                        else:
-                            vs2 = _fp4_scale(vc2, KIND_V, FLOAT_OPS=FAST)
-                            v_lo16, v_hi16 = _e2m1_nibbles_f16(vb2, PTX)
-                            v_lo = v_lo16.to(tl.float32) * 16384.0 * vs2
-                            v_hi = v_hi16.to(tl.float32) * 16384.0 * vs2
+                        v_lo, v_hi = _fp4_tile_elements(vb2, vc2, KIND_V, MXB_V, FAST, PTX)
                     elif MXB_V:
                         v_lo, v_hi = _mx_tile_bf16(vb3, vsc[:, :, None])
                         v_lo = tl.reshape(v_lo, (BLOCK_N, DV))
