@@ -297,8 +297,9 @@ def compile_launch(launch, tgt):
                               options={**launch.options, "enable_fp_fusion": False})
 
 
-def compile_all(targets: tuple[str, ...] = TARGETS) -> list[dict[str, Any]]:
-    """Compile every kernel variant for every target; one result dict per (variant, target)."""
+def compile_all(targets: tuple[str, ...] = TARGETS, only: str | None = None) -> list[dict[str, Any]]:
+    """Compile every kernel variant for every target (``only``: the variants whose names contain it); one result dict
+    per (variant, target)."""
     from kvqref.backends._aot import expected_asm_keys, make_target
     from kvqref.kernels.layout import check_partner_layout
 
@@ -309,6 +310,8 @@ def compile_all(targets: tuple[str, ...] = TARGETS) -> list[dict[str, Any]]:
         backend, arch = target.split(":")
         tgt = make_target(backend, arch if backend == "hip" else int(arch))
         for name, launch in _launches(target):
+            if only is not None and only not in name:
+                continue
             t0 = time.perf_counter()
             rec: dict[str, Any] = {"target": target, "kernel": name}
             try:
@@ -335,8 +338,13 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--targets", default=",".join(TARGETS))
     ap.add_argument("--json", action="store_true", help="print one JSON document")
+    ap.add_argument("--only", help="compile only the kernel variants whose names contain this text, e.g. "
+                    "'decode[fp4_e2m1'")
     args = ap.parse_args(argv)
-    results = compile_all(tuple(args.targets.split(",")))
+    results = compile_all(tuple(args.targets.split(",")), args.only)
+    if not results:
+        print(f"no kernel variant matches --only {args.only!r}", file=sys.stderr)
+        return 2
     if args.json:
         print(json.dumps(results))
     else:
