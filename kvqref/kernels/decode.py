@@ -338,37 +338,41 @@ def _block_scale_words(F1, slot, kvh, f1_s, f1_h, m, NB: tl.constexpr):
 
 
 @triton.jit
+def _word_byte(w, b):
+    """Byte ``b`` of the scale word ``w`` (block b's code; broadcast), in w's integer type: ``(w >> 8 b) & 0xFF``."""
+    return (w >> (8 * b).to(w.dtype)) & 0xFF
+
+
+@triton.jit
 def _scale_word_bytes(w, NB: tl.constexpr, TOKENS_LAST: tl.constexpr):
     """Byte b of each word of ``w`` [N] (block b's code) as uint8 [NB, N] if ``TOKENS_LAST`` else [N, NB]."""
     b = tl.arange(0, NB)
     if TOKENS_LAST:
-        return ((w[None, :] >> (8 * b[:, None]).to(w.dtype)) & 0xFF).to(tl.uint8)
+        return _word_byte(w[None, :], b[:, None]).to(tl.uint8)
     else:
-        return ((w[:, None] >> (8 * b[None, :]).to(w.dtype)) & 0xFF).to(tl.uint8)
+        return _word_byte(w[:, None], b[None, :]).to(tl.uint8)
 
 
 @triton.jit
 def _fp4_bytes_codes(F0, F1, slot, m, kvh, f0_s, f0_h, f1_s, f1_h, NB: tl.constexpr, BYTES: tl.constexpr,
-                     TOKENS_LAST: tl.constexpr, U8: tl.constexpr = True):
+                     TOKENS_LAST: tl.constexpr):
     """Two-axis per-element FP4 tiles (``fp4_tiles_2d``): the code bytes of the tokens ``slot`` [N] (mask ``m``) as
     [BYTES, N] if ``TOKENS_LAST`` (keys) else [N, BYTES] (values), and each byte's block scale code (uint8, the same
-    shape; ``U8`` False: in the word's integer type, 0 .. 255) shifted out of its token's NB-byte scale word
+    shape) shifted out of its token's NB-byte scale word
     (:func:`_block_scale_words`): byte j's block is j // (BYTES / NB), as :func:`_scale_word_bytes` reads block b
     from byte b of the word."""
     j = tl.arange(0, BYTES)
     PER: tl.constexpr = BYTES // NB
     if TOKENS_LAST:
         b = tl.load(F0 + slot[None, :] * f0_s + kvh * f0_h + j[:, None], mask=m[None, :], other=0)
-        w = _block_scale_words(F1, slot, kvh, f1_s, f1_h, m, NB)
-        c = (w[None, :] >> (8 * (j[:, None] // PER)).to(w.dtype)) & 0xFF
     else:
         b = tl.load(F0 + slot[:, None] * f0_s + kvh * f0_h + j[None, :], mask=m[:, None], other=0)
-        w = _block_scale_words(F1, slot, kvh, f1_s, f1_h, m, NB)
-        c = (w[:, None] >> (8 * (j[None, :] // PER)).to(w.dtype)) & 0xFF
-    if U8:
-        return b, c.to(tl.uint8)
+    w = _block_scale_words(F1, slot, kvh, f1_s, f1_h, m, NB)
+    if TOKENS_LAST:
+        c = _word_byte(w[None, :], j[:, None] // PER)
     else:
-        return b, c
+        c = _word_byte(w[:, None], j[None, :] // PER)
+    return b, c.to(tl.uint8)
 
 
 @triton.jit
@@ -1688,37 +1692,30 @@ def decode_split_kernel(
                         s = _mm16(q4a, q4a, tl.reshape(k4lo, (DK, BLOCK_N)), 1)
                         s += _mm16(q4b, q4b, tl.reshape(k4hi, (DK, BLOCK_N)), 1)
                 elif KIND_K == 2 or KIND_K == 3:
-                    # FP4 blocks: bytes as [blocks, QB/2, N], one scale per (block, token) broadcast
                     NBK: tl.constexpr = D // QB_K
-                    bk = tl.arange(0, NBK)
-                    jk = tl.arange(0, QB_K // 2)
-                    koff = (bk[:, None] * (QB_K // 2) + jk[None, :])[:, :, None]
-                    if KT4:  # tokens as rows: bytes as [N, blocks, QB/2], scores come out transposed
-                        kb3 = tl.load(K0 + slot[:, None] * k0_s + kvh * k0_h + ik[None, :], mask=tmask[:, None],
-                                      other=0)
-                        kb3 = tl.reshape(kb3, (BLOCK_N, NBK, QB_K // 2))
-                        ksc = _block_scales(K1, slot, kvh, k1_s, k1_h, tmask, NBK, WSC_K, False)[:, :, None]
-                        KSH: tl.constexpr = (BLOCK_N, DK)
-                    else:
-                        kb3 = tl.load(K0 + slot[None, None, :] * k0_s + kvh * k0_h + koff, mask=tmask[None, None, :],
-                                      other=0)
-                        ksc = _block_scales(K1, slot, kvh, k1_s, k1_h, tmask, NBK, WSC_K, True)[:, None, :]
-                        KSH: tl.constexpr = (DK, BLOCK_N)
                     if T2D and not KT4:  # two-axis tiles [bytes, N] (``fp4_tiles_2d``): no reshape before the
                         # product, so the 16-bit tile reaches shared memory in wide stores (sm_90, fp4_e2m1 at 8 query
                         # heads per KV head: 274 -> 172 shared-memory instructions per tile)
-                        kb2, kc2 = _fp4_bytes_codes(K0, K1, slot, tmask, kvh, k0_s, k0_h, k1_s, k1_h, NBK, DK, True,
-                                                    not MXB_K)
+                        kb2, kc2 = _fp4_bytes_codes(K0, K1, slot, tmask, kvh, k0_s, k0_h, k1_s, k1_h, NBK, DK, True)
                         k_lo, k_hi = _fp4_tile_elements(kb2, kc2, KIND_K, MXB_K, FAST, PTX)
-                    elif MXB_K:  # E8M0 tiles built in bfloat16 (CUDA, fast mode, PTX)
-                        k_lo, k_hi = _mx_tile_bf16(kb3, ksc)
+                    else:  # FP4 blocks: bytes as [blocks, QB/2, N], one scale per (block, token) broadcast
+                        if KT4:  # tokens as rows: bytes as [N, blocks, QB/2], scores come out transposed
+                            kb3 = tl.load(K0 + slot[:, None] * k0_s + kvh * k0_h + ik[None, :], mask=tmask[:, None],
+                                          other=0)
+                            kb3 = tl.reshape(kb3, (BLOCK_N, NBK, QB_K // 2))
+                            ksc = _block_scales(K1, slot, kvh, k1_s, k1_h, tmask, NBK, WSC_K, False)[:, :, None]
+                            KSH: tl.constexpr = (BLOCK_N, DK)
+                        else:
+                            bk = tl.arange(0, NBK)
+                            jk = tl.arange(0, QB_K // 2)
+                            koff = (bk[:, None] * (QB_K // 2) + jk[None, :])[:, :, None]
+                            kb3 = tl.load(K0 + slot[None, None, :] * k0_s + kvh * k0_h + koff,
+                                          mask=tmask[None, None, :], other=0)
+                            ksc = _block_scales(K1, slot, kvh, k1_s, k1_h, tmask, NBK, WSC_K, True)[:, None, :]
+                            KSH: tl.constexpr = (DK, BLOCK_N)
+                        k_lo, k_hi = _fp4_tile_elements(kb3, ksc, KIND_K, MXB_K, FAST, PTX)
                         k_lo = tl.reshape(k_lo, KSH)
                         k_hi = tl.reshape(k_hi, KSH)
-                    else:
-                        ks3 = _fp4_scale(ksc, KIND_K, FLOAT_OPS=FAST)
-                        k_lo16, k_hi16 = _e2m1_nibbles_f16(kb3, PTX)
-                        k_lo = tl.reshape(k_lo16.to(tl.float32) * 16384.0 * ks3, KSH)
-                        k_hi = tl.reshape(k_hi16.to(tl.float32) * 16384.0 * ks3, KSH)
                     if KT4:
                         s = tl.trans(_mm_t(k_lo, q0Th, q0Tm, q0Tl, QP, False)
                                      + _mm_t(k_hi, q1Th, q1Tm, q1Tl, QP, False))
@@ -1810,25 +1807,19 @@ def decode_split_kernel(
                     acc1 = acc1 * alpha[:, None] + _mm16(p16h, p16l, v4hi, 1)
                 elif KIND_V == 2 or KIND_V == 3:
                     NBV: tl.constexpr = D // QB_V
-                    bv = tl.arange(0, NBV)
-                    jv = tl.arange(0, QB_V // 2)
-                    voff = (bv[:, None] * (QB_V // 2) + jv[None, :])[None, :, :]
-                    vb3 = tl.load(V0 + slot[:, None, None] * v0_s + kvh * v0_h + voff, mask=tmask[:, None, None],
-                                  other=0)
-                    vsc = _block_scales(V1, slot, kvh, v1_s, v1_h, tmask, NBV, WSC_V, False)
                     if T2D:  # two-axis tiles [N, bytes] (``fp4_tiles_2d``), as the keys
-                        vb2, vc2 = _fp4_bytes_codes(V0, V1, slot, tmask, kvh, v0_s, v0_h, v1_s, v1_h, NBV, DV, False,
-                                                    not MXB_V)
+                        vb2, vc2 = _fp4_bytes_codes(V0, V1, slot, tmask, kvh, v0_s, v0_h, v1_s, v1_h, NBV, DV, False)
                         v_lo, v_hi = _fp4_tile_elements(vb2, vc2, KIND_V, MXB_V, FAST, PTX)
-                    elif MXB_V:
-                        v_lo, v_hi = _mx_tile_bf16(vb3, vsc[:, :, None])
+                    else:  # bytes as [N, blocks, QB/2], one scale per (token, block) broadcast
+                        bv = tl.arange(0, NBV)
+                        jv = tl.arange(0, QB_V // 2)
+                        voff = (bv[:, None] * (QB_V // 2) + jv[None, :])[None, :, :]
+                        vb3 = tl.load(V0 + slot[:, None, None] * v0_s + kvh * v0_h + voff, mask=tmask[:, None, None],
+                                      other=0)
+                        vsc = _block_scales(V1, slot, kvh, v1_s, v1_h, tmask, NBV, WSC_V, False)
+                        v_lo, v_hi = _fp4_tile_elements(vb3, vsc[:, :, None], KIND_V, MXB_V, FAST, PTX)
                         v_lo = tl.reshape(v_lo, (BLOCK_N, DV))
                         v_hi = tl.reshape(v_hi, (BLOCK_N, DV))
-                    else:
-                        vs3 = _fp4_scale(vsc, KIND_V, FLOAT_OPS=FAST)[:, :, None]
-                        v_lo16, v_hi16 = _e2m1_nibbles_f16(vb3, PTX)
-                        v_lo = tl.reshape(v_lo16.to(tl.float32) * 16384.0 * vs3, (BLOCK_N, DV))
-                        v_hi = tl.reshape(v_hi16.to(tl.float32) * 16384.0 * vs3, (BLOCK_N, DV))
                     acc0 = acc0 * alpha[:, None] + _mm(ph, pm, pl, v_lo, PP, 0)
                     acc1 = acc1 * alpha[:, None] + _mm(ph, pm, pl, v_hi, PP, 0)
                 elif VW8 > 0:
