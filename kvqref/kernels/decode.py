@@ -377,8 +377,9 @@ def _fp4_bytes_codes(F0, F1, slot, m, kvh, f0_s, f0_h, f1_s, f1_h, NB: tl.conste
 
 @triton.jit
 def _fp4_tile_elements(byte, code, KIND: tl.constexpr, MXB: tl.constexpr, FAST: tl.constexpr, PTX: tl.constexpr):
-    """Per-element FP4 tile values of the low and high nibbles of ``byte`` times their block scale ``code`` (the same
-    shape): bfloat16 E8M0 tiles by PTX (``MXB``, :func:`_mx_tile_bf16`), else float32 E2M1 x scale (exact)."""
+    """Per-element FP4 tile values of the low and high nibbles of ``byte`` times their block scale ``code`` (broadcast
+    to ``byte``'s shape): bfloat16 E8M0 tiles by PTX (``MXB``, :func:`_mx_tile_bf16`), else float32 E2M1 x scale
+    (exact)."""
     if MXB:
         return _mx_tile_bf16(byte, code)
     else:
