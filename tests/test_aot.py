@@ -154,3 +154,44 @@ def test_a_target_that_cannot_compile_fails_loudly():
     assert proc.returncode != 0 and proc.stdout.count("FAIL hip:gfx000") >= 2, proc.stdout[-2000:]
     proc = _run("--targets", "hip:gfx942", "--only", "no-such-kernel")
     assert proc.returncode == 2 and "no kernel variant matches" in proc.stderr
+
+
+_NVFP4_SHARED = """
+import warnings, numpy as np, torch
+from kvqref import schemes
+from kvqref.backends import triton_backend as tb
+from kvqref.backends._aot import make_target
+from kvqref.kernels import decode
+from kvqref.kernels.aot import _hw_formats, compile_launch
+from kvqref.paged import PagedKVCache
+decode._nvidia_cuda = lambda t: True  # planned as for an NVIDIA GPU
+rng = np.random.default_rng(0)
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    cache = PagedKVCache(schemes.get("nvfp4"), schemes.get("nvfp4"), 24, 16, 2, 128, batch=2)
+    for b in range(2):
+        cache.append(b, rng.standard_normal((140, 2, 128)), rng.standard_normal((140, 2, 128)))
+    dc = tb.DeviceCache.from_cache(cache, "cpu").with_layout("HND")
+    q = torch.zeros(2, 16, 128, dtype=torch.bfloat16)  # 8 query heads per KV head
+    for t2d in (None, True):
+        launches, _, _ = decode.plan_decode(q, dc.k.tiles(), dc.v.tiles(), dc.block_table, dc.seq_lens, 16,
+                                            max_seq_len=140, num_splits=1, hw_formats=_hw_formats("cuda:90"),
+                                            ptx_unpack=True, fp4_tiles_2d=t2d)
+        split = next(la for la in launches if la.kernel is decode.decode_split_kernel)
+        assert not split.constexprs["BLK"] and split.constexprs["BLOCK_N"] == 128
+        print(int(split.constexprs["T2D"]), compile_launch(split, make_target("cuda", 90)).metadata.shared)
+"""
+
+
+def test_nvfp4_per_element_halves_share_one_shared_memory_buffer():
+    """NVFP4 per element (8 query heads per KV head: 128-token tiles, 2 warps) multiplies the low and the high
+    nibbles' float16 tiles one after the other; each half must be built right before its product so that their
+    layout conversions reuse one [128, 64] shared-memory buffer (16 KB). Built both first (session 29, unnoticed), the
+    program took 58 KB instead of 42 on sm_90 and decoded 64 q / 8 KV heads x 16,384 in 1,122 us instead of 948 (H200,
+    bench/results/ANALYSIS.md, session 30): the bound below fails that kernel. Default and two-axis tiles."""
+    proc = subprocess.run([sys.executable, "-c", _NVFP4_SHARED], capture_output=True, text=True, env=_env(),
+                          timeout=1200)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    shared = dict(tuple(map(int, line.split())) for line in proc.stdout.split("\n") if line.strip())
+    assert set(shared) == {0, 1}
+    assert all(v <= 48 * 1024 for v in shared.values()), shared

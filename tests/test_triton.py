@@ -1573,8 +1573,8 @@ def test_two_axis_fp4_tiles_default(monkeypatch):
     """Per-element FP4 tiles built on two axes (``fp4_tiles_2d``): the default for fast E8M0 tiles unpacked by PTX
     (fp4_e2m1 without block rows: the default at 8 query heads per KV head; session 29, H200: 64 q / 8 KV heads x
     16,384 1,019.6 -> 902.1 us, the same bits), planned on the CPU as for a GPU; off in exact mode, for NVFP4 sides
-    and for the portable unpacking (not measured yet); refused with block rows. On the GPU every per-element E8M0
-    test (extreme and rare scale codes) runs it by default."""
+    (they lose: session 30, H200, 948 -> 1,045 us) and for the portable unpacking (not measured); refused with block
+    rows. On the GPU every per-element E8M0 test (extreme and rare scale codes) runs it by default."""
     from kvqref.kernels import decode
     from kvqref.kernels.aot import _hw_formats
     from kvqref.kernels.decode import plan_decode
@@ -1596,7 +1596,7 @@ def test_two_axis_fp4_tiles_default(monkeypatch):
         assert not cx["BLK"] and cx["T2D"]
         assert not plan(PAIRS[5], ptx_unpack=True, fp4_tiles_2d=False)["T2D"]
         assert not plan(PAIRS[5], ptx_unpack=True, precision="exact")["T2D"]
-        assert not plan(PAIRS[9], ptx_unpack=True)["T2D"]  # NVFP4: not measured yet
+        assert not plan(PAIRS[9], ptx_unpack=True)["T2D"]  # NVFP4: measured, loses
         assert plan(PAIRS[9], ptx_unpack=True, fp4_tiles_2d=True)["T2D"]
         with pytest.raises(ValueError, match="fp4_tiles_2d needs"):
             plan(PAIRS[5], ptx_unpack=True, block_rows=True, fp4_tiles_2d=True)

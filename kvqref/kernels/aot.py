@@ -147,7 +147,7 @@ def _launches(target: str, cases: list | None = None, page: int = 16) -> list[tu
                 out.append((f"decode[{label},ptx]", split(launches)))
             if (target.startswith("cuda") and label == "fp4_e2m1") or label == "nvfp4":  # per-element FP4 tiles (no
                 # block rows: fp4_e2m1's default at 8 query heads per KV head, by PTX) as two-axis tiles
-                # (``fp4_tiles_2d``); NVFP4's on every target (not its default yet)
+                # (``fp4_tiles_2d``); NVFP4's on every target (an option: it loses there)
                 launches, _, _ = plan_decode(q, dc.k.tiles(), dc.v.tiles(), dc.block_table, dc.seq_lens, page,
                                              max_seq_len=40, num_splits=2, hw_formats=_hw_formats(target),
                                              ptx_unpack=target.startswith("cuda"), block_rows=False,

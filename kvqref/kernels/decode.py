@@ -173,12 +173,19 @@ def _nvfp4_tile16(byte, scale_code, FMT: tl.constexpr, PTX: tl.constexpr):
     E2M1 * scale * 2**-14 (``scale_code``: E4M3, broadcast): multiples of 2**-24 below 0.17 with at most 6
     significant bits, so exact in float16 (subnormals included); the caller owes a factor 2**14.
     ``FMT`` >= 8: E4M3FN converted in hardware; ``PTX``: see :func:`_e2m1_nibbles_f16`."""
-    if FMT >= 8 and not INTERPRET:  # the device converts E4M3FN to float16 in hardware (exact)
-        f = scale_code.to(tl.float8e4nv, bitcast=True).to(tl.float16)
-    else:
-        f = decode_f32(scale_code, 0).to(tl.float16)  # E4M3 values are float16 values
+    f = _nvfp4_scale16(scale_code, FMT)
     lo, hi = _e2m1_nibbles_f16(byte, PTX)
     return lo * f, hi * f
+
+
+@triton.jit
+def _nvfp4_scale16(scale_code, FMT: tl.constexpr):
+    """The E4M3 block scale ``scale_code`` (uint8) as float16 (exact: E4M3 values are float16 values); ``FMT`` >= 8:
+    E4M3FN converted in hardware."""
+    if FMT >= 8 and not INTERPRET:
+        return scale_code.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+    else:
+        return decode_f32(scale_code, 0).to(tl.float16)
 
 
 @triton.jit
@@ -1682,9 +1689,11 @@ def decode_split_kernel(
                                      + _mm_t(tl.reshape(k4hi, (BLOCK_N, DK)), q4bT, q4bT, q4bT, 1, True))
                     elif T2D:  # two-axis tiles [bytes, N] (``fp4_tiles_2d``)
                         kb2, kc2 = _fp4_bytes_codes(K0, K1, slot, tmask, kvh, k0_s, k0_h, k1_s, k1_h, NBK4, DK, True)
-                        k4lo, k4hi = _nvfp4_tile16(kb2, kc2, FMT_K, PTX)
-                        s = _mm16(q4a, q4a, k4lo, 1)
-                        s += _mm16(q4b, q4b, k4hi, 1)
+                        kf2 = _nvfp4_scale16(kc2, FMT_K)
+                        k4lo, k4hi = _e2m1_nibbles_f16(kb2, PTX)  # (as _nvfp4_tile16, each half scaled right before
+                        # its product, so that one shared-memory buffer serves both: see the values)
+                        s = _mm16(q4a, q4a, k4lo * kf2, 1)
+                        s += _mm16(q4b, q4b, k4hi * kf2, 1)
                     else:
                         kb4 = tl.load(K0 + slot[None, None, :] * k0_s + kvh * k0_h + koff4, mask=tmask[None, None, :],
                                       other=0)
@@ -1796,16 +1805,21 @@ def decode_split_kernel(
                     voff4 = (bv4[:, None] * (QB_V // 2) + jv4[None, :])[None, :, :]
                     if T2D:  # two-axis tiles [N, bytes] (``fp4_tiles_2d``)
                         vb2, vc2 = _fp4_bytes_codes(V0, V1, slot, tmask, kvh, v0_s, v0_h, v1_s, v1_h, NBV4, DV, False)
-                        v4lo, v4hi = _nvfp4_tile16(vb2, vc2, FMT_V, PTX)
+                        vf2 = _nvfp4_scale16(vc2, FMT_V)
+                        v4lo, v4hi = _e2m1_nibbles_f16(vb2, PTX)  # (as _nvfp4_tile16, each half scaled right before
+                        # its product: see below)
+                        acc0 = acc0 * alpha[:, None] + _mm16(p16h, p16l, v4lo * vf2, 1)
+                        acc1 = acc1 * alpha[:, None] + _mm16(p16h, p16l, v4hi * vf2, 1)
                     else:
                         vb4 = tl.load(V0 + slot[:, None, None] * v0_s + kvh * v0_h + voff4, mask=tmask[:, None, None],
                                       other=0)
                         vsc4 = _block_scales(V1, slot, kvh, v1_s, v1_h, tmask, NBV4, WSC_V, False)
                         v4lo, v4hi = _nvfp4_tile16(vb4, vsc4[:, :, None], FMT_V, PTX)
-                        v4lo = tl.reshape(v4lo, (BLOCK_N, DV))
-                        v4hi = tl.reshape(v4hi, (BLOCK_N, DV))
-                    acc0 = acc0 * alpha[:, None] + _mm16(p16h, p16l, v4lo, 1)
-                    acc1 = acc1 * alpha[:, None] + _mm16(p16h, p16l, v4hi, 1)
+                        # each half reshaped right before its product: both reshaped first keep both halves' shared-
+                        # memory conversions live (sm_90, NVFP4 at 8 query heads per KV head: 42 -> 58 KB per program;
+                        # H200, 64 q / 8 KV heads x 16,384: 945 -> 1,115 us; bench/results/ANALYSIS.md, session 30)
+                        acc0 = acc0 * alpha[:, None] + _mm16(p16h, p16l, tl.reshape(v4lo, (BLOCK_N, DV)), 1)
+                        acc1 = acc1 * alpha[:, None] + _mm16(p16h, p16l, tl.reshape(v4hi, (BLOCK_N, DV)), 1)
                 elif KIND_V == 2 or KIND_V == 3:
                     NBV: tl.constexpr = D // QB_V
                     if T2D:  # two-axis tiles [N, bytes] (``fp4_tiles_2d``), as the keys
@@ -2452,7 +2466,8 @@ def plan_decode(
     (:func:`_fp4_bytes_codes`), instead of [blocks, bytes, tokens] tiles times a broadcast scale, reshaped (constexpr
     ``T2D``; the same values); default: fast E8M0 tiles built by PTX (the shared-memory round trip of the 16-bit tiles
     bounds this path, and the two-axis tiles make it with fewer, wider stores: H200, fp4_e2m1 at 8 query heads per
-    KV head 12% faster); NVFP4 and the float32 routes not measured yet.
+    KV head 12% faster); NVFP4's lose (H200: 64 q / 8 KV heads 948 -> 1,045 us) and the float32 routes are
+    not measured: an option there.
     ``residual_launch``: the residual window's split as its own launch (constexpr ``PART``), so the paged splits
     do not carry the residual path's registers; default: with ``key_rows`` and a residual window.
     ``channel_halves``: with ``block_rows``, a side of at least 32 rows multiplies each channel half by the rows of
@@ -2691,7 +2706,8 @@ def plan_decode(
     # reshape of [blocks, bytes, tokens] tiles before the product, so fewer, wider shared-memory stores. Default for
     # E8M0 tiles built by PTX (H200, fp4_e2m1 at 64 q / 8 KV heads, head-major: 64 x 16,384 1,019.6 -> 902.1 us, 8 x
     # 32,768 281.1 -> 247.5, 1 x 131,072 156.1 -> 137.1; token-major 1,198.0 -> 930.0; the same bits:
-    # bench/results/ANALYSIS.md, session 29); NVFP4 and the float32 routes not measured yet: off
+    # bench/results/ANALYSIS.md, session 29); NVFP4's lose (H200, head-major: 64 x 16,384 947.9 -> 1,045.0 us, 8 x
+    # 32,768 264.5 -> 284.8, 1 x 131,072 149.2 -> 158.0; session 30) and the float32 routes are not measured: off
     fp4_sides = [t for t in (k, v) if t.kind in ("mxfp4", "nvfp4")]
     t2d_ok = not block_rows and not key_rows and bool(fp4_sides) and all(wide(t) for t in fp4_sides)
     if fp4_tiles_2d and not t2d_ok:
