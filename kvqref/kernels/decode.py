@@ -173,19 +173,22 @@ def _nvfp4_tile16(byte, scale_code, FMT: tl.constexpr, PTX: tl.constexpr):
     E2M1 * scale * 2**-14 (``scale_code``: E4M3, broadcast): multiples of 2**-24 below 0.17 with at most 6
     significant bits, so exact in float16 (subnormals included); the caller owes a factor 2**14.
     ``FMT`` >= 8: E4M3FN converted in hardware; ``PTX``: see :func:`_e2m1_nibbles_f16`."""
-    f = _nvfp4_scale16(scale_code, FMT)
-    lo, hi = _e2m1_nibbles_f16(byte, PTX)
+    lo, hi, f = _nvfp4_tile16_parts(byte, scale_code, FMT, PTX)
     return lo * f, hi * f
 
 
 @triton.jit
-def _nvfp4_scale16(scale_code, FMT: tl.constexpr):
-    """The E4M3 block scale ``scale_code`` (uint8) as float16 (exact: E4M3 values are float16 values); ``FMT`` >= 8:
-    E4M3FN converted in hardware."""
+def _nvfp4_tile16_parts(byte, scale_code, FMT: tl.constexpr, PTX: tl.constexpr):
+    """:func:`_nvfp4_tile16` before its two multiplies: the low and high nibbles' E2M1 * 2**-14 (float16) and the
+    E4M3 block scale as float16 (exact: E4M3 values are float16 values; ``FMT`` >= 8: converted in hardware), for a
+    caller that scales each half right before its own product (one shared-memory buffer then serves both halves'
+    layout conversions)."""
     if FMT >= 8 and not INTERPRET:
-        return scale_code.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+        f = scale_code.to(tl.float8e4nv, bitcast=True).to(tl.float16)
     else:
-        return decode_f32(scale_code, 0).to(tl.float16)
+        f = decode_f32(scale_code, 0).to(tl.float16)
+    lo, hi = _e2m1_nibbles_f16(byte, PTX)
+    return lo, hi, f
 
 
 @triton.jit
@@ -1689,9 +1692,8 @@ def decode_split_kernel(
                                      + _mm_t(tl.reshape(k4hi, (BLOCK_N, DK)), q4bT, q4bT, q4bT, 1, True))
                     elif T2D:  # two-axis tiles [bytes, N] (``fp4_tiles_2d``)
                         kb2, kc2 = _fp4_bytes_codes(K0, K1, slot, tmask, kvh, k0_s, k0_h, k1_s, k1_h, NBK4, DK, True)
-                        kf2 = _nvfp4_scale16(kc2, FMT_K)
-                        k4lo, k4hi = _e2m1_nibbles_f16(kb2, PTX)  # (as _nvfp4_tile16, each half scaled right before
-                        # its product, so that one shared-memory buffer serves both: see the values)
+                        k4lo, k4hi, kf2 = _nvfp4_tile16_parts(kb2, kc2, FMT_K, PTX)  # each half scaled right
+                        # before its product
                         s = _mm16(q4a, q4a, k4lo * kf2, 1)
                         s += _mm16(q4b, q4b, k4hi * kf2, 1)
                     else:
@@ -1805,9 +1807,8 @@ def decode_split_kernel(
                     voff4 = (bv4[:, None] * (QB_V // 2) + jv4[None, :])[None, :, :]
                     if T2D:  # two-axis tiles [N, bytes] (``fp4_tiles_2d``)
                         vb2, vc2 = _fp4_bytes_codes(V0, V1, slot, tmask, kvh, v0_s, v0_h, v1_s, v1_h, NBV4, DV, False)
-                        vf2 = _nvfp4_scale16(vc2, FMT_V)
-                        v4lo, v4hi = _e2m1_nibbles_f16(vb2, PTX)  # (as _nvfp4_tile16, each half scaled right before
-                        # its product: see below)
+                        v4lo, v4hi, vf2 = _nvfp4_tile16_parts(vb2, vc2, FMT_V, PTX)  # each half scaled right
+                        # before its product
                         acc0 = acc0 * alpha[:, None] + _mm16(p16h, p16l, v4lo * vf2, 1)
                         acc1 = acc1 * alpha[:, None] + _mm16(p16h, p16l, v4hi * vf2, 1)
                     else:
