@@ -99,9 +99,19 @@ def test_every_kernel_compiles_for_rocm_and_cuda_targets():
         x2 = f16cvt if t.startswith("cuda") else 0
         # + per-element FP4 tiles as two-axis tiles (``fp4_tiles_2d``): NVFP4 on every target, fp4_e2m1 on CUDA
         t2d = 2 if t.startswith("cuda") else 1
-        assert len(rows) == (2 * len(DECODE_CASES) + len(SHARED_KERNELS) + len(WRITE_CASES) + ptx + f16cvt
+        # + on CUDA a split launch letting the merge start early (``GDC``, plan_decode's ``pdl``); the merge waiting
+        # for it (merge[pdl]) is one of SHARED_KERNELS, compiled for CUDA targets only
+        gdc = 1 if t.startswith("cuda") else 0
+        assert len(rows) == (2 * len(DECODE_CASES) + len(SHARED_KERNELS) - (1 - gdc) + len(WRITE_CASES) + ptx + f16cvt
                              + rows_off + kt4 + ktile_off + 3 * key_rows + sums + nvb + blocks + vw_off + vw8
-                             + direct + kr_ptx + word_loads + x2 + bn64 + t2d), t
+                             + direct + kr_ptx + word_loads + x2 + bn64 + t2d + gdc), t
+        facts = {r["kernel"]: r.get("ptx_facts", {}) for r in rows}
+        gdc_rows = [k for k in facts if k.endswith(",gdc]")]
+        assert len(gdc_rows) == gdc, t
+        if gdc:  # the instructions are there, and only in these launches
+            assert facts["merge[pdl]"]["gdc_wait"] >= 1 and facts[gdc_rows[0]]["gdc_launch"] >= 1, t
+            assert sum(f["gdc_wait"] + f["gdc_launch"] for k, f in facts.items()
+                       if k not in ("merge[pdl]", gdc_rows[0])) == 0, t
         assert sum(r["kernel"].endswith(",t2d]") and r["ok"] for r in rows) == t2d, t
         assert sum(r["kernel"].endswith(",x2]") and r["ok"] for r in rows) == x2, t
         assert word_loads and sum(",words," in r["kernel"] and r["ok"] for r in rows) == word_loads, t
@@ -117,7 +127,7 @@ def test_every_kernel_compiles_for_rocm_and_cuda_targets():
         assert sum(r["kernel"].endswith(",kr=1,kw=0]") and r["ok"] for r in rows) == key_rows, t
         assert nvb and all(r["ok"] for r in rows if r["kernel"].endswith(",blocks]")), t
         assert blocks and sum(",block_d=" in r["kernel"] for r in rows) == blocks, t
-        assert {r["kernel"] for r in rows} >= {*SHARED_KERNELS, "decode[fp8_e4m3+H]", "write[fp4_e2m1-hadamard-5]"}
+        assert {r["kernel"] for r in rows} >= {*SHARED_KERNELS[:-1], "decode[fp8_e4m3+H]", "write[fp4_e2m1-hadamard-5]"}
         assert all(r["code_bytes"] > 1000 for r in rows)
         shfl = [r for r in rows if r["kernel"].endswith(",shfl]")]  # lane masks checked against each layout
         assert all(r["shuffles_checked"] > 0 for r in shfl) and len(shfl) == (7 if t.startswith("cuda") else 0), t

@@ -1605,6 +1605,53 @@ def test_two_axis_fp4_tiles_default(monkeypatch):
         plan(PAIRS[1], fp4_tiles_2d=True)  # no FP4 side
 
 
+def test_merge_as_programmatic_dependent_launch(monkeypatch):
+    """``pdl``: on NVIDIA GPUs of compute capability 9.0+ the merge launch is a programmatic dependent launch of the
+    last split launch (``launch_pdl``; the merge waits in ``griddepcontrol.wait`` before any load, the split programs
+    let it start, constexpr ``GDC``), planned by default there and nowhere else; ``pdl=True`` elsewhere raises; one
+    split writing the outputs itself has no merge to depend on. On such a GPU the outputs are the same bits as with
+    ``pdl=False`` (fp8, KIVI with its residual split as its own launch, nvfp4); elsewhere planned as for one."""
+    from kvqref.kernels import decode
+    from kvqref.kernels.decode import merge_kernel, pdl_supported, plan_decode
+
+    rng = np.random.default_rng(71)
+    q = torch.from_numpy(rng.standard_normal((3, 4, 64)).astype(np.float32)).to(torch.bfloat16)
+    for pair in (PAIRS[1], PAIRS[7], PAIRS[9]):
+        cache, _ = build_cache(pair, SMALL, rng)
+        dc = tb.DeviceCache.from_cache(cache, DEVICE)
+        residual = (dc.k_residual, dc.v_residual, dc.k_lens, dc.v_lens) if dc.has_residual else None
+
+        def plan(dc=dc, residual=residual, **kw):
+            launches, _, _ = plan_decode(q.to(DEVICE), dc.k.tiles(), dc.v.tiles(), dc.block_table, dc.seq_lens,
+                                         dc.page_size, residual=residual, **{"num_splits": 2, **kw})
+            splits = [la for la in launches if la.kernel is decode.decode_split_kernel]
+            merges = [la for la in launches if la.kernel is merge_kernel]
+            return ([bool(la.constexprs["GDC"]) for la in splits],
+                    [(bool(la.constexprs["GDC"]), la.options.get("launch_pdl", False)) for la in merges])
+
+        def check_planned(pair=pair, plan=plan, residual=residual):
+            gdc, merges = plan()
+            assert gdc[-1] and not any(gdc[:-1]) and merges == [(True, True)], (pair, gdc, merges)
+            gdc, merges = plan(pdl=False)
+            assert not any(gdc) and merges == [(False, False)], pair
+            if residual is None:  # one split, no merge
+                assert plan(num_splits=1) == ([False], []), pair
+
+        if GPU and pdl_supported(q.to(DEVICE)):
+            check_planned()
+            out, lse, _ = _run_decode(cache, q, num_splits=2)
+            out0, lse0, _ = _run_decode(cache, q, num_splits=2, pdl=False)
+            assert np.array_equal(out, out0) and np.array_equal(lse, lse0), pair
+        else:
+            gdc, merges = plan()
+            assert not any(gdc) and merges == [(False, False)], pair
+            with pytest.raises(ValueError, match="pdl .programmatic dependent launch. needs"):
+                plan(pdl=True)
+            with monkeypatch.context() as m:  # planned as on such a GPU
+                m.setattr(decode, "pdl_supported", lambda t: True)
+                check_planned()
+
+
 @pytest.mark.parametrize("precision", ["fast", "exact"])
 @pytest.mark.parametrize("pair", [PAIRS[5], PAIRS[6], PAIRS[9]], ids=[IDS[5], IDS[6], IDS[9]])
 def test_two_axis_fp4_tiles_equal_the_reshaped_ones(pair, precision):

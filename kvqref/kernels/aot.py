@@ -46,8 +46,8 @@ DECODE_CASES: list[tuple[str, str, dict, str, dict]] = [
 DIRECT_CASES = ("bf16", "fp8_e4m3", "fp8_e4m3+H")
 #: kernels compiled once, whatever the scheme: the merge kernel, q's rotation (float32 q', and bfloat16 q' for the
 #: keys that meet q in bfloat16 in fast mode), the merge kernel un-rotating, the merge by channel blocks
-#: (``merge_channels``)
-SHARED_KERNELS = ("merge", "rotate_q", "rotate_q[bf16]", "merge[rotated]", "merge[channels]")
+#: (``merge_channels``), and on CUDA the merge as a programmatic dependent launch (``pdl``)
+SHARED_KERNELS = ("merge", "rotate_q", "rotate_q[bf16]", "merge[rotated]", "merge[channels]", "merge[pdl]")
 WRITE_CASES: list[tuple[str, dict]] = [
     ("bf16", {}), ("fp8_e4m3", {}), ("fp8_e4m3", {"granularity": "token_head"}),
     ("fp8_e4m3", {"profile": "sglang", "scale": 1.0}), ("fp8_e4m3", {"profile": "rocm"}),
@@ -110,6 +110,7 @@ def _launches(target: str, cases: list | None = None, page: int = 16) -> list[tu
     from kvqref.kernels.decode import (
         BF16_WIDE,
         PRECISIONS,
+        Launch,
         decode_split_kernel,
         merge_kernel,
         plan_decode,
@@ -220,6 +221,15 @@ def _launches(target: str, cases: list | None = None, page: int = 16) -> list[tu
                         else "merge[rotated]" if launch.constexprs["ROT_V"] else "merge")
                 if name is not None:
                     shared.setdefault(name, launch)
+            if target.startswith("cuda") and "merge[pdl]" not in shared and "merge" in shared:  # the merge as a
+                # programmatic dependent launch of the split launch (plan_decode's ``pdl``: NVIDIA sm_90+), and a
+                # split launch that lets it start (``GDC``; the default on such GPUs, planned here on the CPU)
+                merge = shared["merge"]
+                shared["merge[pdl]"] = Launch(merge.kernel, merge.grid, merge.args, {**merge.constexprs, "GDC": True},
+                                              {**merge.options, "launch_pdl": True})
+                sp = default["fast"]
+                out.append((f"decode[{label},gdc]", Launch(sp.kernel, sp.grid, sp.args, {**sp.constexprs, "GDC": True},
+                                                           sp.options)))
             if "merge[channels]" not in shared and not dc.v.tiles().rotation:  # merge by channel blocks
                 launches, _, _ = plan_decode(q, dc.k.tiles(), dc.v.tiles(), dc.block_table, dc.seq_lens, page,
                                              residual=residual, max_seq_len=40, num_splits=2,
@@ -267,11 +277,15 @@ def _launches(target: str, cases: list | None = None, page: int = 16) -> list[tu
     return out + [(name, shared[name]) for name in SHARED_KERNELS if name in shared]
 
 
-#: PTX float instructions whose results are not IEEE round-to-nearest (or not sign-exact), counted per CUDA kernel:
-#: approximate division/reciprocal (Triton's ``/`` on float32) and flush-to-zero
+#: PTX instructions counted per CUDA kernel: float instructions whose results are not IEEE round-to-nearest (or not
+#: sign-exact), approximate division/reciprocal (Triton's ``/`` on float32) and flush-to-zero; and grid dependency
+#: control
 PTX_FACTS = {
     "approx_div": re.compile(r"\b(?:div\.full\.f32|div\.approx\S*|rcp\.approx\S*)\s"),
     "ftz": re.compile(r"\b(?:add|sub|mul|fma|div|rcp|sqrt|min|max|cvt)\S*\.ftz\S*\s"),
+    # grid dependency control (programmatic dependent launch, ``pdl``): the merge's wait, the split's trigger
+    "gdc_wait": re.compile(r"\bgriddepcontrol\.wait\b"),
+    "gdc_launch": re.compile(r"\bgriddepcontrol\.launch_dependents\b"),
 }
 _ZERO_MOV = re.compile(r"\bmov\.b32\s+(%\w+),\s*0f[08]0000000;")
 _SUB = re.compile(r"\bsub(?:\.rn)?\.f32\s+%\w+,\s*(%\w+|0f[08]0000000),")

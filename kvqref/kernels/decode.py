@@ -1538,6 +1538,7 @@ def decode_split_kernel(
     DIRECT: tl.constexpr = False,
     ROT_V: tl.constexpr = False,
     T2D: tl.constexpr = False,
+    GDC: tl.constexpr = False,
 ):
     """One (sequence, KV head, split): K tiles are read transposed [D/PACK, N] per phase (the elements
     sharing a byte position), V tiles [N, D/PACK]; no register transposes or interleaves. ``VW8`` (FP8 values
@@ -1547,7 +1548,11 @@ def decode_split_kernel(
     [B, Hq], and the LSE is stored in natural log (:func:`_lse_natural`), as the merge of one split would; with
     ``ROT_V`` (V stored rotated) the output is un-rotated here as the merge kernel does it (``butterflies(out) * VSQ``,
     ``VSQ`` float32 [D]), on the same float32 values (the merge weighs one split by exactly 1), read back from
-    ``OP`` after a barrier."""
+    ``OP`` after a barrier. ``GDC`` (the merge launch depends on this one programmatically, ``pdl``): each program
+    lets the merge launch start at once (``griddepcontrol.launch_dependents``, a scheduling hint; the merge's
+    ``griddepcontrol.wait`` still waits for every program of this launch and its stores)."""
+    if GDC:
+        tl.extra.cuda.gdc_launch_dependents()
     PK: tl.constexpr = 1 if KIND_K <= 1 else (2 if KIND_K <= 3 else 8 // BITS_K)
     PV: tl.constexpr = 2 if VW8 > 0 else (1 if KIND_V <= 1 else (2 if KIND_V <= 3 else 8 // BITS_V))
     DK: tl.constexpr = D // PK
@@ -1982,13 +1987,17 @@ def _lse_natural(lse2):
 @triton.jit
 def merge_kernel(
     OP, LP, O, LSE, n_splits, op_b, op_h, op_s, lp_b, lp_h, o_b, o_h, lse_b, VSQ, D: tl.constexpr,
-    S_PAD: tl.constexpr, DB: tl.constexpr, ROT_V: tl.constexpr = False,
+    S_PAD: tl.constexpr, DB: tl.constexpr, ROT_V: tl.constexpr = False, GDC: tl.constexpr = False,
 ):
     """Merge split outputs by log-sum-exp; writes out [D] and the natural-log LSE of one (seq, head).
     ``DB``: the channels ``program_id(2) * DB ..`` this program merges (D: all; the weights are the same for every
     channel block, the first block writes the LSE), so more programs may share a merge of many splits.
     ``ROT_V``: V is stored rotated: ``out = butterflies(out) * VSQ`` (``VSQ = v_signs / (D * C_D)``, float32
-    [D]), the float32 form of ``HadamardRotation.unrotate``."""
+    [D]), the float32 form of ``HadamardRotation.unrotate``. ``GDC``: launched as a programmatic dependent of the
+    split launch (``pdl``): ``griddepcontrol.wait`` first, before any load, which returns once every split program
+    has finished and its stores are visible."""
+    if GDC:
+        tl.extra.cuda.gdc_wait()
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     s = tl.arange(0, S_PAD)
@@ -2070,6 +2079,14 @@ def fast_fp8_block_n(device: str) -> int:
     names it)."""
     name = _device_name(device)
     return next((n for key, n in FP8_FAST_BLOCK_N if key in name), 32)
+
+
+def pdl_supported(t) -> bool:
+    """Whether launches on tensor ``t``'s device may be programmatic dependent launches (``pdl``): an NVIDIA GPU of
+    compute capability 9.0 or newer (Hopper's ``griddepcontrol``), outside the interpreter."""
+    import torch
+
+    return _nvidia_cuda(t) and not INTERPRET and torch.cuda.get_device_capability(t.device) >= (9, 0)
 
 
 def hardware_fp8_formats(device) -> set[int]:
@@ -2403,6 +2420,7 @@ def plan_decode(
     kivi_subnormal_codes: bool | None = None,
     e8m0_tile_check: bool | None = None,
     fp4_tiles_2d: bool | None = None,
+    pdl: bool | None = None,
 ):
     """The launches of decode attention (see :func:`paged_decode`), with their output tensors.
     ``hw_formats``: FP8 format ids converted in hardware (default: what ``q``'s device has); ``maxnreg``:
@@ -2469,6 +2487,10 @@ def plan_decode(
     bounds this path, and the two-axis tiles make it with fewer, wider stores: H200, fp4_e2m1 at 8 query heads per
     KV head 12% faster); NVFP4's lose (H200: 64 q / 8 KV heads 948 -> 1,045 us) and the float32 routes are
     not measured: an option there.
+    ``pdl``: the merge launch as a programmatic dependent launch of the (last) split launch (NVIDIA sm_90+: CUDA's
+    programmatic stream serialization; constexpr ``GDC``): it is scheduled while the splits run and waits for them
+    (``griddepcontrol.wait``) instead of launching after they end; the same arithmetic, the same bits; default: where
+    the device supports it (:func:`pdl_supported`); ``True`` elsewhere raises.
     ``residual_launch``: the residual window's split as its own launch (constexpr ``PART``), so the paged splits
     do not carry the residual path's registers; default: with ``key_rows`` and a residual window.
     ``channel_halves``: with ``block_rows``, a side of at least 32 rows multiplies each channel half by the rows of
@@ -2793,6 +2815,9 @@ def plan_decode(
         raise ValueError(f"direct_output needs one split and no residual window (here {num_splits} splits, "
                          f"residual {has_res})")
     direct = direct_ok if direct_output is None else bool(direct_output)
+    if pdl and not pdl_supported(q):
+        raise ValueError("pdl (programmatic dependent launch) needs an NVIDIA GPU of compute capability 9.0 or newer")
+    gdc = not direct and (pdl_supported(q) if pdl is None else bool(pdl))
     out = torch.empty(batch, q_heads, head_dim, dtype=torch.float32, device=q.device)
     lse = torch.empty(batch, q_heads, dtype=torch.float32, device=q.device)
     if direct:  # the split kernel writes out and lse: [B, Hq, 1, D] and [B, Hq, 1] views (the split axis unused)
@@ -2882,6 +2907,7 @@ def plan_decode(
         DIRECT=direct,
         ROT_V=direct and v.rotation is not None,
         T2D=t2d,
+        GDC=False,  # set on the last split launch where the merge depends on it (``pdl``)
     )
     merge_args = [
         op,
@@ -2908,10 +2934,10 @@ def plan_decode(
     if residual_launch:  # the paged splits without the residual path's registers; the residual split on its own
         res_grid = (kv_heads, batch, 1) if heads_fast else (batch, kv_heads, 1)
         splits = [Launch(decode_split_kernel, (*grid[:2], num_splits), split_args, {**split_cx, "PART": 1}, opts),
-                  Launch(decode_split_kernel, res_grid, split_args, {**split_cx, "PART": 2},
+                  Launch(decode_split_kernel, res_grid, split_args, {**split_cx, "PART": 2, "GDC": gdc},
                          {**opts, "num_warps": 2, "num_stages": 3})]
-    else:
-        splits = [Launch(decode_split_kernel, grid, split_args, split_cx, opts)]
+    else:  # (the merge depends on the last split launch only: stream order covers the one before it)
+        splits = [Launch(decode_split_kernel, grid, split_args, {**split_cx, "GDC": gdc}, opts)]
     if merge_channels is None:
         mdb = merge_channels_default(batch * q_heads, sms, head_dim, v.rotation is not None)
     else:
@@ -2920,7 +2946,9 @@ def plan_decode(
         raise ValueError(f"merge_channels must be a power of two dividing head_dim {head_dim} (all of it with a "
                          f"rotated V), got {merge_channels!r}")
     merge_cx["DB"] = mdb
-    merge_opts = {"num_warps": int(merge_warps) if merge_warps else merge_warps_default(merge_cx["S_PAD"], mdb)}
+    merge_opts = {"num_warps": int(merge_warps) if merge_warps else merge_warps_default(merge_cx["S_PAD"], mdb),
+                  **({"launch_pdl": True} if gdc else {})}
+    merge_cx["GDC"] = gdc
     merge = [] if direct else [
         Launch(merge_kernel, (batch, q_heads, head_dim // mdb), merge_args, merge_cx, merge_opts)]
     return [*rotate_q, *splits, *merge], out, lse
