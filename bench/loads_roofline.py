@@ -193,7 +193,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--schemes", default="nvfp4")
     ap.add_argument("--shape", default="32,32,8,128,8192")
-    ap.add_argument("--configs", default="64,2,2;128,4,2;32,2,3", help="BLOCK_N,warps,stages;...")
+    ap.add_argument("--configs", default="64,2,2;128,4,2;32,2,3",
+                    help="BLOCK_N,warps,stages[,splits];... (splits: default choose_splits' default rule)")
     ap.add_argument("--hf", default="0,1", help="heads_fast values")
     ap.add_argument("--layouts", default="nhd",
                     help="nhd, hnd, tma (head-major by tensor descriptors): the field layouts the loads read")
@@ -208,8 +209,13 @@ def main() -> int:
         nbytes = batch * tokens * (side_bytes_per_token(ks, kv_heads, head_dim)
                                    + side_bytes_per_token(vs, kv_heads, head_dim))
         for c, layout in ((c, lay) for c in args.configs.split(";") for lay in args.layouts.split(",")):
-            bn, w, s = (int(x) for x in c.split(","))
-            splits, per = choose_splits(batch, kv_heads, tokens, bn, _multiprocessors("cuda"))
+            bn, w, s, *sp = (int(x) for x in c.split(","))
+            if sp:  # a given split count, whole tiles per split (as plan_decode's num_splits)
+                per = -(-tokens // sp[0])
+                per = -(-per // bn) * bn
+                splits = -(-tokens // per)
+            else:
+                splits, per = choose_splits(batch, kv_heads, tokens, bn, _multiprocessors("cuda"))
             for hf in (v == "1" for v in args.hf.split(",") if not (v == "1" and layout == "tma")):
                 fn = launch_loads(dc, bn, w, s, hf, (batch, kv_heads, splits, per), layout)
                 fn()
@@ -221,7 +227,8 @@ def main() -> int:
                        "vs_sdpa": doc["sdpa_bf16_us"] / us}
                 row["ceiling_fraction"] = row["gbs"] / doc["ceiling_gbs"]
                 doc["rows"].append(row)
-                print(f"{label} page={page} {layout} loads-only bn={bn} w={w} s={s} hf={int(hf)}: {us:.1f} us, "
+                print(f"{label} page={page} {layout} loads-only bn={bn} w={w} s={s} splits={splits} hf={int(hf)}: "
+                      f"{us:.1f} us, "
                       f"{row['vs_sdpa']:.2f}x SDPA, "
                       f"{100 * row['ceiling_fraction']:.0f}% of the ceiling", flush=True)
                 Path(args.out).write_text(json.dumps(doc, indent=1))

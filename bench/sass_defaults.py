@@ -46,6 +46,8 @@ def load_decode(name: str) -> ModuleType:
     mod._nvidia_cuda = lambda t: True
     mod._device_name = lambda d: "NVIDIA H200"
     mod._multiprocessors = lambda d: 132
+    if hasattr(mod, "pdl_supported"):  # (sm_90: the merge as a programmatic dependent launch, session 31)
+        mod.pdl_supported = lambda t: True
     return mod
 
 

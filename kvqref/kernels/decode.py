@@ -2086,7 +2086,8 @@ def pdl_supported(t) -> bool:
     compute capability 9.0 or newer (Hopper's ``griddepcontrol``), outside the interpreter."""
     import torch
 
-    return _nvidia_cuda(t) and not INTERPRET and torch.cuda.get_device_capability(t.device) >= (9, 0)
+    return (t.is_cuda and not getattr(torch.version, "hip", None) and not INTERPRET
+            and torch.cuda.get_device_capability(t.device) >= (9, 0))
 
 
 def hardware_fp8_formats(device) -> set[int]:
