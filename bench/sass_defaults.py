@@ -1,12 +1,14 @@
 """Which default decode launches changed between two versions of kernels/decode.py, by their sm_90 SASS.
 
     git show <commit>:kvqref/kernels/decode.py > /tmp/base_decode.py
-    python3 bench/sass_defaults.py --base /tmp/base_decode.py [--out diff.json]
+    python3 bench/sass_defaults.py --base /tmp/base_decode.py [--out diff.json] [--no-pdl]
 
 Plans every scheme's default decode launches (``plan_decode`` with no launch options) with each module as on an H200
 (``_nvidia_cuda`` true, the device named "NVIDIA H200", 132 multiprocessors, the FP8 formats sm_90 converts in
-hardware), for 4 query heads per KV head head-major and token-major, 8 and 1 head-major (2 KV heads, head_dim 128,
-140 tokens of random K/V in pages of 16, KIVI pages of 32 without a residual window), compiles each launch for sm_90
+hardware; the merge a programmatic dependent launch where the module has ``pdl_supported``, as on sm_90: ``--no-pdl``
+plans without it, to compare with a module from before it), for 4 query heads per KV head head-major and
+token-major, 8 and 1 head-major (2 KV heads, head_dim 128, 140 tokens of random K/V in pages of 16, KIVI pages of 32
+without a residual window), compiles each launch for sm_90
 as ``python3 -m kvqref.kernels.aot`` does and prints, per case, every launch's kernel, the md5 of its SASS
 instruction text (addresses dropped), registers, shared memory and warps / stages / register cap, marking the cases
 whose launches differ. A change meant for one launch that alters another shows here before any GPU run (session 30:
@@ -35,8 +37,9 @@ SCHEMES = ("bf16", "fp8_e4m3", "fp8_e5m2", "fp4_e2m1", "mxfp4", "nvfp4", "int4_k
 CASES = ((4, "HND"), (8, "HND"), (4, "NHD"), (1, "HND"))
 
 
-def load_decode(name: str) -> ModuleType:
-    """A decode module by file path (``*.py``) or module name, patched to plan as on an H200."""
+def load_decode(name: str, pdl: bool = True) -> ModuleType:
+    """A decode module by file path (``*.py``) or module name, patched to plan as on an H200 (``pdl``: with the merge
+    as a programmatic dependent launch where the module has it, as there)."""
     if name.endswith(".py"):
         spec = importlib.util.spec_from_file_location(f"decode_{abs(hash(name))}", name)
         mod = importlib.util.module_from_spec(spec)
@@ -47,7 +50,7 @@ def load_decode(name: str) -> ModuleType:
     mod._device_name = lambda d: "NVIDIA H200"
     mod._multiprocessors = lambda d: 132
     if hasattr(mod, "pdl_supported"):  # (sm_90: the merge as a programmatic dependent launch, session 31)
-        mod.pdl_supported = lambda t: True
+        mod.pdl_supported = lambda t: pdl
     return mod
 
 
@@ -96,9 +99,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--base", required=True, help="the baseline decode module (a .py file or a module name)")
     ap.add_argument("--cur", default="kvqref.kernels.decode", help="the decode module to compare")
     ap.add_argument("--out", help="write {case: {base, cur}} here")
+    ap.add_argument("--no-pdl", action="store_true", help="plan both without programmatic dependent launches")
     args = ap.parse_args(argv)
     warnings.simplefilter("ignore")
-    mods = {"base": load_decode(args.base), "cur": load_decode(args.cur)}
+    mods = {"base": load_decode(args.base, not args.no_pdl), "cur": load_decode(args.cur, not args.no_pdl)}
     doc, changed = {}, 0
     for scheme in SCHEMES:
         for qpk, layout in CASES:
