@@ -142,7 +142,7 @@ def test_every_kernel_compiles_for_rocm_and_cuda_targets():
 
 def test_ptx_facts_find_what_breaks_exact_float32():
     """The PTX checks above can fail: Triton 3.6's unary minus (``0.0 - x`` through a zero register), an
-    approximate division, flush-to-zero."""
+    approximate division, flush-to-zero; the grid dependency control instructions are counted (comments left out)."""
     from kvqref.kernels.aot import ptx_facts
 
     ptx = """
@@ -153,7 +153,10 @@ def test_ptx_facts_find_what_breaks_exact_float32():
         add.rn.ftz.f32 	%r18, %r17, %r17;
         fma.rn.f32 	%r19, %r18, %r17, %r16;
     """
-    assert ptx_facts(ptx) == {"approx_div": 1, "ftz": 1, "neg_by_sub": 1}
+    assert ptx_facts(ptx) == {"approx_div": 1, "ftz": 1, "neg_by_sub": 1, "gdc_wait": 0, "gdc_launch": 0}
+    # and the grid dependency control of the programmatic dependent merge launch (plan_decode's ``pdl``)
+    gdc = ptx_facts("griddepcontrol.launch_dependents;\n    griddepcontrol.wait; // griddepcontrol.wait\n")
+    assert (gdc["gdc_launch"], gdc["gdc_wait"]) == (1, 1), gdc
 
 
 def test_a_target_that_cannot_compile_fails_loudly():
