@@ -27,7 +27,8 @@ FP8 value tiles as 16-bit words (``fp8_value_words``), ``kp`` (0/1): the KIVI ke
 ``ksub`` (0/1): KIVI key codes as float16 subnormals (``kivi_subnormal_codes``), ``e8c`` (0/1): fast FP4 block
 rows' E8M0 scales as bare exponent fields after one check per tile (``e8m0_tile_check``), ``t2d`` (0/1):
 per-element FP4 tiles as [bytes, tokens] with each byte's scale code from its token's word (``fp4_tiles_2d``),
-``pdl`` (0/1): the merge as a programmatic dependent launch of the split launch (``pdl``).
+``pdl`` (0/1): the merge as a programmatic dependent launch of the split launch (``pdl``), ``pida`` (0/1): each
+next tile's page ids read one step ahead (``page_ids_ahead``).
 KIVI caches carry their residual window, as in bench/decode_bench.py.
 """
 
@@ -58,7 +59,7 @@ KEYS = {"bn": ("block_n", int), "w": ("num_warps", int), "s": ("num_stages", int
         "kch": ("kivi_key_chains", int), "kp": ("kivi_pipeline", lambda v: v == "1"),
         "do": ("direct_output", lambda v: v == "1"), "ksub": ("kivi_subnormal_codes", lambda v: v == "1"),
         "e8c": ("e8m0_tile_check", lambda v: v == "1"), "t2d": ("fp4_tiles_2d", lambda v: v == "1"),
-        "pdl": ("pdl", lambda v: v == "1")}
+        "pdl": ("pdl", lambda v: v == "1"), "pida": ("page_ids_ahead", lambda v: v == "1")}
 
 
 def parse_variant(text: str) -> tuple[str, str, dict]:

@@ -1539,6 +1539,7 @@ def decode_split_kernel(
     ROT_V: tl.constexpr = False,
     T2D: tl.constexpr = False,
     GDC: tl.constexpr = False,
+    PIDS_AHEAD: tl.constexpr = False,
 ):
     """One (sequence, KV head, split): K tiles are read transposed [D/PACK, N] per phase (the elements
     sharing a byte position), V tiles [N, D/PACK]; no register transposes or interleaves. ``VW8`` (FP8 values
@@ -1550,7 +1551,9 @@ def decode_split_kernel(
     ``VSQ`` float32 [D]), on the same float32 values (the merge weighs one split by exactly 1), read back from
     ``OP`` after a barrier. ``GDC`` (the merge launch depends on this one programmatically, ``pdl``): each program
     lets the merge launch start at once (``griddepcontrol.launch_dependents``, a scheduling hint; the merge's
-    ``griddepcontrol.wait`` still waits for every program of this launch and its stores)."""
+    ``griddepcontrol.wait`` still waits for every program of this launch and its stores). ``PIDS_AHEAD``
+    (``page_ids_ahead``): the per-tile loop reads each next tile's page ids one step ahead (a loop-carried value), so
+    that the software pipeliner multi-buffers the tiles' loads instead of giving the page-table load a stage."""
     if GDC:
         tl.extra.cuda.gdc_launch_dependents()
     PK: tl.constexpr = 1 if KIND_K <= 1 else (2 if KIND_K <= 3 else 8 // BITS_K)
@@ -1656,8 +1659,14 @@ def decode_split_kernel(
                 v0_s, v0_h, v1_s, v1_h, qk_scale, QPK, BLOCK_H, D, PAGE, PAGE_SLOTS, BLOCK_N, KIND_K, QB_K, FMT_K,
                 KIND_V, QB_V, FMT_V, PTX, WSC_K, WSC_V, VW, HALF_K, HALF_V, E8M0_CHECK)
         else:
+            if PIDS_AHEAD:  # the first tile's cache rows before the loop, each next tile's one step ahead
+                nslot, nmask = _tile_slots(start, end, BT, b, stride_btb, PAGE, PAGE_SLOTS, BLOCK_N)
             for t0 in range(start, end, BLOCK_N):
-                slot, tmask = _tile_slots(t0, end, BT, b, stride_btb, PAGE, PAGE_SLOTS, BLOCK_N)
+                if PIDS_AHEAD:
+                    slot, tmask = nslot, nmask
+                    nslot, nmask = _tile_slots(t0 + BLOCK_N, end, BT, b, stride_btb, PAGE, PAGE_SLOTS, BLOCK_N)
+                else:
+                    slot, tmask = _tile_slots(t0, end, BT, b, stride_btb, PAGE, PAGE_SLOTS, BLOCK_N)
                 # K: [DK, N] per phase
                 sk = slot[None, :]
                 mk = tmask[None, :]
@@ -2422,6 +2431,7 @@ def plan_decode(
     e8m0_tile_check: bool | None = None,
     fp4_tiles_2d: bool | None = None,
     pdl: bool | None = None,
+    page_ids_ahead: bool | None = None,
 ):
     """The launches of decode attention (see :func:`paged_decode`), with their output tensors.
     ``hw_formats``: FP8 format ids converted in hardware (default: what ``q``'s device has); ``maxnreg``:
@@ -2492,6 +2502,12 @@ def plan_decode(
     programmatic stream serialization; constexpr ``GDC``): it is scheduled while the splits run and waits for them
     (``griddepcontrol.wait``) instead of launching after they end; the same arithmetic, the same bits; default: where
     the device supports it (:func:`pdl_supported`); ``True`` elsewhere raises.
+    ``page_ids_ahead``: the per-tile loop (not block rows or key rows) reads each next tile's page ids from the block
+    table one step ahead, carried through the loop (constexpr ``PIDS_AHEAD``; the same loads and arithmetic, the same
+    bits): Triton's pipeliner then gives the page-table load no stage of its own and double-buffers the code tiles at
+    3 stages (sm_90, fast FP8 at 64-token tiles: one buffer per side, 22,848 B per program -> two, 38,976 B).
+    Default False: not measured on a GPU yet (bench/results/ANALYSIS.md, session 31, 218); ``True`` with block rows
+    or key rows raises.
     ``residual_launch``: the residual window's split as its own launch (constexpr ``PART``), so the paged splits
     do not carry the residual path's registers; default: with ``key_rows`` and a residual window.
     ``channel_halves``: with ``block_rows``, a side of at least 32 rows multiplies each channel half by the rows of
@@ -2819,6 +2835,9 @@ def plan_decode(
     if pdl and not pdl_supported(q):
         raise ValueError("pdl (programmatic dependent launch) needs an NVIDIA GPU of compute capability 9.0 or newer")
     gdc = not direct and (pdl_supported(q) if pdl is None else bool(pdl))
+    pids_ahead = bool(page_ids_ahead)
+    if pids_ahead and (block_rows or key_rows):
+        raise ValueError("page_ids_ahead applies to the per-tile loop only (no block_rows or key_rows)")
     out = torch.empty(batch, q_heads, head_dim, dtype=torch.float32, device=q.device)
     lse = torch.empty(batch, q_heads, dtype=torch.float32, device=q.device)
     if direct:  # the split kernel writes out and lse: [B, Hq, 1, D] and [B, Hq, 1] views (the split axis unused)
@@ -2909,6 +2928,7 @@ def plan_decode(
         ROT_V=direct and v.rotation is not None,
         T2D=t2d,
         GDC=False,  # set on the last split launch where the merge depends on it (``pdl``)
+        PIDS_AHEAD=pids_ahead,
     )
     merge_args = [
         op,
