@@ -1652,26 +1652,31 @@ def test_merge_as_programmatic_dependent_launch(monkeypatch):
                 check_planned()
 
 
-@pytest.mark.parametrize("pair", [PAIRS[0], PAIRS[1], PAIRS[7], PAIRS[9]], ids=[IDS[0], IDS[1], IDS[7], IDS[9]])
-def test_page_ids_ahead_same_bits(pair):
-    """``page_ids_ahead``: the per-tile loop reading each next tile's page ids one step ahead (a loop-carried value)
-    computes the same bits as reading them in the step (bf16, FP8, KIVI through the per-tile loop with its residual
-    split, NVFP4 per element), with 2 splits (so that a split starts inside a sequence), ragged lengths (an empty-ish
-    sequence of 1 token included) and pages from a shuffled free list; with block rows or key rows it raises."""
+@pytest.mark.parametrize("case", ["bf16", "fp8", "kivi", "nvfp4", "nvfp4-blocks", "mxfp4-blocks"])
+def test_page_ids_ahead_same_bits(case):
+    """``page_ids_ahead``: the per-tile and block-rows loops reading each next tile's page ids one step ahead (a
+    loop-carried value) compute the same bits as reading them in the step (bf16, FP8, KIVI through the per-tile loop
+    with its residual split, NVFP4 per element; NVFP4 and mxfp4/nvfp4 by block rows, 3 stages), with 2 splits (so
+    that a split starts inside a sequence), ragged lengths (a sequence of 1 token included) and pages from a shuffled
+    free list; with KIVI key rows it raises."""
+    pair = {"bf16": PAIRS[0], "fp8": PAIRS[1], "kivi": PAIRS[7], "nvfp4": PAIRS[9], "nvfp4-blocks": PAIRS[9],
+            "mxfp4-blocks": PAIRS[6]}[case]
     rng = np.random.default_rng(73)
     cache, _ = build_cache(pair, SMALL, rng)
     q = torch.from_numpy(rng.standard_normal((3, 4, 64)).astype(np.float32)).to(torch.bfloat16)
     kw = dict(num_splits=2, block_n=16)
-    if pair[0].endswith("kivi"):  # the per-tile loop (not key rows)
+    if case == "kivi":  # the per-tile loop (not key rows)
         kw.update(key_rows=False)
-    if pair[0] == "nvfp4":  # per element (not block rows)
+    elif case == "nvfp4":  # per element (not block rows)
         kw.update(block_rows=False)
+    elif case.endswith("-blocks"):  # block rows, at 3 stages (where the loop's tiles are double-buffered)
+        kw.update(block_rows=True, num_stages=3)
     out, lse, _ = _run_decode(cache, q, **kw)
     out1, lse1, _ = _run_decode(cache, q, page_ids_ahead=True, **kw)
-    assert np.array_equal(out, out1) and np.array_equal(lse, lse1), pair
-    if pair[0] == "nvfp4":
+    assert np.array_equal(out, out1) and np.array_equal(lse, lse1), case
+    if case == "kivi":
         with pytest.raises(ValueError, match="page_ids_ahead applies"):
-            _run_decode(cache, q, num_splits=2, block_rows=True, page_ids_ahead=True)
+            _run_decode(cache, q, num_splits=2, key_rows=True, value_rows=True, page_ids_ahead=True)
 
 
 @pytest.mark.parametrize("precision", ["fast", "exact"])

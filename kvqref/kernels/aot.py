@@ -171,10 +171,11 @@ def _launches(target: str, cases: list | None = None, page: int = 16) -> list[tu
                                                  block_n=bn)
                     words = split(launches)
                     out.append((f"decode[{label},vw8={words.constexprs['VW8']}{',bn=64' if bn else ''}]", words))
-            if label == "fp8_e4m3":  # each next tile's page ids read one step ahead (``page_ids_ahead``; an option)
+            if label in ("fp8_e4m3", "nvfp4"):  # each next tile's page ids read one step ahead (``page_ids_ahead``;
+                # an option): the per-tile loop (FP8) and the block rows' loop (NVFP4, at 3 stages)
                 launches, _, _ = plan_decode(q, dc.k.tiles(), dc.v.tiles(), dc.block_table, dc.seq_lens, page,
                                              max_seq_len=40, num_splits=2, hw_formats=_hw_formats(target),
-                                             page_ids_ahead=True)
+                                             page_ids_ahead=True, **({"num_stages": 3} if label == "nvfp4" else {}))
                 out.append((f"decode[{label},pida]", split(launches)))
             if label in DIRECT_CASES:  # one split writing the outputs itself (``direct_output``; a rotated V
                 # un-rotated by the split kernel, ``ROT_V``)

@@ -803,11 +803,13 @@ def _fp4_block_rows_loop(
     BLOCK_N: tl.constexpr, KIND_K: tl.constexpr, QB_K: tl.constexpr, FMT_K: tl.constexpr, KIND_V: tl.constexpr,
     QB_V: tl.constexpr, FMT_V: tl.constexpr, PTX: tl.constexpr, WSC_K: tl.constexpr, WSC_V: tl.constexpr,
     VW: tl.constexpr, HALF_K: tl.constexpr, HALF_V: tl.constexpr, BARE: tl.constexpr,
+    PIDS_AHEAD: tl.constexpr = False,
 ):
     """The tile loop of :func:`_fp4_block_rows` over tokens ``start`` .. ``end`` from a fresh softmax state. ``BARE``:
     every E8M0 code taken as the bare exponent field (:func:`e8m0_to_f32`), valid where none is 0 or 255, and per
     token position of a tile a flag of whether any E8M0 code of those tokens was 0 or 255 (int32, nonzero if so; the
-    caller reruns the loop without ``BARE`` if one was). Returns m, l, the eight accumulators and that flag."""
+    caller reruns the loop without ``BARE`` if one was). ``PIDS_AHEAD``: each next tile's page ids read one step
+    ahead (``page_ids_ahead``). Returns m, l, the eight accumulators and that flag."""
     NBK: tl.constexpr = D // QB_K
     NBV: tl.constexpr = D // QB_V
     RV: tl.constexpr = NBV * H
@@ -831,8 +833,14 @@ def _fp4_block_rows_loop(
     acc6 = tl.zeros((RVP, DV), tl.float32)
     acc7 = tl.zeros((RVP, DV), tl.float32)
     sticky = tl.zeros((BLOCK_N,), tl.int32)
+    if PIDS_AHEAD:
+        nslot, nmask = _tile_slots(start, end, BT, b, stride_btb, PAGE, PAGE_SLOTS, BLOCK_N)
     for t0 in range(start, end, BLOCK_N):
-        slot, tmask = _tile_slots(t0, end, BT, b, stride_btb, PAGE, PAGE_SLOTS, BLOCK_N)
+        if PIDS_AHEAD:
+            slot, tmask = nslot, nmask
+            nslot, nmask = _tile_slots(t0 + BLOCK_N, end, BT, b, stride_btb, PAGE, PAGE_SLOTS, BLOCK_N)
+        else:
+            slot, tmask = _tile_slots(t0, end, BT, b, stride_btb, PAGE, PAGE_SLOTS, BLOCK_N)
         # every load first (the order measured: 165 registers against 227 with the value loads after the softmax)
         krow = K0 + slot[None, :] * k0_s + kvh * k0_h
         kb = tl.load(krow + jk[:, None], mask=tmask[None, :], other=0)
@@ -877,7 +885,7 @@ def _fp4_block_rows(
     PAGE_SLOTS: tl.constexpr, BLOCK_N: tl.constexpr, KIND_K: tl.constexpr, QB_K: tl.constexpr, FMT_K: tl.constexpr,
     KIND_V: tl.constexpr, QB_V: tl.constexpr, FMT_V: tl.constexpr, PTX: tl.constexpr, WSC_K: tl.constexpr,
     WSC_V: tl.constexpr, VW: tl.constexpr = False, HALF_K: tl.constexpr = False, HALF_V: tl.constexpr = False,
-    E8M0_CHECK: tl.constexpr = False,
+    E8M0_CHECK: tl.constexpr = False, PIDS_AHEAD: tl.constexpr = False,
 ):
     """Fast-mode FP4 keys and values by block rows (``block_rows``): no block scale touches a tile element.
 
@@ -922,13 +930,13 @@ def _fp4_block_rows(
     m_i, l_i, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, rare = _fp4_block_rows_loop(
         qe16, qo16, qe16_b, qo16_b, sc_k, BT, K0, K1, V0, V1, b, kvh, start, end, stride_btb, k0_s, k0_h, k1_s,
         k1_h, v0_s, v0_h, v1_s, v1_h, H, D, PAGE, PAGE_SLOTS, BLOCK_N, KIND_K, QB_K, FMT_K, KIND_V, QB_V, FMT_V, PTX,
-        WSC_K, WSC_V, VW, HALF_K, HALF_V, E8M0_CHECK)
+        WSC_K, WSC_V, VW, HALF_K, HALF_V, E8M0_CHECK, PIDS_AHEAD)
     if E8M0_CHECK:  # a code 0 or 255 among the E8M0 scales: the split again, with the rule for them
         if tl.max(rare, 0) != 0:
             m_i, l_i, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, rare = _fp4_block_rows_loop(
                 qe16, qo16, qe16_b, qo16_b, sc_k, BT, K0, K1, V0, V1, b, kvh, start, end, stride_btb, k0_s, k0_h, k1_s,
                 k1_h, v0_s, v0_h, v1_s, v1_h, H, D, PAGE, PAGE_SLOTS, BLOCK_N, KIND_K, QB_K, FMT_K, KIND_V, QB_V, FMT_V,
-                PTX, WSC_K, WSC_V, VW, HALF_K, HALF_V, False)
+                PTX, WSC_K, WSC_V, VW, HALF_K, HALF_V, False, PIDS_AHEAD)
     DV: tl.constexpr = (D // 8 if HALF_V else D // 4) if VW else (D // 4 if HALF_V else D // 2)
     jv = tl.arange(0, DV)
     f: tl.constexpr = 2.0**14 / 128.0 if KIND_V == 3 else 1.0
@@ -1552,8 +1560,9 @@ def decode_split_kernel(
     ``OP`` after a barrier. ``GDC`` (the merge launch depends on this one programmatically, ``pdl``): each program
     lets the merge launch start at once (``griddepcontrol.launch_dependents``, a scheduling hint; the merge's
     ``griddepcontrol.wait`` still waits for every program of this launch and its stores). ``PIDS_AHEAD``
-    (``page_ids_ahead``): the per-tile loop reads each next tile's page ids one step ahead (a loop-carried value), so
-    that the software pipeliner multi-buffers the tiles' loads instead of giving the page-table load a stage."""
+    (``page_ids_ahead``): the per-tile and block-rows loops read each next tile's page ids one step ahead (a
+    loop-carried value), so that the software pipeliner multi-buffers the tiles' loads instead of giving the
+    page-table load a stage."""
     if GDC:
         tl.extra.cuda.gdc_launch_dependents()
     PK: tl.constexpr = 1 if KIND_K <= 1 else (2 if KIND_K <= 3 else 8 // BITS_K)
@@ -1657,7 +1666,7 @@ def decode_split_kernel(
             acc0, acc1, m_i, l_i = _fp4_block_rows(
                 Q, BT, K0, K1, V0, V1, b, kvh, start, end, stride_qb, stride_qh, stride_btb, k0_s, k0_h, k1_s, k1_h,
                 v0_s, v0_h, v1_s, v1_h, qk_scale, QPK, BLOCK_H, D, PAGE, PAGE_SLOTS, BLOCK_N, KIND_K, QB_K, FMT_K,
-                KIND_V, QB_V, FMT_V, PTX, WSC_K, WSC_V, VW, HALF_K, HALF_V, E8M0_CHECK)
+                KIND_V, QB_V, FMT_V, PTX, WSC_K, WSC_V, VW, HALF_K, HALF_V, E8M0_CHECK, PIDS_AHEAD)
         else:
             if PIDS_AHEAD:  # the first tile's cache rows before the loop, each next tile's one step ahead
                 nslot, nmask = _tile_slots(start, end, BT, b, stride_btb, PAGE, PAGE_SLOTS, BLOCK_N)
@@ -2502,12 +2511,12 @@ def plan_decode(
     programmatic stream serialization; constexpr ``GDC``): it is scheduled while the splits run and waits for them
     (``griddepcontrol.wait``) instead of launching after they end; the same arithmetic, the same bits; default: where
     the device supports it (:func:`pdl_supported`); ``True`` elsewhere raises.
-    ``page_ids_ahead``: the per-tile loop (not block rows or key rows) reads each next tile's page ids from the block
-    table one step ahead, carried through the loop (constexpr ``PIDS_AHEAD``; the same loads and arithmetic, the same
-    bits): Triton's pipeliner then gives the page-table load no stage of its own and double-buffers the code tiles at
-    3 stages (sm_90, fast FP8 at 64-token tiles: one buffer per side, 22,848 B per program -> two, 38,976 B).
-    Default False: not measured on a GPU yet (bench/results/ANALYSIS.md, session 31, 218); ``True`` with block rows
-    or key rows raises.
+    ``page_ids_ahead``: the per-tile and block-rows loops (not key rows) read each next tile's page ids from the
+    block table one step ahead, carried through the loop (constexpr ``PIDS_AHEAD``; the same loads and arithmetic, the
+    same bits): Triton's pipeliner then gives the page-table load no stage of its own and double-buffers the code
+    tiles at 3 stages (sm_90, triton 3.6: fast FP8 at 64-token tiles one buffer per side, 22,848 B per program -> two,
+    38,976 B; without it more stages do not add buffers). Default False: not measured on a GPU yet
+    (bench/results/ANALYSIS.md, session 31, 218); ``True`` with key rows raises.
     ``residual_launch``: the residual window's split as its own launch (constexpr ``PART``), so the paged splits
     do not carry the residual path's registers; default: with ``key_rows`` and a residual window.
     ``channel_halves``: with ``block_rows``, a side of at least 32 rows multiplies each channel half by the rows of
@@ -2836,8 +2845,8 @@ def plan_decode(
         raise ValueError("pdl (programmatic dependent launch) needs an NVIDIA GPU of compute capability 9.0 or newer")
     gdc = not direct and (pdl_supported(q) if pdl is None else bool(pdl))
     pids_ahead = bool(page_ids_ahead)
-    if pids_ahead and (block_rows or key_rows):
-        raise ValueError("page_ids_ahead applies to the per-tile loop only (no block_rows or key_rows)")
+    if pids_ahead and key_rows:
+        raise ValueError("page_ids_ahead applies to the per-tile and block-rows loops (not key_rows)")
     out = torch.empty(batch, q_heads, head_dim, dtype=torch.float32, device=q.device)
     lse = torch.empty(batch, q_heads, dtype=torch.float32, device=q.device)
     if direct:  # the split kernel writes out and lse: [B, Hq, 1, D] and [B, Hq, 1] views (the split axis unused)
