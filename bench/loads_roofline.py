@@ -188,7 +188,7 @@ def main() -> int:
     import torch
     from decode_bench import ab_document, bench_ms, graph_replay, make_cache, side_bytes_per_token
 
-    from kvqref.kernels.decode import _multiprocessors, choose_splits
+    from kvqref.kernels.decode import _multiprocessors, choose_splits, whole_tile_splits
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--schemes", default="nvfp4")
@@ -210,10 +210,8 @@ def main() -> int:
                                    + side_bytes_per_token(vs, kv_heads, head_dim))
         for c, layout in ((c, lay) for c in args.configs.split(";") for lay in args.layouts.split(",")):
             bn, w, s, *sp = (int(x) for x in c.split(","))
-            if sp:  # a given split count, whole tiles per split (as plan_decode's num_splits)
-                per = -(-tokens // sp[0])
-                per = -(-per // bn) * bn
-                splits = -(-tokens // per)
+            if sp:  # a given split count, whole tiles per split
+                splits, per = whole_tile_splits(tokens, sp[0], bn)
             else:
                 splits, per = choose_splits(batch, kv_heads, tokens, bn, _multiprocessors("cuda"))
             for hf in (v == "1" for v in args.hf.split(",") if not (v == "1" and layout == "tma")):

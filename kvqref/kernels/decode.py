@@ -2337,6 +2337,14 @@ BF16_WIDE = (128, 4, 3)
 BF16_WIDE_RESIDENT = 2
 
 
+def whole_tile_splits(max_len: int, splits: int, block_n: int) -> tuple[int, int]:
+    """(splits, tokens per split) for about ``splits`` splits of ``max_len`` tokens: tokens per split
+    ``ceil(max_len / splits)`` rounded up to whole tiles of ``block_n``, then the splits that many tokens need."""
+    per = -(-max(max_len, 1) // splits)
+    per = -(-per // block_n) * block_n
+    return -(-max(max_len, 1) // per), per
+
+
 def choose_splits(batch: int, kv_heads: int, max_len: int, block_n: int, num_sms: int,
                   resident: int | None = None, waves_of: int | None = None, down: bool = False) -> tuple[int, int]:
     """(splits, tokens per split), each split a whole number of tiles and at least 4 tiles long. Default: about
@@ -2358,10 +2366,8 @@ def choose_splits(batch: int, kv_heads: int, max_len: int, block_n: int, num_sms
     want = max(1, -(-16 * num_sms // pairs))  # the default
     most = max(1, -(-max_len // (4 * block_n)))
 
-    def tiled(splits: int) -> tuple[int, int]:  # (splits, tokens per split) with whole tiles per split
-        per = -(-max(max_len, 1) // splits)
-        per = -(-per // block_n) * block_n
-        return -(-max(max_len, 1) // per), per
+    def tiled(splits: int) -> tuple[int, int]:
+        return whole_tile_splits(max_len, splits, block_n)
 
     if resident is not None:
         wave = resident * num_sms
@@ -2841,9 +2847,10 @@ def plan_decode(
         raise ValueError(f"direct_output needs one split and no residual window (here {num_splits} splits, "
                          f"residual {has_res})")
     direct = direct_ok if direct_output is None else bool(direct_output)
-    if pdl and not pdl_supported(q):
+    pdl_ok = pdl_supported(q)
+    if pdl and not pdl_ok:
         raise ValueError("pdl (programmatic dependent launch) needs an NVIDIA GPU of compute capability 9.0 or newer")
-    gdc = not direct and (pdl_supported(q) if pdl is None else bool(pdl))
+    gdc = not direct and (pdl_ok if pdl is None else bool(pdl))
     pids_ahead = bool(page_ids_ahead)
     if pids_ahead and key_rows:
         raise ValueError("page_ids_ahead applies to the per-tile and block-rows loops (not key_rows)")
