@@ -304,9 +304,9 @@ def test_kivi_pipeline_gives_the_same_bits(pair, words, block_n):
     """``kivi_pipeline`` (the key-rows loop computing the next tile's scores beside this tile's softmax and value
     products) does the same arithmetic per tile, so its outputs and lse equal the unpipelined loop's bit for bit:
     sequences of one token, of a partial last tile and of several tiles, and splits of the sequence (whose first
-    tile is the prologue's). Without key rows it is refused; the default is the measured choice. Planted bugs fail
-    it: the prologue's tile advanced by one (the first tile's scores never used), this tile scored with the next
-    tile's scores."""
+    tile is the prologue's). Without key rows it is refused; the default (off, page ids read ahead instead) is the
+    measured choice. Planted bugs fail it: the prologue's tile advanced by one (the first tile's scores never used),
+    this tile scored with the next tile's scores."""
     rng = np.random.default_rng(31 + (pair[0] == "int2_kivi"))
     shape = dict(SMALL, q_heads=8, kv_heads=2, head_dim=128, page_size=32, lens=(1, 150, 300))
     cache, _ = build_cache(pair, shape, rng)
@@ -319,15 +319,26 @@ def test_kivi_pipeline_gives_the_same_bits(pair, words, block_n):
         assert np.array_equal(out_p, out) and np.array_equal(lse_p, lse), splits
     with pytest.raises(ValueError, match="kivi_pipeline needs key_rows"):
         _run_decode(cache, q, precision="fast", key_rows=False, kivi_pipeline=True)
-    # the default (session 18, H100): pipelined for 4-bit key words without a register cap, else not
+    # the default: 4-bit key words without a register cap are pipelined (session 18, H100), except in head-major
+    # pages with at least 2 query heads per KV head, where they read their page ids ahead instead (session 32, H200:
+    # batch 32 x 8,192 232.3 -> 222.0 us); nothing else
     from kvqref.kernels.decode import decode_split_kernel, plan_decode
 
-    dc = tb.DeviceCache.from_cache(cache, DEVICE)
-    launches, _, _ = plan_decode(q.to(DEVICE), dc.k.tiles(), dc.v.tiles(), dc.block_table, dc.seq_lens, dc.page_size,
-                                 **kw)
-    split = next(launch for launch in launches if launch.kernel is decode_split_kernel)
-    want = pair[0] == "int4_kivi" and words and split.options.get("maxnreg") is None
-    assert split.constexprs["KPIPE"] is want, (pair[0], words, split.options.get("maxnreg"))
+    def split_constexprs(dc, qq, **extra):
+        launches, _, _ = plan_decode(qq.to(DEVICE), dc.k.tiles(), dc.v.tiles(), dc.block_table, dc.seq_lens,
+                                     dc.page_size, **kw, **extra)
+        split = next(launch for launch in launches if launch.kernel is decode_split_kernel)
+        return split.constexprs, split.options.get("maxnreg")
+
+    token_major = tb.DeviceCache.from_cache(cache, DEVICE)
+    for dc, qq, head_major in ((token_major, q, False), (token_major.with_layout("HND"), q, True),
+                               (token_major.with_layout("HND"), q[:, ::4], True)):  # (and 1 query head per KV head)
+        cx, maxnreg = split_constexprs(dc, qq)
+        words4 = pair[0] == "int4_kivi" and words and maxnreg is None
+        ahead = words4 and head_major and qq.shape[1] > 2
+        assert cx["PIDS_AHEAD"] is ahead and cx["KPIPE"] is (words4 and not ahead), (pair[0], words, maxnreg)
+        cx, _ = split_constexprs(dc, qq, kivi_pipeline=True)  # asked for: pipelined, page ids in the step
+        assert cx["KPIPE"] is True and cx["PIDS_AHEAD"] is False
 
 
 @pytest.mark.parametrize("pair", KIVI_WORD_PAIRS, ids=["int4", "int2"])
@@ -1658,7 +1669,7 @@ def test_page_ids_ahead_same_bits(case):
     loop-carried value) compute the same bits as reading them in the step (bf16, FP8, KIVI through the per-tile loop
     with its residual split, NVFP4 per element; NVFP4 and mxfp4/nvfp4 by block rows, 3 stages), with 2 splits (so
     that a split starts inside a sequence), ragged lengths (a sequence of 1 token included) and pages from a shuffled
-    free list; with KIVI key rows it raises."""
+    free list (KIVI key rows: :func:`test_kivi_key_rows_page_ids_ahead_same_bits`)."""
     pair = {"bf16": PAIRS[0], "fp8": PAIRS[1], "kivi": PAIRS[7], "nvfp4": PAIRS[9], "nvfp4-blocks": PAIRS[9],
             "mxfp4-blocks": PAIRS[6]}[case]
     rng = np.random.default_rng(73)
@@ -1674,9 +1685,61 @@ def test_page_ids_ahead_same_bits(case):
     out, lse, _ = _run_decode(cache, q, **kw)
     out1, lse1, _ = _run_decode(cache, q, page_ids_ahead=True, **kw)
     assert np.array_equal(out, out1) and np.array_equal(lse, lse1), case
-    if case == "kivi":
-        with pytest.raises(ValueError, match="page_ids_ahead applies"):
-            _run_decode(cache, q, num_splits=2, key_rows=True, value_rows=True, page_ids_ahead=True)
+
+
+@pytest.mark.parametrize("pair", KIVI_WORD_PAIRS, ids=["int4", "int2"])
+@pytest.mark.parametrize("pipe", [False, True], ids=["step", "pipelined"])
+def test_kivi_key_rows_page_ids_ahead_same_bits(pair, pipe):
+    """``page_ids_ahead`` in the KIVI key-rows loop: the tiles' rows and their key groups' rows read from the block
+    table one step ahead (with ``kivi_pipeline`` the keys' two tiles ahead of the values) give the same bits as the
+    rows read in the step: 32-token tiles inside 32-token pages from a shuffled free list, sequences of one token,
+    of a partial last tile and of several tiles, 3 splits (a split's first tile inside a sequence) and code words.
+    Planted bugs fail it: the carried next rows read one tile too far, the values' rows taken from the keys' tile."""
+    rng = np.random.default_rng(75 + (pair[0] == "int2_kivi"))
+    shape = dict(SMALL, q_heads=8, kv_heads=2, head_dim=128, page_size=32, lens=(1, 150, 300))
+    cache, _ = build_cache(pair, shape, rng)
+    q = torch.from_numpy(4 * rng.standard_normal((3, 8, 128)).astype(np.float32)).to(torch.bfloat16)
+    kw = dict(precision="fast", key_rows=True, value_rows=True, kivi_words=True, block_n=32, kivi_pipeline=pipe,
+              num_splits=3)
+    out, lse, _ = _run_decode(cache, q, page_ids_ahead=False, **kw)
+    out1, lse1, _ = _run_decode(cache, q, page_ids_ahead=True, **kw)
+    assert np.array_equal(out, out1) and np.array_equal(lse, lse1)
+
+
+def test_fp4_block_rows_pipelines_are_the_measured_choice(monkeypatch):
+    """FP4 by block rows, 4 query heads per KV head at head_dim 128, planned on the CPU as for an H200 (session 32):
+    NVFP4 by value words and channel halves reads each next tile's page ids one step ahead at 3 stages (batch 32 x
+    8,192 152.7 -> 145.6 us), except with pages of one token (166.4 -> 168.7) or where 2 stages are asked for;
+    fp4_e2m1's same launch (157.6 -> 161.2) keeps the in-step page ids at its 3 stages; mxfp4's two-warp block rows
+    at 64-token tiles take 3 stages (149.2 -> 147.0), still with the in-step page ids."""
+    from kvqref.kernels import decode
+    from kvqref.kernels.aot import _hw_formats
+    from kvqref.kernels.decode import plan_decode
+
+    rng = np.random.default_rng(74)
+    q = torch.zeros(3, 8, 128, dtype=torch.bfloat16)  # 4 query heads per KV head
+
+    def plan(pair, page_size=16, **kw):
+        cache, _ = build_cache(pair, dict(SMALL, head_dim=128, q_heads=8, page_size=page_size), rng)
+        dc = tb.DeviceCache.from_cache(cache, "cpu")
+        launches, _, _ = plan_decode(q, dc.k.tiles(), dc.v.tiles(), dc.block_table, dc.seq_lens, dc.page_size,
+                                     hw_formats=_hw_formats("cuda:90"), **kw)
+        split = next(la for la in launches if la.kernel is decode.decode_split_kernel)
+        cx = split.constexprs
+        assert cx["BLK"], pair[0]
+        return cx["PIDS_AHEAD"], split.options["num_stages"], split.options["num_warps"], cx["BLOCK_N"]
+
+    fp4 = ("fp4_e2m1", {}, "fp4_e2m1", {})
+    mx = ("mxfp4", {}, "mxfp4", {})
+    with monkeypatch.context() as m:
+        m.setattr(decode, "_nvidia_cuda", lambda t: True)
+        assert plan(PAIRS[9]) == (True, 3, 1, 32)
+        assert plan(PAIRS[9], page_size=1) == (False, 2, 1, 32)
+        assert plan(PAIRS[9], num_stages=2) == (False, 2, 1, 32)
+        assert plan(PAIRS[9], page_ids_ahead=False) == (False, 2, 1, 32)
+        assert plan(fp4) == (False, 3, 1, 32)
+        assert plan(mx) == (False, 3, 2, 64)
+        assert plan(mx, page_ids_ahead=True) == (True, 3, 2, 64)
 
 
 @pytest.mark.parametrize("precision", ["fast", "exact"])

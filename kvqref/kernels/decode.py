@@ -1186,24 +1186,35 @@ def _tile_slots(t0, end, BT, b, stride_btb, PAGE: tl.constexpr, PAGE_SLOTS: tl.c
 
 
 @triton.jit
-def _kivi_rows_key_loads(t0, slot, tmask, end, BT, K0, K1, K2, b, kvh, stride_btb, k0_s, k0_h, k1_s, k1_h, k2_s,
-                         k2_h, HV: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, PAGE_SLOTS: tl.constexpr,
-                         BLOCK_N: tl.constexpr, G_K: tl.constexpr, BITS_K: tl.constexpr, KW: tl.constexpr):
-    """:func:`_kivi_key_rows`' key loads of the tile at ``t0`` (its tokens' ``slot`` and ``tmask`` from
-    :func:`_tile_slots`): the codes (``KW``: words [BLOCK_N, D / 8], else bytes [D / PK, BLOCK_N]) and the groups'
-    scales and zeros broadcast over the key rows (float32 [rows, D]); tokens at or past ``end`` masked (a tile wholly
-    past it loads nothing)."""
+def _kivi_group_slots(t0, end, BT, b, stride_btb, HV: tl.constexpr, PAGE: tl.constexpr, PAGE_SLOTS: tl.constexpr,
+                      BLOCK_N: tl.constexpr, G_K: tl.constexpr):
+    """The cache rows (``page_slot``) of the first token of each KIVI key group of the tile at ``t0`` through the
+    block table ([RK / HV] with :func:`_kivi_key_rows`' RK), and which groups hold tokens before ``end`` (the others
+    read page 0 and are masked)."""
+    NGK: tl.constexpr = BLOCK_N // G_K if BLOCK_N > G_K else 1
+    RK: tl.constexpr = NGK * HV if NGK * HV > 16 else 16
+    kg = tl.arange(0, RK // HV)
+    tg = t0 + kg * G_K  # the first token of each key group of the tile
+    gmask = (kg < NGK) & (tg < end)
+    gslot = page_slot(tl.load(BT + b * stride_btb + tg // PAGE, mask=gmask, other=0).to(tl.int64), tg, PAGE,
+                      PAGE_SLOTS)
+    return gslot, gmask
+
+
+@triton.jit
+def _kivi_rows_key_loads(slot, tmask, gslot, gmask, K0, K1, K2, kvh, k0_s, k0_h, k1_s, k1_h, k2_s, k2_h,
+                         HV: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, G_K: tl.constexpr,
+                         BITS_K: tl.constexpr, KW: tl.constexpr):
+    """:func:`_kivi_key_rows`' key loads of a tile (its tokens' ``slot`` and ``tmask`` from :func:`_tile_slots`, its
+    key groups' ``gslot`` and ``gmask`` from :func:`_kivi_group_slots`): the codes (``KW``: words [BLOCK_N, D / 8],
+    else bytes [D / PK, BLOCK_N]) and the groups' scales and zeros broadcast over the key rows (float32 [rows, D]);
+    tokens and groups masked out load nothing."""
     PK: tl.constexpr = 8 // BITS_K
     NGK: tl.constexpr = BLOCK_N // G_K if BLOCK_N > G_K else 1
     RK: tl.constexpr = NGK * HV if NGK * HV > 16 else 16
     WTK: tl.constexpr = tl.int32 if BITS_K == 4 else tl.int16
     KWB: tl.constexpr = BITS_K  # bytes per code word: 4 (4-bit codes), 2 (2-bit)
-    kg = tl.arange(0, RK // HV)
     d = tl.arange(0, D)
-    tg = t0 + kg * G_K  # the first token of each key group of the tile
-    gmask = (kg < NGK) & (tg < end)
-    gslot = page_slot(tl.load(BT + b * stride_btb + tg // PAGE, mask=gmask, other=0).to(tl.int64), tg, PAGE,
-                      PAGE_SLOTS)
     grp = gslot // G_K
     if KW:  # (strides in words, so the rows' alignment is known to the compiler: vector loads)
         kc = tl.load(K0.to(tl.pointer_type(WTK)) + slot[:, None] * (k0_s // KWB) + kvh * (k0_h // KWB)
@@ -1308,6 +1319,7 @@ def _kivi_key_rows(
     G_K: tl.constexpr,
     BITS_K: tl.constexpr, G_V: tl.constexpr, BITS_V: tl.constexpr, RN: tl.constexpr, PTX: tl.constexpr,
     KW: tl.constexpr = False, KCH: tl.constexpr = 1, PIPE: tl.constexpr = False, KSUB: tl.constexpr = False,
+    PIDA: tl.constexpr = False,
 ):
     """Fast-mode KIVI keys by token-group rows (``key_rows``), values by channel-group rows (``value_rows``).
 
@@ -1330,7 +1342,9 @@ def _kivi_key_rows(
     products in two independent accumulation chains (even and odd p), summed once. ``PIPE``: each step computes the
     next tile's scores (its key loads and products) beside this tile's softmax and value products, the first
     tile's before the loop, so that the two dependency chains of a step are independent; the same arithmetic per
-    tile, so the same bits. ``KSUB``: the key codes as float16 subnormals (:func:`_kivi_rows_scores`' ``SUB``)."""
+    tile, so the same bits. ``KSUB``: the key codes as float16 subnormals (:func:`_kivi_rows_scores`' ``SUB``).
+    ``PIDA`` (``page_ids_ahead``): the tiles' cache rows and key groups' rows read from the block table one step
+    ahead of their loads and carried through the loop (with ``PIPE`` two tiles ahead of the values)."""
     PV: tl.constexpr = 8 // BITS_V
     DV: tl.constexpr = D // PV
     NGK: tl.constexpr = BLOCK_N // G_K if BLOCK_N > G_K else 1
@@ -1366,21 +1380,48 @@ def _kivi_key_rows(
         w5 = tl.zeros((NCH, BLOCK_H, DW), tl.float32)
         w6 = tl.zeros((NCH, BLOCK_H, DW), tl.float32)
         w7 = tl.zeros((NCH, BLOCK_H, DW), tl.float32)
+    if PIDA:  # the first tile's rows before the loop (and, with PIPE, the second's), then each one step ahead
+        vslot, vmask = _tile_slots(start, end, BT, b, stride_btb, PAGE, PAGE_SLOTS, BLOCK_N)
+        vgslot, vgmask = _kivi_group_slots(start, end, BT, b, stride_btb, HV, PAGE, PAGE_SLOTS, BLOCK_N, G_K)
     if PIPE:  # the first tile's scores before the loop; each step then computes the next tile's
-        slot, tmask = _tile_slots(start, end, BT, b, stride_btb, PAGE, PAGE_SLOTS, BLOCK_N)
-        kc, ks, kz = _kivi_rows_key_loads(start, slot, tmask, end, BT, K0, K1, K2, b, kvh, stride_btb, k0_s, k0_h,
-                                          k1_s, k1_h, k2_s, k2_h, HV, D, PAGE, PAGE_SLOTS, BLOCK_N, G_K, BITS_K, KW)
+        if PIDA:
+            slot, tmask, gslot, gmask = vslot, vmask, vgslot, vgmask
+            nslot, nmask = _tile_slots(start + BLOCK_N, end, BT, b, stride_btb, PAGE, PAGE_SLOTS, BLOCK_N)
+            ngslot, ngmask = _kivi_group_slots(start + BLOCK_N, end, BT, b, stride_btb, HV, PAGE, PAGE_SLOTS,
+                                               BLOCK_N, G_K)
+        else:
+            slot, tmask = _tile_slots(start, end, BT, b, stride_btb, PAGE, PAGE_SLOTS, BLOCK_N)
+            gslot, gmask = _kivi_group_slots(start, end, BT, b, stride_btb, HV, PAGE, PAGE_SLOTS, BLOCK_N, G_K)
+        kc, ks, kz = _kivi_rows_key_loads(slot, tmask, gslot, gmask, K0, K1, K2, kvh, k0_s, k0_h, k1_s, k1_h, k2_s,
+                                          k2_h, HV, D, BLOCK_N, G_K, BITS_K, KW)
         s_next = _kivi_rows_scores(kc, ks, kz, qk, sel, qk_scale, HV, D, BLOCK_N, BITS_K, PTX, KW, KCH, KSUB)
     for t0 in range(start, end, BLOCK_N):
-        slot, tmask = _tile_slots(t0, end, BT, b, stride_btb, PAGE, PAGE_SLOTS, BLOCK_N)
-        if PIPE:  # the next tile's keys
-            kslot, ktmask = _tile_slots(t0 + BLOCK_N, end, BT, b, stride_btb, PAGE, PAGE_SLOTS, BLOCK_N)
-            kc, ks, kz = _kivi_rows_key_loads(t0 + BLOCK_N, kslot, ktmask, end, BT, K0, K1, K2, b, kvh, stride_btb,
-                                              k0_s, k0_h, k1_s, k1_h, k2_s, k2_h, HV, D, PAGE, PAGE_SLOTS, BLOCK_N, G_K,
-                                              BITS_K, KW)
+        if PIDA and PIPE:  # this tile's rows (values), the next tile's (keys), the tile after it's read now
+            slot, tmask = vslot, vmask
+            kslot, ktmask, kgslot, kgmask = nslot, nmask, ngslot, ngmask
+            vslot, vmask = nslot, nmask
+            nslot, nmask = _tile_slots(t0 + 2 * BLOCK_N, end, BT, b, stride_btb, PAGE, PAGE_SLOTS, BLOCK_N)
+            ngslot, ngmask = _kivi_group_slots(t0 + 2 * BLOCK_N, end, BT, b, stride_btb, HV, PAGE, PAGE_SLOTS,
+                                               BLOCK_N, G_K)
+        elif PIDA:  # this tile's rows, the next tile's read now
+            slot, tmask, gslot, gmask = vslot, vmask, vgslot, vgmask
+            vslot, vmask = _tile_slots(t0 + BLOCK_N, end, BT, b, stride_btb, PAGE, PAGE_SLOTS, BLOCK_N)
+            vgslot, vgmask = _kivi_group_slots(t0 + BLOCK_N, end, BT, b, stride_btb, HV, PAGE, PAGE_SLOTS, BLOCK_N,
+                                               G_K)
         else:
-            kc, ks, kz = _kivi_rows_key_loads(t0, slot, tmask, end, BT, K0, K1, K2, b, kvh, stride_btb, k0_s, k0_h,
-                                              k1_s, k1_h, k2_s, k2_h, HV, D, PAGE, PAGE_SLOTS, BLOCK_N, G_K, BITS_K, KW)
+            slot, tmask = _tile_slots(t0, end, BT, b, stride_btb, PAGE, PAGE_SLOTS, BLOCK_N)
+        if PIPE:  # the next tile's keys
+            if not PIDA:
+                kslot, ktmask = _tile_slots(t0 + BLOCK_N, end, BT, b, stride_btb, PAGE, PAGE_SLOTS, BLOCK_N)
+                kgslot, kgmask = _kivi_group_slots(t0 + BLOCK_N, end, BT, b, stride_btb, HV, PAGE, PAGE_SLOTS,
+                                                   BLOCK_N, G_K)
+            kc, ks, kz = _kivi_rows_key_loads(kslot, ktmask, kgslot, kgmask, K0, K1, K2, kvh, k0_s, k0_h, k1_s, k1_h,
+                                              k2_s, k2_h, HV, D, BLOCK_N, G_K, BITS_K, KW)
+        else:
+            if not PIDA:
+                gslot, gmask = _kivi_group_slots(t0, end, BT, b, stride_btb, HV, PAGE, PAGE_SLOTS, BLOCK_N, G_K)
+            kc, ks, kz = _kivi_rows_key_loads(slot, tmask, gslot, gmask, K0, K1, K2, kvh, k0_s, k0_h, k1_s, k1_h,
+                                              k2_s, k2_h, HV, D, BLOCK_N, G_K, BITS_K, KW)
         if KW:  # (strides in words, so the rows' alignment is known to the compiler: vector loads)
             slot3 = tl.reshape(slot, (NCH, BLOCK_N // NCH))[:, :, None]  # (loaded in the product's chunks)
             vw = tl.load(V0.to(tl.pointer_type(WTV)) + slot3 * (v0_s // VWB) + kvh * (v0_h // VWB)
@@ -1661,7 +1702,7 @@ def decode_split_kernel(
             acc0, acc1, acc2, acc3, zacc, m_i, l_i = _kivi_key_rows(
                 Q, BT, K0, K1, K2, V0, V1, V2, b, kvh, start, end, stride_qb, stride_qh, stride_btb, k0_s, k0_h,
                 k1_s, k1_h, k2_s, k2_h, v0_s, v0_h, v1_s, v1_h, v2_s, v2_h, qk_scale, QPK, HV, BLOCK_H, D, PAGE,
-                PAGE_SLOTS, BLOCK_N, G_K, BITS_K, G_V, BITS_V, RN, PTX, KW, KCH, KPIPE, KSUB)
+                PAGE_SLOTS, BLOCK_N, G_K, BITS_K, G_V, BITS_V, RN, PTX, KW, KCH, KPIPE, KSUB, PIDS_AHEAD)
         elif BLK:  # fast FP4 by block rows (``_fp4_block_rows``)
             acc0, acc1, m_i, l_i = _fp4_block_rows(
                 Q, BT, K0, K1, V0, V1, b, kvh, start, end, stride_qb, stride_qh, stride_btb, k0_s, k0_h, k1_s, k1_h,
@@ -2521,8 +2562,9 @@ def plan_decode(
     block table one step ahead, carried through the loop (constexpr ``PIDS_AHEAD``; the same loads and arithmetic, the
     same bits): Triton's pipeliner then gives the page-table load no stage of its own and double-buffers the code
     tiles at 3 stages (sm_90, triton 3.6: fast FP8 at 64-token tiles one buffer per side, 22,848 B per program -> two,
-    38,976 B; without it more stages do not add buffers). Default False: not measured on a GPU yet
-    (bench/results/ANALYSIS.md, session 31, 218); ``True`` with key rows raises.
+    38,976 B; without it more stages do not add buffers). Default: NVFP4 by value words and channel halves with
+    pages of more than one token (then at 3 stages), where it measured 3-6% faster on the H200; FP8, fp4_e2m1, mxfp4
+    and page size 1 lost (bench/results/ANALYSIS.md, session 32); ``True`` with key rows raises.
     ``residual_launch``: the residual window's split as its own launch (constexpr ``PART``), so the paged splits
     do not carry the residual path's registers; default: with ``key_rows`` and a residual window.
     ``channel_halves``: with ``block_rows``, a side of at least 32 rows multiplies each channel half by the rows of
@@ -2735,11 +2777,28 @@ def plan_decode(
     kch = (2 if kivi_words and k.bits == 4 else 1) if kivi_key_chains is None else int(kivi_key_chains)
     if kch not in (1, 2) or (kch == 2 and not kivi_words):
         raise ValueError(f"kivi_key_chains must be 1 or 2 (2 needs kivi_words), got {kivi_key_chains!r}")
+    # each next tile's page ids read one step ahead (``page_ids_ahead``), so that Triton's pipeliner double-buffers
+    # the code tiles at 3 stages (bench/results/ANALYSIS.md, session 32, H200, head-major unless said):
+    # - NVFP4 by value words and channel halves (one warp, 32-token tiles), pages of more than one token, at 3
+    #   stages: batch 32 x 8,192 152.7 -> 145.6 us, 8 x 32,768 152.7 -> 144.5, 1 x 131,072 83.5 -> 79.1, 128 x
+    #   4,096 290.0 -> 273.1, token-major batch 32 159.8 -> 154.8; at page size 1 166.4 -> 168.7 and fp4_e2m1's same
+    #   launch 157.6 -> 161.2: off;
+    # - 4-bit KIVI key words without a register cap in head-major pages, at least 2 query heads per KV head, instead of
+    #   ``kivi_pipeline`` (with which the pipeliner keeps no buffer: 289.9 us): batch 32 x 8,192 232.3 -> 222.0, 1 x
+    #   131,072 129.8 -> 126.9, 8 x 32,768 229.6 -> 226.4, 128 x 4,096 484.1 -> 459.2, 2 query heads per KV head
+    #   241.6 -> 235.4; token-major 265.7 -> 284.1, 1 query head per KV head 230.3 -> 270.8, 2-bit words (spilling
+    #   at 255 registers) 191.4 -> 205.4: off. FP8 (fewer programs fit: 143.0 -> 156.3) and mxfp4 lost too.
+    kivi_words4 = bool(key_rows and kivi_words and k.bits == 4 and maxnreg is None)
+    kivi_ahead = kivi_words4 and k.head_major and qpk >= 2
+    if page_ids_ahead is None:
+        page_ids_ahead = ((words_halves and k.kind == v.kind == "nvfp4" and page_size > 1 and num_stages in (None, 3))
+                          or (kivi_ahead and not kivi_pipeline))
+    nvfp4_ahead = bool(page_ids_ahead) and words_halves and k.kind == v.kind == "nvfp4"
     # the key-rows loop pipelined by one tile for 4-bit key words without a register cap (H100: int4 at batch 32 x
     # 8,192 248.7 -> 238.1 us, batch 1 x 131,072 136.7 -> 134.8; 2-bit words at their 168-register cap 212.6 -> 234.5,
-    # 4-bit bytes at 8 query heads per KV head (capped) 1,060 -> 1,265: off; bench/results/ANALYSIS.md, session 18)
-    kpipe = (bool(key_rows and kivi_words and k.bits == 4 and maxnreg is None) if kivi_pipeline is None
-             else bool(kivi_pipeline))
+    # 4-bit bytes at 8 query heads per KV head (capped) 1,060 -> 1,265: off; bench/results/ANALYSIS.md, session 18);
+    # since session 32 their page ids read ahead instead where that measured faster (above)
+    kpipe = (kivi_words4 and not page_ids_ahead) if kivi_pipeline is None else bool(kivi_pipeline)
     if kpipe and not key_rows:
         raise ValueError("kivi_pipeline needs key_rows (fast KIVI by token-group key rows)")
     # key codes as float16 subnormals for 2-bit keys (H100, 3 rounds: int2 at batch 32 x 8,192 244.1 -> 233.4 us, 128 x
@@ -2776,8 +2835,13 @@ def plan_decode(
     # batch 32 x 8,192: head-major 170.3 -> 167.2 us, token-major 183.7 -> 178.6; batch 1 x 131,072 93.7 -> 92.3;
     # NVFP4 the same launch 159.6 -> 160.2: 2 stay; bench/results/ANALYSIS.md, session 25)
     e8m0_16_words = e8m0_16_halves and words_halves and k.kind == "mxfp4" and k.block == 16
+    # mxfp4 by block rows at 2 warps and 64-token tiles: 3 stages (H200, head-major: batch 32 x 8,192 149.2 ->
+    # 147.0 us, 8 x 32,768 148.8 -> 147.4, 128 x 4,096 283.7 -> 276.4, 1 x 131,072 83.3 -> 82.6, page size 1 157.3
+    # -> 156.0; token-major batch 32 153.1 -> 150.4; fp4_e2m1's such launch at 1 query head per KV head, 32 x 8,192:
+    # 152.3 -> 150.4, mxfp4 150.1 -> 148.2; one buffer per code tile still; session 32)
+    mx_rows_stages = bool(block_rows) and k.kind == v.kind == "mxfp4" and not (words_halves or blk_wide)
     if num_stages is None:
-        wide_stages = nvfp4_halves or kivi_words or bf16_wide or e8m0_16_words
+        wide_stages = nvfp4_halves or kivi_words or bf16_wide or e8m0_16_words or nvfp4_ahead or mx_rows_stages
         num_stages = 3 if wide_stages else 2 if block_rows or key_rows else (
             3 if k.kind in ("fp8", "int_k") or fast_mx_ptx or (precision == "fast" and k.kind == "nvfp4"
                                                                 and not ptx_unpack) else 2)
@@ -2852,8 +2916,6 @@ def plan_decode(
         raise ValueError("pdl (programmatic dependent launch) needs an NVIDIA GPU of compute capability 9.0 or newer")
     gdc = not direct and (pdl_ok if pdl is None else bool(pdl))
     pids_ahead = bool(page_ids_ahead)
-    if pids_ahead and key_rows:
-        raise ValueError("page_ids_ahead applies to the per-tile and block-rows loops (not key_rows)")
     out = torch.empty(batch, q_heads, head_dim, dtype=torch.float32, device=q.device)
     lse = torch.empty(batch, q_heads, dtype=torch.float32, device=q.device)
     if direct:  # the split kernel writes out and lse: [B, Hq, 1, D] and [B, Hq, 1] views (the split axis unused)
