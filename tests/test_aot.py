@@ -102,13 +102,15 @@ def test_every_kernel_compiles_for_rocm_and_cuda_targets():
         # + on CUDA a split launch letting the merge start early (``GDC``, plan_decode's ``pdl``); the merge waiting
         # for it (merge[pdl]) is one of SHARED_KERNELS, compiled for CUDA targets only
         gdc = 1 if t.startswith("cuda") else 0
-        # + fp8_e4m3 (per-tile loop) and nvfp4 (block rows) with each next tile's page ids read one step ahead
-        # (``page_ids_ahead``), every target
-        pida = 2
+        # + fp8_e4m3 (per-tile loop) and int4 KIVI key rows (head-major pages) with each next tile's page ids read
+        # one step ahead (``page_ids_ahead``), nvfp4 (block rows; ahead by default) with them read in the step, every
+        # target
+        pida = 3
         assert len(rows) == (2 * len(DECODE_CASES) + len(SHARED_KERNELS) - (1 - gdc) + len(WRITE_CASES) + ptx + f16cvt
                              + rows_off + kt4 + ktile_off + 3 * key_rows + sums + nvb + blocks + vw_off + vw8
                              + direct + kr_ptx + word_loads + x2 + bn64 + t2d + gdc + pida), t
-        assert sum(r["kernel"] in ("decode[fp8_e4m3,pida]", "decode[nvfp4,pida]") and r["ok"] for r in rows) == pida, t
+        pida_rows = ("decode[fp8_e4m3,pida=1]", "decode[nvfp4,pida=0]", "decode[int4_kivi,kr=1,pida=1]")
+        assert sum(r["kernel"] in pida_rows and r["ok"] for r in rows) == pida, t
         facts = {r["kernel"]: r.get("ptx_facts", {}) for r in rows}
         gdc_rows = [k for k in facts if k.endswith(",gdc]")]
         assert len(gdc_rows) == gdc, t

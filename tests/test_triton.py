@@ -771,12 +771,17 @@ def test_fp4_block_rows(pair, q_heads, kv_heads, head_dim):
     words = rows <= 32 and (v_rows < head_dim // 4 or halves[1])
     if rows <= 32:
         assert (split.constexprs["HALF_K"], split.constexprs["HALF_V"]) == halves
-        # the measured launch: value words by halves 32-token tiles / 1 warp (session 12; 3 stages for E8M0 blocks
-        # of 16 on both sides in pages of more than one token, session 25), else 16 rows per product 64-token tiles /
-        # 2 warps, 32 rows 128 / 4 (ANALYSIS.md, sessions 8 and 11)
+        # the measured launch: value words by halves 32-token tiles / 1 warp (session 12; 3 stages in pages of more
+        # than one token for E8M0 blocks of 16 on both sides, session 25, and for NVFP4 with its page ids read ahead,
+        # session 32), else 16 rows per product 64-token tiles / 2 warps (3 stages for E8M0 pairs without channel
+        # halves, session 32), 32 rows 128 / 4 (ANALYSIS.md, sessions 8 and 11)
         prod = max(k_rows // (1 + halves[0]), v_rows // (1 + halves[1]))
-        e8m0_16 = all(t.kind == "mxfp4" and t.block == 16 for t in (dc.k.tiles(), dc.v.tiles())) and dc.page_size > 1
-        want = ((32, 1, 3 if e8m0_16 else 2) if words and halves[1] else (64, 2, 2) if prod <= 16 else (128, 4, 2))
+        sides = (dc.k.tiles(), dc.v.tiles())
+        e8m0_16 = all(t.kind == "mxfp4" and t.block == 16 for t in sides) and dc.page_size > 1
+        nvfp4_ahead = all(t.kind == "nvfp4" for t in sides) and dc.page_size > 1
+        mx_rows = all(t.kind == "mxfp4" for t in sides) and not any(halves)
+        want = ((32, 1, 3 if e8m0_16 or nvfp4_ahead else 2) if words and halves[1] else
+                (64, 2, 3 if mx_rows else 2) if prod <= 16 else (128, 4, 2))
         assert (split.constexprs["BLOCK_N"], split.options["num_warps"], split.options["num_stages"]) == want
     assert split.constexprs["VW"] is words  # value words: the measured default
     if rows > 32 and pair[0] == pair[2] == "nvfp4" and not getattr(torch.version, "hip", None):
@@ -835,7 +840,8 @@ def test_fp4_halves_tiles_by_page_size(page_size, want):
     """FP4 by channel halves (4 query heads per KV head, D 128: 32 rows per side) reads its value tiles as words by
     default, in 32-token tiles with one warp at every page size (H100, session 12: fp4_e2m1 261 -> 235 us at page
     16, 294 -> 248 at page 1; NVFP4 194 -> 183), fp4_e2m1 with 3 stages in pages of 16 (session 25: 170.3 -> 167.2
-    us; at page 1 184.3 against 184.9, so 2 there); with value bytes (``value_words=False``) fp4_e2m1 takes the tiles
+    us; at page 1 184.3 against 184.9, so 2 there), NVFP4 with 3 stages and its page ids read ahead in pages of 16
+    (session 32, H200: 152.7 -> 145.6 us); with value bytes (``value_words=False``) fp4_e2m1 takes the tiles
     measured for its page size: 128 tokens / 4 warps in pages of 16 (261 us against 275 at 64 / 2), 64 / 2 in pages
     of 1 (290 us against 316; bench/results/ANALYSIS.md, session 11), and NVFP4 64 / 2 with 3 stages."""
     from kvqref.kernels.decode import plan_decode
@@ -846,7 +852,7 @@ def test_fp4_halves_tiles_by_page_size(page_size, want):
         cache, _ = build_cache(pair, shape, rng)
         dc = tb.DeviceCache.from_cache(cache, DEVICE)
         q = torch.zeros(3, 8, 128, dtype=torch.bfloat16, device=DEVICE)
-        words_launch = (32, 1, 3 if pair is PAIRS[5] and page_size > 1 else 2)
+        words_launch = (32, 1, 3 if page_size > 1 else 2)  # (NVFP4's page ids read ahead at 3 stages: session 32)
         for words, expect in ((None, words_launch), (False, bytes_launch)):
             launches, _, _ = plan_decode(q, dc.k.tiles(), dc.v.tiles(), dc.block_table, dc.seq_lens, dc.page_size,
                                          value_words=words)

@@ -171,12 +171,23 @@ def _launches(target: str, cases: list | None = None, page: int = 16) -> list[tu
                                                  block_n=bn)
                     words = split(launches)
                     out.append((f"decode[{label},vw8={words.constexprs['VW8']}{',bn=64' if bn else ''}]", words))
-            if label in ("fp8_e4m3", "nvfp4"):  # each next tile's page ids read one step ahead (``page_ids_ahead``;
-                # an option): the per-tile loop (FP8) and the block rows' loop (NVFP4, at 3 stages)
+            if label in ("fp8_e4m3", "nvfp4"):  # each next tile's page ids read one step ahead (``page_ids_ahead``)
+                # or in the step, whichever is not the default: the per-tile loop (FP8: ahead, an option) and the
+                # block rows' loop (NVFP4 at 4 query heads per KV head: in the step at 2 stages)
+                ahead = label == "fp8_e4m3"
                 launches, _, _ = plan_decode(q, dc.k.tiles(), dc.v.tiles(), dc.block_table, dc.seq_lens, page,
                                              max_seq_len=40, num_splits=2, hw_formats=_hw_formats(target),
-                                             page_ids_ahead=True, **({"num_stages": 3} if label == "nvfp4" else {}))
-                out.append((f"decode[{label},pida]", split(launches)))
+                                             page_ids_ahead=ahead, **({} if ahead else {"num_stages": 2}))
+                out.append((f"decode[{label},pida={int(ahead)}]", split(launches)))
+            if label == "int4_kivi":  # the key rows reading their page ids ahead (the default for 4-bit key words in
+                # head-major pages), in head-major pages, the codes unpacked as on the target's GPUs
+                hd = dc.with_layout("HND")
+                launches, _, _ = plan_decode(q, hd.k.tiles(), hd.v.tiles(), hd.block_table, hd.seq_lens, page,
+                                             residual=(hd.k_residual, hd.v_residual, hd.k_lens, hd.v_lens),
+                                             max_seq_len=40, num_splits=2, hw_formats=_hw_formats(target),
+                                             value_rows=True, key_rows=True, page_ids_ahead=True,
+                                             ptx_unpack=target.startswith("cuda"))
+                out.append((f"decode[{label},kr=1,pida=1]", split(launches)))
             if label in DIRECT_CASES:  # one split writing the outputs itself (``direct_output``; a rotated V
                 # un-rotated by the split kernel, ``ROT_V``)
                 wide = dict(zip(("block_n", "num_warps", "num_stages"), BF16_WIDE, strict=True))

@@ -2838,8 +2838,10 @@ def plan_decode(
     # mxfp4 by block rows at 2 warps and 64-token tiles: 3 stages (H200, head-major: batch 32 x 8,192 149.2 ->
     # 147.0 us, 8 x 32,768 148.8 -> 147.4, 128 x 4,096 283.7 -> 276.4, 1 x 131,072 83.3 -> 82.6, page size 1 157.3
     # -> 156.0; token-major batch 32 153.1 -> 150.4; fp4_e2m1's such launch at 1 query head per KV head, 32 x 8,192:
-    # 152.3 -> 150.4, mxfp4 150.1 -> 148.2; one buffer per code tile still; session 32)
-    mx_rows_stages = bool(block_rows) and k.kind == v.kind == "mxfp4" and not (words_halves or blk_wide)
+    # 152.3 -> 150.4, mxfp4 150.1 -> 148.2; one buffer per code tile still; session 32; the same launch at other
+    # head dims not measured)
+    mx_rows_stages = bool(block_rows) and k.kind == v.kind == "mxfp4" and not (words_halves or blk_wide or half_k
+                                                                                or half_v)
     if num_stages is None:
         wide_stages = nvfp4_halves or kivi_words or bf16_wide or e8m0_16_words or nvfp4_ahead or mx_rows_stages
         num_stages = 3 if wide_stages else 2 if block_rows or key_rows else (
