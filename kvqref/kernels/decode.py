@@ -2534,7 +2534,8 @@ def plan_decode(
     summed once: the same products, summed in another order); default 2 for 4-bit keys, 1 for 2-bit.
     ``kivi_pipeline``: with ``key_rows``, each step of the tile loop computes the next tile's scores beside this
     tile's softmax and value products (constexpr ``KPIPE``; the same arithmetic per tile, the same bits); default:
-    4-bit key words without a register cap (where it measured faster).
+    4-bit key words without a register cap (where it measured faster) unless they read their page ids ahead
+    (``page_ids_ahead``, which replaces it there).
     ``kivi_subnormal_codes``: with ``key_rows``, the key codes unpacked into float16 subnormals ``code * 2**(K - 24)``
     (no magic number, so no packed subtraction per two codes), the 2**-24 and the code bits K taken out of the
     float32 products (:func:`_kivi_rows_scores`, constexpr ``KSUB``; exact scalings by powers of two: the same bits
@@ -2558,13 +2559,15 @@ def plan_decode(
     programmatic stream serialization; constexpr ``GDC``): it is scheduled while the splits run and waits for them
     (``griddepcontrol.wait``) instead of launching after they end; the same arithmetic, the same bits; default: where
     the device supports it (:func:`pdl_supported`); ``True`` elsewhere raises.
-    ``page_ids_ahead``: the per-tile and block-rows loops (not key rows) read each next tile's page ids from the
+    ``page_ids_ahead``: the per-tile, block-rows and KIVI key-rows loops read each next tile's page ids from the
     block table one step ahead, carried through the loop (constexpr ``PIDS_AHEAD``; the same loads and arithmetic, the
-    same bits): Triton's pipeliner then gives the page-table load no stage of its own and double-buffers the code
-    tiles at 3 stages (sm_90, triton 3.6: fast FP8 at 64-token tiles one buffer per side, 22,848 B per program -> two,
-    38,976 B; without it more stages do not add buffers). Default: NVFP4 by value words and channel halves with
-    pages of more than one token (then at 3 stages), where it measured 3-6% faster on the H200; FP8, fp4_e2m1, mxfp4
-    and page size 1 lost (bench/results/ANALYSIS.md, session 32); ``True`` with key rows raises.
+    same bits; key rows with ``kivi_pipeline`` read the keys' two tiles ahead of the values): Triton's pipeliner then
+    gives the page-table load no stage of its own and double-buffers the code tiles at 3 stages (sm_90, triton 3.6:
+    fast FP8 at 64-token tiles one buffer per side, 22,848 B per program -> two, 38,976 B; without it more stages do
+    not add buffers). Default: NVFP4 by value words and channel halves in pages of more than one token (then at 3
+    stages), and 4-bit KIVI key words without a register cap in head-major pages with at least 2 query heads per KV
+    head (instead of ``kivi_pipeline``), where it measured 2-6% faster on the H200; FP8, fp4_e2m1, mxfp4, 2-bit KIVI,
+    page size 1 and int4 in token-major pages lost (bench/results/ANALYSIS.md, session 32, 219-222).
     ``residual_launch``: the residual window's split as its own launch (constexpr ``PART``), so the paged splits
     do not carry the residual path's registers; default: with ``key_rows`` and a residual window.
     ``channel_halves``: with ``block_rows``, a side of at least 32 rows multiplies each channel half by the rows of
