@@ -771,13 +771,13 @@ def test_fp4_block_rows(pair, q_heads, kv_heads, head_dim):
     words = rows <= 32 and (v_rows < head_dim // 4 or halves[1])
     if rows <= 32:
         assert (split.constexprs["HALF_K"], split.constexprs["HALF_V"]) == halves
-        # the measured launch: value words by halves 32-token tiles / 1 warp (session 12; 3 stages in pages of more
-        # than one token for E8M0 blocks of 16 on both sides, session 25, and for NVFP4 with its page ids read ahead,
-        # session 32), else 16 rows per product 64-token tiles / 2 warps (3 stages for E8M0 pairs without channel
+        # the measured launch: value words by halves 32-token tiles / 1 warp (session 12; 3 stages for E8M0 blocks
+        # of 16 on both sides, session 25, and with their page ids read ahead at page size 1 too, and for NVFP4 with
+        # its page ids read ahead in pages of more than one token, session 32), else 16 rows per product 64-token tiles / 2 warps (3 stages for E8M0 pairs without channel
         # halves, session 32), 32 rows 128 / 4 (ANALYSIS.md, sessions 8 and 11)
         prod = max(k_rows // (1 + halves[0]), v_rows // (1 + halves[1]))
         sides = (dc.k.tiles(), dc.v.tiles())
-        e8m0_16 = all(t.kind == "mxfp4" and t.block == 16 for t in sides) and dc.page_size > 1
+        e8m0_16 = all(t.kind == "mxfp4" and t.block == 16 for t in sides)  # (page ids ahead at page size 1 too)
         nvfp4_ahead = all(t.kind == "nvfp4" for t in sides) and dc.page_size > 1
         mx_rows = all(t.kind == "mxfp4" for t in sides) and not any(halves)
         want = ((32, 1, 3 if e8m0_16 or nvfp4_ahead else 2) if words and halves[1] else
@@ -840,8 +840,9 @@ def test_fp4_halves_tiles_by_page_size(page_size, want):
     """FP4 by channel halves (4 query heads per KV head, D 128: 32 rows per side) reads its value tiles as words by
     default, in 32-token tiles with one warp at every page size (H100, session 12: fp4_e2m1 261 -> 235 us at page
     16, 294 -> 248 at page 1; NVFP4 194 -> 183), fp4_e2m1 with 3 stages in pages of 16 (session 25: 170.3 -> 167.2
-    us; at page 1 184.3 against 184.9, so 2 there), NVFP4 with 3 stages and its page ids read ahead in pages of 16
-    (session 32, H200: 152.7 -> 145.6 us); with value bytes (``value_words=False``) fp4_e2m1 takes the tiles
+    us; at page 1 184.3 against 184.9, so 2 there; session 32, H200, with its page ids read ahead 3 at both: 157.5
+    -> 151.7 us, page 1 168.7 -> 160.5), NVFP4 with 3 stages and its page ids read ahead in pages of 16 (session 32,
+    H200: 152.7 -> 145.6 us); with value bytes (``value_words=False``) fp4_e2m1 takes the tiles
     measured for its page size: 128 tokens / 4 warps in pages of 16 (261 us against 275 at 64 / 2), 64 / 2 in pages
     of 1 (290 us against 316; bench/results/ANALYSIS.md, session 11), and NVFP4 64 / 2 with 3 stages."""
     from kvqref.kernels.decode import plan_decode
@@ -852,7 +853,8 @@ def test_fp4_halves_tiles_by_page_size(page_size, want):
         cache, _ = build_cache(pair, shape, rng)
         dc = tb.DeviceCache.from_cache(cache, DEVICE)
         q = torch.zeros(3, 8, 128, dtype=torch.bfloat16, device=DEVICE)
-        words_launch = (32, 1, 3 if page_size > 1 else 2)  # (NVFP4's page ids read ahead at 3 stages: session 32)
+        # (page ids read ahead at 3 stages, session 32: NVFP4 in pages of more than one token, fp4_e2m1 at both)
+        words_launch = (32, 1, 3 if page_size > 1 or pair is PAIRS[5] else 2)
         for words, expect in ((None, words_launch), (False, bytes_launch)):
             launches, _, _ = plan_decode(q, dc.k.tiles(), dc.v.tiles(), dc.block_table, dc.seq_lens, dc.page_size,
                                          value_words=words)
@@ -1693,6 +1695,31 @@ def test_page_ids_ahead_same_bits(case):
     assert np.array_equal(out, out1) and np.array_equal(lse, lse1), case
 
 
+@pytest.mark.parametrize("code", [None, 0])
+def test_page_ids_ahead_with_the_e8m0_check_same_bits(code):
+    """fp4_e2m1 by value words and channel halves (4 query heads per KV head, head_dim 128), whose default reads the
+    page ids ahead in the loop over bare E8M0 exponent fields and in the step in the rerun that a scale code 0 or 255
+    triggers (``e8m0_tile_check``): the same bits as the page ids read in the step throughout, with every code in
+    1 .. 254 and with code 0 (2**-127) planted in every V block of sequence 2's KV head 1, whose splits then rerun:
+    their query heads' outputs are nonzero (the bare field, +0.0, would give zeros there). Planted bugs fail it: each
+    next tile's rows read for the current tile again (no code 0 appears, so no rerun hides it); the rerun skipped."""
+    rng = np.random.default_rng(76)
+    cache, _ = build_cache(("fp4_e2m1", {}, "fp4_e2m1", {}), dict(SMALL, head_dim=128, q_heads=8), rng)
+    q = torch.from_numpy(rng.standard_normal((3, 8, 128)).astype(np.float32)).to(torch.bfloat16)
+    b, kvh = 2, 1
+    if code is not None:
+        for t in range(int(cache.seq_lens[b])):
+            page, off = divmod(int(cache.slot_mapping(b, t, 1)[0]), cache.page_size)
+            cache.v.storage["scales"][page, off, kvh] = code
+    kw = dict(num_splits=2, num_stages=3, e8m0_tile_check=True, wide_scale_loads=True)
+    out, lse, _ = _run_decode(cache, q, page_ids_ahead=False, **kw)
+    out1, lse1, _ = _run_decode(cache, q, page_ids_ahead=True, **kw)
+    assert np.array_equal(out, out1) and np.array_equal(lse, lse1)
+    assert np.isfinite(out1).all()
+    if code is not None:  # the rerun's rule for code 0
+        assert (out1[b, 4 * kvh: 4 * kvh + 4] != 0).any(axis=-1).all()
+
+
 @pytest.mark.parametrize("pair", KIVI_WORD_PAIRS, ids=["int4", "int2"])
 @pytest.mark.parametrize("pipe", [False, True], ids=["step", "pipelined"])
 def test_kivi_key_rows_page_ids_ahead_same_bits(pair, pipe):
@@ -1716,8 +1743,8 @@ def test_fp4_block_rows_pipelines_are_the_measured_choice(monkeypatch):
     """FP4 by block rows, 4 query heads per KV head at head_dim 128, planned on the CPU as for an H200 (session 32):
     NVFP4 by value words and channel halves reads each next tile's page ids one step ahead at 3 stages (batch 32 x
     8,192 152.7 -> 145.6 us), except with pages of one token (166.4 -> 168.7) or where 2 stages are asked for;
-    fp4_e2m1's same launch (157.6 -> 161.2) keeps the in-step page ids at its 3 stages; mxfp4's two-warp block rows
-    at 64-token tiles take 3 stages (149.2 -> 147.0), still with the in-step page ids."""
+    fp4_e2m1's same launch too, at every page size (157.5 -> 151.7, page size 1 168.7 -> 160.5); mxfp4's two-warp
+    block rows at 64-token tiles take 3 stages (149.2 -> 147.0), still with the in-step page ids."""
     from kvqref.kernels import decode
     from kvqref.kernels.aot import _hw_formats
     from kvqref.kernels.decode import plan_decode
@@ -1743,7 +1770,9 @@ def test_fp4_block_rows_pipelines_are_the_measured_choice(monkeypatch):
         assert plan(PAIRS[9], page_size=1) == (False, 2, 1, 32)
         assert plan(PAIRS[9], num_stages=2) == (False, 2, 1, 32)
         assert plan(PAIRS[9], page_ids_ahead=False) == (False, 2, 1, 32)
-        assert plan(fp4) == (False, 3, 1, 32)
+        assert plan(fp4) == (True, 3, 1, 32)
+        assert plan(fp4, page_size=1) == (True, 3, 1, 32)
+        assert plan(fp4, num_stages=2) == (False, 2, 1, 32)
         assert plan(mx) == (False, 3, 2, 64)
         assert plan(mx, page_ids_ahead=True) == (True, 3, 2, 64)
 

@@ -931,12 +931,13 @@ def _fp4_block_rows(
         qe16, qo16, qe16_b, qo16_b, sc_k, BT, K0, K1, V0, V1, b, kvh, start, end, stride_btb, k0_s, k0_h, k1_s,
         k1_h, v0_s, v0_h, v1_s, v1_h, H, D, PAGE, PAGE_SLOTS, BLOCK_N, KIND_K, QB_K, FMT_K, KIND_V, QB_V, FMT_V, PTX,
         WSC_K, WSC_V, VW, HALF_K, HALF_V, E8M0_CHECK, PIDS_AHEAD)
-    if E8M0_CHECK:  # a code 0 or 255 among the E8M0 scales: the split again, with the rule for them
+    if E8M0_CHECK:  # a code 0 or 255 among the E8M0 scales: the split again, with the rule for them (its page ids
+        # read in the step: the rerun is rare, and carried page ids in both loops spill fp4_e2m1's 168 registers)
         if tl.max(rare, 0) != 0:
             m_i, l_i, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, rare = _fp4_block_rows_loop(
                 qe16, qo16, qe16_b, qo16_b, sc_k, BT, K0, K1, V0, V1, b, kvh, start, end, stride_btb, k0_s, k0_h, k1_s,
                 k1_h, v0_s, v0_h, v1_s, v1_h, H, D, PAGE, PAGE_SLOTS, BLOCK_N, KIND_K, QB_K, FMT_K, KIND_V, QB_V, FMT_V,
-                PTX, WSC_K, WSC_V, VW, HALF_K, HALF_V, False, PIDS_AHEAD)
+                PTX, WSC_K, WSC_V, VW, HALF_K, HALF_V, False, False)
     DV: tl.constexpr = (D // 8 if HALF_V else D // 4) if VW else (D // 4 if HALF_V else D // 2)
     jv = tl.arange(0, DV)
     f: tl.constexpr = 2.0**14 / 128.0 if KIND_V == 3 else 1.0
@@ -2564,10 +2565,11 @@ def plan_decode(
     same bits; key rows with ``kivi_pipeline`` read the keys' two tiles ahead of the values): Triton's pipeliner then
     gives the page-table load no stage of its own and double-buffers the code tiles at 3 stages (sm_90, triton 3.6:
     fast FP8 at 64-token tiles one buffer per side, 22,848 B per program -> two, 38,976 B; without it more stages do
-    not add buffers). Default: NVFP4 by value words and channel halves in pages of more than one token (then at 3
-    stages), and 4-bit KIVI key words without a register cap in head-major pages with at least 2 query heads per KV
-    head (instead of ``kivi_pipeline``), where it measured 2-6% faster on the H200; FP8, fp4_e2m1, mxfp4, 2-bit KIVI,
-    page size 1 and int4 in token-major pages lost (bench/results/ANALYSIS.md, session 32, 219-222).
+    not add buffers). Default: NVFP4 by value words and channel halves in pages of more than one token and fp4_e2m1's
+    such launch at every page size (both then at 3 stages; the E8M0 check's rerun reads its page ids in the step),
+    and 4-bit KIVI key words without a register cap in head-major pages with at least 2 query heads per KV
+    head (instead of ``kivi_pipeline``), where it measured 2-6% faster on the H200; FP8, mxfp4, 2-bit KIVI, NVFP4 at
+    page size 1 and int4 in token-major pages lost (bench/results/ANALYSIS.md, session 32, 219-224).
     ``residual_launch``: the residual window's split as its own launch (constexpr ``PART``), so the paged splits
     do not carry the residual path's registers; default: with ``key_rows`` and a residual window.
     ``channel_halves``: with ``block_rows``, a side of at least 32 rows multiplies each channel half by the rows of
@@ -2784,8 +2786,11 @@ def plan_decode(
     # the code tiles at 3 stages (bench/results/ANALYSIS.md, session 32, H200, head-major unless said):
     # - NVFP4 by value words and channel halves (one warp, 32-token tiles), pages of more than one token, at 3
     #   stages: batch 32 x 8,192 152.7 -> 145.6 us, 8 x 32,768 152.7 -> 144.5, 1 x 131,072 83.5 -> 79.1, 128 x
-    #   4,096 290.0 -> 273.1, token-major batch 32 159.8 -> 154.8; at page size 1 166.4 -> 168.7 and fp4_e2m1's same
-    #   launch 157.6 -> 161.2: off;
+    #   4,096 290.0 -> 273.1, token-major batch 32 159.8 -> 154.8; at page size 1 166.4 -> 168.7: off;
+    # - the same launch of E8M0 blocks of 16 (fp4_e2m1) at 3 stages, every page size, with the E8M0 check's rerun
+    #   reading its page ids in the step (with them ahead in both loops it spilled: 157.6 -> 161.2): batch 32 157.5
+    #   -> 151.7, 1 x 131,072 85.6 -> 82.1, 128 x 4,096 301.8 -> 286.8, token-major 165.4 -> 163.0, page size 1
+    #   168.7 -> 160.5;
     # - 4-bit KIVI key words without a register cap in head-major pages, at least 2 query heads per KV head, instead of
     #   ``kivi_pipeline`` (with which the pipeliner keeps no buffer: 289.9 us): batch 32 x 8,192 232.3 -> 222.0, 1 x
     #   131,072 129.8 -> 126.9, 8 x 32,768 229.6 -> 226.4, 128 x 4,096 484.1 -> 459.2, 2 query heads per KV head
@@ -2793,10 +2798,12 @@ def plan_decode(
     #   at 255 registers) 191.4 -> 205.4: off. FP8 (fewer programs fit: 143.0 -> 156.3) and mxfp4 lost too.
     kivi_words4 = bool(key_rows and kivi_words and k.bits == 4 and maxnreg is None)
     kivi_ahead = kivi_words4 and k.head_major and qpk >= 2
+    e8m0_16_pair = k.kind == v.kind == "mxfp4" and k.block == v.block == 16
     if page_ids_ahead is None:
-        page_ids_ahead = ((words_halves and k.kind == v.kind == "nvfp4" and page_size > 1 and num_stages in (None, 3))
+        page_ids_ahead = ((words_halves and num_stages in (None, 3) and (
+                              (k.kind == v.kind == "nvfp4" and page_size > 1) or e8m0_16_pair))
                           or (kivi_ahead and not kivi_pipeline))
-    nvfp4_ahead = bool(page_ids_ahead) and words_halves and k.kind == v.kind == "nvfp4"
+    words_ahead = bool(page_ids_ahead) and words_halves and (k.kind == v.kind == "nvfp4" or e8m0_16_pair)
     # the key-rows loop pipelined by one tile for 4-bit key words without a register cap (H100: int4 at batch 32 x
     # 8,192 248.7 -> 238.1 us, batch 1 x 131,072 136.7 -> 134.8; 2-bit words at their 168-register cap 212.6 -> 234.5,
     # 4-bit bytes at 8 query heads per KV head (capped) 1,060 -> 1,265: off; bench/results/ANALYSIS.md, session 18);
@@ -2846,7 +2853,7 @@ def plan_decode(
     mx_rows_stages = bool(block_rows) and k.kind == v.kind == "mxfp4" and not (words_halves or blk_wide or half_k
                                                                                 or half_v)
     if num_stages is None:
-        wide_stages = nvfp4_halves or kivi_words or bf16_wide or e8m0_16_words or nvfp4_ahead or mx_rows_stages
+        wide_stages = nvfp4_halves or kivi_words or bf16_wide or e8m0_16_words or words_ahead or mx_rows_stages
         num_stages = 3 if wide_stages else 2 if block_rows or key_rows else (
             3 if k.kind in ("fp8", "int_k") or fast_mx_ptx or (precision == "fast" and k.kind == "nvfp4"
                                                                 and not ptx_unpack) else 2)
