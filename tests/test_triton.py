@@ -773,8 +773,9 @@ def test_fp4_block_rows(pair, q_heads, kv_heads, head_dim):
         assert (split.constexprs["HALF_K"], split.constexprs["HALF_V"]) == halves
         # the measured launch: value words by halves 32-token tiles / 1 warp (session 12; 3 stages for E8M0 blocks
         # of 16 on both sides, session 25, and with their page ids read ahead at page size 1 too, and for NVFP4 with
-        # its page ids read ahead in pages of more than one token, session 32), else 16 rows per product 64-token tiles / 2 warps (3 stages for E8M0 pairs without channel
-        # halves, session 32), 32 rows 128 / 4 (ANALYSIS.md, sessions 8 and 11)
+        # its page ids read ahead in pages of more than one token, session 32), else 16 rows per product 64-token
+        # tiles / 2 warps (3 stages for E8M0 pairs without channel halves, session 32), 32 rows 128 / 4 (ANALYSIS.md,
+        # sessions 8 and 11)
         prod = max(k_rows // (1 + halves[0]), v_rows // (1 + halves[1]))
         sides = (dc.k.tiles(), dc.v.tiles())
         e8m0_16 = all(t.kind == "mxfp4" and t.block == 16 for t in sides)  # (page ids ahead at page size 1 too)
