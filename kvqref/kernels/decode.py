@@ -1381,20 +1381,16 @@ def _kivi_key_rows(
         w5 = tl.zeros((NCH, BLOCK_H, DW), tl.float32)
         w6 = tl.zeros((NCH, BLOCK_H, DW), tl.float32)
         w7 = tl.zeros((NCH, BLOCK_H, DW), tl.float32)
-    if PIDA:  # the first tile's rows before the loop (and, with PIPE, the second's), then each one step ahead
+    if PIDA or PIPE:  # the first tile's rows before the loop (with PIDA carried into it)
         vslot, vmask = _tile_slots(start, end, BT, b, stride_btb, PAGE, PAGE_SLOTS, BLOCK_N)
         vgslot, vgmask = _kivi_group_slots(start, end, BT, b, stride_btb, HV, PAGE, PAGE_SLOTS, BLOCK_N, G_K)
     if PIPE:  # the first tile's scores before the loop; each step then computes the next tile's
-        if PIDA:
-            slot, tmask, gslot, gmask = vslot, vmask, vgslot, vgmask
+        if PIDA:  # (and the second tile's rows, carried into the loop)
             nslot, nmask = _tile_slots(start + BLOCK_N, end, BT, b, stride_btb, PAGE, PAGE_SLOTS, BLOCK_N)
             ngslot, ngmask = _kivi_group_slots(start + BLOCK_N, end, BT, b, stride_btb, HV, PAGE, PAGE_SLOTS,
                                                BLOCK_N, G_K)
-        else:
-            slot, tmask = _tile_slots(start, end, BT, b, stride_btb, PAGE, PAGE_SLOTS, BLOCK_N)
-            gslot, gmask = _kivi_group_slots(start, end, BT, b, stride_btb, HV, PAGE, PAGE_SLOTS, BLOCK_N, G_K)
-        kc, ks, kz = _kivi_rows_key_loads(slot, tmask, gslot, gmask, K0, K1, K2, kvh, k0_s, k0_h, k1_s, k1_h, k2_s,
-                                          k2_h, HV, D, BLOCK_N, G_K, BITS_K, KW)
+        kc, ks, kz = _kivi_rows_key_loads(vslot, vmask, vgslot, vgmask, K0, K1, K2, kvh, k0_s, k0_h, k1_s, k1_h,
+                                          k2_s, k2_h, HV, D, BLOCK_N, G_K, BITS_K, KW)
         s_next = _kivi_rows_scores(kc, ks, kz, qk, sel, qk_scale, HV, D, BLOCK_N, BITS_K, PTX, KW, KCH, KSUB)
     for t0 in range(start, end, BLOCK_N):
         if PIDA and PIPE:  # this tile's rows (values), the next tile's (keys), the tile after it's read now
@@ -1602,8 +1598,8 @@ def decode_split_kernel(
     ``OP`` after a barrier. ``GDC`` (the merge launch depends on this one programmatically, ``pdl``): each program
     lets the merge launch start at once (``griddepcontrol.launch_dependents``, a scheduling hint; the merge's
     ``griddepcontrol.wait`` still waits for every program of this launch and its stores). ``PIDS_AHEAD``
-    (``page_ids_ahead``): the per-tile and block-rows loops read each next tile's page ids one step ahead (a
-    loop-carried value), so that the software pipeliner multi-buffers the tiles' loads instead of giving the
+    (``page_ids_ahead``): the per-tile, block-rows and KIVI key-rows loops read each next tile's page ids one step
+    ahead (a loop-carried value), so that the software pipeliner multi-buffers the tiles' loads instead of giving the
     page-table load a stage."""
     if GDC:
         tl.extra.cuda.gdc_launch_dependents()
