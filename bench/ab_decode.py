@@ -28,7 +28,8 @@ FP8 value tiles as 16-bit words (``fp8_value_words``), ``kp`` (0/1): the KIVI ke
 rows' E8M0 scales as bare exponent fields after one check per tile (``e8m0_tile_check``), ``t2d`` (0/1):
 per-element FP4 tiles as [bytes, tokens] with each byte's scale code from its token's word (``fp4_tiles_2d``),
 ``pdl`` (0/1): the merge as a programmatic dependent launch of the split launch (``pdl``), ``pida`` (0/1): each
-next tile's page ids read one step ahead (``page_ids_ahead``).
+next tile's page ids read one step ahead (``page_ids_ahead``), ``vch``: KIVI key words' value products in this many
+token chunks (``kivi_value_chunks``).
 KIVI caches carry their residual window, as in bench/decode_bench.py.
 """
 
@@ -59,7 +60,8 @@ KEYS = {"bn": ("block_n", int), "w": ("num_warps", int), "s": ("num_stages", int
         "kch": ("kivi_key_chains", int), "kp": ("kivi_pipeline", lambda v: v == "1"),
         "do": ("direct_output", lambda v: v == "1"), "ksub": ("kivi_subnormal_codes", lambda v: v == "1"),
         "e8c": ("e8m0_tile_check", lambda v: v == "1"), "t2d": ("fp4_tiles_2d", lambda v: v == "1"),
-        "pdl": ("pdl", lambda v: v == "1"), "pida": ("page_ids_ahead", lambda v: v == "1")}
+        "pdl": ("pdl", lambda v: v == "1"), "pida": ("page_ids_ahead", lambda v: v == "1"),
+        "vch": ("kivi_value_chunks", int)}
 
 
 def parse_variant(text: str) -> tuple[str, str, dict]:

@@ -342,6 +342,50 @@ def test_kivi_pipeline_gives_the_same_bits(pair, words, block_n):
 
 
 @pytest.mark.parametrize("pair", KIVI_WORD_PAIRS, ids=["int4", "int2"])
+def test_kivi_value_chunks(pair):
+    """``kivi_value_chunks`` (the key words' value products of a 128-token tile batched in 1, 2 or 4 chunks of its
+    tokens, the chunks summed after the loop: the same products, summed in another order) meets the oracle's bound
+    of the key rows each way, and the chunkings agree within two bounds. The default is one chunk per warp, chunks of
+    at least 32 tokens (4 query heads per KV head: 2-bit words at 2 warps in 2 chunks, 4-bit words at 4 warps in 4;
+    64-token tiles in 2; a 4-warp launch asked for 2-bit words: 4); bad counts are refused. Planted bugs fail it:
+    the first chunk left out of the sum after the loop, the value rows' tokens interleaved across the chunks
+    instead of split into runs (from 2 chunks on)."""
+    from kvqref.kernels.decode import decode_split_kernel, plan_decode
+
+    rng = np.random.default_rng(51 + (pair[0] == "int2_kivi"))
+    shape = dict(SMALL, q_heads=8, kv_heads=2, head_dim=128, page_size=32, lens=(1, 150, 300))
+    cache, _ = build_cache(pair, shape, rng)
+    q = torch.from_numpy(4 * rng.standard_normal((3, 8, 128)).astype(np.float32)).to(torch.bfloat16)
+    ref_out, ref_lse, tol_o, tol_l = _oracle(cache, q.float().numpy().astype(np.float64), "fast", "bfloat16",
+                                             value_rows=True)
+    kw = dict(precision="fast", key_rows=True, value_rows=True, kivi_words=True)
+    runs = {}
+    for nch in (1, 2, 4):
+        out, lse, _ = _run_decode(cache, q, kivi_value_chunks=nch, **kw)
+        assert (np.abs(out - ref_out) <= tol_o).all() and (np.abs(lse - ref_lse) <= tol_l).all(), nch
+        runs[nch] = out, lse
+    for nch in (1, 2):
+        assert (np.abs(runs[nch][0] - runs[4][0]) <= 2 * tol_o).all(), nch
+        assert (np.abs(runs[nch][1] - runs[4][1]) <= 2 * tol_l).all(), nch
+    dc = tb.DeviceCache.from_cache(cache, DEVICE)
+
+    def split_cx(**extra):
+        launches, _, _ = plan_decode(q.to(DEVICE), dc.k.tiles(), dc.v.tiles(), dc.block_table, dc.seq_lens,
+                                     dc.page_size, precision="fast", **extra)
+        split = next(launch for launch in launches if launch.kernel is decode_split_kernel)
+        return split.constexprs["NCH"], split.options["num_warps"], split.constexprs["BLOCK_N"]
+
+    two_bit = pair[0] == "int2_kivi"
+    assert split_cx() == ((2, 2, 128) if two_bit else (4, 4, 128))
+    assert split_cx(block_n=64) == (2, 2 if two_bit else 4, 64)
+    assert split_cx(num_warps=4) == (4, 4, 128)
+    assert split_cx(kivi_words=False)[0] == 1  # (unused without words)
+    for bad in ({"kivi_value_chunks": 3}, {"kivi_value_chunks": 16}, {"kivi_value_chunks": 2, "kivi_words": False}):
+        with pytest.raises(ValueError, match="kivi_value_chunks must be a power of two"):
+            _run_decode(cache, q, **{**kw, **bad})
+
+
+@pytest.mark.parametrize("pair", KIVI_WORD_PAIRS, ids=["int4", "int2"])
 @pytest.mark.parametrize("q_heads,block_n,flip_chains", [(8, None, False), (8, 64, False), (4, 32, False),
                                                          (8, None, True), (16, None, False)])
 def test_kivi_words(pair, q_heads, block_n, flip_chains):

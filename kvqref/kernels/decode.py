@@ -1320,7 +1320,7 @@ def _kivi_key_rows(
     G_K: tl.constexpr,
     BITS_K: tl.constexpr, G_V: tl.constexpr, BITS_V: tl.constexpr, RN: tl.constexpr, PTX: tl.constexpr,
     KW: tl.constexpr = False, KCH: tl.constexpr = 1, PIPE: tl.constexpr = False, KSUB: tl.constexpr = False,
-    PIDA: tl.constexpr = False,
+    PIDA: tl.constexpr = False, NCH: tl.constexpr = 1,
 ):
     """Fast-mode KIVI keys by token-group rows (``key_rows``), values by channel-group rows (``value_rows``).
 
@@ -1337,12 +1337,13 @@ def _kivi_key_rows(
     ``KW`` (code words): key and value codes read as words of eight codes (int32 of 4-bit codes, int16 of 2-bit
     codes; channel 8c + p is code p of word c) and unpacked by :func:`_int_word_phases`, one product per code p on
     each side. Keys: the key rows' columns 8c + p [rows, D / 8] against the words' codes p [D / 8, tokens]; values:
-    per chunk of 32 tokens (a batched product, so the warps split the tokens instead of repeating a [rows, D / 8]
-    product), the value rows [chunk, rows, 32] against the codes p [chunk, 32, D / 8], the chunks summed after the
-    loop. The same nonzero products as the byte phases, summed in another order. ``KCH`` 2: the key words' eight
-    products in two independent accumulation chains (even and odd p), summed once. ``PIPE``: each step computes the
-    next tile's scores (its key loads and products) beside this tile's softmax and value products, the first
-    tile's before the loop, so that the two dependency chains of a step are independent; the same arithmetic per
+    per chunk of BLOCK_N / ``NCH`` tokens (a batched product, so the warps split the tokens instead of repeating a
+    [rows, D / 8] product; Triton gives each chunk its own warps, or a warp several chunks and their accumulators),
+    the value rows [NCH, rows, BLOCK_N / NCH] against the codes p [NCH, BLOCK_N / NCH, D / 8], the chunks summed
+    after the loop. The same nonzero products as the byte phases, summed in another order. ``KCH`` 2: the key
+    words' eight products in two independent accumulation chains (even and odd p), summed once. ``PIPE``: each step
+    computes the next tile's scores (its key loads and products) beside this tile's softmax and value products, the
+    first tile's before the loop, so that the two dependency chains of a step are independent; the same arithmetic per
     tile, so the same bits. ``KSUB``: the key codes as float16 subnormals (:func:`_kivi_rows_scores`' ``SUB``).
     ``PIDA`` (``page_ids_ahead``): the tiles' cache rows and key groups' rows read from the block table one step
     ahead of their loads and carried through the loop (with ``PIPE`` two tiles ahead of the values)."""
@@ -1368,7 +1369,6 @@ def _kivi_key_rows(
     acc3 = tl.zeros((BLOCK_H, DV), tl.float32)
     zacc = tl.zeros((BLOCK_H,), tl.float32)
     DW: tl.constexpr = D // 8  # code words per token (KW)
-    NCH: tl.constexpr = BLOCK_N // 32 if BLOCK_N > 32 else 1  # value chunks (KW)
     WTV: tl.constexpr = tl.int32 if BITS_V == 4 else tl.int16
     VWB: tl.constexpr = BITS_V
     iw = tl.arange(0, DW)
@@ -1436,7 +1436,7 @@ def _kivi_key_rows(
         ar = tl.reshape(tl.broadcast_to(alpha[None, :], (GRV, HV)), (BLOCK_H,))
         pa = _split(pr * srow, True, True)[0]
         zacc = zacc * ar + tl.sum(pr * zrow, 1)
-        if KW:  # per chunk of 32 tokens: [NCH, rows, 32] x [NCH, 32, D / 8] for each code p
+        if KW:  # per chunk of BLOCK_N / NCH tokens: [NCH, rows, BLOCK_N / NCH] x [NCH, BLOCK_N / NCH, D / 8] per code p
             pa3 = tl.permute(tl.reshape(pa, (BLOCK_H, NCH, BLOCK_N // NCH)), (1, 0, 2))
             v0, v1, v2, v3, v4, v5, v6, v7 = _int_word_phases(vw, BITS_V, False, PTX)
             ar3 = ar[None, :, None]
@@ -1573,6 +1573,7 @@ def decode_split_kernel(
     KR: tl.constexpr = False,
     KW: tl.constexpr = False,
     KCH: tl.constexpr = 1,
+    NCH: tl.constexpr = 1,
     KPIPE: tl.constexpr = False,
     KSUB: tl.constexpr = False,
     HALF_K: tl.constexpr = False,
@@ -1699,7 +1700,7 @@ def decode_split_kernel(
             acc0, acc1, acc2, acc3, zacc, m_i, l_i = _kivi_key_rows(
                 Q, BT, K0, K1, K2, V0, V1, V2, b, kvh, start, end, stride_qb, stride_qh, stride_btb, k0_s, k0_h,
                 k1_s, k1_h, k2_s, k2_h, v0_s, v0_h, v1_s, v1_h, v2_s, v2_h, qk_scale, QPK, HV, BLOCK_H, D, PAGE,
-                PAGE_SLOTS, BLOCK_N, G_K, BITS_K, G_V, BITS_V, RN, PTX, KW, KCH, KPIPE, KSUB, PIDS_AHEAD)
+                PAGE_SLOTS, BLOCK_N, G_K, BITS_K, G_V, BITS_V, RN, PTX, KW, KCH, KPIPE, KSUB, PIDS_AHEAD, NCH)
         elif BLK:  # fast FP4 by block rows (``_fp4_block_rows``)
             acc0, acc1, m_i, l_i = _fp4_block_rows(
                 Q, BT, K0, K1, V0, V1, b, kvh, start, end, stride_qb, stride_qh, stride_btb, k0_s, k0_h, k1_s, k1_h,
@@ -2478,6 +2479,7 @@ def plan_decode(
     merge_channels: int | None = None,
     fp8_value_words: bool | None = None,
     kivi_key_chains: int | None = None,
+    kivi_value_chunks: int | None = None,
     kivi_pipeline: bool | None = None,
     direct_output: bool | None = None,
     kivi_subnormal_codes: bool | None = None,
@@ -2529,6 +2531,9 @@ def plan_decode(
     aligned to their word; default: where it applies, with 3 stages. ``kivi_key_chains`` (1 or 2): the key words'
     eight products of a tile accumulated in one chain or in two independent ones (even and odd code positions,
     summed once: the same products, summed in another order); default 2 for 4-bit keys, 1 for 2-bit.
+    ``kivi_value_chunks``: with ``kivi_words``, the value products of a tile as this many batched chunks of its
+    tokens (constexpr ``NCH``, a power of two; chunks of at least 16 tokens; the same products, summed in another
+    order); default: one per warp, chunks of at least 32 tokens (``min(num_warps, block_n // 32)``).
     ``kivi_pipeline``: with ``key_rows``, each step of the tile loop computes the next tile's scores beside this
     tile's softmax and value products (constexpr ``KPIPE``; the same arithmetic per tile, the same bits); default:
     4-bit key words without a register cap (where it measured faster) unless they read their page ids ahead
@@ -2778,6 +2783,15 @@ def plan_decode(
     kch = (2 if kivi_words and k.bits == 4 else 1) if kivi_key_chains is None else int(kivi_key_chains)
     if kch not in (1, 2) or (kch == 2 and not kivi_words):
         raise ValueError(f"kivi_key_chains must be 1 or 2 (2 needs kivi_words), got {kivi_key_chains!r}")
+    # the key words' value products batched in one chunk of tokens per warp: a warp holding two chunks holds two sets
+    # of eight value accumulators (2-bit words at 2 warps and 128-token tiles, 4 chunks: 51 local stores at 255
+    # registers, sm_90, triton 3.6; 2 chunks: none; bench/results/ANALYSIS.md, session 33)
+    nch = ((min(num_warps, block_n // 32) if kivi_words else 1) if kivi_value_chunks is None
+           else int(kivi_value_chunks))
+    if kivi_value_chunks is not None and (not kivi_words or nch < 1 or nch & (nch - 1) or block_n // nch < 16
+                                          or block_n % nch):
+        raise ValueError(f"kivi_value_chunks must be a power of two leaving chunks of at least 16 tokens of the "
+                         f"{block_n}-token tile, with kivi_words; got {kivi_value_chunks!r}")
     # each next tile's page ids read one step ahead (``page_ids_ahead``), so that Triton's pipeliner double-buffers
     # the code tiles at 3 stages (bench/results/ANALYSIS.md, session 32, H200, head-major unless said):
     # - NVFP4 by value words and channel halves (one warp, 32-token tiles), pages of more than one token, at 3
@@ -3002,6 +3016,7 @@ def plan_decode(
         KR=bool(key_rows),
         KW=bool(kivi_words),
         KCH=kch,
+        NCH=nch,
         KPIPE=kpipe,
         KSUB=ksub,
         HALF_K=half_k,
