@@ -2767,10 +2767,11 @@ def plan_decode(
     # 1,315 -> 883 us, 8 x 32,768 347 -> 243, 1 x 131,072 189 -> 143; int4 bytes 1,038 -> 941, 278 -> 251, 151 -> 138;
     # session 27) and for 2-bit words (H200: at 4 query heads per KV head batch 32 x 8,192 205.4 -> 193.8 us, 128 x
     # 4,096 442.8 -> 382.9, 8 x 32,768 195.1 -> 190.5, 1 x 131,072 111.4 -> 108.2, session 28; at 2 and 1 query heads
-    # per KV head, once their value products took one chunk per warp, 205.8 -> 184.7 and 216.7 -> 194.4, against the
-    # 4-warp launch capped at 168 registers, session 33; 4-bit words at 4 lost, 237.2 -> 278.7, session 28, and 222.0
-    # -> 239.3 with a chunk per warp, session 33; bench/results/ANALYSIS.md)
-    kivi_two_warps = key_rows and (block_h > 16 or two_bit_words)
+    # per KV head, once their value products took one chunk per warp, 205.8 -> 184.7 and 216.7 -> 194.4 head-major,
+    # token-major 234.4 -> 214.3 at 2 but 292.9 -> 311.6 at 1, against the 4-warp launch capped at 168 registers,
+    # session 33; 4-bit words at 4 lost, 237.2 -> 278.7, session 28, and 222.0 -> 239.3 with a chunk per warp,
+    # session 33; bench/results/ANALYSIS.md)
+    kivi_two_warps = key_rows and (block_h > 16 or (two_bit_words and (qpk >= 2 or k.head_major)))
     if num_warps is None:
         num_warps = (1 if words_halves else BF16_WIDE[1] if bf16_wide else
                      4 if ((fast_e8m0 and not fast_mx_ptx and not block_rows) or blk_wide
