@@ -1962,6 +1962,16 @@ def test_split_counts_are_the_measured_choices():
         assert split.options["num_warps"] == (warps or 2)
         assert split.grid[2] == choose_splits(SMALL["batch"], SMALL["kv_heads"], 65536, split.constexprs["BLOCK_N"],
                                               sms, resident=resident)[0], warps
+    # ... at 1 query head per KV head: 2 warps in head-major pages (216.7 -> 194.4 us), 4 capped in token-major ones
+    # (2 warps lost there: 292.9 -> 311.6; session 33)
+    q1 = q[:, ::2]
+    for layout, warps in (("NHD", 4), ("HND", 2)):
+        lc = dc.with_layout(layout)
+        launches, _, _ = plan_decode(q1, lc.k.tiles(), lc.v.tiles(), lc.block_table, lc.seq_lens, lc.page_size,
+                                     max_seq_len=65536, residual=(lc.k_residual, lc.v_residual, lc.k_lens, lc.v_lens))
+        split = next(launch for launch in launches if "KR" in launch.constexprs)
+        assert split.constexprs["KW"] and split.options["num_warps"] == warps, layout
+        assert split.options.get("maxnreg") == (KIVI_KEY_ROWS_MAXNREG if nvidia and warps == 4 else None), layout
     # ... at 4 query heads per KV head: 2 warps, no cap, 4 programs per multiprocessor (session 28, H200: batch 32 x
     # 8,192 205.4 -> 193.8 us, 128 x 4,096 442.8 -> 382.9); 4-bit words keep 4 warps (237.2 -> 278.7 at 2)
     for pair, warps in ((KIVI_WORD_PAIRS[1], 2), (KIVI_WORD_PAIRS[0], 4)):

@@ -226,6 +226,13 @@ def _launches(target: str, cases: list | None = None, page: int = 16) -> list[tu
                                                  hw_formats=_hw_formats(target), value_rows=True, key_rows=True,
                                                  kivi_words=False)
                     out.append((f"decode[{label},kr=1,kw=0]", split(launches)))
+                    if label == "int2_kivi":  # the key words' value products in more chunks than warps
+                        # (``kivi_value_chunks``; default one per warp: 2 here)
+                        launches, _, _ = plan_decode(q, dc.k.tiles(), dc.v.tiles(), dc.block_table, dc.seq_lens, page,
+                                                     residual=residual, max_seq_len=40, num_splits=2,
+                                                     hw_formats=_hw_formats(target), value_rows=True, key_rows=True,
+                                                     kivi_value_chunks=4)
+                        out.append((f"decode[{label},kr=1,vch=4]", split(launches)))
                     if target.startswith("cuda"):  # the codes unpacked by inline PTX: the GPU's default key rows
                         launches, _, _ = plan_decode(q, dc.k.tiles(), dc.v.tiles(), dc.block_table, dc.seq_lens, page,
                                                      residual=residual, max_seq_len=40, num_splits=2,
