@@ -2492,7 +2492,8 @@ def plan_decode(
     ``hw_formats``: FP8 format ids converted in hardware (default: what ``q``'s device has); ``maxnreg``:
     a register cap per thread (CUDA only; for tuning occupancy; default on NVIDIA GPUs: ``TWO_WARP_MAXNREG`` for
     two-warp fast FP8 and mxfp4 block rows, ``KIVI_KEY_ROWS_MAXNREG`` for KIVI key rows at 4 warps: 2-bit words with
-    16 value rows (1 or 2 query heads per KV head) and 4-bit byte phases with 32, else none);
+    16 value rows (1 query head per KV head in token-major pages, or 4 warps asked for; elsewhere they take 2 warps
+    uncapped) and 4-bit byte phases with 32, else none);
     ``ptx_unpack``: FP4 nibbles (and, with
     ``key_rows``, KIVI codes; with ``fp8_value_words``, the FP8 words' halves in the OCP formats the device converts)
     unpacked with inline PTX (CUDA only); default (None): where it measured faster on the H100, fast-mode E8M0
