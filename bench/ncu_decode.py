@@ -1,6 +1,6 @@
 """Profile one decode launch per scheme with Nsight Compute (default configuration, batch 32 x 8,192).
 
-    python3 bench/ncu_decode.py --scheme nvfp4            # the process ncu wraps: warm-up, then one launch
+    python3 bench/ncu_decode.py --scheme nvfp4 [--layout NHD]   # the process ncu wraps: warm-up, then one launch
     bash bench/ncu_decode.sh OUTDIR nvfp4 mxfp4 ...       # ncu reports + per-SASS-instruction stall CSVs
 
 The wrapped process runs the decode twice (compile + warm-up, then the profiled call, alone between
@@ -28,9 +28,10 @@ def main() -> int:
     ap.add_argument("--scheme", required=True)
     ap.add_argument("--shape", default="32,32,8,128,8192")
     ap.add_argument("--precision", default="fast")
+    ap.add_argument("--layout", choices=("HND", "NHD"), help="the cache's field layout (default: the bench's)")
     args = ap.parse_args()
     shape = tuple(int(v) for v in args.shape.split(","))
-    fn, _ = decode_setup(args.scheme, shape, 16, precision=args.precision)
+    fn, _ = decode_setup(args.scheme, shape, 16, precision=args.precision, layout=args.layout)
     fn()
     torch.cuda.synchronize()
     torch.cuda.profiler.start()

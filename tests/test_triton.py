@@ -342,6 +342,35 @@ def test_kivi_pipeline_gives_the_same_bits(pair, words, block_n):
 
 
 @pytest.mark.parametrize("pair", KIVI_WORD_PAIRS, ids=["int4", "int2"])
+def test_kivi_value_scale_words_same_bits(pair):
+    """``kivi_value_scale_words`` (each token's KIVI value scales and zeros, 4 float16 groups for int4 here and 2 for
+    int2, read as one 64- or 32-bit word and split by shifts) loads the same values, so outputs and lse equal the
+    element loads' bit for bit, in token-major and head-major pages and for the residual split; the default is on
+    with key rows in token-major pages only; asked for without KIVI value rows it is refused. Planted bugs fail it:
+    group g taken from bits 16 (g + 1), the word one element type too narrow (int4: 32 bits for 4 groups)."""
+    from kvqref.kernels.decode import decode_split_kernel, plan_decode
+
+    rng = np.random.default_rng(61 + (pair[0] == "int2_kivi"))
+    shape = dict(SMALL, q_heads=8, kv_heads=2, head_dim=128, page_size=32, lens=(1, 150, 300))
+    cache, _ = build_cache(pair, shape, rng)
+    q = torch.from_numpy(4 * rng.standard_normal((3, 8, 128)).astype(np.float32)).to(torch.bfloat16).to(DEVICE)
+    token_major = tb.DeviceCache.from_cache(cache, DEVICE)
+    for dc in (token_major, token_major.with_layout("HND")):
+        outs = {}
+        for words in (False, True):
+            out, lse = tb.decode(q, dc, precision="fast", kivi_value_scale_words=words)
+            outs[words] = out.cpu().numpy(), lse.cpu().numpy()
+        assert np.array_equal(outs[True][0], outs[False][0]) and np.array_equal(outs[True][1], outs[False][1])
+        launches, _, _ = plan_decode(q, dc.k.tiles(), dc.v.tiles(), dc.block_table, dc.seq_lens, dc.page_size,
+                                     precision="fast",
+                                     residual=(dc.k_residual, dc.v_residual, dc.k_lens, dc.v_lens))
+        splits = [launch for launch in launches if launch.kernel is decode_split_kernel]
+        assert all(split.constexprs["VSW"] is (not dc.k.head_major) for split in splits), dc.k.head_major
+    with pytest.raises(ValueError, match="kivi_value_scale_words needs KIVI value rows"):
+        tb.decode(q, token_major, precision="fast", value_rows=False, key_rows=False, kivi_value_scale_words=True)
+
+
+@pytest.mark.parametrize("pair", KIVI_WORD_PAIRS, ids=["int4", "int2"])
 def test_kivi_value_chunks(pair):
     """``kivi_value_chunks`` (the key words' value products of a 128-token tile batched in 1, 2 or 4 chunks of its
     tokens, the chunks summed after the loop: the same products, summed in another order) meets the oracle's bound

@@ -622,16 +622,28 @@ def _group_rows(x, GR: tl.constexpr, HV: tl.constexpr, N: tl.constexpr):
 
 @triton.jit
 def _kivi_value_rows(V1, V2, slot, m, kvh, v1_s, v1_h, v2_s, v2_h, HV: tl.constexpr, M: tl.constexpr,
-                     NG: tl.constexpr):
+                     NG: tl.constexpr, WORDS: tl.constexpr = False):
     """KIVI values with rows by group (``HV`` > 0): the scale and zero of channel group ``r // HV`` of token j,
     as float32 [M, N] tiles in the layout of the scores (0 where ``m[j]`` is false or the group does not exist). Each
-    (group, token) is loaded once (a token's groups are contiguous) and broadcast over the HV rows of its group."""
+    (group, token) is loaded once (a token's groups are contiguous) and broadcast over the HV rows of its group.
+    ``WORDS``: a token's NG (1, 2 or 4) float16 scales (zeros) loaded as one 16-, 32- or 64-bit word and group g taken
+    from its bits 16 g .. 16 g + 15 (little-endian: the same values; needs every row start aligned to the word)."""
     GR: tl.constexpr = M // HV
     g = tl.arange(0, GR)
     N: tl.constexpr = slot.shape[0]
     mm = m[None, :] & (g < NG)[:, None]
-    sg = tl.load(V1 + slot[None, :] * v1_s + kvh * v1_h + g[:, None], mask=mm, other=0.0).to(tl.float32)
-    zg = tl.load(V2 + slot[None, :] * v2_s + kvh * v2_h + g[:, None], mask=mm, other=0.0).to(tl.float32)
+    if WORDS:
+        WT: tl.constexpr = tl.int64 if NG == 4 else (tl.int32 if NG == 2 else tl.int16)
+        ws = tl.load((V1 + slot * v1_s + kvh * v1_h).to(tl.pointer_type(WT)), mask=m, other=0)
+        wz = tl.load((V2 + slot * v2_s + kvh * v2_h).to(tl.pointer_type(WT)), mask=m, other=0)
+        sh = (16 * g)[:, None].to(WT)
+        sg = tl.where(mm, ((ws[None, :] >> sh) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32),
+                      0.0)
+        zg = tl.where(mm, ((wz[None, :] >> sh) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32),
+                      0.0)
+    else:
+        sg = tl.load(V1 + slot[None, :] * v1_s + kvh * v1_h + g[:, None], mask=mm, other=0.0).to(tl.float32)
+        zg = tl.load(V2 + slot[None, :] * v2_s + kvh * v2_h + g[:, None], mask=mm, other=0.0).to(tl.float32)
     return _group_rows(sg, GR, HV, N), _group_rows(zg, GR, HV, N)
 
 
@@ -1320,7 +1332,7 @@ def _kivi_key_rows(
     G_K: tl.constexpr,
     BITS_K: tl.constexpr, G_V: tl.constexpr, BITS_V: tl.constexpr, RN: tl.constexpr, PTX: tl.constexpr,
     KW: tl.constexpr = False, KCH: tl.constexpr = 1, PIPE: tl.constexpr = False, KSUB: tl.constexpr = False,
-    PIDA: tl.constexpr = False, NCH: tl.constexpr = 1,
+    PIDA: tl.constexpr = False, NCH: tl.constexpr = 1, VSW: tl.constexpr = False,
 ):
     """Fast-mode KIVI keys by token-group rows (``key_rows``), values by channel-group rows (``value_rows``).
 
@@ -1346,7 +1358,8 @@ def _kivi_key_rows(
     first tile's before the loop, so that the two dependency chains of a step are independent; the same arithmetic per
     tile, so the same bits. ``KSUB``: the key codes as float16 subnormals (:func:`_kivi_rows_scores`' ``SUB``).
     ``PIDA`` (``page_ids_ahead``): the tiles' cache rows and key groups' rows read from the block table one step
-    ahead of their loads and carried through the loop (with ``PIPE`` two tiles ahead of the values)."""
+    ahead of their loads and carried through the loop (with ``PIPE`` two tiles ahead of the values). ``VSW``: each
+    token's value scales and zeros read as one word (:func:`_kivi_value_rows`' ``WORDS``)."""
     PV: tl.constexpr = 8 // BITS_V
     DV: tl.constexpr = D // PV
     NGK: tl.constexpr = BLOCK_N // G_K if BLOCK_N > G_K else 1
@@ -1425,7 +1438,7 @@ def _kivi_key_rows(
                          + iw[None, None, :], mask=tl.reshape(tmask, (NCH, BLOCK_N // NCH))[:, :, None], other=0)
         else:
             vb = tl.load(V0 + slot[:, None] * v0_s + kvh * v0_h + iv[None, :], mask=tmask[:, None], other=0)
-        srow, zrow = _kivi_value_rows(V1, V2, slot, tmask, kvh, v1_s, v1_h, v2_s, v2_h, HV, BLOCK_H, D // G_V)
+        srow, zrow = _kivi_value_rows(V1, V2, slot, tmask, kvh, v1_s, v1_h, v2_s, v2_h, HV, BLOCK_H, D // G_V, VSW)
         if PIPE:  # this tile's scores (computed one step earlier) and the next tile's, independent of each other
             s = s_next
             s_next = _kivi_rows_scores(kc, ks, kz, qk, sel, qk_scale, HV, D, BLOCK_N, BITS_K, PTX, KW, KCH, KSUB)
@@ -1574,6 +1587,7 @@ def decode_split_kernel(
     KW: tl.constexpr = False,
     KCH: tl.constexpr = 1,
     NCH: tl.constexpr = 1,
+    VSW: tl.constexpr = False,
     KPIPE: tl.constexpr = False,
     KSUB: tl.constexpr = False,
     HALF_K: tl.constexpr = False,
@@ -1700,7 +1714,8 @@ def decode_split_kernel(
             acc0, acc1, acc2, acc3, zacc, m_i, l_i = _kivi_key_rows(
                 Q, BT, K0, K1, K2, V0, V1, V2, b, kvh, start, end, stride_qb, stride_qh, stride_btb, k0_s, k0_h,
                 k1_s, k1_h, k2_s, k2_h, v0_s, v0_h, v1_s, v1_h, v2_s, v2_h, qk_scale, QPK, HV, BLOCK_H, D, PAGE,
-                PAGE_SLOTS, BLOCK_N, G_K, BITS_K, G_V, BITS_V, RN, PTX, KW, KCH, KPIPE, KSUB, PIDS_AHEAD, NCH)
+                PAGE_SLOTS, BLOCK_N, G_K, BITS_K, G_V, BITS_V, RN, PTX, KW, KCH, KPIPE, KSUB, PIDS_AHEAD, NCH,
+                VSW)
         elif BLK:  # fast FP4 by block rows (``_fp4_block_rows``)
             acc0, acc1, m_i, l_i = _fp4_block_rows(
                 Q, BT, K0, K1, V0, V1, b, kvh, start, end, stride_qb, stride_qh, stride_btb, k0_s, k0_h, k1_s, k1_h,
@@ -1829,7 +1844,7 @@ def decode_split_kernel(
                     # term p * z summed in float32 per (row, token) and reduced once after the loop
                     vbq = tl.load(V0 + slot[:, None] * v0_s + kvh * v0_h + iv[None, :], mask=tmask[:, None], other=0)
                     srow, zrow = _kivi_value_rows(V1, V2, slot, tmask, kvh, v1_s, v1_h, v2_s, v2_h, HV, BLOCK_H,
-                                                  D // G_V)
+                                                  D // G_V, VSW)
                     pa, _, _ = _split(p * srow, True, True)
                     zacc = zacc * alpha[:, None] + p * zrow
                     v0, v1, v2, v3 = _int_phases(vbq, BITS_V, False, False)
@@ -1960,7 +1975,8 @@ def decode_split_kernel(
                 # rows by group, as in the paged loop: paged tokens p * s against exact codes (+ the zero term),
                 # residual tokens p (rounded once) against the residual split in two bfloat16 parts
                 pvt = tmask & (t < vl)
-                srow, zrow = _kivi_value_rows(V1, V2, slot, pvt, kvh, v1_s, v1_h, v2_s, v2_h, HV, BLOCK_H, D // G_V)
+                srow, zrow = _kivi_value_rows(V1, V2, slot, pvt, kvh, v1_s, v1_h, v2_s, v2_h, HV, BLOCK_H, D // G_V,
+                                              VSW)
                 pa, _, _ = _split(p * tl.where(pvt[None, :], srow, 1.0), True, True)
                 zacc = zacc * alpha[:, None] + p * zrow
                 ph, pm, pl = pa, pa, pa
@@ -2254,6 +2270,18 @@ def wide_scales(t: CacheTiles) -> bool:
             and all(st % nb == 0 for st in t.row_strides(f1)) and f1.data_ptr() % nb == 0)
 
 
+def kivi_value_scale_words_ok(t: CacheTiles, head_dim: int) -> bool:
+    """Whether KIVI values' per-token group scales and zeros can be read as one word per (slot, head)
+    (:func:`_kivi_value_rows`' ``WORDS``): 1, 2 or 4 float16 groups per token, contiguous, every row start aligned
+    to the word."""
+    if t.kind != "int_v":
+        return False
+    ng = head_dim // t.group
+    return ng in (1, 2, 4) and all(
+        t.row_shape(f) == (ng,) and f.element_size() == 2 and f.stride(-1) == 1
+        and all(st % ng == 0 for st in t.row_strides(f)) and f.data_ptr() % (2 * ng) == 0 for f in t.fields[1:3])
+
+
 def kivi_key_words(t: CacheTiles) -> bool:
     """Whether fast-mode KIVI keys can take the key-tile path (``key_tile``): 4-bit codes always; 2-bit codes read
     each channel's scale and zero for the 4 phases as one 64-bit word, so their float16 rows must be contiguous
@@ -2480,6 +2508,7 @@ def plan_decode(
     fp8_value_words: bool | None = None,
     kivi_key_chains: int | None = None,
     kivi_value_chunks: int | None = None,
+    kivi_value_scale_words: bool | None = None,
     kivi_pipeline: bool | None = None,
     direct_output: bool | None = None,
     kivi_subnormal_codes: bool | None = None,
@@ -2535,6 +2564,9 @@ def plan_decode(
     ``kivi_value_chunks``: with ``kivi_words``, the value products of a tile as this many batched chunks of its
     tokens (constexpr ``NCH``, a power of two; chunks of at least 16 tokens; the same products, summed in another
     order); default: one per warp, chunks of at least 32 tokens (``min(num_warps, block_n // 32)``).
+    ``kivi_value_scale_words``: with ``value_rows``, each token's KIVI value scales and zeros read as one 16/32/64-bit
+    word (constexpr ``VSW``, :func:`kivi_value_scale_words_ok`; the same values); default: with ``key_rows`` in
+    token-major pages.
     ``kivi_pipeline``: with ``key_rows``, each step of the tile loop computes the next tile's scores beside this
     tile's softmax and value products (constexpr ``KPIPE``; the same arithmetic per tile, the same bits); default:
     4-bit key words without a register cap (where it measured faster) unless they read their page ids ahead
@@ -2795,6 +2827,15 @@ def plan_decode(
                                           or block_n % nch):
         raise ValueError(f"kivi_value_chunks must be a power of two leaving chunks of at least 16 tokens of the "
                          f"{block_n}-token tile, with kivi_words; got {kivi_value_chunks!r}")
+    # KIVI value rows' per-token scales and zeros as one word per (slot, head) in token-major pages: there Triton
+    # loads them two bytes at a time, outside the pipeline (sm_90, triton 3.6: int4 at 4 q heads per KV head, 8
+    # LDG.E.U16 per tile; bench/results/ANALYSIS.md, session 33); head-major pages get vector loads without it
+    vsw_ok = bool(value_rows) and kivi_value_scale_words_ok(v, head_dim)
+    if kivi_value_scale_words and not vsw_ok:
+        raise ValueError("kivi_value_scale_words needs KIVI value rows (value_rows) whose scales and zeros are 1, 2 "
+                         "or 4 float16 groups per token, rows aligned to the word")
+    vsw = ((vsw_ok and bool(key_rows) and not v.head_major) if kivi_value_scale_words is None
+           else bool(kivi_value_scale_words))
     # each next tile's page ids read one step ahead (``page_ids_ahead``), so that Triton's pipeliner double-buffers
     # the code tiles at 3 stages (bench/results/ANALYSIS.md, session 32, H200, head-major unless said):
     # - NVFP4 by value words and channel halves (one warp, 32-token tiles), pages of more than one token, at 3
@@ -3020,6 +3061,7 @@ def plan_decode(
         KW=bool(kivi_words),
         KCH=kch,
         NCH=nch,
+        VSW=vsw,
         KPIPE=kpipe,
         KSUB=ksub,
         HALF_K=half_k,
