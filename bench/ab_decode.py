@@ -113,7 +113,7 @@ def main() -> int:
                 if layout not in laid:
                     laid[layout] = dc.with_layout(layout)
                 lc = laid[layout]
-                residual = (lc.k_residual, lc.v_residual, lc.k_lens, lc.v_lens) if lc.has_residual else None
+                residual = lc.residual
                 launches, out, _ = mods[mod].plan_decode(q, lc.k.tiles(), lc.v.tiles(), lc.block_table, lc.seq_lens,
                                                          lc.page_size, max_seq_len=tokens, residual=residual, **kw)
                 if not merge:  # the split launches alone (timing only)

@@ -91,7 +91,7 @@ def main() -> int:
                 doc["rows"].append({"scheme": label, "variant": name, "round": rnd, "time_us": us})
         for name in ("plain", "rotated"):  # each launch alone
             dc = calls[name][0]
-            residual = (dc.k_residual, dc.v_residual, dc.k_lens, dc.v_lens) if dc.has_residual else None
+            residual = dc.residual
             launches, _, _ = plan_decode(q, dc.k.tiles(), dc.v.tiles(), dc.block_table, dc.seq_lens,
                                          dc.page_size, residual=residual, max_seq_len=tokens)
             for i, launch in enumerate(launches):

@@ -76,7 +76,7 @@ def launch_facts(mod: ModuleType, scheme: str, qpk: int, layout: str) -> list[st
         cache.append(b, rng.standard_normal((140, 2, 128)), rng.standard_normal((140, 2, 128)))
     dc = tb.DeviceCache.from_cache(cache, "cpu").with_layout(layout)
     q = torch.zeros(2, 2 * qpk, 128, dtype=torch.bfloat16)
-    residual = (dc.k_residual, dc.v_residual, dc.k_lens, dc.v_lens) if dc.has_residual else None
+    residual = dc.residual
     try:
         launches, _, _ = mod.plan_decode(q, dc.k.tiles(), dc.v.tiles(), dc.block_table, dc.seq_lens, page,
                                          residual=residual, max_seq_len=140, hw_formats=_hw_formats("cuda:90"))

@@ -363,7 +363,7 @@ def test_kivi_value_scale_words_same_bits(pair):
         assert np.array_equal(outs[True][0], outs[False][0]) and np.array_equal(outs[True][1], outs[False][1])
         launches, _, _ = plan_decode(q, dc.k.tiles(), dc.v.tiles(), dc.block_table, dc.seq_lens, dc.page_size,
                                      precision="fast",
-                                     residual=(dc.k_residual, dc.v_residual, dc.k_lens, dc.v_lens))
+                                     residual=dc.residual)
         splits = [launch for launch in launches if launch.kernel is decode_split_kernel]
         assert all(split.constexprs["VSW"] is (not dc.k.head_major) for split in splits), dc.k.head_major
     with pytest.raises(ValueError, match="kivi_value_scale_words needs KIVI value rows"):
@@ -1514,7 +1514,7 @@ def test_every_launch_names_fp_fusion():
         cache, _ = build_cache(pair, SMALL, rng)
         dc = tb.DeviceCache.from_cache(cache, DEVICE)
         q = torch.zeros(SMALL["batch"], SMALL["q_heads"], SMALL["head_dim"], device=DEVICE)
-        residual = (dc.k_residual, dc.v_residual, dc.k_lens, dc.v_lens) if dc.has_residual else None
+        residual = dc.residual
         launches, _, _ = plan_decode(q, dc.k.tiles(), dc.v.tiles(), dc.block_table, dc.seq_lens, dc.page_size,
                                      residual=residual, num_splits=2)  # (2 splits: the merge launch too)
         assert len(launches) >= 2 and all(la.options["enable_fp_fusion"] is True for la in launches), pair[0]
@@ -1712,7 +1712,7 @@ def test_merge_as_programmatic_dependent_launch(monkeypatch):
     for pair in (PAIRS[1], PAIRS[7], PAIRS[9]):
         cache, _ = build_cache(pair, SMALL, rng)
         dc = tb.DeviceCache.from_cache(cache, DEVICE)
-        residual = (dc.k_residual, dc.v_residual, dc.k_lens, dc.v_lens) if dc.has_residual else None
+        residual = dc.residual
 
         def plan(dc=dc, residual=residual, **kw):
             launches, _, _ = plan_decode(q.to(DEVICE), dc.k.tiles(), dc.v.tiles(), dc.block_table, dc.seq_lens,
@@ -1966,7 +1966,7 @@ def test_split_counts_are_the_measured_choices():
     from kvqref.kernels.decode import plan_decode
 
     launches, _, _ = plan_decode(q, dc.k.tiles(), dc.v.tiles(), dc.block_table, dc.seq_lens, dc.page_size,
-                                 max_seq_len=65536, residual=(dc.k_residual, dc.v_residual, dc.k_lens, dc.v_lens))
+                                 max_seq_len=65536, residual=dc.residual)
     split = next(launch for launch in launches if "KR" in launch.constexprs)
     sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count if GPU else 4
     bn, shape = split.constexprs["BLOCK_N"], (SMALL["batch"], SMALL["kv_heads"], 65536)
@@ -1984,7 +1984,7 @@ def test_split_counts_are_the_measured_choices():
     for warps, cap, resident in ((None, None, key_rows_resident(2, None)),
                                  (4, KIVI_KEY_ROWS_MAXNREG if nvidia else None, 3 if nvidia else 2)):
         launches, _, _ = plan_decode(q, dc.k.tiles(), dc.v.tiles(), dc.block_table, dc.seq_lens, dc.page_size,
-                                     max_seq_len=65536, residual=(dc.k_residual, dc.v_residual, dc.k_lens, dc.v_lens),
+                                     max_seq_len=65536, residual=dc.residual,
                                      num_warps=warps)
         split = next(launch for launch in launches if "KR" in launch.constexprs)
         assert split.constexprs["KW"] and split.options.get("maxnreg") == cap, warps
@@ -1997,7 +1997,7 @@ def test_split_counts_are_the_measured_choices():
     for layout, warps in (("NHD", 4), ("HND", 2)):
         lc = dc.with_layout(layout)
         launches, _, _ = plan_decode(q1, lc.k.tiles(), lc.v.tiles(), lc.block_table, lc.seq_lens, lc.page_size,
-                                     max_seq_len=65536, residual=(lc.k_residual, lc.v_residual, lc.k_lens, lc.v_lens))
+                                     max_seq_len=65536, residual=lc.residual)
         split = next(launch for launch in launches if "KR" in launch.constexprs)
         assert split.constexprs["KW"] and split.options["num_warps"] == warps, layout
         assert split.options.get("maxnreg") == (KIVI_KEY_ROWS_MAXNREG if nvidia and warps == 4 else None), layout
@@ -2008,7 +2008,7 @@ def test_split_counts_are_the_measured_choices():
         dc = tb.DeviceCache.from_cache(cache, DEVICE)
         q = torch.zeros(SMALL["batch"], 8, 128, dtype=torch.bfloat16, device=DEVICE)
         launches, _, _ = plan_decode(q, dc.k.tiles(), dc.v.tiles(), dc.block_table, dc.seq_lens, dc.page_size,
-                                     max_seq_len=65536, residual=(dc.k_residual, dc.v_residual, dc.k_lens, dc.v_lens))
+                                     max_seq_len=65536, residual=dc.residual)
         split = next(launch for launch in launches if "KR" in launch.constexprs)
         assert split.constexprs["KW"] and split.constexprs["BLOCK_H"] == 16, pair[0]
         assert (split.options["num_warps"], split.options.get("maxnreg")) == (warps, None), pair[0]

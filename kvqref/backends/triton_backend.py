@@ -171,6 +171,12 @@ class DeviceCache:
     def num_pages(self) -> int:
         return self.k.num_slots // self.page_size
 
+    @property
+    def residual(self) -> tuple | None:
+        """The residual windows and their lengths as :func:`kvqref.kernels.decode.plan_decode` takes them,
+        ``(k_residual, v_residual, k_lens, v_lens)``, or None where the cache has no residual window."""
+        return (self.k_residual, self.v_residual, self.k_lens, self.v_lens) if self.has_residual else None
+
     def with_layout(self, layout: str) -> DeviceCache:
         """This cache with its fields in ``layout`` (``"NHD"`` or ``"HND"``): the fields copied (none where the
         layout is already ``layout``), block table, lengths and residual windows shared."""
@@ -260,7 +266,7 @@ def decode(q, dc: DeviceCache, sm_scale: float | None = None, validate: bool = T
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     if validate:
         validate_decode(q, dc)
-    residual = (dc.k_residual, dc.v_residual, dc.k_lens, dc.v_lens) if dc.has_residual else None
+    residual = dc.residual
     return paged_decode(q, dc.k.tiles(), dc.v.tiles(), dc.block_table, dc.seq_lens, dc.page_size,
                         sm_scale=sm_scale, residual=residual, precision=precision, **kw)
 

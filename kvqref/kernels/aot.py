@@ -132,7 +132,7 @@ def _launches(target: str, cases: list | None = None, page: int = 16) -> list[tu
                 cache.append(b, rng.standard_normal((40, 2, 128)), rng.standard_normal((40, 2, 128)))
             dc = tb.DeviceCache.from_cache(cache, "cpu")
             q = torch.zeros(2, 8, 128, dtype=torch.bfloat16)
-            residual = (dc.k_residual, dc.v_residual, dc.k_lens, dc.v_lens) if dc.has_residual else None
+            residual = dc.residual
             default = {}  # the split launch of each precision's defaults
             for precision in PRECISIONS:
                 launches, _, _ = plan_decode(q, dc.k.tiles(), dc.v.tiles(), dc.block_table, dc.seq_lens, page,
@@ -183,7 +183,7 @@ def _launches(target: str, cases: list | None = None, page: int = 16) -> list[tu
                 # head-major pages), in head-major pages, the codes unpacked as on the target's GPUs
                 hd = dc.with_layout("HND")
                 launches, _, _ = plan_decode(q, hd.k.tiles(), hd.v.tiles(), hd.block_table, hd.seq_lens, page,
-                                             residual=(hd.k_residual, hd.v_residual, hd.k_lens, hd.v_lens),
+                                             residual=hd.residual,
                                              max_seq_len=40, num_splits=2, hw_formats=_hw_formats(target),
                                              value_rows=True, key_rows=True, page_ids_ahead=True,
                                              ptx_unpack=target.startswith("cuda"))
@@ -241,7 +241,7 @@ def _launches(target: str, cases: list | None = None, page: int = 16) -> list[tu
                             wc.append(b, rng.standard_normal((40, 2, 128)), rng.standard_normal((40, 2, 128)))
                         wd = tb.DeviceCache.from_cache(wc, "cpu")
                         launches, _, _ = plan_decode(q, wd.k.tiles(), wd.v.tiles(), wd.block_table, wd.seq_lens, page,
-                                                     residual=(wd.k_residual, wd.v_residual, wd.k_lens, wd.v_lens),
+                                                     residual=wd.residual,
                                                      max_seq_len=40, num_splits=2, hw_formats=_hw_formats(target),
                                                      value_rows=True, key_rows=True, kivi_value_scale_words=True)
                         out.append((f"decode[{label},kr=1,vsw=1]", split(launches)))
