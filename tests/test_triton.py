@@ -321,7 +321,8 @@ def test_kivi_pipeline_gives_the_same_bits(pair, words, block_n):
         _run_decode(cache, q, precision="fast", key_rows=False, kivi_pipeline=True)
     # the default: 4-bit key words without a register cap are pipelined (session 18, H100), except in head-major
     # pages with at least 2 query heads per KV head, where they read their page ids ahead instead (session 32, H200:
-    # batch 32 x 8,192 232.3 -> 222.0 us); nothing else
+    # batch 32 x 8,192 232.3 -> 222.0 us), and in token-major pages with 4 and their value scales read as words
+    # (session 33: 264.1 -> 250.9); nothing else
     from kvqref.kernels.decode import decode_split_kernel, plan_decode
 
     def split_constexprs(dc, qq, **extra):
@@ -332,10 +333,12 @@ def test_kivi_pipeline_gives_the_same_bits(pair, words, block_n):
 
     token_major = tb.DeviceCache.from_cache(cache, DEVICE)
     for dc, qq, head_major in ((token_major, q, False), (token_major.with_layout("HND"), q, True),
-                               (token_major.with_layout("HND"), q[:, ::4], True)):  # (and 1 query head per KV head)
+                               (token_major.with_layout("HND"), q[:, ::4], True),  # (and 1 query head per KV head)
+                               (token_major, q[:, ::2], False)):  # (2 in token-major pages)
         cx, maxnreg = split_constexprs(dc, qq)
         words4 = pair[0] == "int4_kivi" and words and maxnreg is None
-        ahead = words4 and head_major and qq.shape[1] > 2
+        ahead = words4 and ((head_major and qq.shape[1] > 2) or (cx["VSW"] and qq.shape[1] == 8))
+        assert cx["VSW"] is (not head_major), head_major  # (value groups of 32: 4 per token)
         assert cx["PIDS_AHEAD"] is ahead and cx["KPIPE"] is (words4 and not ahead), (pair[0], words, maxnreg)
         cx, _ = split_constexprs(dc, qq, kivi_pipeline=True)  # asked for: pipelined, page ids in the step
         assert cx["KPIPE"] is True and cx["PIDS_AHEAD"] is False

@@ -2848,10 +2848,13 @@ def plan_decode(
     # - 4-bit KIVI key words without a register cap in head-major pages, at least 2 query heads per KV head, instead of
     #   ``kivi_pipeline`` (with which the pipeliner keeps no buffer: 289.9 us): batch 32 x 8,192 232.3 -> 222.0, 1 x
     #   131,072 129.8 -> 126.9, 8 x 32,768 229.6 -> 226.4, 128 x 4,096 484.1 -> 459.2, 2 query heads per KV head
-    #   241.6 -> 235.4; token-major 265.7 -> 284.1, 1 query head per KV head 230.3 -> 270.8, 2-bit words (spilling
-    #   at 255 registers) 191.4 -> 205.4: off. FP8 (fewer programs fit: 143.0 -> 156.3) and mxfp4 lost too.
+    #   241.6 -> 235.4; 1 query head per KV head 230.3 -> 270.8, 2-bit words (spilling at 255 registers) 191.4 ->
+    #   205.4: off. Token-major pages lost (265.7 -> 284.1) while their value scales were read two bytes at a time;
+    #   with them as words (``kivi_value_scale_words``, session 33) they win at 4 query heads per KV head: batch 32 x
+    #   8,192 264.1 -> 250.9, 1 x 131,072 144.4 -> 138.8 (other head ratios there not measured). FP8 (fewer programs
+    #   fit: 143.0 -> 156.3) and mxfp4 lost too.
     kivi_words4 = bool(key_rows and kivi_words and k.bits == 4 and maxnreg is None)
-    kivi_ahead = kivi_words4 and k.head_major and qpk >= 2
+    kivi_ahead = kivi_words4 and ((k.head_major and qpk >= 2) or (vsw and not k.head_major and qpk >= 4))
     e8m0_16_pair = k.kind == v.kind == "mxfp4" and k.block == v.block == 16
     if page_ids_ahead is None:
         page_ids_ahead = ((words_halves and num_stages in (None, 3) and (
