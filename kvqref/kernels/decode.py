@@ -2352,7 +2352,8 @@ def default_value_rows(precision: str, v_kind: str, q_per_kv: int, head_dim: int
 KEY_ROWS_RESIDENT = 2
 #: KIVI key rows on NVIDIA GPUs: registers capped at this many per thread (Triton's ``maxnreg``), so that 3 programs
 #: of 4 warps fit a multiprocessor (:func:`key_rows_resident`), for 2-bit code words with 16 value rows at 4 warps
-#: (1 or 2 query heads per KV head since session 28: at 4 or more they take 2 warps uncapped; H100,
+#: (since session 33 only at 1 query head per KV head in token-major pages, or 4 warps asked for: elsewhere they take
+#: 2 warps uncapped; H100,
 #: int2_kivi: batch 32 x 8,192 224 -> 215 us with 3 splits, batch 1 x 131,072 128 -> 114.5 us with 49; 4-bit words
 #: lost at 168: 255 -> 262 us; bench/results/history/ab-h100-session13-kivi-words-2.log,
 #: ab-h100-session14-int2-registers.log) and 4-bit byte phases with 32 (8 query heads per KV head; 64 q / 8 KV heads
