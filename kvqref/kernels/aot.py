@@ -121,16 +121,19 @@ def _launches(target: str, cases: list | None = None, page: int = 16) -> list[tu
     def split(launches):
         return next(launch for launch in launches if launch.kernel is decode_split_kernel)
 
+    def device_cache(kn, ko, vn, vo):  # two sequences of 40 tokens, 2 KV heads, head_dim 128
+        cache = PagedKVCache(schemes.get(kn, **ko), schemes.get(vn, **vo), 8, page, 2, 128, batch=2)
+        for b in range(2):
+            cache.append(b, rng.standard_normal((40, 2, 128)), rng.standard_normal((40, 2, 128)))
+        return tb.DeviceCache.from_cache(cache, "cpu")
+
     out = []
     shared: dict[str, Any] = {}
     rng = np.random.default_rng(0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for label, kn, ko, vn, vo in DECODE_CASES if cases is None else cases:
-            cache = PagedKVCache(schemes.get(kn, **ko), schemes.get(vn, **vo), 8, page, 2, 128, batch=2)
-            for b in range(2):
-                cache.append(b, rng.standard_normal((40, 2, 128)), rng.standard_normal((40, 2, 128)))
-            dc = tb.DeviceCache.from_cache(cache, "cpu")
+            dc = device_cache(kn, ko, vn, vo)
             q = torch.zeros(2, 8, 128, dtype=torch.bfloat16)
             residual = dc.residual
             default = {}  # the split launch of each precision's defaults
@@ -235,11 +238,7 @@ def _launches(target: str, cases: list | None = None, page: int = 16) -> list[tu
                         out.append((f"decode[{label},kr=1,vch=4]", split(launches)))
                         # value scales and zeros as one word per token (``kivi_value_scale_words``; 4 groups of 32
                         # channels: words need 1, 2 or 4), token-major pages (its default there)
-                        wc = PagedKVCache(schemes.get(kn, **ko), schemes.get(vn, **{**vo, "group_size": 32}), 8, page,
-                                          2, 128, batch=2)
-                        for b in range(2):
-                            wc.append(b, rng.standard_normal((40, 2, 128)), rng.standard_normal((40, 2, 128)))
-                        wd = tb.DeviceCache.from_cache(wc, "cpu")
+                        wd = device_cache(kn, ko, vn, {**vo, "group_size": 32})
                         launches, _, _ = plan_decode(q, wd.k.tiles(), wd.v.tiles(), wd.block_table, wd.seq_lens, page,
                                                      residual=wd.residual,
                                                      max_seq_len=40, num_splits=2, hw_formats=_hw_formats(target),

@@ -560,13 +560,20 @@ def _dot_acc(a, b, acc):
 
 
 @triton.jit
+def _word_f16(w, sh):
+    """The float16 in bits ``sh`` .. ``sh`` + 15 of the integer word(s) ``w`` (little-endian halves), as float32
+    (exact)."""
+    return ((w >> sh) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
 def _f16_of_word(F, off, ik, P: tl.constexpr, PK: tl.constexpr):
     """float16 elements ``ik * PK + P`` of the row at ``F + off`` (float16, PK-aligned: plan_decode checks), as
     float32, read as one 32/64-bit word per ``ik`` holding the PK phases (the same addresses in every phase, so
     the compiler loads each word once per tile; little-endian: phase P is bits 16P..16P+15)."""
     WT: tl.constexpr = tl.int64 if PK == 4 else tl.int32
     w = tl.load((F + off).to(tl.pointer_type(WT)) + ik)
-    return ((w >> (16 * P)) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    return _word_f16(w, 16 * P)
 
 
 @triton.jit
@@ -640,10 +647,8 @@ def _kivi_value_rows(V1, V2, slot, m, kvh, v1_s, v1_h, v2_s, v2_h, HV: tl.conste
             sh = (16 * (g % NG))[:, None].to(WT)
         else:
             sh = (16 * g)[:, None].to(WT)
-        sg = tl.where(mm, ((ws[None, :] >> sh) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32),
-                      0.0)
-        zg = tl.where(mm, ((wz[None, :] >> sh) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32),
-                      0.0)
+        sg = tl.where(mm, _word_f16(ws[None, :], sh), 0.0)
+        zg = tl.where(mm, _word_f16(wz[None, :], sh), 0.0)
     else:
         sg = tl.load(V1 + slot[None, :] * v1_s + kvh * v1_h + g[:, None], mask=mm, other=0.0).to(tl.float32)
         zg = tl.load(V2 + slot[None, :] * v2_s + kvh * v2_h + g[:, None], mask=mm, other=0.0).to(tl.float32)
@@ -2273,6 +2278,13 @@ def wide_scales(t: CacheTiles) -> bool:
             and all(st % nb == 0 for st in t.row_strides(f1)) and f1.data_ptr() % nb == 0)
 
 
+def _kivi_f16_rows_in_words(t: CacheTiles, n: int) -> bool:
+    """Whether a KIVI side's scale and zero fields (``fields[1:3]``) hold float16 rows, contiguous, that can be read
+    as words of ``n`` elements: every row start aligned to ``n`` elements."""
+    return all(len(t.row_shape(f)) == 1 and f.element_size() == 2 and f.stride(-1) == 1
+               and all(st % n == 0 for st in t.row_strides(f)) and f.data_ptr() % (2 * n) == 0 for f in t.fields[1:3])
+
+
 def kivi_value_scale_words_ok(t: CacheTiles, head_dim: int) -> bool:
     """Whether KIVI values' per-token group scales and zeros can be read as one word per (slot, head)
     (:func:`_kivi_value_rows`' ``WORDS``): 1, 2 or 4 float16 groups per token, contiguous, every row start aligned
@@ -2280,9 +2292,7 @@ def kivi_value_scale_words_ok(t: CacheTiles, head_dim: int) -> bool:
     if t.kind != "int_v":
         return False
     ng = head_dim // t.group
-    return ng in (1, 2, 4) and all(
-        t.row_shape(f) == (ng,) and f.element_size() == 2 and f.stride(-1) == 1
-        and all(st % ng == 0 for st in t.row_strides(f)) and f.data_ptr() % (2 * ng) == 0 for f in t.fields[1:3])
+    return ng in (1, 2, 4) and all(t.row_shape(f) == (ng,) for f in t.fields[1:3]) and _kivi_f16_rows_in_words(t, ng)
 
 
 def kivi_key_words(t: CacheTiles) -> bool:
@@ -2291,8 +2301,7 @@ def kivi_key_words(t: CacheTiles) -> bool:
     and every row start aligned to 4 elements."""
     if t.kind != "int_k" or t.bits != 2:
         return t.kind == "int_k"
-    return all(len(t.row_shape(f)) == 1 and f.element_size() == 2 and f.stride(-1) == 1
-               and all(st % 4 == 0 for st in t.row_strides(f)) and f.data_ptr() % 8 == 0 for f in t.fields[1:3])
+    return _kivi_f16_rows_in_words(t, 4)
 
 
 @functools.lru_cache(maxsize=256)
