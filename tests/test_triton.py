@@ -61,6 +61,20 @@ def _run_decode(cache, q, **kw):
     return out.cpu().numpy().astype(np.float64), lse.cpu().numpy().astype(np.float64), dc
 
 
+def plan_for_cache(q, dc, **kw):
+    """``plan_decode`` over the fields, block table, lengths and page size of device cache ``dc``."""
+    from kvqref.kernels.decode import plan_decode
+
+    return plan_decode(q, dc.k.tiles(), dc.v.tiles(), dc.block_table, dc.seq_lens, dc.page_size, **kw)
+
+
+def split_launch_of(launches):
+    """The first split launch (``decode_split_kernel``) of a plan's launches."""
+    from kvqref.kernels.decode import decode_split_kernel
+
+    return next(la for la in launches if la.kernel is decode_split_kernel)
+
+
 def _value_round(cache, Vs):
     """For KIVI values in fast mode (the group's scale folded into p), the magnitudes whose product with p is
     rounded: (V - Z) = s * code on the paged tokens (Z: the token's group zero), V on the residual tokens;
@@ -142,19 +156,17 @@ def test_fp8_value_words_match_the_oracle(pair, precision):
     np.testing.assert_allclose(words, out, rtol=0, atol=float(tol_o.max()) * 1e-3)
     np.testing.assert_array_equal(wlse, lse)
     # the default: words on NVIDIA GPUs (by PTX where the format converts in hardware), not elsewhere
-    from kvqref.kernels.decode import hardware_fp8_formats, plan_decode
+    from kvqref.kernels.decode import hardware_fp8_formats
 
-    launches, _, _ = plan_decode(q.to(DEVICE), dc.k.tiles(), dc.v.tiles(), dc.block_table, dc.seq_lens,
-                                 dc.page_size, precision=precision)
+    launches, _, _ = plan_for_cache(q.to(DEVICE), dc, precision=precision)
     nvidia = GPU and not getattr(torch.version, "hip", None)
     fmt = dc.v.tiles().fmt  # (0, 1: the OCP formats)
     ptx = nvidia and fmt in (0, 1) and fmt in hardware_fp8_formats(torch.device(DEVICE))
     assert launches[0].constexprs["VW8"] == (2 if ptx else 1 if nvidia else 0), pair
     # an explicit ptx_unpack decides the halves' route (the ahead-of-time builds plan CUDA launches on the CPU)
     for want_ptx in ((False,) if getattr(torch.version, "hip", None) else (False, True)):
-        launches, _, _ = plan_decode(q.to(DEVICE), dc.k.tiles(), dc.v.tiles(), dc.block_table, dc.seq_lens,
-                                     dc.page_size, precision=precision, fp8_value_words=True, ptx_unpack=want_ptx,
-                                     hw_formats={fmt})
+        launches, _, _ = plan_for_cache(q.to(DEVICE), dc, precision=precision, fp8_value_words=True,
+                                        ptx_unpack=want_ptx, hw_formats={fmt})
         assert launches[0].constexprs["VW8"] == (2 if want_ptx and fmt in (0, 1) else 1), (pair, want_ptx)
 
 
@@ -230,8 +242,6 @@ def test_kivi_key_rows(pair, q_heads, kv_heads, head_dim, block_n):
     at a shorter tile); it agrees with the folded path (``key_rows=False``)
     within the sum of both bounds; a planted key code step (+1 at the channel of the largest |q s| of the token
     the first head attends to most) moves the lse beyond the bound; bad combinations are refused."""
-    from kvqref.kernels.decode import plan_decode
-
     rng = np.random.default_rng(q_heads * 7 + head_dim + (block_n or 0))
     shape = dict(SMALL, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim)
     cache, _ = build_cache(pair, shape, rng)
@@ -244,8 +254,7 @@ def test_kivi_key_rows(pair, q_heads, kv_heads, head_dim, block_n):
         out, lse, _ = _run_decode(cache, q, precision="fast", key_rows=True, value_rows=True, **kw)
         assert (np.abs(out - ref_out) <= tol_o).all() and (np.abs(lse - ref_lse) <= tol_l).all(), qdtype
     dc = tb.DeviceCache.from_cache(cache, DEVICE)
-    launches, _, _ = plan_decode(q.to(DEVICE), dc.k.tiles(), dc.v.tiles(), dc.block_table, dc.seq_lens,
-                                 dc.page_size, **kw)
+    launches, _, _ = plan_for_cache(q.to(DEVICE), dc, **kw)
     split = next(launch for launch in launches if "KR" in launch.constexprs)
     cx = split.constexprs
     rows = max(1, cx["BLOCK_N"] // cache.k.scheme.group_size) * triton.next_power_of_2(q_heads // kv_heads)
@@ -319,25 +328,26 @@ def test_kivi_pipeline_gives_the_same_bits(pair, words, block_n):
         assert np.array_equal(out_p, out) and np.array_equal(lse_p, lse), splits
     with pytest.raises(ValueError, match="kivi_pipeline needs key_rows"):
         _run_decode(cache, q, precision="fast", key_rows=False, kivi_pipeline=True)
-    # the default: 4-bit key words without a register cap are pipelined (session 18, H100), except in head-major
-    # pages with at least 2 query heads per KV head, where they read their page ids ahead instead (session 32, H200:
-    # batch 32 x 8,192 232.3 -> 222.0 us), and in token-major pages with 4 and their value scales read as words
-    # (session 33: 264.1 -> 250.9); nothing else
-    from kvqref.kernels.decode import decode_split_kernel, plan_decode
+    # the default: 4-bit key words without a register cap are pipelined (session 18, H100), except with at least 2
+    # query heads per KV head in head-major pages, where they read their page ids ahead instead (session 32, H200:
+    # batch 32 x 8,192 232.3 -> 222.0 us), and in token-major pages with their value scales read as words (sessions
+    # 33-34: 264.1 -> 250.9 at 4, 272.3 -> 243.9 at 2); 2-bit words without a cap read theirs ahead in token-major
+    # pages at 2 and 4 (session 34: 192.1 -> 183.6 at 4); nothing else
 
     def split_constexprs(dc, qq, **extra):
-        launches, _, _ = plan_decode(qq.to(DEVICE), dc.k.tiles(), dc.v.tiles(), dc.block_table, dc.seq_lens,
-                                     dc.page_size, **kw, **extra)
-        split = next(launch for launch in launches if launch.kernel is decode_split_kernel)
+        launches, _, _ = plan_for_cache(qq.to(DEVICE), dc, **kw, **extra)
+        split = split_launch_of(launches)
         return split.constexprs, split.options.get("maxnreg")
 
     token_major = tb.DeviceCache.from_cache(cache, DEVICE)
     for dc, qq, head_major in ((token_major, q, False), (token_major.with_layout("HND"), q, True),
                                (token_major.with_layout("HND"), q[:, ::4], True),  # (and 1 query head per KV head)
-                               (token_major, q[:, ::2], False)):  # (2 in token-major pages)
+                               (token_major, q[:, ::2], False),  # (2 and 1 in token-major pages)
+                               (token_major, q[:, ::4], False)):
         cx, maxnreg = split_constexprs(dc, qq)
         words4 = pair[0] == "int4_kivi" and words and maxnreg is None
-        ahead = words4 and ((head_major and qq.shape[1] > 2) or (cx["VSW"] and qq.shape[1] == 8))
+        ahead = (words and maxnreg is None and qq.shape[1] >= 4  # (2 kv heads)
+                 and (words4 and head_major or cx["VSW"] and not head_major))
         assert cx["VSW"] is (not head_major), head_major  # (value groups of 32: 4 per token)
         assert cx["PIDS_AHEAD"] is ahead and cx["KPIPE"] is (words4 and not ahead), (pair[0], words, maxnreg)
         cx, _ = split_constexprs(dc, qq, kivi_pipeline=True)  # asked for: pipelined, page ids in the step
@@ -351,7 +361,7 @@ def test_kivi_value_scale_words_same_bits(pair):
     element loads' bit for bit, in token-major and head-major pages and for the residual split; the default is on
     with key rows in token-major pages only; asked for without KIVI value rows it is refused. Planted bugs fail it:
     group g taken from bits 16 (g + 1), the word one element type too narrow (int4: 32 bits for 4 groups)."""
-    from kvqref.kernels.decode import decode_split_kernel, plan_decode
+    from kvqref.kernels.decode import decode_split_kernel
 
     rng = np.random.default_rng(61 + (pair[0] == "int2_kivi"))
     shape = dict(SMALL, q_heads=8, kv_heads=2, head_dim=128, page_size=32, lens=(1, 150, 300))
@@ -364,9 +374,7 @@ def test_kivi_value_scale_words_same_bits(pair):
             out, lse = tb.decode(q, dc, precision="fast", kivi_value_scale_words=words)
             outs[words] = out.cpu().numpy(), lse.cpu().numpy()
         assert np.array_equal(outs[True][0], outs[False][0]) and np.array_equal(outs[True][1], outs[False][1])
-        launches, _, _ = plan_decode(q, dc.k.tiles(), dc.v.tiles(), dc.block_table, dc.seq_lens, dc.page_size,
-                                     precision="fast",
-                                     residual=dc.residual)
+        launches, _, _ = plan_for_cache(q, dc, precision="fast", residual=dc.residual)
         splits = [launch for launch in launches if launch.kernel is decode_split_kernel]
         assert all(split.constexprs["VSW"] is (not dc.k.head_major) for split in splits), dc.k.head_major
     with pytest.raises(ValueError, match="kivi_value_scale_words needs KIVI value rows"):
@@ -382,8 +390,6 @@ def test_kivi_value_chunks(pair):
     64-token tiles in 2; a 4-warp launch asked for 2-bit words: 4); bad counts are refused. Planted bugs fail it:
     the first chunk left out of the sum after the loop, the value rows' tokens interleaved across the chunks
     instead of split into runs (from 2 chunks on)."""
-    from kvqref.kernels.decode import decode_split_kernel, plan_decode
-
     rng = np.random.default_rng(51 + (pair[0] == "int2_kivi"))
     shape = dict(SMALL, q_heads=8, kv_heads=2, head_dim=128, page_size=32, lens=(1, 150, 300))
     cache, _ = build_cache(pair, shape, rng)
@@ -402,9 +408,8 @@ def test_kivi_value_chunks(pair):
     dc = tb.DeviceCache.from_cache(cache, DEVICE)
 
     def split_cx(**extra):
-        launches, _, _ = plan_decode(q.to(DEVICE), dc.k.tiles(), dc.v.tiles(), dc.block_table, dc.seq_lens,
-                                     dc.page_size, precision="fast", **extra)
-        split = next(launch for launch in launches if launch.kernel is decode_split_kernel)
+        launches, _, _ = plan_for_cache(q.to(DEVICE), dc, precision="fast", **extra)
+        split = split_launch_of(launches)
         return split.constexprs["NCH"], split.options["num_warps"], split.constexprs["BLOCK_N"]
 
     two_bit = pair[0] == "int2_kivi"
@@ -492,8 +497,6 @@ def test_kivi_subnormal_codes(pair, words, flip_chains):
     4-bit keys only in head-major pages (token-major 4-bit keys lost at 64 query heads). Refused without key rows.
     Planted bugs fail it: the odd chain's 2**-4
     dropped (the two-chain cases: int4 words, int2 words in two chains), the 2**24 dropped (every case)."""
-    from kvqref.kernels.decode import decode_split_kernel, plan_decode
-
     rng = np.random.default_rng(41 + (pair[0] == "int2_kivi"))
     shape = dict(SMALL, q_heads=8, kv_heads=2, head_dim=128, page_size=32, lens=(1, 150, 300))
     cache, _ = build_cache(pair, shape, rng)
@@ -513,9 +516,8 @@ def test_kivi_subnormal_codes(pair, words, flip_chains):
             assert (np.abs(out - exact) <= 2 * tol_o).all() and (np.abs(lse - lse_x) <= 2 * tol_l).all(), qdtype
     for layout in ("NHD", "HND"):
         dc = tb.DeviceCache.from_cache(cache, DEVICE).with_layout(layout)
-        launches, _, _ = plan_decode(q.to(DEVICE), dc.k.tiles(), dc.v.tiles(), dc.block_table, dc.seq_lens,
-                                     dc.page_size, **kw)
-        assert next(la for la in launches if la.kernel is decode_split_kernel).constexprs["KSUB"] is (
+        launches, _, _ = plan_for_cache(q.to(DEVICE), dc, **kw)
+        assert split_launch_of(launches).constexprs["KSUB"] is (
             pair[0] == "int2_kivi" or layout == "HND"), layout
     with pytest.raises(ValueError, match="kivi_subnormal_codes needs key_rows"):
         _run_decode(cache, q, precision="fast", key_rows=False, kivi_subnormal_codes=True)
@@ -825,8 +827,6 @@ def test_fp4_block_rows(pair, q_heads, kv_heads, head_dim):
     E8M0 tiles, either side) meets the oracle's bound with and without the layout; it is the default where the
     rows fit 32; a planted K block scale (exponent + 1) moves the lse and a planted V block scale the output beyond
     the bound, by channel halves and in one product; other schemes and exact mode refuse it."""
-    from kvqref.kernels.decode import plan_decode
-
     rng = np.random.default_rng(q_heads * 131 + head_dim)
     shape = dict(SMALL, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim)
     cache, _ = build_cache(pair, shape, rng)
@@ -834,7 +834,7 @@ def test_fp4_block_rows(pair, q_heads, kv_heads, head_dim):
     q64 = q.float().numpy().astype(np.float64)
     ref_out, ref_lse, tol_o, tol_l = _oracle(cache, q64, "fast")
     dc = tb.DeviceCache.from_cache(cache, DEVICE)
-    launches, _, _ = plan_decode(q.to(DEVICE), dc.k.tiles(), dc.v.tiles(), dc.block_table, dc.seq_lens, dc.page_size)
+    launches, _, _ = plan_for_cache(q.to(DEVICE), dc)
     blocks = [head_dim // t.block for t in (dc.k.tiles(), dc.v.tiles())]
     rows = max(blocks) * max(triton.next_power_of_2(q_heads // kv_heads), 16 // min(blocks))
     split = next(launch for launch in launches if "BLK" in launch.constexprs)
@@ -864,8 +864,7 @@ def test_fp4_block_rows(pair, q_heads, kv_heads, head_dim):
     if rows > 32 and pair[0] == pair[2] == "nvfp4" and not getattr(torch.version, "hip", None):
         # NVFP4 per element, unpacked by PTX: 128-token tiles, 2 warps, 2 stages (the measured launch, ANALYSIS.md
         # session 27; planned for CUDA on any machine)
-        launches, _, _ = plan_decode(q.to(DEVICE), dc.k.tiles(), dc.v.tiles(), dc.block_table, dc.seq_lens,
-                                     dc.page_size, ptx_unpack=True)
+        launches, _, _ = plan_for_cache(q.to(DEVICE), dc, ptx_unpack=True)
         split_ptx = next(launch for launch in launches if "BLK" in launch.constexprs)
         assert not split_ptx.constexprs["BLK"] and split_ptx.constexprs["PTX"]
         assert (split_ptx.constexprs["BLOCK_N"], split_ptx.options["num_warps"], split_ptx.options["num_stages"]) == (
@@ -922,8 +921,6 @@ def test_fp4_halves_tiles_by_page_size(page_size, want):
     H200: 152.7 -> 145.6 us); with value bytes (``value_words=False``) fp4_e2m1 takes the tiles
     measured for its page size: 128 tokens / 4 warps in pages of 16 (261 us against 275 at 64 / 2), 64 / 2 in pages
     of 1 (290 us against 316; bench/results/ANALYSIS.md, session 11), and NVFP4 64 / 2 with 3 stages."""
-    from kvqref.kernels.decode import plan_decode
-
     rng = np.random.default_rng(5)
     for pair, bytes_launch in ((PAIRS[5], want), (PAIRS[9], (64, 2, 3))):
         shape = dict(SMALL, q_heads=8, kv_heads=2, head_dim=128, page_size=page_size)
@@ -933,8 +930,7 @@ def test_fp4_halves_tiles_by_page_size(page_size, want):
         # (page ids read ahead at 3 stages, session 32: NVFP4 in pages of more than one token, fp4_e2m1 at both)
         words_launch = (32, 1, 3 if page_size > 1 or pair is PAIRS[5] else 2)
         for words, expect in ((None, words_launch), (False, bytes_launch)):
-            launches, _, _ = plan_decode(q, dc.k.tiles(), dc.v.tiles(), dc.block_table, dc.seq_lens, dc.page_size,
-                                         value_words=words)
+            launches, _, _ = plan_for_cache(q, dc, value_words=words)
             split = next(launch for launch in launches if "BLK" in launch.constexprs)
             assert split.constexprs["HALF_K"] and split.constexprs["HALF_V"]
             assert split.constexprs["VW"] is (words is None)
@@ -1472,8 +1468,6 @@ def test_launch_defaults_are_the_measured_choices():
     (int2 628 -> 517 us, int4 616 -> 627), FP4 keys never laid out by token (nvfp4 314 -> 346 us),
     KIVI key writes with 2 warps, float16 roundings by conversion instructions on NVIDIA GPUs only, KIVI value
     writes capped at 64 registers on NVIDIA GPUs (session 6)."""
-    from kvqref.kernels.decode import plan_decode
-
     rng = np.random.default_rng(3)
     for pair, ktile in ((PAIRS[7], False), (PAIRS[8], True), (PAIRS[6], False)):
         cache, _ = build_cache(pair, SMALL, rng)
@@ -1481,15 +1475,13 @@ def test_launch_defaults_are_the_measured_choices():
         q = torch.zeros(SMALL["batch"], SMALL["q_heads"], SMALL["head_dim"], device=DEVICE)
         kivi = pair[0].endswith("kivi")
         for precision in ("fast", "exact"):
-            launches, _, _ = plan_decode(q, dc.k.tiles(), dc.v.tiles(), dc.block_table, dc.seq_lens, dc.page_size,
-                                         precision=precision)
+            launches, _, _ = plan_for_cache(q, dc, precision=precision)
             split = next(launch for launch in launches if "KTILE" in launch.constexprs)
             assert split.constexprs["KR"] is (kivi and precision == "fast"), (pair[0], precision)
             assert split.constexprs["KTILE"] is False, (pair[0], precision)
             assert split.constexprs["KT4"] is False
             if kivi:  # where key rows are off by default (no value rows here): key tiles for 2-bit keys only
-                launches, _, _ = plan_decode(q, dc.k.tiles(), dc.v.tiles(), dc.block_table, dc.seq_lens, dc.page_size,
-                                             precision=precision, value_rows=False)
+                launches, _, _ = plan_for_cache(q, dc, precision=precision, value_rows=False)
                 split = next(launch for launch in launches if "KTILE" in launch.constexprs)
                 assert split.constexprs["KR"] is False
                 assert split.constexprs["KTILE"] is (ktile and precision == "fast"), (pair[0], precision)
@@ -1509,7 +1501,6 @@ def test_launch_defaults_are_the_measured_choices():
 def test_every_launch_names_fp_fusion():
     """Every planned launch names ``enable_fp_fusion``, so Triton 3.10 (default off) compiles what was measured and
     tested (the default on, up to 3.9); rotated writes keep it off (docs/rotation.md)."""
-    from kvqref.kernels.decode import plan_decode
     from kvqref.paged import PagedKVCache
 
     rng = np.random.default_rng(5)
@@ -1518,8 +1509,7 @@ def test_every_launch_names_fp_fusion():
         dc = tb.DeviceCache.from_cache(cache, DEVICE)
         q = torch.zeros(SMALL["batch"], SMALL["q_heads"], SMALL["head_dim"], device=DEVICE)
         residual = dc.residual
-        launches, _, _ = plan_decode(q, dc.k.tiles(), dc.v.tiles(), dc.block_table, dc.seq_lens, dc.page_size,
-                                     residual=residual, num_splits=2)  # (2 splits: the merge launch too)
+        launches, _, _ = plan_for_cache(q, dc, residual=residual, num_splits=2)  # (2 splits: the merge launch too)
         assert len(launches) >= 2 and all(la.options["enable_fp_fusion"] is True for la in launches), pair[0]
     slots = torch.arange(16, device=DEVICE)
     x = torch.zeros(16, 2, 64, device=DEVICE)
@@ -1533,7 +1523,7 @@ def test_merge_warps_are_the_measured_choice():
     """The merge launch takes 1 warp per program up to 4,096 float32 elements of partials per (sequence, head)
     (H100, session 15: 1.5-2 us faster than 4 warps at 4-16 splits, 47-55 us slower at 196-256), else 4; an
     explicit ``merge_warps`` wins; the merged output is the same either way within the oracle's bound."""
-    from kvqref.kernels.decode import merge_kernel, merge_warps_default, plan_decode
+    from kvqref.kernels.decode import merge_kernel, merge_warps_default
 
     assert merge_warps_default(32, 128) == 1 and merge_warps_default(64, 128) == 4
     assert merge_warps_default(64, 64) == 1 and merge_warps_default(16, 256) == 1 and merge_warps_default(2, 4096) == 4
@@ -1543,9 +1533,8 @@ def test_merge_warps_are_the_measured_choice():
     q = torch.from_numpy(rng.standard_normal((3, 4, 64)).astype(np.float32)).to(torch.bfloat16)
     ref_out, ref_lse, tol_o, tol_l = _oracle(cache, q.float().numpy().astype(np.float64))
     for splits, warps, expect in ((3, None, 1), (100, None, 4), (3, 4, 4)):  # whole rows (64 channels)
-        launches, _, _ = plan_decode(q.to(DEVICE), dc.k.tiles(), dc.v.tiles(), dc.block_table, dc.seq_lens,
-                                     dc.page_size, num_splits=splits, block_n=16, merge_warps=warps,
-                                     merge_channels=64)
+        launches, _, _ = plan_for_cache(q.to(DEVICE), dc, num_splits=splits, block_n=16, merge_warps=warps,
+                                        merge_channels=64)
         merge = next(la for la in launches if la.kernel is merge_kernel)
         assert merge.options["num_warps"] == expect, (splits, warps)
     for warps in (1, 4):
@@ -1559,7 +1548,7 @@ def test_merge_channel_blocks_agree_with_the_whole_row_merge():
     is the same, but on the GPU the sums over splits may be reduced in another order) and of the oracle; the
     default halves head_dim only where the rows are fewer than twice the multiprocessors and V
     is not rotated; bad block sizes and a rotated V with blocks raise."""
-    from kvqref.kernels.decode import merge_channels_default, merge_kernel, plan_decode
+    from kvqref.kernels.decode import merge_channels_default, merge_kernel
 
     assert merge_channels_default(32, 132, 128, False) == 64 and merge_channels_default(256, 132, 128, False) == 64
     assert merge_channels_default(1024, 132, 128, False) == 128 and merge_channels_default(32, 132, 128, True) == 128
@@ -1573,19 +1562,16 @@ def test_merge_channel_blocks_agree_with_the_whole_row_merge():
         out, lse, _ = _run_decode(cache, q, num_splits=5, block_n=16, merge_channels=mdb)
         assert (np.abs(out - ref_out) <= tol_o).all() and (np.abs(lse - ref_lse) <= tol_l).all(), mdb
         assert (np.abs(out - whole) <= 2 * tol_o).all() and (np.abs(lse - whole_lse) <= 2 * tol_l).all(), mdb
-        launches, _, _ = plan_decode(q.to(DEVICE), dc.k.tiles(), dc.v.tiles(), dc.block_table, dc.seq_lens,
-                                     dc.page_size, num_splits=5, merge_channels=mdb)
+        launches, _, _ = plan_for_cache(q.to(DEVICE), dc, num_splits=5, merge_channels=mdb)
         merge = next(la for la in launches if la.kernel is merge_kernel)
         assert merge.grid == (3, 4, 64 // mdb) and merge.constexprs["DB"] == mdb
     for bad in (0, 48, 128):
         with pytest.raises(ValueError, match="merge_channels"):
-            plan_decode(q.to(DEVICE), dc.k.tiles(), dc.v.tiles(), dc.block_table, dc.seq_lens, dc.page_size,
-                        merge_channels=bad)
+            plan_for_cache(q.to(DEVICE), dc, merge_channels=bad)
     rot = ("fp8_e4m3", {}, "fp8_e4m3", {"rotation": "hadamard", "rotation_seed": 3})
     rc = tb.DeviceCache.from_cache(build_cache(rot, SMALL, rng)[0], DEVICE)
     with pytest.raises(ValueError, match="merge_channels"):
-        plan_decode(q.to(DEVICE), rc.k.tiles(), rc.v.tiles(), rc.block_table, rc.seq_lens, rc.page_size,
-                    merge_channels=32)
+        plan_for_cache(q.to(DEVICE), rc, merge_channels=32)
 
 
 def test_direct_output_is_the_merge_of_one_split():
@@ -1594,7 +1580,7 @@ def test_direct_output_is_the_merge_of_one_split():
     oracle's bound, an empty sequence included (out 0, LSE -inf); ``direct_output=True`` with two splits or a residual
     window raises; a rotated V with one split is un-rotated by the split kernel (``ROT_V``; its values:
     tests/test_triton_rotation.py)."""
-    from kvqref.kernels.decode import merge_kernel, plan_decode
+    from kvqref.kernels.decode import merge_kernel
 
     rng = np.random.default_rng(57)
     for pair in (PAIRS[0], PAIRS[2], PAIRS[6]):
@@ -1602,8 +1588,7 @@ def test_direct_output_is_the_merge_of_one_split():
         dc = tb.DeviceCache.from_cache(cache, DEVICE)
         q = torch.from_numpy(rng.standard_normal((3, 4, 64)).astype(np.float32)).to(torch.bfloat16)
         ref_out, ref_lse, tol_o, tol_l = _oracle(cache, q.float().numpy().astype(np.float64))
-        launches, _, _ = plan_decode(q.to(DEVICE), dc.k.tiles(), dc.v.tiles(), dc.block_table, dc.seq_lens,
-                                     dc.page_size, num_splits=1, block_n=16)
+        launches, _, _ = plan_for_cache(q.to(DEVICE), dc, num_splits=1, block_n=16)
         assert not any(la.kernel is merge_kernel for la in launches), pair
         assert launches[-1].constexprs["DIRECT"], pair
         out, lse, _ = _run_decode(cache, q, num_splits=1, block_n=16)
@@ -1618,20 +1603,17 @@ def test_direct_output_is_the_merge_of_one_split():
         assert (out0[1] == 0).all() and torch.isneginf(lse0[1]).all(), pair
         assert np.array_equal(out0[0].cpu().numpy(), out[0]) and np.array_equal(lse0[2].cpu().numpy(), lse[2])
         with pytest.raises(ValueError, match="direct_output needs one split"):
-            plan_decode(q.to(DEVICE), dc.k.tiles(), dc.v.tiles(), dc.block_table, dc.seq_lens, dc.page_size,
-                        num_splits=2, direct_output=True)
+            plan_for_cache(q.to(DEVICE), dc, num_splits=2, direct_output=True)
     kivi, _ = build_cache(PAIRS[7], SMALL, rng)
     with pytest.raises(ValueError, match="direct_output needs one split"):
         _run_decode(kivi, torch.zeros(3, 4, 64, dtype=torch.bfloat16), num_splits=1, direct_output=True)
     rot = ("fp8_e4m3", {}, "fp8_e4m3", {"rotation": "hadamard", "rotation_seed": 3})
     rc = tb.DeviceCache.from_cache(build_cache(rot, SMALL, rng)[0], DEVICE)
     qz = torch.zeros(3, 4, 64, dtype=torch.bfloat16, device=DEVICE)
-    launches, _, _ = plan_decode(qz, rc.k.tiles(), rc.v.tiles(), rc.block_table, rc.seq_lens, rc.page_size,
-                                 num_splits=1)
+    launches, _, _ = plan_for_cache(qz, rc, num_splits=1)
     assert launches[-1].constexprs["DIRECT"] and launches[-1].constexprs["ROT_V"]
     assert not any(la.kernel is merge_kernel for la in launches)
-    launches, _, _ = plan_decode(qz, rc.k.tiles(), rc.v.tiles(), rc.block_table, rc.seq_lens, rc.page_size,
-                                 num_splits=1, direct_output=False)
+    launches, _, _ = plan_for_cache(qz, rc, num_splits=1, direct_output=False)
     assert launches[-1].kernel is merge_kernel and launches[-1].constexprs["ROT_V"]
     assert not launches[-2].constexprs["ROT_V"]
 
@@ -1641,7 +1623,6 @@ def test_fast_fp8_launch_is_the_measured_choice(monkeypatch):
     4,096 276.2 -> 261.5, 64 q / 8 KV heads x 16,384 549.6 -> 511.7; token-major and page size 1 faster too); the
     H100 (64 lost there in session 15), other devices and exact mode keep 32 (planned on the CPU as for a GPU)."""
     from kvqref.kernels import decode
-    from kvqref.kernels.decode import plan_decode
 
     rng = np.random.default_rng(59)
     for pair in (PAIRS[1], PAIRS[3]):  # OCP E4M3 pages; the ROCm FNUZ formats on an NVIDIA GPU (software)
@@ -1650,9 +1631,8 @@ def test_fast_fp8_launch_is_the_measured_choice(monkeypatch):
         q = torch.zeros(3, 4, 64, dtype=torch.bfloat16)
 
         def block_n(q=q, dc=dc, **kw):
-            launches, _, _ = plan_decode(q, dc.k.tiles(), dc.v.tiles(), dc.block_table, dc.seq_lens, dc.page_size,
-                                         **kw)
-            return next(la for la in launches if la.kernel is decode.decode_split_kernel).constexprs["BLOCK_N"]
+            launches, _, _ = plan_for_cache(q, dc, **kw)
+            return split_launch_of(launches).constexprs["BLOCK_N"]
 
         assert block_n() == 32  # not an NVIDIA GPU
         with monkeypatch.context() as m:
@@ -1673,7 +1653,6 @@ def test_two_axis_fp4_tiles_default(monkeypatch):
     rows. On the GPU every per-element E8M0 test (extreme and rare scale codes) runs it by default."""
     from kvqref.kernels import decode
     from kvqref.kernels.aot import _hw_formats
-    from kvqref.kernels.decode import plan_decode
 
     rng = np.random.default_rng(61)
     shape = dict(SMALL, head_dim=128)  # 8 blocks x 8 heads: more rows than block rows take
@@ -1682,9 +1661,8 @@ def test_two_axis_fp4_tiles_default(monkeypatch):
     def plan(pair, **kw):
         cache, _ = build_cache(pair, shape, rng)
         dc = tb.DeviceCache.from_cache(cache, "cpu")
-        launches, _, _ = plan_decode(q, dc.k.tiles(), dc.v.tiles(), dc.block_table, dc.seq_lens, dc.page_size,
-                                     hw_formats=_hw_formats("cuda:90"), **kw)
-        return next(la for la in launches if la.kernel is decode.decode_split_kernel).constexprs
+        launches, _, _ = plan_for_cache(q, dc, hw_formats=_hw_formats("cuda:90"), **kw)
+        return split_launch_of(launches).constexprs
 
     with monkeypatch.context() as m:
         m.setattr(decode, "_nvidia_cuda", lambda t: True)
@@ -1708,7 +1686,7 @@ def test_merge_as_programmatic_dependent_launch(monkeypatch):
     split writing the outputs itself has no merge to depend on. On such a GPU the outputs are the same bits as with
     ``pdl=False`` (fp8, KIVI with its residual split as its own launch, nvfp4); elsewhere planned as for one."""
     from kvqref.kernels import decode
-    from kvqref.kernels.decode import merge_kernel, pdl_supported, plan_decode
+    from kvqref.kernels.decode import merge_kernel, pdl_supported
 
     rng = np.random.default_rng(71)
     q = torch.from_numpy(rng.standard_normal((3, 4, 64)).astype(np.float32)).to(torch.bfloat16)
@@ -1718,8 +1696,7 @@ def test_merge_as_programmatic_dependent_launch(monkeypatch):
         residual = dc.residual
 
         def plan(dc=dc, residual=residual, **kw):
-            launches, _, _ = plan_decode(q.to(DEVICE), dc.k.tiles(), dc.v.tiles(), dc.block_table, dc.seq_lens,
-                                         dc.page_size, residual=residual, **{"num_splits": 2, **kw})
+            launches, _, _ = plan_for_cache(q.to(DEVICE), dc, residual=residual, **{"num_splits": 2, **kw})
             splits = [la for la in launches if la.kernel is decode.decode_split_kernel]
             merges = [la for la in launches if la.kernel is merge_kernel]
             return ([bool(la.constexprs["GDC"]) for la in splits],
@@ -1824,7 +1801,6 @@ def test_fp4_block_rows_pipelines_are_the_measured_choice(monkeypatch):
     block rows at 64-token tiles take 3 stages (149.2 -> 147.0), still with the in-step page ids."""
     from kvqref.kernels import decode
     from kvqref.kernels.aot import _hw_formats
-    from kvqref.kernels.decode import plan_decode
 
     rng = np.random.default_rng(74)
     q = torch.zeros(3, 8, 128, dtype=torch.bfloat16)  # 4 query heads per KV head
@@ -1832,9 +1808,8 @@ def test_fp4_block_rows_pipelines_are_the_measured_choice(monkeypatch):
     def plan(pair, page_size=16, **kw):
         cache, _ = build_cache(pair, dict(SMALL, head_dim=128, q_heads=8, page_size=page_size), rng)
         dc = tb.DeviceCache.from_cache(cache, "cpu")
-        launches, _, _ = plan_decode(q, dc.k.tiles(), dc.v.tiles(), dc.block_table, dc.seq_lens, dc.page_size,
-                                     hw_formats=_hw_formats("cuda:90"), **kw)
-        split = next(la for la in launches if la.kernel is decode.decode_split_kernel)
+        launches, _, _ = plan_for_cache(q, dc, hw_formats=_hw_formats("cuda:90"), **kw)
+        split = split_launch_of(launches)
         cx = split.constexprs
         assert cx["BLK"], pair[0]
         return cx["PIDS_AHEAD"], split.options["num_stages"], split.options["num_warps"], cx["BLOCK_N"]
@@ -1880,7 +1855,7 @@ def test_bf16_launch_is_the_measured_choice(monkeypatch):
     48 x 8,192 at 2 splits, batch 1 x 131,072 at 32); in exact mode and off NVIDIA the 64-token, 2-warp launch
     (planned on the CPU as for a GPU of 4 multiprocessors)."""
     from kvqref.kernels import decode
-    from kvqref.kernels.decode import BF16_WIDE, plan_decode
+    from kvqref.kernels.decode import BF16_WIDE
 
     rng = np.random.default_rng(58)
     cache, _ = build_cache(PAIRS[0], SMALL, rng)  # 3 sequences x 2 KV heads: 6 pairs
@@ -1888,8 +1863,8 @@ def test_bf16_launch_is_the_measured_choice(monkeypatch):
     q = torch.zeros(3, 4, 64, dtype=torch.bfloat16)
 
     def split_launch(**kw):
-        launches, _, _ = plan_decode(q, dc.k.tiles(), dc.v.tiles(), dc.block_table, dc.seq_lens, dc.page_size, **kw)
-        sp = next(la for la in launches if la.kernel is decode.decode_split_kernel)
+        launches, _, _ = plan_for_cache(q, dc, **kw)
+        sp = split_launch_of(launches)
         return (sp.constexprs["BLOCK_N"], sp.options["num_warps"], sp.options["num_stages"]), sp.grid[2], len(launches)
 
     assert split_launch()[0] == (64, 2, 2)  # not an NVIDIA GPU
@@ -1899,8 +1874,7 @@ def test_bf16_launch_is_the_measured_choice(monkeypatch):
     assert split_launch(precision="exact")[0] != BF16_WIDE
     one, _ = build_cache(PAIRS[0], dict(SMALL, batch=1, lens=(37,)), rng)  # 2 pairs in a wave of 8: 4 splits
     d1 = tb.DeviceCache.from_cache(one, "cpu")
-    launches, _, _ = plan_decode(q[:1], d1.k.tiles(), d1.v.tiles(), d1.block_table, d1.seq_lens, d1.page_size,
-                                 max_seq_len=4 * 4 * 128)
+    launches, _, _ = plan_for_cache(q[:1], d1, max_seq_len=4 * 4 * 128)
     assert launches[0].constexprs["BLOCK_N"] == 128 and launches[0].grid[2] == 4
 
 
@@ -1966,10 +1940,8 @@ def test_split_counts_are_the_measured_choices():
     cache, _ = build_cache(PAIRS[7], SMALL, rng)  # fast KIVI: key rows by default
     dc = tb.DeviceCache.from_cache(cache, DEVICE)
     q = torch.zeros(SMALL["batch"], SMALL["q_heads"], SMALL["head_dim"], device=DEVICE)
-    from kvqref.kernels.decode import plan_decode
 
-    launches, _, _ = plan_decode(q, dc.k.tiles(), dc.v.tiles(), dc.block_table, dc.seq_lens, dc.page_size,
-                                 max_seq_len=65536, residual=dc.residual)
+    launches, _, _ = plan_for_cache(q, dc, max_seq_len=65536, residual=dc.residual)
     split = next(launch for launch in launches if "KR" in launch.constexprs)
     sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count if GPU else 4
     bn, shape = split.constexprs["BLOCK_N"], (SMALL["batch"], SMALL["kv_heads"], 65536)
@@ -1986,9 +1958,7 @@ def test_split_counts_are_the_measured_choices():
     nvidia = GPU and not getattr(torch.version, "hip", None)
     for warps, cap, resident in ((None, None, key_rows_resident(2, None)),
                                  (4, KIVI_KEY_ROWS_MAXNREG if nvidia else None, 3 if nvidia else 2)):
-        launches, _, _ = plan_decode(q, dc.k.tiles(), dc.v.tiles(), dc.block_table, dc.seq_lens, dc.page_size,
-                                     max_seq_len=65536, residual=dc.residual,
-                                     num_warps=warps)
+        launches, _, _ = plan_for_cache(q, dc, max_seq_len=65536, residual=dc.residual, num_warps=warps)
         split = next(launch for launch in launches if "KR" in launch.constexprs)
         assert split.constexprs["KW"] and split.options.get("maxnreg") == cap, warps
         assert split.options["num_warps"] == (warps or 2)
@@ -1999,8 +1969,7 @@ def test_split_counts_are_the_measured_choices():
     q1 = q[:, ::2]
     for layout, warps in (("NHD", 4), ("HND", 2)):
         lc = dc.with_layout(layout)
-        launches, _, _ = plan_decode(q1, lc.k.tiles(), lc.v.tiles(), lc.block_table, lc.seq_lens, lc.page_size,
-                                     max_seq_len=65536, residual=lc.residual)
+        launches, _, _ = plan_for_cache(q1, lc, max_seq_len=65536, residual=lc.residual)
         split = next(launch for launch in launches if "KR" in launch.constexprs)
         assert split.constexprs["KW"] and split.options["num_warps"] == warps, layout
         assert split.options.get("maxnreg") == (KIVI_KEY_ROWS_MAXNREG if nvidia and warps == 4 else None), layout
@@ -2010,8 +1979,7 @@ def test_split_counts_are_the_measured_choices():
         cache, _ = build_cache(pair, dict(SMALL, q_heads=8, head_dim=128, page_size=32), rng)
         dc = tb.DeviceCache.from_cache(cache, DEVICE)
         q = torch.zeros(SMALL["batch"], 8, 128, dtype=torch.bfloat16, device=DEVICE)
-        launches, _, _ = plan_decode(q, dc.k.tiles(), dc.v.tiles(), dc.block_table, dc.seq_lens, dc.page_size,
-                                     max_seq_len=65536, residual=dc.residual)
+        launches, _, _ = plan_for_cache(q, dc, max_seq_len=65536, residual=dc.residual)
         split = next(launch for launch in launches if "KR" in launch.constexprs)
         assert split.constexprs["KW"] and split.constexprs["BLOCK_H"] == 16, pair[0]
         assert (split.options["num_warps"], split.options.get("maxnreg")) == (warps, None), pair[0]
@@ -2028,8 +1996,7 @@ def test_split_counts_are_the_measured_choices():
         cache, _ = build_cache(pair, dict(SMALL, q_heads=16, kv_heads=2, head_dim=128, page_size=32), rng)
         dc = tb.DeviceCache.from_cache(cache, DEVICE)
         q = torch.zeros(SMALL["batch"], 16, 128, dtype=torch.bfloat16, device=DEVICE)
-        launches, _, _ = plan_decode(q, dc.k.tiles(), dc.v.tiles(), dc.block_table, dc.seq_lens, dc.page_size,
-                                     max_seq_len=65536, num_warps=None if warps == 2 else warps)
+        launches, _, _ = plan_for_cache(q, dc, max_seq_len=65536, num_warps=None if warps == 2 else warps)
         cx = next(launch for launch in launches if "KR" in launch.constexprs)
         assert (cx.constexprs["KR"], cx.constexprs["HV"], cx.constexprs["BLOCK_H"], cx.constexprs["BLOCK_N"]) == (
             True, 8, 32, 64) and cx.constexprs["KW"] is words, pair[0]
@@ -2040,8 +2007,7 @@ def test_split_counts_are_the_measured_choices():
     cache, _ = build_cache(PAIRS[9], dict(SMALL, q_heads=8, kv_heads=2, head_dim=128), rng)  # NVFP4 value words
     dc = tb.DeviceCache.from_cache(cache, DEVICE)  # by halves: whole waves
     q = torch.zeros(SMALL["batch"], 8, 128, dtype=torch.bfloat16, device=DEVICE)
-    launches, _, _ = plan_decode(q, dc.k.tiles(), dc.v.tiles(), dc.block_table, dc.seq_lens, dc.page_size,
-                                 max_seq_len=65536)
+    launches, _, _ = plan_for_cache(q, dc, max_seq_len=65536)
     split = next(launch for launch in launches if "BLK" in launch.constexprs)
     assert split.constexprs["VW"] and split.constexprs["HALF_V"] and split.options["num_warps"] == 1
     want = choose_splits(SMALL["batch"], 2, 65536, 32, sms, waves_of=WORDS_HALVES_RESIDENT)[0]
@@ -2071,8 +2037,7 @@ def test_split_counts_are_the_measured_choices():
         dc = tb.DeviceCache.from_cache(cache, DEVICE)
         q = torch.zeros(batch, 8, 128, dtype=torch.bfloat16, device=DEVICE)
         long = 262144  # long enough that no split count is capped by the 4 tiles per split (132 multiprocessors)
-        launches, _, _ = plan_decode(q, dc.k.tiles(), dc.v.tiles(), dc.block_table, dc.seq_lens, dc.page_size,
-                                     max_seq_len=long)
+        launches, _, _ = plan_for_cache(q, dc, max_seq_len=long)
         split = next(launch for launch in launches if "BLK" in launch.constexprs)
         if nvidia and pair[0] == "bf16":  # the 4-warp launch and its waves of 2 (session 19)
             assert (split.constexprs["BLOCK_N"], split.options["num_warps"], split.options["num_stages"]) == BF16_WIDE
@@ -2098,8 +2063,7 @@ def test_split_counts_are_the_measured_choices():
     cache, _ = build_cache(PAIRS[9], dict(SMALL, batch=128, lens=(5,) * 128, q_heads=16, kv_heads=2, head_dim=128), rng)
     dc = tb.DeviceCache.from_cache(cache, DEVICE)
     q = torch.zeros(128, 16, 128, dtype=torch.bfloat16, device=DEVICE)
-    launches, _, _ = plan_decode(q, dc.k.tiles(), dc.v.tiles(), dc.block_table, dc.seq_lens, dc.page_size,
-                                 max_seq_len=262144)
+    launches, _, _ = plan_for_cache(q, dc, max_seq_len=262144)
     split = next(launch for launch in launches if "BLK" in launch.constexprs)
     assert not split.constexprs["BLK"] and split.options["num_warps"] == 2
     bn = split.constexprs["BLOCK_N"]

@@ -237,13 +237,15 @@ def _launches(target: str, cases: list | None = None, page: int = 16) -> list[tu
                                                      kivi_value_chunks=4)
                         out.append((f"decode[{label},kr=1,vch=4]", split(launches)))
                         # value scales and zeros as one word per token (``kivi_value_scale_words``; 4 groups of 32
-                        # channels: words need 1, 2 or 4), token-major pages (its default there)
+                        # channels: words need 1, 2 or 4) with the page ids read ahead, token-major pages (their
+                        # default there at 2-4 query heads per KV head)
                         wd = device_cache(kn, ko, vn, {**vo, "group_size": 32})
                         launches, _, _ = plan_decode(q, wd.k.tiles(), wd.v.tiles(), wd.block_table, wd.seq_lens, page,
                                                      residual=wd.residual,
                                                      max_seq_len=40, num_splits=2, hw_formats=_hw_formats(target),
-                                                     value_rows=True, key_rows=True, kivi_value_scale_words=True)
-                        out.append((f"decode[{label},kr=1,vsw=1]", split(launches)))
+                                                     value_rows=True, key_rows=True, kivi_value_scale_words=True,
+                                                     page_ids_ahead=True)
+                        out.append((f"decode[{label},kr=1,vsw=1,pida=1]", split(launches)))
                     if target.startswith("cuda"):  # the codes unpacked by inline PTX: the GPU's default key rows
                         launches, _, _ = plan_decode(q, dc.k.tiles(), dc.v.tiles(), dc.block_table, dc.seq_lens, page,
                                                      residual=residual, max_seq_len=40, num_splits=2,

@@ -1340,7 +1340,7 @@ def _kivi_key_rows(
     G_K: tl.constexpr,
     BITS_K: tl.constexpr, G_V: tl.constexpr, BITS_V: tl.constexpr, RN: tl.constexpr, PTX: tl.constexpr,
     KW: tl.constexpr = False, KCH: tl.constexpr = 1, PIPE: tl.constexpr = False, KSUB: tl.constexpr = False,
-    PIDA: tl.constexpr = False, NCH: tl.constexpr = 1, VSW: tl.constexpr = False,
+    PIDS_AHEAD: tl.constexpr = False, NCH: tl.constexpr = 1, VSW: tl.constexpr = False,
 ):
     """Fast-mode KIVI keys by token-group rows (``key_rows``), values by channel-group rows (``value_rows``).
 
@@ -1365,7 +1365,7 @@ def _kivi_key_rows(
     computes the next tile's scores (its key loads and products) beside this tile's softmax and value products, the
     first tile's before the loop, so that the two dependency chains of a step are independent; the same arithmetic per
     tile, so the same bits. ``KSUB``: the key codes as float16 subnormals (:func:`_kivi_rows_scores`' ``SUB``).
-    ``PIDA`` (``page_ids_ahead``): the tiles' cache rows and key groups' rows read from the block table one step
+    ``PIDS_AHEAD`` (``page_ids_ahead``): the tiles' cache rows and key groups' rows read from the block table one step
     ahead of their loads and carried through the loop (with ``PIPE`` two tiles ahead of the values). ``VSW``: each
     token's value scales and zeros read as one word (:func:`_kivi_value_rows`' ``WORDS``)."""
     PV: tl.constexpr = 8 // BITS_V
@@ -1402,11 +1402,11 @@ def _kivi_key_rows(
         w5 = tl.zeros((NCH, BLOCK_H, DW), tl.float32)
         w6 = tl.zeros((NCH, BLOCK_H, DW), tl.float32)
         w7 = tl.zeros((NCH, BLOCK_H, DW), tl.float32)
-    if PIDA or PIPE:  # the first tile's rows before the loop (with PIDA carried into it)
+    if PIDS_AHEAD or PIPE:  # the first tile's rows before the loop (with PIDS_AHEAD carried into it)
         vslot, vmask = _tile_slots(start, end, BT, b, stride_btb, PAGE, PAGE_SLOTS, BLOCK_N)
         vgslot, vgmask = _kivi_group_slots(start, end, BT, b, stride_btb, HV, PAGE, PAGE_SLOTS, BLOCK_N, G_K)
     if PIPE:  # the first tile's scores before the loop; each step then computes the next tile's
-        if PIDA:  # (and the second tile's rows, carried into the loop)
+        if PIDS_AHEAD:  # (and the second tile's rows, carried into the loop)
             nslot, nmask = _tile_slots(start + BLOCK_N, end, BT, b, stride_btb, PAGE, PAGE_SLOTS, BLOCK_N)
             ngslot, ngmask = _kivi_group_slots(start + BLOCK_N, end, BT, b, stride_btb, HV, PAGE, PAGE_SLOTS,
                                                BLOCK_N, G_K)
@@ -1414,14 +1414,14 @@ def _kivi_key_rows(
                                           k2_s, k2_h, HV, D, BLOCK_N, G_K, BITS_K, KW)
         s_next = _kivi_rows_scores(kc, ks, kz, qk, sel, qk_scale, HV, D, BLOCK_N, BITS_K, PTX, KW, KCH, KSUB)
     for t0 in range(start, end, BLOCK_N):
-        if PIDA and PIPE:  # this tile's rows (values), the next tile's (keys), the tile after it's read now
+        if PIDS_AHEAD and PIPE:  # this tile's rows (values), the next tile's (keys), the tile after it's read now
             slot, tmask = vslot, vmask
             kslot, ktmask, kgslot, kgmask = nslot, nmask, ngslot, ngmask
             vslot, vmask = nslot, nmask
             nslot, nmask = _tile_slots(t0 + 2 * BLOCK_N, end, BT, b, stride_btb, PAGE, PAGE_SLOTS, BLOCK_N)
             ngslot, ngmask = _kivi_group_slots(t0 + 2 * BLOCK_N, end, BT, b, stride_btb, HV, PAGE, PAGE_SLOTS,
                                                BLOCK_N, G_K)
-        elif PIDA:  # this tile's rows, the next tile's read now
+        elif PIDS_AHEAD:  # this tile's rows, the next tile's read now
             slot, tmask, gslot, gmask = vslot, vmask, vgslot, vgmask
             vslot, vmask = _tile_slots(t0 + BLOCK_N, end, BT, b, stride_btb, PAGE, PAGE_SLOTS, BLOCK_N)
             vgslot, vgmask = _kivi_group_slots(t0 + BLOCK_N, end, BT, b, stride_btb, HV, PAGE, PAGE_SLOTS, BLOCK_N,
@@ -1429,14 +1429,14 @@ def _kivi_key_rows(
         else:
             slot, tmask = _tile_slots(t0, end, BT, b, stride_btb, PAGE, PAGE_SLOTS, BLOCK_N)
         if PIPE:  # the next tile's keys
-            if not PIDA:
+            if not PIDS_AHEAD:
                 kslot, ktmask = _tile_slots(t0 + BLOCK_N, end, BT, b, stride_btb, PAGE, PAGE_SLOTS, BLOCK_N)
                 kgslot, kgmask = _kivi_group_slots(t0 + BLOCK_N, end, BT, b, stride_btb, HV, PAGE, PAGE_SLOTS,
                                                    BLOCK_N, G_K)
             kc, ks, kz = _kivi_rows_key_loads(kslot, ktmask, kgslot, kgmask, K0, K1, K2, kvh, k0_s, k0_h, k1_s, k1_h,
                                               k2_s, k2_h, HV, D, BLOCK_N, G_K, BITS_K, KW)
         else:
-            if not PIDA:
+            if not PIDS_AHEAD:
                 gslot, gmask = _kivi_group_slots(t0, end, BT, b, stride_btb, HV, PAGE, PAGE_SLOTS, BLOCK_N, G_K)
             kc, ks, kz = _kivi_rows_key_loads(slot, tmask, gslot, gmask, K0, K1, K2, kvh, k0_s, k0_h, k1_s, k1_h,
                                               k2_s, k2_h, HV, D, BLOCK_N, G_K, BITS_K, KW)
@@ -2864,10 +2864,15 @@ def plan_decode(
     #   241.6 -> 235.4; 1 query head per KV head 230.3 -> 270.8, 2-bit words (spilling at 255 registers) 191.4 ->
     #   205.4: off. Token-major pages lost (265.7 -> 284.1) while their value scales were read two bytes at a time;
     #   with them as words (``kivi_value_scale_words``, session 33) they win at 4 query heads per KV head: batch 32 x
-    #   8,192 264.1 -> 250.9, 1 x 131,072 144.4 -> 138.8 (other head ratios there not measured). FP8 (fewer programs
-    #   fit: 143.0 -> 156.3) and mxfp4 lost too.
+    #   8,192 264.1 -> 250.9, 1 x 131,072 144.4 -> 138.8; session 34: at 2 query heads per KV head 272.3 -> 243.9,
+    #   at 1 247.5 -> 268.4 (off);
+    # - 2-bit KIVI key words (2 warps, uncapped) in token-major pages with their value scales as words, 2 or 4 query
+    #   heads per KV head (session 34, batch 32 x 8,192: 192.1 -> 183.6 us at 4, 182.5 -> 181.3 at 2; head-major
+    #   pages lost at 4, 169.0 -> 172.2, session 33).
+    # FP8 (fewer programs fit: 143.0 -> 156.3) and mxfp4 lost.
     kivi_words4 = bool(key_rows and kivi_words and k.bits == 4 and maxnreg is None)
-    kivi_ahead = kivi_words4 and ((k.head_major and qpk >= 2) or (vsw and not k.head_major and qpk >= 4))
+    kivi_ahead = (bool(key_rows and kivi_words) and maxnreg is None and qpk >= 2 and block_h <= 16
+                  and ((kivi_words4 and k.head_major) or (vsw and not k.head_major)))
     e8m0_16_pair = k.kind == v.kind == "mxfp4" and k.block == v.block == 16
     if page_ids_ahead is None:
         page_ids_ahead = ((words_halves and num_stages in (None, 3) and (
