@@ -2614,9 +2614,10 @@ def plan_decode(
     fast FP8 at 64-token tiles one buffer per side, 22,848 B per program -> two, 38,976 B; without it more stages do
     not add buffers). Default: NVFP4 by value words and channel halves in pages of more than one token and fp4_e2m1's
     such launch at every page size (both then at 3 stages; the E8M0 check's rerun reads its page ids in the step),
-    and 4-bit KIVI key words without a register cap in head-major pages with at least 2 query heads per KV
-    head (instead of ``kivi_pipeline``), where it measured 2-6% faster on the H200; FP8, mxfp4, 2-bit KIVI, NVFP4 at
-    page size 1 and int4 in token-major pages lost (bench/results/ANALYSIS.md, session 32, 219-224).
+    and KIVI key words without a register cap at 2-4 query heads per KV head: 4-bit ones in head-major pages
+    (instead of ``kivi_pipeline``), both widths in token-major pages with their value scales read as words, where it
+    measured 1-11% faster on the H200; FP8, mxfp4, 2-bit KIVI in head-major pages, NVFP4 at page size 1 and KIVI at
+    1 query head per KV head lost (bench/results/ANALYSIS.md, sessions 32-34).
     ``residual_launch``: the residual window's split as its own launch (constexpr ``PART``), so the paged splits
     do not carry the residual path's registers; default: with ``key_rows`` and a residual window.
     ``channel_halves``: with ``block_rows``, a side of at least 32 rows multiplies each channel half by the rows of
@@ -2864,11 +2865,11 @@ def plan_decode(
     #   241.6 -> 235.4; 1 query head per KV head 230.3 -> 270.8, 2-bit words (spilling at 255 registers) 191.4 ->
     #   205.4: off. Token-major pages lost (265.7 -> 284.1) while their value scales were read two bytes at a time;
     #   with them as words (``kivi_value_scale_words``, session 33) they win at 4 query heads per KV head: batch 32 x
-    #   8,192 264.1 -> 250.9, 1 x 131,072 144.4 -> 138.8; session 34: at 2 query heads per KV head 272.3 -> 243.9,
-    #   at 1 247.5 -> 268.4 (off);
+    #   8,192 264.1 -> 250.9, 1 x 131,072 144.4 -> 138.8; session 34: at 2 query heads per KV head 272.3 -> 243.9
+    #   (1 x 131,072 147.0 -> 138.7), at 1 247.5 -> 268.4 (off);
     # - 2-bit KIVI key words (2 warps, uncapped) in token-major pages with their value scales as words, 2 or 4 query
-    #   heads per KV head (session 34, batch 32 x 8,192: 192.1 -> 183.6 us at 4, 182.5 -> 181.3 at 2; head-major
-    #   pages lost at 4, 169.0 -> 172.2, session 33).
+    #   heads per KV head (session 34, batch 32 x 8,192: 192.1 -> 183.6 us at 4, 182.5 -> 181.3 at 2; 1 x 131,072
+    #   at 4 109.6 -> 104.9; head-major pages lost at 4, 169.0 -> 172.2, session 33).
     # FP8 (fewer programs fit: 143.0 -> 156.3) and mxfp4 lost.
     kivi_words4 = bool(key_rows and kivi_words and k.bits == 4 and maxnreg is None)
     kivi_ahead = (bool(key_rows and kivi_words) and maxnreg is None and qpk >= 2 and block_h <= 16
