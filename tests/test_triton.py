@@ -1781,7 +1781,9 @@ def test_kivi_key_rows_page_ids_ahead_same_bits(pair, pipe):
     table one step ahead (with ``kivi_pipeline`` the keys' two tiles ahead of the values) give the same bits as the
     rows read in the step: 32-token tiles inside 32-token pages from a shuffled free list, sequences of one token,
     of a partial last tile and of several tiles, 3 splits (a split's first tile inside a sequence) and code words.
-    Planted bugs fail it: the carried next rows read one tile too far, the values' rows taken from the keys' tile."""
+    Without ``kivi_pipeline`` each next tile's value zeros are loaded a step ahead too. Planted bugs fail it: the
+    carried next rows read one tile too far, the values' rows taken from the keys' tile, this tile's zero term from
+    the next tile's zeros."""
     rng = np.random.default_rng(75 + (pair[0] == "int2_kivi"))
     shape = dict(SMALL, q_heads=8, kv_heads=2, head_dim=128, page_size=32, lens=(1, 150, 300))
     cache, _ = build_cache(pair, shape, rng)

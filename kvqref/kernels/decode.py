@@ -628,6 +628,40 @@ def _group_rows(x, GR: tl.constexpr, HV: tl.constexpr, N: tl.constexpr):
 
 
 @triton.jit
+def _kivi_value_field(F, slot, m, kvh, f_s, f_h, GR: tl.constexpr, NG: tl.constexpr, WORDS: tl.constexpr = False):
+    """A KIVI value-row field (scales ``V1`` or zeros ``V2``) of the tokens ``slot`` as loaded: ``WORDS``, one 16-,
+    32- or 64-bit word per token holding its NG (1, 2 or 4) float16 groups [N]; else the float16 groups [GR, N]
+    (groups g >= NG and tokens where ``m`` is false load nothing). :func:`_kivi_value_field_rows` makes the rows."""
+    if WORDS:
+        WT: tl.constexpr = tl.int64 if NG == 4 else (tl.int32 if NG == 2 else tl.int16)
+        return tl.load((F + slot * f_s + kvh * f_h).to(tl.pointer_type(WT)), mask=m, other=0)
+    else:
+        g = tl.arange(0, GR)
+        return tl.load(F + slot[None, :] * f_s + kvh * f_h + g[:, None], mask=m[None, :] & (g < NG)[:, None],
+                       other=0.0)
+
+
+@triton.jit
+def _kivi_value_field_rows(x, m, HV: tl.constexpr, M: tl.constexpr, NG: tl.constexpr, WORDS: tl.constexpr = False):
+    """Rows by group of a loaded value-row field ``x`` (:func:`_kivi_value_field`): row ``r`` of the float32 [M, N]
+    result holds channel group ``r // HV``'s value of each token (0 where ``m`` is false or the group does not
+    exist); a word's group g is its bits 16 g .. 16 g + 15 (little-endian: the same values)."""
+    GR: tl.constexpr = M // HV
+    g = tl.arange(0, GR)
+    N: tl.constexpr = m.shape[0]
+    if WORDS:
+        mm = m[None, :] & (g < NG)[:, None]
+        if NG < GR:  # (rows of groups g >= NG are masked: their shifts stay inside the word)
+            sh = (16 * (g % NG))[:, None].to(x.dtype)
+        else:
+            sh = (16 * g)[:, None].to(x.dtype)
+        xg = tl.where(mm, _word_f16(x[None, :], sh), 0.0)
+    else:
+        xg = x.to(tl.float32)
+    return _group_rows(xg, GR, HV, N)
+
+
+@triton.jit
 def _kivi_value_rows(V1, V2, slot, m, kvh, v1_s, v1_h, v2_s, v2_h, HV: tl.constexpr, M: tl.constexpr,
                      NG: tl.constexpr, WORDS: tl.constexpr = False):
     """KIVI values with rows by group (``HV`` > 0): the scale and zero of channel group ``r // HV`` of token j,
@@ -636,23 +670,13 @@ def _kivi_value_rows(V1, V2, slot, m, kvh, v1_s, v1_h, v2_s, v2_h, HV: tl.conste
     ``WORDS``: a token's NG (1, 2 or 4) float16 scales (zeros) loaded as one 16-, 32- or 64-bit word and group g taken
     from its bits 16 g .. 16 g + 15 (little-endian: the same values; needs every row start aligned to the word)."""
     GR: tl.constexpr = M // HV
-    g = tl.arange(0, GR)
-    N: tl.constexpr = slot.shape[0]
-    mm = m[None, :] & (g < NG)[:, None]
-    if WORDS:
-        WT: tl.constexpr = tl.int64 if NG == 4 else (tl.int32 if NG == 2 else tl.int16)
-        ws = tl.load((V1 + slot * v1_s + kvh * v1_h).to(tl.pointer_type(WT)), mask=m, other=0)
-        wz = tl.load((V2 + slot * v2_s + kvh * v2_h).to(tl.pointer_type(WT)), mask=m, other=0)
-        if NG < GR:  # (rows of groups g >= NG are masked: their shifts stay inside the word)
-            sh = (16 * (g % NG))[:, None].to(WT)
-        else:
-            sh = (16 * g)[:, None].to(WT)
-        sg = tl.where(mm, _word_f16(ws[None, :], sh), 0.0)
-        zg = tl.where(mm, _word_f16(wz[None, :], sh), 0.0)
+    if WORDS:  # (both loads first: the order measured)
+        ws = _kivi_value_field(V1, slot, m, kvh, v1_s, v1_h, GR, NG, WORDS)
+        wz = _kivi_value_field(V2, slot, m, kvh, v2_s, v2_h, GR, NG, WORDS)
+        return _kivi_value_field_rows(ws, m, HV, M, NG, WORDS), _kivi_value_field_rows(wz, m, HV, M, NG, WORDS)
     else:
-        sg = tl.load(V1 + slot[None, :] * v1_s + kvh * v1_h + g[:, None], mask=mm, other=0.0).to(tl.float32)
-        zg = tl.load(V2 + slot[None, :] * v2_s + kvh * v2_h + g[:, None], mask=mm, other=0.0).to(tl.float32)
-    return _group_rows(sg, GR, HV, N), _group_rows(zg, GR, HV, N)
+        srow = _kivi_value_field_rows(_kivi_value_field(V1, slot, m, kvh, v1_s, v1_h, GR, NG), m, HV, M, NG)
+        return srow, _kivi_value_field_rows(_kivi_value_field(V2, slot, m, kvh, v2_s, v2_h, GR, NG), m, HV, M, NG)
 
 
 @triton.jit
@@ -1366,7 +1390,9 @@ def _kivi_key_rows(
     first tile's before the loop, so that the two dependency chains of a step are independent; the same arithmetic per
     tile, so the same bits. ``KSUB``: the key codes as float16 subnormals (:func:`_kivi_rows_scores`' ``SUB``).
     ``PIDS_AHEAD`` (``page_ids_ahead``): the tiles' cache rows and key groups' rows read from the block table one step
-    ahead of their loads and carried through the loop (with ``PIPE`` two tiles ahead of the values). ``VSW``: each
+    ahead of their loads and carried through the loop (with ``PIPE`` two tiles ahead of the values); without ``PIPE``
+    each next tile's value zeros are loaded in the step too (the pipeliner stages only loads that feed a product, and
+    the zeros feed a row sum: loaded in their own step, the warps waited on them). ``VSW``: each
     token's value scales and zeros read as one word (:func:`_kivi_value_rows`' ``WORDS``)."""
     PV: tl.constexpr = 8 // BITS_V
     DV: tl.constexpr = D // PV
@@ -1405,6 +1431,9 @@ def _kivi_key_rows(
     if PIDS_AHEAD or PIPE:  # the first tile's rows before the loop (with PIDS_AHEAD carried into it)
         vslot, vmask = _tile_slots(start, end, BT, b, stride_btb, PAGE, PAGE_SLOTS, BLOCK_N)
         vgslot, vgmask = _kivi_group_slots(start, end, BT, b, stride_btb, HV, PAGE, PAGE_SLOTS, BLOCK_N, G_K)
+    NGV: tl.constexpr = D // G_V
+    if PIDS_AHEAD and not PIPE:  # the first tile's value zeros (each next tile's then read a step ahead)
+        zfield = _kivi_value_field(V2, vslot, vmask, kvh, v2_s, v2_h, GRV, NGV, VSW)
     if PIPE:  # the first tile's scores before the loop; each step then computes the next tile's
         if PIDS_AHEAD:  # (and the second tile's rows, carried into the loop)
             nslot, nmask = _tile_slots(start + BLOCK_N, end, BT, b, stride_btb, PAGE, PAGE_SLOTS, BLOCK_N)
@@ -1421,11 +1450,12 @@ def _kivi_key_rows(
             nslot, nmask = _tile_slots(t0 + 2 * BLOCK_N, end, BT, b, stride_btb, PAGE, PAGE_SLOTS, BLOCK_N)
             ngslot, ngmask = _kivi_group_slots(t0 + 2 * BLOCK_N, end, BT, b, stride_btb, HV, PAGE, PAGE_SLOTS,
                                                BLOCK_N, G_K)
-        elif PIDS_AHEAD:  # this tile's rows, the next tile's read now
-            slot, tmask, gslot, gmask = vslot, vmask, vgslot, vgmask
+        elif PIDS_AHEAD:  # this tile's rows and value zeros, the next tile's read now
+            slot, tmask, gslot, gmask, zcur = vslot, vmask, vgslot, vgmask, zfield
             vslot, vmask = _tile_slots(t0 + BLOCK_N, end, BT, b, stride_btb, PAGE, PAGE_SLOTS, BLOCK_N)
             vgslot, vgmask = _kivi_group_slots(t0 + BLOCK_N, end, BT, b, stride_btb, HV, PAGE, PAGE_SLOTS, BLOCK_N,
                                                G_K)
+            zfield = _kivi_value_field(V2, vslot, vmask, kvh, v2_s, v2_h, GRV, NGV, VSW)
         else:
             slot, tmask = _tile_slots(t0, end, BT, b, stride_btb, PAGE, PAGE_SLOTS, BLOCK_N)
         if PIPE:  # the next tile's keys
@@ -1446,7 +1476,12 @@ def _kivi_key_rows(
                          + iw[None, None, :], mask=tl.reshape(tmask, (NCH, BLOCK_N // NCH))[:, :, None], other=0)
         else:
             vb = tl.load(V0 + slot[:, None] * v0_s + kvh * v0_h + iv[None, :], mask=tmask[:, None], other=0)
-        srow, zrow = _kivi_value_rows(V1, V2, slot, tmask, kvh, v1_s, v1_h, v2_s, v2_h, HV, BLOCK_H, D // G_V, VSW)
+        if PIDS_AHEAD and not PIPE:  # (the zeros read a step ahead)
+            srow = _kivi_value_field_rows(_kivi_value_field(V1, slot, tmask, kvh, v1_s, v1_h, GRV, NGV, VSW), tmask,
+                                          HV, BLOCK_H, NGV, VSW)
+            zrow = _kivi_value_field_rows(zcur, tmask, HV, BLOCK_H, NGV, VSW)
+        else:
+            srow, zrow = _kivi_value_rows(V1, V2, slot, tmask, kvh, v1_s, v1_h, v2_s, v2_h, HV, BLOCK_H, NGV, VSW)
         if PIPE:  # this tile's scores (computed one step earlier) and the next tile's, independent of each other
             s = s_next
             s_next = _kivi_rows_scores(kc, ks, kz, qk, sel, qk_scale, HV, D, BLOCK_N, BITS_K, PTX, KW, KCH, KSUB)
