@@ -1391,8 +1391,8 @@ def _kivi_key_rows(
     tile, so the same bits. ``KSUB``: the key codes as float16 subnormals (:func:`_kivi_rows_scores`' ``SUB``).
     ``PIDS_AHEAD`` (``page_ids_ahead``): the tiles' cache rows and key groups' rows read from the block table one step
     ahead of their loads and carried through the loop (with ``PIPE`` two tiles ahead of the values); without ``PIPE``
-    each next tile's value zeros are loaded in the step too (the pipeliner stages only loads that feed a product, and
-    the zeros feed a row sum: loaded in their own step, the warps waited on them). ``VSW``: each
+    each next tile's value zeros are loaded in the step too (Triton's pipeliner staged the scales, which feed a
+    product, but not the zeros, which feed a row sum: loaded in their own step, the warps waited on them). ``VSW``: each
     token's value scales and zeros read as one word (:func:`_kivi_value_rows`' ``WORDS``)."""
     PV: tl.constexpr = 8 // BITS_V
     DV: tl.constexpr = D // PV
