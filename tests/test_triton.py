@@ -1766,9 +1766,11 @@ def test_page_ids_ahead_with_the_e8m0_check_same_bits(code):
             page, off = divmod(int(cache.slot_mapping(b, t, 1)[0]), cache.page_size)
             cache.v.storage["scales"][page, off, kvh] = code
     kw = dict(num_splits=2, num_stages=3, e8m0_tile_check=True, wide_scale_loads=True)
-    out, lse, _ = _run_decode(cache, q, page_ids_ahead=False, **kw)
-    out1, lse1, _ = _run_decode(cache, q, page_ids_ahead=True, **kw)
-    assert np.array_equal(out, out1) and np.array_equal(lse, lse1)
+    for layout in ("NHD", "HND"):
+        dc = tb.DeviceCache.from_cache(cache, DEVICE).with_layout(layout)
+        out, lse = (x.cpu().numpy() for x in tb.decode(q.to(DEVICE), dc, page_ids_ahead=False, **kw))
+        out1, lse1 = (x.cpu().numpy() for x in tb.decode(q.to(DEVICE), dc, page_ids_ahead=True, **kw))
+        assert np.array_equal(out, out1) and np.array_equal(lse, lse1), layout
     assert np.isfinite(out1).all()
     if code is not None:  # the rerun's rule for code 0
         assert (out1[b, 4 * kvh: 4 * kvh + 4] != 0).any(axis=-1).all()
@@ -1780,19 +1782,22 @@ def test_kivi_key_rows_page_ids_ahead_same_bits(pair, pipe):
     """``page_ids_ahead`` in the KIVI key-rows loop: the tiles' rows and their key groups' rows read from the block
     table one step ahead (with ``kivi_pipeline`` the keys' two tiles ahead of the values) give the same bits as the
     rows read in the step: 32-token tiles inside 32-token pages from a shuffled free list, sequences of one token,
-    of a partial last tile and of several tiles, 3 splits (a split's first tile inside a sequence) and code words.
-    Without ``kivi_pipeline`` each next tile's value zeros are loaded a step ahead too. Planted bugs fail it: the
-    carried next rows read one tile too far, the values' rows taken from the keys' tile, this tile's zero term from
-    the next tile's zeros."""
+    of a partial last tile and of several tiles, 3 splits (a split's first tile inside a sequence) and code words,
+    token-major pages (value scales and zeros as words) and head-major ones (as elements). Without
+    ``kivi_pipeline`` each next tile's value zeros are loaded a step ahead too. Planted bugs fail it: the carried next
+    rows read one tile too far, the values' rows taken from the keys' tile, this tile's zero term from the next
+    tile's zeros (words and elements)."""
     rng = np.random.default_rng(75 + (pair[0] == "int2_kivi"))
     shape = dict(SMALL, q_heads=8, kv_heads=2, head_dim=128, page_size=32, lens=(1, 150, 300))
     cache, _ = build_cache(pair, shape, rng)
     q = torch.from_numpy(4 * rng.standard_normal((3, 8, 128)).astype(np.float32)).to(torch.bfloat16)
     kw = dict(precision="fast", key_rows=True, value_rows=True, kivi_words=True, block_n=32, kivi_pipeline=pipe,
               num_splits=3)
-    out, lse, _ = _run_decode(cache, q, page_ids_ahead=False, **kw)
-    out1, lse1, _ = _run_decode(cache, q, page_ids_ahead=True, **kw)
-    assert np.array_equal(out, out1) and np.array_equal(lse, lse1)
+    for layout in ("NHD", "HND"):
+        dc = tb.DeviceCache.from_cache(cache, DEVICE).with_layout(layout)
+        out, lse = (x.cpu().numpy() for x in tb.decode(q.to(DEVICE), dc, page_ids_ahead=False, **kw))
+        out1, lse1 = (x.cpu().numpy() for x in tb.decode(q.to(DEVICE), dc, page_ids_ahead=True, **kw))
+        assert np.array_equal(out, out1) and np.array_equal(lse, lse1), layout
 
 
 def test_fp4_block_rows_pipelines_are_the_measured_choice(monkeypatch):
