@@ -1432,7 +1432,8 @@ def _kivi_key_rows(
         vslot, vmask = _tile_slots(start, end, BT, b, stride_btb, PAGE, PAGE_SLOTS, BLOCK_N)
         vgslot, vgmask = _kivi_group_slots(start, end, BT, b, stride_btb, HV, PAGE, PAGE_SLOTS, BLOCK_N, G_K)
     NGV: tl.constexpr = D // G_V
-    if PIDS_AHEAD and not PIPE:  # the first tile's value zeros (each next tile's then read a step ahead)
+    ZAHEAD: tl.constexpr = PIDS_AHEAD and not PIPE  # each next tile's value zeros read a step ahead
+    if ZAHEAD:  # the first tile's value zeros
         zfield = _kivi_value_field(V2, vslot, vmask, kvh, v2_s, v2_h, GRV, NGV, VSW)
     if PIPE:  # the first tile's scores before the loop; each step then computes the next tile's
         if PIDS_AHEAD:  # (and the second tile's rows, carried into the loop)
@@ -1476,7 +1477,7 @@ def _kivi_key_rows(
                          + iw[None, None, :], mask=tl.reshape(tmask, (NCH, BLOCK_N // NCH))[:, :, None], other=0)
         else:
             vb = tl.load(V0 + slot[:, None] * v0_s + kvh * v0_h + iv[None, :], mask=tmask[:, None], other=0)
-        if PIDS_AHEAD and not PIPE:  # (the zeros read a step ahead)
+        if ZAHEAD:
             srow = _kivi_value_field_rows(_kivi_value_field(V1, slot, tmask, kvh, v1_s, v1_h, GRV, NGV, VSW), tmask,
                                           HV, BLOCK_H, NGV, VSW)
             zrow = _kivi_value_field_rows(zcur, tmask, HV, BLOCK_H, NGV, VSW)
@@ -2906,8 +2907,9 @@ def plan_decode(
     #   heads per KV head (session 34, batch 32 x 8,192: 192.1 -> 183.6 us at 4, 182.5 -> 181.3 at 2; 1 x 131,072
     #   at 4 109.6 -> 104.9; head-major pages lost at 4, 169.0 -> 172.2, session 33).
     # FP8 (fewer programs fit: 143.0 -> 156.3) and mxfp4 lost.
-    kivi_words4 = bool(key_rows and kivi_words and k.bits == 4 and maxnreg is None)
-    kivi_ahead = (bool(key_rows and kivi_words) and maxnreg is None and qpk >= 2 and block_h <= 16
+    kivi_words_uncapped = bool(key_rows and kivi_words) and maxnreg is None
+    kivi_words4 = kivi_words_uncapped and k.bits == 4
+    kivi_ahead = (kivi_words_uncapped and qpk >= 2 and block_h <= 16
                   and ((kivi_words4 and k.head_major) or (vsw and not k.head_major)))
     e8m0_16_pair = k.kind == v.kind == "mxfp4" and k.block == v.block == 16
     if page_ids_ahead is None:
