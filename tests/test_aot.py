@@ -109,11 +109,14 @@ def test_every_kernel_compiles_for_rocm_and_cuda_targets():
         # + 2-bit KIVI key words' value products in 4 chunks at 2 warps (``kivi_value_chunks``; default: one per warp),
         # and their value scales as words (``kivi_value_scale_words``, value groups of 32) with the page ids ahead
         vch = 2
+        # + 4-bit KIVI key words with a softmax state per value chunk (``kivi_chunk_softmax``, value groups of 32)
+        csm = 1
         assert len(rows) == (2 * len(DECODE_CASES) + len(SHARED_KERNELS) - (1 - gdc) + len(WRITE_CASES) + ptx + f16cvt
                              + rows_off + kt4 + ktile_off + 3 * key_rows + sums + nvb + blocks + vw_off + vw8
-                             + direct + kr_ptx + word_loads + x2 + bn64 + t2d + gdc + pida + vch), t
+                             + direct + kr_ptx + word_loads + x2 + bn64 + t2d + gdc + pida + vch + csm), t
         assert sum(r["kernel"] in ("decode[int2_kivi,kr=1,vch=4]", "decode[int2_kivi,kr=1,vsw=1,pida=1]") and r["ok"]
                    for r in rows) == vch, t
+        assert sum(r["kernel"] == "decode[int4_kivi,kr=1,kw=1,csm=8]" and r["ok"] for r in rows) == csm, t
         pida_rows = ("decode[fp8_e4m3,pida=1]", "decode[nvfp4,pida=0]", "decode[int4_kivi,kr=1,pida=1]")
         assert sum(r["kernel"] in pida_rows and r["ok"] for r in rows) == pida, t
         facts = {r["kernel"]: r.get("ptx_facts", {}) for r in rows}

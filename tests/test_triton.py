@@ -423,6 +423,47 @@ def test_kivi_value_chunks(pair):
 
 
 @pytest.mark.parametrize("pair", KIVI_WORD_PAIRS, ids=["int4", "int2"])
+def test_kivi_chunk_softmax(pair):
+    """``kivi_chunk_softmax`` (a softmax state, max, sum and zero term, per value chunk of the key words' tile, the
+    chunks' states merged after the loop; the chunks are runs of R tokens dealt round-robin, R = 8 by default so that
+    each warp's columns of the key product are one chunk) meets the oracle's bound for runs of 1, 8 and 32 tokens,
+    with the page ids read in the step, ahead, and with the pipelined key rows, on sequences of 1, 150 and 300 tokens
+    (chunks that see no token, tiles cut short), and agrees with one state per tile within two bounds. The default:
+    runs of 8 for 4-bit key words at 4 query heads per KV head in either layout (with subnormal key codes), off at 2
+    query heads per KV head, for 2-bit words and without words; bad runs refused. Planted bugs fail it: the chunks'
+    sums merged without their factor 2**(m_c - m), the values' tokens chunked in contiguous runs while the scores'
+    are dealt in runs of 8."""
+    rng = np.random.default_rng(53 + (pair[0] == "int2_kivi"))
+    shape = dict(SMALL, q_heads=8, kv_heads=2, head_dim=128, page_size=32, lens=(1, 150, 300))
+    cache, _ = build_cache(pair, shape, rng)
+    q = torch.from_numpy(4 * rng.standard_normal((3, 8, 128)).astype(np.float32)).to(torch.bfloat16)
+    ref_out, ref_lse, tol_o, tol_l = _oracle(cache, q.float().numpy().astype(np.float64), "fast", "bfloat16",
+                                             value_rows=True)
+    kw = dict(precision="fast", key_rows=True, value_rows=True, kivi_words=True)
+    one, one_lse, _ = _run_decode(cache, q, kivi_chunk_softmax=0, **kw)
+    for runs, extra in ((8, {}), (1, {}), (32, {}), (8, {"page_ids_ahead": True}), (8, {"kivi_pipeline": True})):
+        out, lse, _ = _run_decode(cache, q, kivi_chunk_softmax=runs, **kw, **extra)
+        assert (np.abs(out - ref_out) <= tol_o).all() and (np.abs(lse - ref_lse) <= tol_l).all(), (runs, extra)
+        assert (np.abs(out - one) <= 2 * tol_o).all() and (np.abs(lse - one_lse) <= 2 * tol_l).all(), (runs, extra)
+
+    def split_cx(qq, layout="HND", **extra):
+        dc = tb.DeviceCache.from_cache(cache, DEVICE).with_layout(layout)
+        launches, _, _ = plan_for_cache(qq.to(DEVICE), dc, precision="fast", **extra)
+        split = split_launch_of(launches)
+        return split.constexprs["CSM"], split.constexprs["KSUB"]
+
+    four_bit = pair[0] == "int4_kivi"
+    for layout in ("HND", "NHD"):
+        assert split_cx(q, layout) == ((8, True) if four_bit else (0, True)), layout
+    assert split_cx(q[:, :4])[0] == 0  # 2 query heads per KV head
+    assert split_cx(q, kivi_words=False)[0] == 0
+    for bad in ({"kivi_chunk_softmax": 3}, {"kivi_chunk_softmax": 128}, {"kivi_chunk_softmax": -8},
+                {"kivi_chunk_softmax": 8, "kivi_words": False}):
+        with pytest.raises(ValueError, match="kivi_chunk_softmax must be 0 or a power of two"):
+            _run_decode(cache, q, **{**kw, **bad})
+
+
+@pytest.mark.parametrize("pair", KIVI_WORD_PAIRS, ids=["int4", "int2"])
 @pytest.mark.parametrize("q_heads,block_n,flip_chains", [(8, None, False), (8, 64, False), (4, 32, False),
                                                          (8, None, True), (16, None, False)])
 def test_kivi_words(pair, q_heads, block_n, flip_chains):
@@ -494,7 +535,8 @@ def test_kivi_subnormal_codes(pair, words, flip_chains):
     float32 sums; the H100's tensor cores round some of the scaled sums differently in the last bit); every path
     (words in one or two chains, byte phases; bfloat16 and float32 q) meets the oracle's bound and agrees with the
     exact codes within both bounds. The default: on for 2-bit keys by key rows (where it measured faster), and for
-    4-bit keys only in head-major pages (token-major 4-bit keys lost at 64 query heads). Refused without key rows.
+    4-bit keys in head-major pages and, token-major, as words with a softmax state per value chunk (4 query heads per
+    KV head: the case here; token-major 4-bit bytes lost at 64 query heads). Refused without key rows.
     Planted bugs fail it: the odd chain's 2**-4
     dropped (the two-chain cases: int4 words, int2 words in two chains), the 2**24 dropped (every case)."""
     rng = np.random.default_rng(41 + (pair[0] == "int2_kivi"))
@@ -518,7 +560,7 @@ def test_kivi_subnormal_codes(pair, words, flip_chains):
         dc = tb.DeviceCache.from_cache(cache, DEVICE).with_layout(layout)
         launches, _, _ = plan_for_cache(q.to(DEVICE), dc, **kw)
         assert split_launch_of(launches).constexprs["KSUB"] is (
-            pair[0] == "int2_kivi" or layout == "HND"), layout
+            pair[0] == "int2_kivi" or layout == "HND" or words), layout
     with pytest.raises(ValueError, match="kivi_subnormal_codes needs key_rows"):
         _run_decode(cache, q, precision="fast", key_rows=False, kivi_subnormal_codes=True)
 

@@ -191,6 +191,16 @@ def _launches(target: str, cases: list | None = None, page: int = 16) -> list[tu
                                              value_rows=True, key_rows=True, page_ids_ahead=True,
                                              ptx_unpack=target.startswith("cuda"))
                 out.append((f"decode[{label},kr=1,pida=1]", split(launches)))
+                # 4-bit key words (value channel groups of 32: 16 value rows) with a softmax state per value chunk
+                # (``kivi_chunk_softmax``, their default at 4 query heads per KV head), head-major pages
+                wd = device_cache(kn, ko, vn, {**vo, "group_size": 32}).with_layout("HND")
+                launches, _, _ = plan_decode(q, wd.k.tiles(), wd.v.tiles(), wd.block_table, wd.seq_lens, page,
+                                             residual=wd.residual, max_seq_len=40, num_splits=2,
+                                             hw_formats=_hw_formats(target), value_rows=True, key_rows=True,
+                                             ptx_unpack=target.startswith("cuda"))
+                words = split(launches)
+                out.append((f"decode[{label},kr=1,kw={int(words.constexprs['KW'])},csm={words.constexprs['CSM']}]",
+                            words))
             if label in DIRECT_CASES:  # one split writing the outputs itself (``direct_output``; a rotated V
                 # un-rotated by the split kernel, ``ROT_V``)
                 wide = dict(zip(("block_n", "num_warps", "num_stages"), BF16_WIDE, strict=True))

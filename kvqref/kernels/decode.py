@@ -1290,7 +1290,7 @@ def _sub_operand(a, PH: tl.constexpr, BITS: tl.constexpr, KMIN: tl.constexpr, SU
 @triton.jit
 def _kivi_rows_scores(kc, ks, kz, qk, sel, qk_scale, HV: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
                       BITS_K: tl.constexpr, PTX: tl.constexpr, KW: tl.constexpr, KCH: tl.constexpr,
-                      SUB: tl.constexpr = False):
+                      SUB: tl.constexpr = False, JOIN: tl.constexpr = False):
     """:func:`_kivi_key_rows`' scores [HV, BLOCK_N] (times ``qk_scale``) of one tile from its key loads
     (:func:`_kivi_rows_key_loads`): the key rows ``fl16(q_h * s_j * 2**e)`` against the codes, times 2**-e, plus the
     zero term ``q_h . z_j``, each token's row selected by ``sel``. ``SUB``: the codes as float16 subnormals
@@ -1298,7 +1298,8 @@ def _kivi_rows_scores(kc, ks, kz, qk, sel, qk_scale, HV: tl.constexpr, D: tl.con
     whose codes sit at different bits K takes 2**(KMIN - K) into the operands of its larger K
     (:func:`_sub_operand`), and the chains' sum is multiplied by 2**24 (and the odd chain's, at KMIN_odd, by
     2**-KMIN_odd on the way: one fused multiply-add), all exact: where no operand falls below float16's normal range
-    the same bits as with exact codes (4-bit words in two chains: every operand as without ``SUB``)."""
+    the same bits as with exact codes (4-bit words in two chains: every operand as without ``SUB``). ``JOIN``: the
+    row terms 2**-e and q . z_j joined into one tensor before they meet the product's layout (the same values)."""
     RK: tl.constexpr = qk.shape[0]
     PK: tl.constexpr = 8 // BITS_K
     DK: tl.constexpr = D // PK
@@ -1351,9 +1352,29 @@ def _kivi_rows_scores(kc, ks, kz, qk, sel, qk_scale, HV: tl.constexpr, D: tl.con
                                                                                          tl.float32)))))
     if SUB:  # every chain's sum now carries 2**-24 (exact)
         s2 = s2 * 16777216.0
-    s2 = s2 * pow2_f32(-e)[:, None] + bias[:, None]
+    if JOIN:  # one [rows, 2] tensor: Triton moves the two row terms into the product's layout together
+        sc, bi = tl.split(tl.join(pow2_f32(-e), bias)[:, None, :])
+        s2 = s2 * sc + bi
+    else:
+        s2 = s2 * pow2_f32(-e)[:, None] + bias[:, None]
     s = tl.sum(tl.where(sel, tl.reshape(s2, (RK // HV, HV, BLOCK_N)), 0.0), 0) * qk_scale
     return s
+
+
+@triton.jit
+def _token_chunks(x, NCH: tl.constexpr, IL: tl.constexpr):
+    """[R, N] -> [NCH, R, N / NCH]: chunk c holds the columns j with ``(j // IL) % NCH == c``, in order."""
+    R: tl.constexpr = x.shape[0]
+    N: tl.constexpr = x.shape[1]
+    y = tl.permute(tl.reshape(x, (R, N // (IL * NCH), NCH, IL)), (2, 0, 1, 3))
+    return tl.reshape(y, (NCH, R, N // NCH))
+
+
+@triton.jit
+def _token_chunks1(x, NCH: tl.constexpr, IL: tl.constexpr):
+    """[N] -> [NCH, N / NCH] as :func:`_token_chunks`."""
+    N: tl.constexpr = x.shape[0]
+    return tl.reshape(tl.permute(tl.reshape(x, (N // (IL * NCH), NCH, IL)), (1, 0, 2)), (NCH, N // NCH))
 
 
 @triton.jit
@@ -1364,7 +1385,8 @@ def _kivi_key_rows(
     G_K: tl.constexpr,
     BITS_K: tl.constexpr, G_V: tl.constexpr, BITS_V: tl.constexpr, RN: tl.constexpr, PTX: tl.constexpr,
     KW: tl.constexpr = False, KCH: tl.constexpr = 1, PIPE: tl.constexpr = False, KSUB: tl.constexpr = False,
-    PIDS_AHEAD: tl.constexpr = False, NCH: tl.constexpr = 1, VSW: tl.constexpr = False,
+    PIDS_AHEAD: tl.constexpr = False, NCH: tl.constexpr = 1, VSW: tl.constexpr = False, CSM: tl.constexpr = 0,
+    RJOIN: tl.constexpr = False,
 ):
     """Fast-mode KIVI keys by token-group rows (``key_rows``), values by channel-group rows (``value_rows``).
 
@@ -1393,7 +1415,11 @@ def _kivi_key_rows(
     ahead of their loads and carried through the loop (with ``PIPE`` two tiles ahead of the values); without ``PIPE``
     each next tile's value zeros are loaded in the step too (Triton's pipeliner staged the scales, which feed a
     product, but not the zeros, which feed a row sum: loaded in their own step, the warps waited on them). ``VSW``: each
-    token's value scales and zeros read as one word (:func:`_kivi_value_rows`' ``WORDS``)."""
+    token's value scales and zeros read as one word (:func:`_kivi_value_rows`' ``WORDS``). ``CSM`` (with ``KW``): a
+    softmax state per value chunk, the chunks taking the tile's tokens in runs of ``CSM`` dealt round-robin
+    (:func:`_token_chunks`; the value words loaded in the same order), merged after the loop: m = max_c m_c, each
+    chunk's l, zero term and value accumulators times 2**(m_c - m) (0 for a chunk that saw no token) and summed.
+    ``RJOIN``: :func:`_kivi_rows_scores`' ``JOIN``."""
     PV: tl.constexpr = 8 // BITS_V
     DV: tl.constexpr = D // PV
     NGK: tl.constexpr = BLOCK_N // G_K if BLOCK_N > G_K else 1
@@ -1428,6 +1454,11 @@ def _kivi_key_rows(
         w5 = tl.zeros((NCH, BLOCK_H, DW), tl.float32)
         w6 = tl.zeros((NCH, BLOCK_H, DW), tl.float32)
         w7 = tl.zeros((NCH, BLOCK_H, DW), tl.float32)
+    CN: tl.constexpr = BLOCK_N // NCH
+    if CSM:  # a softmax state per token chunk
+        m_c = tl.full((NCH, HV), float("-inf"), tl.float32)
+        l_c = tl.zeros((NCH, HV), tl.float32)
+        zacc_c = tl.zeros((NCH, BLOCK_H), tl.float32)
     if PIDS_AHEAD or PIPE:  # the first tile's rows before the loop (with PIDS_AHEAD carried into it)
         vslot, vmask = _tile_slots(start, end, BT, b, stride_btb, PAGE, PAGE_SLOTS, BLOCK_N)
         vgslot, vgmask = _kivi_group_slots(start, end, BT, b, stride_btb, HV, PAGE, PAGE_SLOTS, BLOCK_N, G_K)
@@ -1442,7 +1473,8 @@ def _kivi_key_rows(
                                                BLOCK_N, G_K)
         kc, ks, kz = _kivi_rows_key_loads(vslot, vmask, vgslot, vgmask, K0, K1, K2, kvh, k0_s, k0_h, k1_s, k1_h,
                                           k2_s, k2_h, HV, D, BLOCK_N, G_K, BITS_K, KW)
-        s_next = _kivi_rows_scores(kc, ks, kz, qk, sel, qk_scale, HV, D, BLOCK_N, BITS_K, PTX, KW, KCH, KSUB)
+        s_next = _kivi_rows_scores(kc, ks, kz, qk, sel, qk_scale, HV, D, BLOCK_N, BITS_K, PTX, KW, KCH, KSUB,
+                                   RJOIN)
     for t0 in range(start, end, BLOCK_N):
         if PIDS_AHEAD and PIPE:  # this tile's rows (values), the next tile's (keys), the tile after it's read now
             slot, tmask = vslot, vmask
@@ -1472,9 +1504,14 @@ def _kivi_key_rows(
             kc, ks, kz = _kivi_rows_key_loads(slot, tmask, gslot, gmask, K0, K1, K2, kvh, k0_s, k0_h, k1_s, k1_h,
                                               k2_s, k2_h, HV, D, BLOCK_N, G_K, BITS_K, KW)
         if KW:  # (strides in words, so the rows' alignment is known to the compiler: vector loads)
-            slot3 = tl.reshape(slot, (NCH, BLOCK_N // NCH))[:, :, None]  # (loaded in the product's chunks)
+            if CSM:
+                slot3 = _token_chunks1(slot, NCH, CSM)[:, :, None]
+                tmask3 = _token_chunks1(tmask, NCH, CSM)
+            else:
+                slot3 = tl.reshape(slot, (NCH, BLOCK_N // NCH))[:, :, None]  # (loaded in the product's chunks)
+                tmask3 = tl.reshape(tmask, (NCH, BLOCK_N // NCH))
             vw = tl.load(V0.to(tl.pointer_type(WTV)) + slot3 * (v0_s // VWB) + kvh * (v0_h // VWB)
-                         + iw[None, None, :], mask=tl.reshape(tmask, (NCH, BLOCK_N // NCH))[:, :, None], other=0)
+                         + iw[None, None, :], mask=tmask3[:, :, None], other=0)
         else:
             vb = tl.load(V0 + slot[:, None] * v0_s + kvh * v0_h + iv[None, :], mask=tmask[:, None], other=0)
         if ZAHEAD:
@@ -1485,18 +1522,35 @@ def _kivi_key_rows(
             srow, zrow = _kivi_value_rows(V1, V2, slot, tmask, kvh, v1_s, v1_h, v2_s, v2_h, HV, BLOCK_H, NGV, VSW)
         if PIPE:  # this tile's scores (computed one step earlier) and the next tile's, independent of each other
             s = s_next
-            s_next = _kivi_rows_scores(kc, ks, kz, qk, sel, qk_scale, HV, D, BLOCK_N, BITS_K, PTX, KW, KCH, KSUB)
+            s_next = _kivi_rows_scores(kc, ks, kz, qk, sel, qk_scale, HV, D, BLOCK_N, BITS_K, PTX, KW, KCH, KSUB,
+                                       RJOIN)
         else:
-            s = _kivi_rows_scores(kc, ks, kz, qk, sel, qk_scale, HV, D, BLOCK_N, BITS_K, PTX, KW, KCH, KSUB)
-        p, alpha, m_i, l_i = _softmax_step(s, tmask, m_i, l_i)
-        pr = tl.reshape(tl.broadcast_to(p[None, :, :], (GRV, HV, BLOCK_N)), (BLOCK_H, BLOCK_N))
-        ar = tl.reshape(tl.broadcast_to(alpha[None, :], (GRV, HV)), (BLOCK_H,))
-        pa = _split(pr * srow, True, True)[0]
-        zacc = zacc * ar + tl.sum(pr * zrow, 1)
+            s = _kivi_rows_scores(kc, ks, kz, qk, sel, qk_scale, HV, D, BLOCK_N, BITS_K, PTX, KW, KCH, KSUB,
+                                  RJOIN)
+        if CSM:  # a softmax state per chunk: [NCH, HV, BLOCK_N / NCH]
+            s3 = tl.where(tmask3[:, None, :], _token_chunks(s, NCH, CSM), float("-inf"))
+            m_new = tl.maximum(m_c, tl.max(s3, 2))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha3 = tl.exp2(m_c - m_use)
+            p3 = tl.exp2(s3 - m_use[:, :, None])
+            l_c = l_c * alpha3 + tl.sum(p3, 2)
+            m_c = m_new
+            pr3 = tl.reshape(tl.broadcast_to(p3[:, None, :, :], (NCH, GRV, HV, CN)), (NCH, BLOCK_H, CN))
+            ar3c = tl.reshape(tl.broadcast_to(alpha3[:, None, :], (NCH, GRV, HV)), (NCH, BLOCK_H))
+            pa3 = _split(pr3 * _token_chunks(srow, NCH, CSM), True, True)[0]
+            zacc_c = zacc_c * ar3c + tl.sum(pr3 * _token_chunks(zrow, NCH, CSM), 2)
+            ar3 = ar3c[:, :, None]
+        else:
+            p, alpha, m_i, l_i = _softmax_step(s, tmask, m_i, l_i)
+            pr = tl.reshape(tl.broadcast_to(p[None, :, :], (GRV, HV, BLOCK_N)), (BLOCK_H, BLOCK_N))
+            ar = tl.reshape(tl.broadcast_to(alpha[None, :], (GRV, HV)), (BLOCK_H,))
+            pa = _split(pr * srow, True, True)[0]
+            zacc = zacc * ar + tl.sum(pr * zrow, 1)
+            if KW:  # the chunks as runs of BLOCK_N / NCH tokens
+                pa3 = tl.permute(tl.reshape(pa, (BLOCK_H, NCH, BLOCK_N // NCH)), (1, 0, 2))
+                ar3 = ar[None, :, None]
         if KW:  # per chunk of BLOCK_N / NCH tokens: [NCH, rows, BLOCK_N / NCH] x [NCH, BLOCK_N / NCH, D / 8] per code p
-            pa3 = tl.permute(tl.reshape(pa, (BLOCK_H, NCH, BLOCK_N // NCH)), (1, 0, 2))
             v0, v1, v2, v3, v4, v5, v6, v7 = _int_word_phases(vw, BITS_V, False, PTX)
-            ar3 = ar[None, :, None]
             w0 = _dot_acc(pa3, v0, w0 * ar3)
             w1 = _dot_acc(pa3, v1, w1 * ar3)
             w2 = _dot_acc(pa3, v2, w2 * ar3)
@@ -1512,6 +1566,14 @@ def _kivi_key_rows(
             if PV == 4:
                 acc2 = _dot_acc(pa, v2, acc2 * ar[:, None])
                 acc3 = _dot_acc(pa, v3, acc3 * ar[:, None])
+    if CSM:  # the chunks' states merged: each chunk's sums times 2**(m_c - m)
+        m_i = tl.max(m_c, 0)
+        f = tl.exp2(m_c - tl.where(m_i == float("-inf"), 0.0, m_i)[None, :])
+        l_i = tl.sum(l_c * f, 0)
+        fr = tl.reshape(tl.broadcast_to(f[:, None, :], (NCH, GRV, HV)), (NCH, BLOCK_H))
+        zacc = tl.sum(zacc_c * fr, 0)
+        fr3 = fr[:, :, None]
+        w0, w1, w2, w3, w4, w5, w6, w7 = w0 * fr3, w1 * fr3, w2 * fr3, w3 * fr3, w4 * fr3, w5 * fr3, w6 * fr3, w7 * fr3
     if KW:  # chunks summed; code p of word c is channel 8c + p = element i * PV + P of accumulator P
         o0, o1, o2, o3 = tl.sum(w0, 0), tl.sum(w1, 0), tl.sum(w2, 0), tl.sum(w3, 0)
         o4, o5, o6, o7 = tl.sum(w4, 0), tl.sum(w5, 0), tl.sum(w6, 0), tl.sum(w7, 0)
@@ -1631,6 +1693,8 @@ def decode_split_kernel(
     KW: tl.constexpr = False,
     KCH: tl.constexpr = 1,
     NCH: tl.constexpr = 1,
+    CSM: tl.constexpr = 0,
+    RJOIN: tl.constexpr = False,
     VSW: tl.constexpr = False,
     KPIPE: tl.constexpr = False,
     KSUB: tl.constexpr = False,
@@ -1759,7 +1823,7 @@ def decode_split_kernel(
                 Q, BT, K0, K1, K2, V0, V1, V2, b, kvh, start, end, stride_qb, stride_qh, stride_btb, k0_s, k0_h,
                 k1_s, k1_h, k2_s, k2_h, v0_s, v0_h, v1_s, v1_h, v2_s, v2_h, qk_scale, QPK, HV, BLOCK_H, D, PAGE,
                 PAGE_SLOTS, BLOCK_N, G_K, BITS_K, G_V, BITS_V, RN, PTX, KW, KCH, KPIPE, KSUB, PIDS_AHEAD, NCH,
-                VSW)
+                VSW, CSM, RJOIN)
         elif BLK:  # fast FP4 by block rows (``_fp4_block_rows``)
             acc0, acc1, m_i, l_i = _fp4_block_rows(
                 Q, BT, K0, K1, V0, V1, b, kvh, start, end, stride_qb, stride_qh, stride_btb, k0_s, k0_h, k1_s, k1_h,
@@ -2557,6 +2621,8 @@ def plan_decode(
     fp8_value_words: bool | None = None,
     kivi_key_chains: int | None = None,
     kivi_value_chunks: int | None = None,
+    kivi_chunk_softmax: int | None = None,
+    kivi_joined_row_terms: bool | None = None,
     kivi_value_scale_words: bool | None = None,
     kivi_pipeline: bool | None = None,
     direct_output: bool | None = None,
@@ -2613,6 +2679,16 @@ def plan_decode(
     ``kivi_value_chunks``: with ``kivi_words``, the value products of a tile as this many batched chunks of its
     tokens (constexpr ``NCH``, a power of two; chunks of at least 16 tokens; the same products, summed in another
     order); default: one per warp, chunks of at least 32 tokens (``min(num_warps, block_n // 32)``).
+    ``kivi_chunk_softmax``: with ``kivi_words``, a softmax state (running max, sum and zero term) per value chunk
+    instead of per tile, the chunks' states merged once after the loop (each chunk's sums times 2**(m_c - m), as the
+    merge launch joins splits), so that a tile's max and sums need no exchange between warps; the chunks take the
+    tile's tokens in runs of this many dealt round-robin (constexpr ``CSM``, a power of two; 0: one state per tile).
+    Default 8 (each warp's columns of the key product: runs of 8 tokens) for 4-bit key words at 3-4 query heads per
+    KV head, else 0.
+    ``kivi_joined_row_terms``: with ``key_rows``, the key rows' two per-row terms (the power of two 2**-e and the
+    zero term q . z) joined into one [rows, 2] tensor before they meet the product (constexpr ``RJOIN``; the same
+    values); default with ``kivi_chunk_softmax`` and for 2-bit key words in token-major pages at 3-4 query heads per
+    KV head.
     ``kivi_value_scale_words``: with ``value_rows``, each token's KIVI value scales and zeros read as one 16/32/64-bit
     word (constexpr ``VSW``, :func:`kivi_value_scale_words_ok`; the same values); default: with ``key_rows`` in
     token-major pages.
@@ -2877,6 +2953,25 @@ def plan_decode(
                                           or block_n % nch):
         raise ValueError(f"kivi_value_chunks must be a power of two leaving chunks of at least 16 tokens of the "
                          f"{block_n}-token tile, with kivi_words; got {kivi_value_chunks!r}")
+    # a softmax state per value chunk (runs of 8 tokens, each warp's columns of the key product) for 4-bit key words
+    # at 3-4 query heads per KV head (H200, session 35, with the joined row terms below: int4 at batch 32 x 8,192
+    # head-major 215.6 -> 205.2 us, token-major 235.7 -> 209.9; 1 x 131,072 121.5 -> 115.3, 128 x 4,096 447.0 ->
+    # 436.2; at 2 query heads per KV head 225.2 -> 236.7 and at 1 229.1 -> 247.6, 2-bit words 168.9 -> 182.3, runs
+    # of 1 or 32 tokens 232.4 / 232.9: off; bench/results/ANALYSIS.md)
+    csm_default = bool(kivi_words and key_rows) and k.bits == 4 and hv == 4 and nch > 1 and block_n % (8 * nch) == 0
+    csm = (8 if csm_default else 0) if kivi_chunk_softmax is None else int(kivi_chunk_softmax)
+    if csm and (not kivi_words or csm < 0 or csm & (csm - 1) or block_n % (csm * nch)):
+        raise ValueError(f"kivi_chunk_softmax must be 0 or a power of two run of tokens dividing the tile into "
+                         f"kivi_value_chunks runs, with kivi_words; got {kivi_chunk_softmax!r}")
+    # the key rows' two row terms (2**-e, q . z) moved into the product's layout as one tensor: with a softmax state
+    # per chunk (H200, session 35: int4 at batch 32 x 8,192 206.9 -> 205.2 us head-major, 211.0 -> 209.9
+    # token-major) and for 2-bit key words in token-major pages at 4 query heads per KV head (183.9 -> 175.9: 7 -> 2
+    # local stores); 2-bit words head-major lose (169.1 -> 177.1 us, 1 x 131,072 96.0 -> 99.8): off there, and not
+    # measured elsewhere; bench/results/ANALYSIS.md
+    rjoin = ((bool(csm) or (bool(kivi_words and key_rows) and k.bits == 2 and not k.head_major and hv == 4))
+             if kivi_joined_row_terms is None else bool(kivi_joined_row_terms))
+    if rjoin and not key_rows:
+        raise ValueError("kivi_joined_row_terms needs key_rows (fast KIVI by token-group key rows)")
     # KIVI value rows' per-token scales and zeros as one word per (slot, head) in token-major pages: there Triton
     # loads them two bytes at a time, outside the pipeline (sm_90, triton 3.6: int4 at 4 q heads per KV head, 8
     # LDG.E.U16 per tile; bench/results/ANALYSIS.md, session 33); head-major pages get vector loads without it
@@ -2929,8 +3024,11 @@ def plan_decode(
     # and for 4-bit keys in head-major pages (H200, session 29, today's kernels: int4 at batch 32 x 8,192 237.9 ->
     # 234.0 us, 1 x 131,072 131.7 -> 130.5, 128 x 4,096 491.3 -> 484.2, 64 q / 8 KV heads 938.1 -> 903.2; token-major
     # 266.3 -> 265.2 at batch 32 but 1,084.6 -> 1,119.0 at 64 query heads: off; bench/results/ANALYSIS.md)
-    ksub = (bool(key_rows and (k.bits == 2 or (k.bits == 4 and k.head_major))) if kivi_subnormal_codes is None
-            else bool(kivi_subnormal_codes))
+    # and for 4-bit keys with a softmax state per value chunk in token-major pages (H200, session 35: batch 32 x 8,192
+    # 219.6 -> 214.1 us, 1 x 131,072 121.0 -> 120.0; without the chunks' states 234.2 -> 232.2 and 126.8 -> 120.7,
+    # at 2 query heads per KV head 232.8 -> 234.7)
+    ksub = (bool(key_rows and (k.bits == 2 or (k.bits == 4 and (k.head_major or csm))))
+            if kivi_subnormal_codes is None else bool(kivi_subnormal_codes))
     e8m0_sides = [t for t in (k, v) if t.kind == "mxfp4"]
     e8m0_check_ok = bool(block_rows) and bool(e8m0_sides) and all(wide(t) for t in e8m0_sides)
     if e8m0_tile_check and not e8m0_check_ok:
@@ -3120,6 +3218,8 @@ def plan_decode(
         KW=bool(kivi_words),
         KCH=kch,
         NCH=nch,
+        CSM=csm,
+        RJOIN=rjoin,
         VSW=vsw,
         KPIPE=kpipe,
         KSUB=ksub,
