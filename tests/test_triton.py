@@ -381,6 +381,18 @@ def test_kivi_value_scale_words_same_bits(pair):
         tb.decode(q, token_major, precision="fast", value_rows=False, key_rows=False, kivi_value_scale_words=True)
 
 
+def _kivi_words_case(pair, seed):
+    """A KIVI word pair's cache (2 KV heads, 4 query heads per KV head, head_dim 128, pages of 32, sequences of 1,
+    150 and 300 tokens), a bfloat16 q and the fast-mode oracle's outputs, lse and bounds with value rows."""
+    rng = np.random.default_rng(seed + (pair[0] == "int2_kivi"))
+    shape = dict(SMALL, q_heads=8, kv_heads=2, head_dim=128, page_size=32, lens=(1, 150, 300))
+    cache, _ = build_cache(pair, shape, rng)
+    q = torch.from_numpy(4 * rng.standard_normal((3, 8, 128)).astype(np.float32)).to(torch.bfloat16)
+    ref_out, ref_lse, tol_o, tol_l = _oracle(cache, q.float().numpy().astype(np.float64), "fast", "bfloat16",
+                                             value_rows=True)
+    return cache, q, ref_out, ref_lse, tol_o, tol_l
+
+
 @pytest.mark.parametrize("pair", KIVI_WORD_PAIRS, ids=["int4", "int2"])
 def test_kivi_value_chunks(pair):
     """``kivi_value_chunks`` (the key words' value products of a 128-token tile batched in 1, 2 or 4 chunks of its
@@ -390,12 +402,7 @@ def test_kivi_value_chunks(pair):
     64-token tiles in 2; a 4-warp launch asked for 2-bit words: 4); bad counts are refused. Planted bugs fail it:
     the first chunk left out of the sum after the loop, the value rows' tokens interleaved across the chunks
     instead of split into runs (from 2 chunks on)."""
-    rng = np.random.default_rng(51 + (pair[0] == "int2_kivi"))
-    shape = dict(SMALL, q_heads=8, kv_heads=2, head_dim=128, page_size=32, lens=(1, 150, 300))
-    cache, _ = build_cache(pair, shape, rng)
-    q = torch.from_numpy(4 * rng.standard_normal((3, 8, 128)).astype(np.float32)).to(torch.bfloat16)
-    ref_out, ref_lse, tol_o, tol_l = _oracle(cache, q.float().numpy().astype(np.float64), "fast", "bfloat16",
-                                             value_rows=True)
+    cache, q, ref_out, ref_lse, tol_o, tol_l = _kivi_words_case(pair, 51)
     kw = dict(precision="fast", key_rows=True, value_rows=True, kivi_words=True)
     runs = {}
     for nch in (1, 2, 4):
@@ -433,12 +440,7 @@ def test_kivi_chunk_softmax(pair):
     query heads per KV head, for 2-bit words and without words; bad runs refused. Planted bugs fail it: the chunks'
     sums merged without their factor 2**(m_c - m), the values' tokens chunked in contiguous runs while the scores'
     are dealt in runs of 8."""
-    rng = np.random.default_rng(53 + (pair[0] == "int2_kivi"))
-    shape = dict(SMALL, q_heads=8, kv_heads=2, head_dim=128, page_size=32, lens=(1, 150, 300))
-    cache, _ = build_cache(pair, shape, rng)
-    q = torch.from_numpy(4 * rng.standard_normal((3, 8, 128)).astype(np.float32)).to(torch.bfloat16)
-    ref_out, ref_lse, tol_o, tol_l = _oracle(cache, q.float().numpy().astype(np.float64), "fast", "bfloat16",
-                                             value_rows=True)
+    cache, q, ref_out, ref_lse, tol_o, tol_l = _kivi_words_case(pair, 53)
     kw = dict(precision="fast", key_rows=True, value_rows=True, kivi_words=True)
     one, one_lse, _ = _run_decode(cache, q, kivi_chunk_softmax=0, **kw)
     for runs, extra in ((8, {}), (1, {}), (32, {}), (8, {"page_ids_ahead": True}), (8, {"kivi_pipeline": True})):
