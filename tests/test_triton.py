@@ -18,11 +18,12 @@ from kvqref import reference, schemes
 
 torch = pytest.importorskip("torch")
 triton = pytest.importorskip("triton")
+tl = pytest.importorskip("triton.language")
 
 from kvqref import conformance  # noqa: E402
 from kvqref.backends import triton_backend as tb  # noqa: E402
 from kvqref.conformance import kv_tensor, triton_write_matches  # noqa: E402
-from kvqref.kernels.decode import default_value_rows  # noqa: E402
+from kvqref.kernels.decode import _row_sums_mma, default_value_rows  # noqa: E402
 
 GPU = torch.cuda.is_available()
 DEVICE = "cuda" if GPU else "cpu"
@@ -463,6 +464,34 @@ def test_kivi_chunk_softmax(pair):
                 {"kivi_chunk_softmax": 8, "kivi_words": False}):
         with pytest.raises(ValueError, match="kivi_chunk_softmax must be 0 or a power of two"):
             _run_decode(cache, q, **{**kw, **bad})
+
+
+@triton.jit
+def _row_sums_probe(X, O, B: tl.constexpr, M: tl.constexpr, K: tl.constexpr):
+    """O [B, M, 16] = 0.25 + the row sums of X [B, M, K] by ``_row_sums_mma``."""
+    i = tl.arange(0, B)[:, None, None] * M + tl.arange(0, M)[None, :, None]
+    x = tl.load(X + i * K + tl.arange(0, K)[None, None, :])
+    r = _row_sums_mma(x, tl.zeros((B, M, 16), tl.float32) + 0.25)
+    tl.store(O + i * 16 + tl.arange(0, 16)[None, None, :], r)
+
+
+@given(seed=st.integers(0, 2**32 - 1))
+@settings(max_examples=4, deadline=None)
+def test_row_sums_mma_are_exact_sums(seed):
+    """``_row_sums_mma`` (chunk states' zero terms: row sums as x's three bfloat16 parts times ones on the tensor
+    cores) gives the exact row sums, in every column, of float32 values n * 2**-20 with |n| < 2**19 (19 significant
+    bits: hi and mid, rounded to nearest, hold 17 at most, so each part counts) over 16 columns plus 0.25: every
+    partial sum of the parts, in any order, is a multiple of 2**-20 below 2**23 * 2**-20, so float32 holds it
+    exactly (23 bits; the tensor cores' float32 accumulation keeps at least 24) and the result must equal the float64
+    sum. Planted bugs fail it
+    (interpreter): the last part (lo) or the last two left out."""
+    rng = np.random.default_rng(seed)
+    n = rng.integers(-(2**19) + 1, 2**19, size=(4, 16, 16))
+    x = (n * 2.0**-20).astype(np.float32)
+    out = torch.full((4, 16, 16), float("nan"), dtype=torch.float32, device=DEVICE)
+    _row_sums_probe[(1,)](torch.from_numpy(x).to(DEVICE), out, B=4, M=16, K=16, num_warps=4)
+    want = 0.25 + n.sum(2) * 2.0**-20
+    assert np.array_equal(out.cpu().numpy(), np.broadcast_to(want[:, :, None], (4, 16, 16)).astype(np.float32))
 
 
 @pytest.mark.parametrize("pair", KIVI_WORD_PAIRS, ids=["int4", "int2"])

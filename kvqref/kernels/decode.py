@@ -1362,6 +1362,23 @@ def _kivi_rows_scores(kc, ks, kz, qk, sel, qk_scale, HV: tl.constexpr, D: tl.con
 
 
 @triton.jit
+def _row_sums_mma(x, acc):
+    """``acc`` [B, M, 16] plus the row sums of float32 ``x`` [B, M, K], in every column: x's three bfloat16 parts
+    (hi = bf16(x), mid = bf16(x - hi), lo = x - hi - mid, exact) times ones on the tensor cores, float32
+    accumulation; a reduction with no exchange of the rows between threads (the interpreter: the same parts as
+    float32, float32 products)."""
+    if INTERPRET:
+        hi = _bf16_rn(x)
+        mid = _bf16_rn(x - hi)
+        lo = x - hi - mid
+        ones = tl.full((x.shape[0], x.shape[2], 16), 1.0, tl.float32)
+    else:
+        hi, mid, lo = _split(x, True)
+        ones = tl.full((x.shape[0], x.shape[2], 16), 1.0, tl.bfloat16)
+    return _dot_acc(lo, ones, _dot_acc(mid, ones, _dot_acc(hi, ones, acc)))
+
+
+@triton.jit
 def _token_chunks(x, NCH: tl.constexpr, IL: tl.constexpr):
     """[R, N] -> [NCH, R, N / NCH]: chunk c holds the columns j with ``(j // IL) % NCH == c``, in order."""
     R: tl.constexpr = x.shape[0]
@@ -1418,7 +1435,9 @@ def _kivi_key_rows(
     token's value scales and zeros read as one word (:func:`_kivi_value_rows`' ``WORDS``). ``CSM`` (with ``KW``): a
     softmax state per value chunk, the chunks taking the tile's tokens in runs of ``CSM`` dealt round-robin
     (:func:`_token_chunks`; the value words loaded in the same order), merged after the loop: m = max_c m_c, each
-    chunk's l, zero term and value accumulators times 2**(m_c - m) (0 for a chunk that saw no token) and summed.
+    chunk's l, zero term and value accumulators times 2**(m_c - m) (0 for a chunk that saw no token) and summed; the
+    chunk's zero term (the row sums of p * z) is summed on the tensor cores (:func:`_row_sums_mma`), in the value
+    accumulators' layout.
     ``RJOIN``: :func:`_kivi_rows_scores`' ``JOIN``."""
     PV: tl.constexpr = 8 // BITS_V
     DV: tl.constexpr = D // PV
@@ -1458,7 +1477,7 @@ def _kivi_key_rows(
     if CSM:  # a softmax state per token chunk
         m_c = tl.full((NCH, HV), float("-inf"), tl.float32)
         l_c = tl.zeros((NCH, HV), tl.float32)
-        zacc_c = tl.zeros((NCH, BLOCK_H), tl.float32)
+        zacc_c = tl.zeros((NCH, BLOCK_H, 16), tl.float32)
     if PIDS_AHEAD or PIPE:  # the first tile's rows before the loop (with PIDS_AHEAD carried into it)
         vslot, vmask = _tile_slots(start, end, BT, b, stride_btb, PAGE, PAGE_SLOTS, BLOCK_N)
         vgslot, vgmask = _kivi_group_slots(start, end, BT, b, stride_btb, HV, PAGE, PAGE_SLOTS, BLOCK_N, G_K)
@@ -1538,8 +1557,8 @@ def _kivi_key_rows(
             pr3 = tl.reshape(tl.broadcast_to(p3[:, None, :, :], (NCH, GRV, HV, CN)), (NCH, BLOCK_H, CN))
             ar3c = tl.reshape(tl.broadcast_to(alpha3[:, None, :], (NCH, GRV, HV)), (NCH, BLOCK_H))
             pa3 = _split(pr3 * _token_chunks(srow, NCH, CSM), True, True)[0]
-            zacc_c = zacc_c * ar3c + tl.sum(pr3 * _token_chunks(zrow, NCH, CSM), 2)
             ar3 = ar3c[:, :, None]
+            zacc_c = _row_sums_mma(pr3 * _token_chunks(zrow, NCH, CSM), zacc_c * ar3)
         else:
             p, alpha, m_i, l_i = _softmax_step(s, tmask, m_i, l_i)
             pr = tl.reshape(tl.broadcast_to(p[None, :, :], (GRV, HV, BLOCK_N)), (BLOCK_H, BLOCK_N))
@@ -1571,8 +1590,8 @@ def _kivi_key_rows(
         f = tl.exp2(m_c - tl.where(m_i == float("-inf"), 0.0, m_i)[None, :])
         l_i = tl.sum(l_c * f, 0)
         fr = tl.reshape(tl.broadcast_to(f[:, None, :], (NCH, GRV, HV)), (NCH, BLOCK_H))
-        zacc = tl.sum(zacc_c * fr, 0)
         fr3 = fr[:, :, None]
+        zacc = tl.sum(tl.sum(tl.where(tl.arange(0, 16)[None, None, :] == 0, zacc_c * fr3, 0.0), 2), 0)
         w0, w1, w2, w3, w4, w5, w6, w7 = w0 * fr3, w1 * fr3, w2 * fr3, w3 * fr3, w4 * fr3, w5 * fr3, w6 * fr3, w7 * fr3
     if KW:  # chunks summed; code p of word c is channel 8c + p = element i * PV + P of accumulator P
         o0, o1, o2, o3 = tl.sum(w0, 0), tl.sum(w1, 0), tl.sum(w2, 0), tl.sum(w3, 0)
@@ -2956,8 +2975,9 @@ def plan_decode(
     # a softmax state per value chunk (runs of 8 tokens, each warp's columns of the key product) for 4-bit key words
     # at 3-4 query heads per KV head (H200, session 35, with the joined row terms below: int4 at batch 32 x 8,192
     # head-major 215.6 -> 205.2 us, token-major 235.7 -> 209.9; 1 x 131,072 121.5 -> 115.3, 128 x 4,096 447.0 ->
-    # 436.2; at 2 query heads per KV head 225.2 -> 236.7 and at 1 229.1 -> 247.6, 2-bit words 168.9 -> 182.3, runs
-    # of 1 or 32 tokens 232.4 / 232.9: off; bench/results/ANALYSIS.md)
+    # 436.2; then the zero terms summed on the tensor cores: 205.2 -> 175.0, 210.2 -> 200.0, 114.2 -> 98.8; at 2
+    # query heads per KV head 225.2 -> 236.7 and at 1 229.1 -> 247.6, 2-bit words 168.9 -> 182.3, runs of 1 or 32
+    # tokens 232.4 / 232.9, all before that step: off; bench/results/ANALYSIS.md)
     csm_default = bool(kivi_words and key_rows) and k.bits == 4 and hv == 4 and nch > 1 and block_n % (8 * nch) == 0
     csm = (8 if csm_default else 0) if kivi_chunk_softmax is None else int(kivi_chunk_softmax)
     if csm and (not kivi_words or csm < 0 or csm & (csm - 1) or block_n % (csm * nch)):
