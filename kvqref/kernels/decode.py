@@ -700,12 +700,20 @@ def _row_group0(x, HV: tl.constexpr, M: tl.constexpr):
 
 @triton.jit
 def _softmax_step(s, tmask, m_i, l_i):
-    s = tl.where(tmask[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
+    """:func:`_softmax_update` of the scores [rows, tokens] with the tokens where ``tmask`` is false at -inf."""
+    return _softmax_update(tl.where(tmask[None, :], s, float("-inf")), m_i, l_i, 1)
+
+
+@triton.jit
+def _softmax_update(s, m_i, l_i, AX: tl.constexpr):
+    """One online-softmax step (base 2) over axis ``AX`` (the last) of the masked scores ``s``: the new running max
+    m, the rescale alpha = 2**(m_i - m) of the old sums, p = 2**(s - m) and l = l_i * alpha + sum(p) (a row with
+    no token yet keeps m = -inf and takes 0 in its place, so p and alpha stay 0 and 1)."""
+    m_new = tl.maximum(m_i, tl.max(s, AX))
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m_i - m_use)
-    p = tl.exp2(s - m_use[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
+    p = tl.exp2(s - tl.expand_dims(m_use, AX))
+    l_i = l_i * alpha + tl.sum(p, AX)
     return p, alpha, m_new, l_i
 
 
@@ -1548,12 +1556,7 @@ def _kivi_key_rows(
                                   RJOIN)
         if CSM:  # a softmax state per chunk: [NCH, HV, BLOCK_N / NCH]
             s3 = tl.where(tmask3[:, None, :], _token_chunks(s, NCH, CSM), float("-inf"))
-            m_new = tl.maximum(m_c, tl.max(s3, 2))
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha3 = tl.exp2(m_c - m_use)
-            p3 = tl.exp2(s3 - m_use[:, :, None])
-            l_c = l_c * alpha3 + tl.sum(p3, 2)
-            m_c = m_new
+            p3, alpha3, m_c, l_c = _softmax_update(s3, m_c, l_c, 2)
             pr3 = tl.reshape(tl.broadcast_to(p3[:, None, :, :], (NCH, GRV, HV, CN)), (NCH, BLOCK_H, CN))
             ar3c = tl.reshape(tl.broadcast_to(alpha3[:, None, :], (NCH, GRV, HV)), (NCH, BLOCK_H))
             pa3 = _split(pr3 * _token_chunks(srow, NCH, CSM), True, True)[0]
