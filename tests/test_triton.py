@@ -495,6 +495,43 @@ def test_row_sums_mma_are_exact_sums(seed):
 
 
 @pytest.mark.parametrize("pair", KIVI_WORD_PAIRS, ids=["int4", "int2"])
+def test_kivi_value_subnormal_codes_give_the_same_bits(pair):
+    """``kivi_value_subnormal_codes`` (KIVI key words' value codes as bfloat16 subnormals code * 2**(k - 133) against
+    bf16(p * 2**96 * s), each code position's sums times 2**(37 - k) after the loop) scales every product and partial
+    sum by a power of two, so its outputs and lse equal the magic-number codes' bit for bit: 4 query heads per KV head
+    (4-bit words: with a softmax state per value chunk) and 2 (without), both field layouts, one split and three,
+    sequences of 1, 150 and 300 tokens, each token's values times 2**-22 .. 2**4. Refused without key words. Planted
+    bugs fail it: the unscaling of code position 1 off by a factor 2, p not scaled (products below float32's range)."""
+    from kvqref.paged import PagedKVCache
+
+    rng = np.random.default_rng(37 + (pair[0] == "int2_kivi"))
+    kname, kopt, vname, vopt = pair
+    cache = PagedKVCache(schemes.get(kname, **kopt), schemes.get(vname, **vopt), 24, 32, 2, 128, batch=3,
+                         max_pages=11, free_pages=[int(i) for i in rng.permutation(24)])
+    for b, n in enumerate((1, 150, 300)):
+        exps = rng.integers(-22, 5, size=(n, 2, 1)).astype(np.int32)
+        cache.append(b, kv_tensor(rng, n, 2, 128, outliers=True), np.ldexp(kv_tensor(rng, n, 2, 128, False), exps))
+    q = torch.from_numpy(4 * rng.standard_normal((3, 8, 128)).astype(np.float32)).to(torch.bfloat16)
+    kw = dict(precision="fast", key_rows=True, value_rows=True, kivi_words=True)
+    dense = tb.DeviceCache.from_cache(cache, DEVICE)
+    for layout, qq, splits in (("NHD", q, {}), ("HND", q, {"num_splits": 3}), ("HND", q[:, ::2], {}),
+                               ("NHD", q[:, ::2], {"num_splits": 3})):
+        got = []
+        for vsub in (False, True):
+            dc = dense.with_layout(layout)
+            launches, _, _ = plan_for_cache(qq.to(DEVICE), dc, **kw, **splits, kivi_value_subnormal_codes=vsub)
+            assert split_launch_of(launches).constexprs["VSUB"] is vsub
+            out, lse = tb.decode(qq.to(DEVICE), dc, **kw, **splits, kivi_value_subnormal_codes=vsub)
+            got.append((out.cpu().numpy(), lse.cpu().numpy()))
+        (out0, lse0), (out1, lse1) = got
+        assert np.isfinite(out0).all()
+        assert np.array_equal(out1, out0) and np.array_equal(lse1, lse0), (layout, qq.shape, splits)
+    with pytest.raises(ValueError, match="kivi_value_subnormal_codes needs kivi_words"):
+        plan_for_cache(q.to(DEVICE), dense, precision="fast", key_rows=True, value_rows=True, kivi_words=False,
+                       kivi_value_subnormal_codes=True)
+
+
+@pytest.mark.parametrize("pair", KIVI_WORD_PAIRS, ids=["int4", "int2"])
 @pytest.mark.parametrize("q_heads,block_n,flip_chains", [(8, None, False), (8, 64, False), (4, 32, False),
                                                          (8, None, True), (16, None, False)])
 def test_kivi_words(pair, q_heads, block_n, flip_chains):

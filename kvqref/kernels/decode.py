@@ -1054,14 +1054,22 @@ INT2_F16_SUB_PTX = tl.constexpr(_int_codes_ptx(2, True, False))
 
 
 @triton.jit
-def _int_codes_sub(x, P: tl.constexpr, BITS: tl.constexpr, PH: tl.constexpr):
+def _int_codes_sub(x, P: tl.constexpr, BITS: tl.constexpr, PH: tl.constexpr, F16: tl.constexpr = True):
     """The ``BITS``-bit integer codes at bit ``P * BITS`` of ``x`` as the float16 subnormals ``code * 2**(K - 24)``
-    (exponent field 0, the code at mantissa bit K of phase ``PH``, :func:`int_code_bit`'s rule): a bit placement,
-    exact, the values of the PTX unpacking without a magic number (:func:`_int_codes_ptx`, :func:`_int_words_ptx`);
-    the caller takes the 2**(K - 24) out of its float32 products (:func:`_kivi_rows_scores`)."""
-    K: tl.constexpr = int_code_bit(BITS, PH, True)
+    (or with ``F16`` false the bfloat16 subnormals ``code * 2**(K - 133)``; exponent field 0, the code at mantissa
+    bit K of phase ``PH``, :func:`int_code_bit`'s rule): a bit placement, exact, the values of the PTX unpacking
+    without a magic number (:func:`_int_codes_ptx`, :func:`_int_words_ptx`); the caller takes the power of two out
+    of its float32 products (:func:`_kivi_rows_scores`, :func:`_kivi_key_rows`). The interpreter, which can neither
+    bitcast to bfloat16 nor convert float32 to bfloat16 subnormals, returns the value code * 2**(K - 133) as float32
+    (exact; its products, :func:`_dot_acc`, are float32 anyway)."""
+    K: tl.constexpr = int_code_bit(BITS, PH, F16)
     c = (x.to(tl.int32) >> (P * BITS)) & ((1 << BITS) - 1)
-    return (c << K).to(tl.int16).to(tl.float16, bitcast=True)
+    if F16:
+        return (c << K).to(tl.int16).to(tl.float16, bitcast=True)
+    elif INTERPRET:
+        return (c << K).to(tl.float32) * 2.0**-133
+    else:
+        return (c << K).to(tl.int16).to(tl.bfloat16, bitcast=True)
 
 
 @triton.jit
@@ -1132,8 +1140,8 @@ def _int_words_ptx(bits: int, f16: bool, magic_number: bool = True) -> str:
     128; k as :func:`int_code_bit`). 4-bit codes: per byte j a ``prmt`` spreads byte j of both words into the low
     bytes of the halves, then one ``lop3`` ``(y & field) | magic`` per code (bfloat16's high nibble after a ``shr`` by
     1); 2-bit codes: the halves are the words, one ``lop3`` per code (after a ``shr`` where the code would reach the
-    exponent). Without ``magic_number`` (float16 only): the float16 subnormals code * 2**(k - 24), as
-    :func:`_int_codes_ptx`."""
+    exponent). Without ``magic_number``: the subnormals code * 2**(k - 24) (float16) or code * 2**(k - 133)
+    (bfloat16), as :func:`_int_codes_ptx`."""
     magic = (0x6400 if f16 else 0x4300) if magic_number else 0
     lines = [".reg .b32 y, t;"]
 
@@ -1164,6 +1172,30 @@ INT2_WORDS_F16_PTX = tl.constexpr(_int_words_ptx(2, True))
 INT2_WORDS_BF16_PTX = tl.constexpr(_int_words_ptx(2, False))
 INT4_WORDS_F16_SUB_PTX = tl.constexpr(_int_words_ptx(4, True, False))
 INT2_WORDS_F16_SUB_PTX = tl.constexpr(_int_words_ptx(2, True, False))
+INT4_WORDS_BF16_SUB_PTX = tl.constexpr(_int_words_ptx(4, False, False))
+INT2_WORDS_BF16_SUB_PTX = tl.constexpr(_int_words_ptx(2, False, False))
+
+
+@triton.constexpr_function
+def int_word_code_bit(bits: int, p: int, f16: bool) -> int:
+    """The bit ``k`` of code ``p`` (0..7) of a code word as :func:`_int_word_phases` unpacks it: the bit of its
+    phase, ``p % 2`` for 4-bit codes (two codes per byte), ``p`` for 2-bit codes (:func:`int_code_bit`)."""
+    return int_code_bit(bits, p % (2 if bits == 4 else 8), f16)
+
+
+# KIVI value codes as bfloat16 subnormals (``kivi_value_subnormal_codes``): p * s is scaled by 2**VALUE_SUB_SHIFT
+# before its rounding to bfloat16, so that its products with code * 2**(k - 133) stay normal float32 (p * s * code
+# at least 2**(7 - 96 - k)); the accumulators are taken back by 2**(133 - k - VALUE_SUB_SHIFT) after the loop. With
+# |s| < 2**16 (float16 scales) p * s * 2**96 < 2**112 stays inside bfloat16. Exact scalings by powers of two.
+VALUE_SUB_SHIFT = 96
+VALUE_SUB_SCALE = tl.constexpr(2.0**VALUE_SUB_SHIFT)
+
+
+@triton.constexpr_function
+def value_sub_unscale(bits: int, p: int) -> float:
+    """2**(133 - k - VALUE_SUB_SHIFT) for code ``p`` of a word of ``bits``-bit value codes as bfloat16 subnormals
+    (:func:`int_word_code_bit`): what takes its accumulator back to p * s * code."""
+    return 2.0 ** (133 - int_word_code_bit(bits, p, False) - VALUE_SUB_SHIFT)
 
 
 @triton.jit
@@ -1172,22 +1204,25 @@ def _int_word_phases(w, BITS: tl.constexpr, F16: tl.constexpr, PTX: tl.constexpr
     ``p * BITS``: channel 8c + p of word c) as exact float16 (``F16``) or bfloat16 values, eight tensors in code order.
     CUDA (``PTX``): :func:`_int_words_ptx`, two words per call, 0.75 (4-bit) or 0.6 (2-bit) integer instructions per
     code, then :func:`_from_magic` (one packed 16-bit operation per two codes); elsewhere :func:`_int_codes16` per
-    code. ``SUB`` (float16): the float16 subnormals ``code * 2**(K - 24)`` instead, K the bit of the code's phase
-    (:func:`_int_codes_sub`: no magic number to subtract)."""
+    code. ``SUB``: the subnormals ``code * 2**(K - 24)`` (float16) or ``code * 2**(K - 133)`` (bfloat16) instead,
+    K the bit of the code (:func:`int_word_code_bit`; :func:`_int_codes_sub`: no magic number to subtract)."""
     if SUB:
-        tl.static_assert(F16, "subnormal codes are float16")
         QS: tl.constexpr = 2 if BITS == 4 else 8  # the phase of code p is p % QS (see _int_words_ptx)
         if PTX and not INTERPRET:
+            if F16:
+                sdt = tl.float16
+            else:
+                sdt = tl.bfloat16
             return tl.inline_asm_elementwise(
-                INT4_WORDS_F16_SUB_PTX if BITS == 4 else INT2_WORDS_F16_SUB_PTX,
+                (INT4_WORDS_F16_SUB_PTX if BITS == 4 else INT2_WORDS_F16_SUB_PTX) if F16 else
+                (INT4_WORDS_BF16_SUB_PTX if BITS == 4 else INT2_WORDS_BF16_SUB_PTX),
                 "=r,=r,=r,=r,=r,=r,=r,=r,r,r" if BITS == 4 else "=r,=r,=r,=r,=r,=r,=r,=r,r", [w],
-                dtype=(tl.float16, tl.float16, tl.float16, tl.float16, tl.float16, tl.float16, tl.float16, tl.float16),
-                is_pure=True, pack=2)
+                dtype=(sdt, sdt, sdt, sdt, sdt, sdt, sdt, sdt), is_pure=True, pack=2)
         else:
-            return (_int_codes_sub(w, 0, BITS, 0), _int_codes_sub(w, 1, BITS, 1 % QS),
-                    _int_codes_sub(w, 2, BITS, 2 % QS), _int_codes_sub(w, 3, BITS, 3 % QS),
-                    _int_codes_sub(w, 4, BITS, 4 % QS), _int_codes_sub(w, 5, BITS, 5 % QS),
-                    _int_codes_sub(w, 6, BITS, 6 % QS), _int_codes_sub(w, 7, BITS, 7 % QS))
+            return (_int_codes_sub(w, 0, BITS, 0, F16), _int_codes_sub(w, 1, BITS, 1 % QS, F16),
+                    _int_codes_sub(w, 2, BITS, 2 % QS, F16), _int_codes_sub(w, 3, BITS, 3 % QS, F16),
+                    _int_codes_sub(w, 4, BITS, 4 % QS, F16), _int_codes_sub(w, 5, BITS, 5 % QS, F16),
+                    _int_codes_sub(w, 6, BITS, 6 % QS, F16), _int_codes_sub(w, 7, BITS, 7 % QS, F16))
     if PTX and not INTERPRET:
         if F16:
             dt = tl.float16
@@ -1411,7 +1446,7 @@ def _kivi_key_rows(
     BITS_K: tl.constexpr, G_V: tl.constexpr, BITS_V: tl.constexpr, RN: tl.constexpr, PTX: tl.constexpr,
     KW: tl.constexpr = False, KCH: tl.constexpr = 1, PIPE: tl.constexpr = False, KSUB: tl.constexpr = False,
     PIDS_AHEAD: tl.constexpr = False, NCH: tl.constexpr = 1, VSW: tl.constexpr = False, CSM: tl.constexpr = 0,
-    RJOIN: tl.constexpr = False,
+    RJOIN: tl.constexpr = False, VSUB: tl.constexpr = False,
 ):
     """Fast-mode KIVI keys by token-group rows (``key_rows``), values by channel-group rows (``value_rows``).
 
@@ -1446,7 +1481,11 @@ def _kivi_key_rows(
     chunk's l, zero term and value accumulators times 2**(m_c - m) (0 for a chunk that saw no token) and summed; the
     chunk's zero term (the row sums of p * z) is summed on the tensor cores (:func:`_row_sums_mma`), in the value
     accumulators' layout.
-    ``RJOIN``: :func:`_kivi_rows_scores`' ``JOIN``."""
+    ``RJOIN``: :func:`_kivi_rows_scores`' ``JOIN``. ``VSUB`` (with ``KW``): the value codes as bfloat16 subnormals
+    ``code * 2**(k - 133)`` (:func:`_int_word_phases`' ``SUB``: no magic number to subtract) against
+    ``bf16(p * 2**VALUE_SUB_SHIFT * s)``, each code position's accumulator times
+    2**(133 - k - VALUE_SUB_SHIFT) after the loop (:func:`value_sub_unscale`): the same products scaled by powers of
+    two, so the same rounding of p * s and the same float32 sums as the magic number's codes."""
     PV: tl.constexpr = 8 // BITS_V
     DV: tl.constexpr = D // PV
     NGK: tl.constexpr = BLOCK_N // G_K if BLOCK_N > G_K else 1
@@ -1559,20 +1598,28 @@ def _kivi_key_rows(
             p3, alpha3, m_c, l_c = _softmax_update(s3, m_c, l_c, 2)
             pr3 = tl.reshape(tl.broadcast_to(p3[:, None, :, :], (NCH, GRV, HV, CN)), (NCH, BLOCK_H, CN))
             ar3c = tl.reshape(tl.broadcast_to(alpha3[:, None, :], (NCH, GRV, HV)), (NCH, BLOCK_H))
-            pa3 = _split(pr3 * _token_chunks(srow, NCH, CSM), True, True)[0]
+            if VSUB:  # (p * 2**VALUE_SUB_SHIFT: the subnormal codes' products stay normal)
+                pa3 = _split(pr3 * _token_chunks(srow, NCH, CSM) * VALUE_SUB_SCALE, True, True)[0]
+            else:
+                pa3 = _split(pr3 * _token_chunks(srow, NCH, CSM), True, True)[0]
             ar3 = ar3c[:, :, None]
             zacc_c = _row_sums_mma(pr3 * _token_chunks(zrow, NCH, CSM), zacc_c * ar3)
         else:
             p, alpha, m_i, l_i = _softmax_step(s, tmask, m_i, l_i)
             pr = tl.reshape(tl.broadcast_to(p[None, :, :], (GRV, HV, BLOCK_N)), (BLOCK_H, BLOCK_N))
             ar = tl.reshape(tl.broadcast_to(alpha[None, :], (GRV, HV)), (BLOCK_H,))
-            pa = _split(pr * srow, True, True)[0]
+            if VSUB:  # (as above; p scaled before its broadcast over the groups)
+                pv = p * VALUE_SUB_SCALE
+                pa = _split(tl.reshape(tl.broadcast_to(pv[None, :, :], (GRV, HV, BLOCK_N)), (BLOCK_H, BLOCK_N)) * srow,
+                            True, True)[0]
+            else:
+                pa = _split(pr * srow, True, True)[0]
             zacc = zacc * ar + tl.sum(pr * zrow, 1)
             if KW:  # the chunks as runs of BLOCK_N / NCH tokens
                 pa3 = tl.permute(tl.reshape(pa, (BLOCK_H, NCH, BLOCK_N // NCH)), (1, 0, 2))
                 ar3 = ar[None, :, None]
         if KW:  # per chunk of BLOCK_N / NCH tokens: [NCH, rows, BLOCK_N / NCH] x [NCH, BLOCK_N / NCH, D / 8] per code p
-            v0, v1, v2, v3, v4, v5, v6, v7 = _int_word_phases(vw, BITS_V, False, PTX)
+            v0, v1, v2, v3, v4, v5, v6, v7 = _int_word_phases(vw, BITS_V, False, PTX, VSUB)
             w0 = _dot_acc(pa3, v0, w0 * ar3)
             w1 = _dot_acc(pa3, v1, w1 * ar3)
             w2 = _dot_acc(pa3, v2, w2 * ar3)
@@ -1599,6 +1646,11 @@ def _kivi_key_rows(
     if KW:  # chunks summed; code p of word c is channel 8c + p = element i * PV + P of accumulator P
         o0, o1, o2, o3 = tl.sum(w0, 0), tl.sum(w1, 0), tl.sum(w2, 0), tl.sum(w3, 0)
         o4, o5, o6, o7 = tl.sum(w4, 0), tl.sum(w5, 0), tl.sum(w6, 0), tl.sum(w7, 0)
+        if VSUB:  # each code position's powers of two taken out (exact)
+            o0, o1 = o0 * value_sub_unscale(BITS_V, 0), o1 * value_sub_unscale(BITS_V, 1)
+            o2, o3 = o2 * value_sub_unscale(BITS_V, 2), o3 * value_sub_unscale(BITS_V, 3)
+            o4, o5 = o4 * value_sub_unscale(BITS_V, 4), o5 * value_sub_unscale(BITS_V, 5)
+            o6, o7 = o6 * value_sub_unscale(BITS_V, 6), o7 * value_sub_unscale(BITS_V, 7)
         if PV == 2:
             acc0 = _quarters_interleaved(o0, o2, o4, o6, BLOCK_H, DW)
             acc1 = _quarters_interleaved(o1, o3, o5, o7, BLOCK_H, DW)
@@ -1717,6 +1769,7 @@ def decode_split_kernel(
     NCH: tl.constexpr = 1,
     CSM: tl.constexpr = 0,
     RJOIN: tl.constexpr = False,
+    VSUB: tl.constexpr = False,
     VSW: tl.constexpr = False,
     KPIPE: tl.constexpr = False,
     KSUB: tl.constexpr = False,
@@ -1845,7 +1898,7 @@ def decode_split_kernel(
                 Q, BT, K0, K1, K2, V0, V1, V2, b, kvh, start, end, stride_qb, stride_qh, stride_btb, k0_s, k0_h,
                 k1_s, k1_h, k2_s, k2_h, v0_s, v0_h, v1_s, v1_h, v2_s, v2_h, qk_scale, QPK, HV, BLOCK_H, D, PAGE,
                 PAGE_SLOTS, BLOCK_N, G_K, BITS_K, G_V, BITS_V, RN, PTX, KW, KCH, KPIPE, KSUB, PIDS_AHEAD, NCH,
-                VSW, CSM, RJOIN)
+                VSW, CSM, RJOIN, VSUB)
         elif BLK:  # fast FP4 by block rows (``_fp4_block_rows``)
             acc0, acc1, m_i, l_i = _fp4_block_rows(
                 Q, BT, K0, K1, V0, V1, b, kvh, start, end, stride_qb, stride_qh, stride_btb, k0_s, k0_h, k1_s, k1_h,
@@ -2645,6 +2698,7 @@ def plan_decode(
     kivi_value_chunks: int | None = None,
     kivi_chunk_softmax: int | None = None,
     kivi_joined_row_terms: bool | None = None,
+    kivi_value_subnormal_codes: bool | None = None,
     kivi_value_scale_words: bool | None = None,
     kivi_pipeline: bool | None = None,
     direct_output: bool | None = None,
@@ -2711,6 +2765,10 @@ def plan_decode(
     zero term q . z) joined into one [rows, 2] tensor before they meet the product (constexpr ``RJOIN``; the same
     values); default with ``kivi_chunk_softmax`` and for 2-bit key words in token-major pages at 3-4 query heads per
     KV head.
+    ``kivi_value_subnormal_codes``: with ``kivi_words``, the value codes unpacked into bfloat16 subnormals
+    ``code * 2**(k - 133)`` instead of the magic number 128 + code * 2**k and its subtraction, against
+    ``bf16(p * 2**96 * s)`` (constexpr ``VSUB``, :func:`_kivi_key_rows`; exact scalings by powers of two: the same
+    roundings and sums). Default: off.
     ``kivi_value_scale_words``: with ``value_rows``, each token's KIVI value scales and zeros read as one 16/32/64-bit
     word (constexpr ``VSW``, :func:`kivi_value_scale_words_ok`; the same values); default: with ``key_rows`` in
     token-major pages.
@@ -2995,6 +3053,9 @@ def plan_decode(
              if kivi_joined_row_terms is None else bool(kivi_joined_row_terms))
     if rjoin and not key_rows:
         raise ValueError("kivi_joined_row_terms needs key_rows (fast KIVI by token-group key rows)")
+    vsub = False if kivi_value_subnormal_codes is None else bool(kivi_value_subnormal_codes)
+    if vsub and not kivi_words:
+        raise ValueError("kivi_value_subnormal_codes needs kivi_words (KIVI codes read as words)")
     # KIVI value rows' per-token scales and zeros as one word per (slot, head) in token-major pages: there Triton
     # loads them two bytes at a time, outside the pipeline (sm_90, triton 3.6: int4 at 4 q heads per KV head, 8
     # LDG.E.U16 per tile; bench/results/ANALYSIS.md, session 33); head-major pages get vector loads without it
@@ -3243,6 +3304,7 @@ def plan_decode(
         NCH=nch,
         CSM=csm,
         RJOIN=rjoin,
+        VSUB=vsub,
         VSW=vsw,
         KPIPE=kpipe,
         KSUB=ksub,
