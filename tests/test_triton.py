@@ -498,7 +498,9 @@ def test_row_sums_mma_are_exact_sums(seed):
 def test_kivi_value_subnormal_codes_give_the_same_bits(pair):
     """``kivi_value_subnormal_codes`` (KIVI key words' value codes as bfloat16 subnormals code * 2**(k - 133) against
     bf16(p * 2**96 * s), each code position's sums times 2**(37 - k) after the loop) scales every product and partial
-    sum by a power of two, so its outputs and lse equal the magic-number codes' bit for bit: 4 query heads per KV head
+    sum by a power of two, so its outputs and lse equal the magic-number codes' bit for bit in the interpreter (on the
+    GPU: both within the oracle's bound, the lse equal, the outputs within 2**-18 relative or 1/64 of the bound, as
+    the tensor cores sum subnormal operands' products with fewer bits): 4 query heads per KV head
     (4-bit words: with a softmax state per value chunk) and 2 (without), both field layouts, one split and three,
     sequences of 1, 150 and 300 tokens, each token's values times 2**-22 .. 2**4. Refused without key words. Planted
     bugs fail it: the unscaling of code position 1 off by a factor 2, p not scaled (products below float32's range)."""
@@ -525,7 +527,15 @@ def test_kivi_value_subnormal_codes_give_the_same_bits(pair):
             got.append((out.cpu().numpy(), lse.cpu().numpy()))
         (out0, lse0), (out1, lse1) = got
         assert np.isfinite(out0).all()
-        assert np.array_equal(out1, out0) and np.array_equal(lse1, lse0), (layout, qq.shape, splits)
+        if GPU:  # the tensor cores align products to their operands' exponent fields, so a subnormal code's products
+            # keep fewer bits of the float32 sum (H200: a few units in the last place): the oracle's bound instead
+            q64 = qq.float().numpy().astype(np.float64)
+            ref_out, ref_lse, tol_o, tol_l = _oracle(cache, q64, "fast", "bfloat16", value_rows=True)
+            for out, lse in got:
+                assert (np.abs(out - ref_out) <= tol_o).all() and (np.abs(lse - ref_lse) <= tol_l).all(), layout
+            assert np.array_equal(lse1, lse0) and (np.abs(out1 - out0) <= 2**-18 * np.abs(out0) + tol_o / 64).all()
+        else:
+            assert np.array_equal(out1, out0) and np.array_equal(lse1, lse0), (layout, qq.shape, splits)
     with pytest.raises(ValueError, match="kivi_value_subnormal_codes needs kivi_words"):
         plan_for_cache(q.to(DEVICE), dense, precision="fast", key_rows=True, value_rows=True, kivi_words=False,
                        kivi_value_subnormal_codes=True)
