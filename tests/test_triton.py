@@ -502,7 +502,8 @@ def test_kivi_value_subnormal_codes_give_the_same_bits(pair):
     GPU: both within the oracle's bound, the lse equal, the outputs within 2**-18 relative or 1/64 of the bound, as
     the tensor cores sum subnormal operands' products with fewer bits): 4 query heads per KV head
     (4-bit words: with a softmax state per value chunk) and 2 (without), both field layouts, one split and three,
-    sequences of 1, 150 and 300 tokens, each token's values times 2**-22 .. 2**4. Refused without key words. Planted
+    sequences of 1, 150 and 300 tokens, each token's values times 2**-22 .. 2**4. Refused without key words; the
+    default is the measured one. Planted
     bugs fail it: the unscaling of code position 1 off by a factor 2, p not scaled (products below float32's range)."""
     from kvqref.paged import PagedKVCache
 
@@ -536,9 +537,53 @@ def test_kivi_value_subnormal_codes_give_the_same_bits(pair):
             assert np.array_equal(lse1, lse0) and (np.abs(out1 - out0) <= 2**-18 * np.abs(out0) + tol_o / 64).all()
         else:
             assert np.array_equal(out1, out0) and np.array_equal(lse1, lse0), (layout, qq.shape, splits)
+    # the default (H200, session 36): 2-bit value words at 3-4 query heads per KV head, 4-bit ones in token-major
+    # pages with chunk states (there at 4 query heads per KV head); not 4-bit head-major (175.1 -> 188.9 us), nor
+    # elsewhere
+    for layout in ("NHD", "HND"):
+        for qq in (q, q[:, ::2]):
+            launches, _, _ = plan_for_cache(qq.to(DEVICE), dense.with_layout(layout), **kw)
+            cx = split_launch_of(launches).constexprs
+            want = qq.shape[1] == 8 and (pair[2] == "int2_kivi" or (layout == "NHD" and bool(cx["CSM"])))
+            assert cx["VSUB"] is want, (layout, qq.shape)
     with pytest.raises(ValueError, match="kivi_value_subnormal_codes needs kivi_words"):
         plan_for_cache(q.to(DEVICE), dense, precision="fast", key_rows=True, value_rows=True, kivi_words=False,
                        kivi_value_subnormal_codes=True)
+
+
+@pytest.mark.parametrize("pair", KIVI_WORD_PAIRS, ids=["int4", "int2"])
+def test_kivi_scalar_page_ids_give_the_same_bits(pair):
+    """``kivi_scalar_page_ids`` (a tile's page ids read one step ahead as four scalars, each tensor of tokens' cache
+    rows made from them in its own layout) reads the same rows, so its outputs and lse equal the row vector's bit for
+    bit, on the GPU too: token-major and head-major pages, 4 and 2 query heads per KV head, one split and three,
+    sequences of 1, 150 and 300 tokens in pages from a shuffled free list (a tile spans 4 pages of 32), and pages of
+    128 (a tile inside one page). Refused without page ids ahead or for tiles over more than 4 pages. Planted bugs
+    fail it: the second and third page ids swapped, the next tile's zeros read from this tile's pages."""
+    rng = np.random.default_rng(41 + (pair[0] == "int2_kivi"))
+    kw = dict(precision="fast", key_rows=True, value_rows=True, kivi_words=True, page_ids_ahead=True,
+              kivi_pipeline=False)
+    for page in (32, 128):
+        shape = dict(SMALL, q_heads=8, kv_heads=2, head_dim=128, page_size=page, lens=(1, 150, 300))
+        cache, _ = build_cache(pair, shape, rng)
+        q = torch.from_numpy(4 * rng.standard_normal((3, 8, 128)).astype(np.float32)).to(torch.bfloat16)
+        dense = tb.DeviceCache.from_cache(cache, DEVICE)
+        cases = ((("NHD", q, {}), ("HND", q, {"num_splits": 3}), ("HND", q[:, ::2], {}),
+                  ("NHD", q[:, ::2], {"num_splits": 3})) if page == 32 else (("HND", q, {"num_splits": 2}),))
+        for layout, qq, splits in cases:
+            got = []
+            for spg in (False, True):
+                dc = dense.with_layout(layout)
+                launches, _, _ = plan_for_cache(qq.to(DEVICE), dc, **kw, **splits, kivi_scalar_page_ids=spg)
+                assert split_launch_of(launches).constexprs["SPG"] is spg
+                out, lse = tb.decode(qq.to(DEVICE), dc, **kw, **splits, kivi_scalar_page_ids=spg)
+                got.append((out.cpu().numpy(), lse.cpu().numpy()))
+            (out0, lse0), (out1, lse1) = got
+            assert np.isfinite(out0).all()
+            assert np.array_equal(out1, out0) and np.array_equal(lse1, lse0), (page, layout, qq.shape, splits)
+    with pytest.raises(ValueError, match="kivi_scalar_page_ids needs"):
+        plan_for_cache(q.to(DEVICE), dense, **{**kw, "page_ids_ahead": False}, kivi_scalar_page_ids=True)
+    with pytest.raises(ValueError, match="kivi_scalar_page_ids needs"):
+        plan_for_cache(q.to(DEVICE), dense, **{**kw, "kivi_pipeline": True}, kivi_scalar_page_ids=True)
 
 
 @pytest.mark.parametrize("pair", KIVI_WORD_PAIRS, ids=["int4", "int2"])

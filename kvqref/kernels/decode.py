@@ -1290,6 +1290,45 @@ def _kivi_group_slots(t0, end, BT, b, stride_btb, HV: tl.constexpr, PAGE: tl.con
 
 
 @triton.jit
+def _tile_page_ids(t0, end, BT, b, stride_btb, PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The page ids of the tile at ``t0`` (a multiple of BLOCK_N) as four scalars: page i of the tile (at most four:
+    BLOCK_N <= 4 * PAGE) from sequence ``b``'s block table, 0 where it starts at or past ``end`` or the tile has
+    fewer pages (it lies in one page when PAGE >= BLOCK_N). Scalars: no layout, so every tensor of tokens can take
+    its rows from them where it is (:func:`_paged_slots`), without moving a row vector between layouts."""
+    NP: tl.constexpr = BLOCK_N // PAGE if BLOCK_N > PAGE else 1
+    row = BT + b * stride_btb + t0 // PAGE
+    a0 = tl.load(row, mask=t0 < end, other=0)
+    a1 = a0
+    a2 = a0
+    a3 = a0
+    if NP > 1:
+        a1 = tl.load(row + 1, mask=t0 + PAGE < end, other=0)
+    if NP > 2:
+        a2 = tl.load(row + 2, mask=t0 + 2 * PAGE < end, other=0)
+        a3 = tl.load(row + 3, mask=t0 + 3 * PAGE < end, other=0)
+    return a0, a1, a2, a3
+
+
+@triton.jit
+def _paged_slots(t, t0, end, a0, a1, a2, a3, PAGE: tl.constexpr, PAGE_SLOTS: tl.constexpr):
+    """The cache rows (``page_slot``) of tokens ``t`` (any shape, inside the tile at ``t0`` whose page ids are
+    ``a0`` .. ``a3``, :func:`_tile_page_ids`) and which lie before ``end``: page ``t // PAGE - t0 // PAGE`` of the
+    tile, selected from the scalars."""
+    j = t // PAGE - t0 // PAGE
+    page = tl.where(j == 0, a0, tl.where(j == 1, a1, tl.where(j == 2, a2, a3))).to(tl.int64)
+    return page_slot(page, t, PAGE, PAGE_SLOTS), t < end
+
+
+@triton.jit
+def _chunked_tokens(NCH: tl.constexpr, CN: tl.constexpr, IL: tl.constexpr):
+    """[NCH, CN] token offsets in a tile, chunk c holding the offsets ``j`` with ``(j // IL) % NCH == c`` in order
+    (:func:`_token_chunks1` of ``arange(NCH * CN)``, built where it is used)."""
+    c = tl.arange(0, NCH)[:, None]
+    i = tl.arange(0, CN)[None, :]
+    return ((i // IL) * NCH + c) * IL + i % IL
+
+
+@triton.jit
 def _kivi_rows_key_loads(slot, tmask, gslot, gmask, K0, K1, K2, kvh, k0_s, k0_h, k1_s, k1_h, k2_s, k2_h,
                          HV: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, G_K: tl.constexpr,
                          BITS_K: tl.constexpr, KW: tl.constexpr):
@@ -1446,7 +1485,7 @@ def _kivi_key_rows(
     BITS_K: tl.constexpr, G_V: tl.constexpr, BITS_V: tl.constexpr, RN: tl.constexpr, PTX: tl.constexpr,
     KW: tl.constexpr = False, KCH: tl.constexpr = 1, PIPE: tl.constexpr = False, KSUB: tl.constexpr = False,
     PIDS_AHEAD: tl.constexpr = False, NCH: tl.constexpr = 1, VSW: tl.constexpr = False, CSM: tl.constexpr = 0,
-    RJOIN: tl.constexpr = False, VSUB: tl.constexpr = False,
+    RJOIN: tl.constexpr = False, VSUB: tl.constexpr = False, SPG: tl.constexpr = False,
 ):
     """Fast-mode KIVI keys by token-group rows (``key_rows``), values by channel-group rows (``value_rows``).
 
@@ -1485,7 +1524,12 @@ def _kivi_key_rows(
     ``code * 2**(k - 133)`` (:func:`_int_word_phases`' ``SUB``: no magic number to subtract) against
     ``bf16(p * 2**VALUE_SUB_SHIFT * s)``, each code position's accumulator times
     2**(133 - k - VALUE_SUB_SHIFT) after the loop (:func:`value_sub_unscale`): the same products scaled by powers of
-    two, so the same rounding of p * s and the same float32 sums as the magic number's codes."""
+    two, so the same rounding of p * s and, in IEEE float32, the same sums as the magic number's codes (the H200's
+    tensor cores align a product to its operands' exponent fields, so a subnormal code's products keep a few bits
+    fewer: outputs within a few units in the last place). ``SPG`` (with ``PIDS_AHEAD``, not ``PIPE``): the tiles'
+    page ids read as four scalars (:func:`_tile_page_ids`, one step ahead as before) and every tensor of tokens
+    takes its cache rows from them in its own layout (:func:`_paged_slots`), instead of one row vector converted into
+    each consumer's layout through shared memory; the same rows, so the same bits."""
     PV: tl.constexpr = 8 // BITS_V
     DV: tl.constexpr = D // PV
     NGK: tl.constexpr = BLOCK_N // G_K if BLOCK_N > G_K else 1
@@ -1525,7 +1569,10 @@ def _kivi_key_rows(
         m_c = tl.full((NCH, HV), float("-inf"), tl.float32)
         l_c = tl.zeros((NCH, HV), tl.float32)
         zacc_c = tl.zeros((NCH, BLOCK_H, 16), tl.float32)
-    if PIDS_AHEAD or PIPE:  # the first tile's rows before the loop (with PIDS_AHEAD carried into it)
+    if SPG:  # the first tile's page ids before the loop, carried into it as scalars
+        a0, a1, a2, a3 = _tile_page_ids(start, end, BT, b, stride_btb, PAGE, BLOCK_N)
+        vslot, vmask = _paged_slots(start + tl.arange(0, BLOCK_N), start, end, a0, a1, a2, a3, PAGE, PAGE_SLOTS)
+    elif PIDS_AHEAD or PIPE:  # the first tile's rows before the loop (with PIDS_AHEAD carried into it)
         vslot, vmask = _tile_slots(start, end, BT, b, stride_btb, PAGE, PAGE_SLOTS, BLOCK_N)
         vgslot, vgmask = _kivi_group_slots(start, end, BT, b, stride_btb, HV, PAGE, PAGE_SLOTS, BLOCK_N, G_K)
     NGV: tl.constexpr = D // G_V
@@ -1542,7 +1589,17 @@ def _kivi_key_rows(
         s_next = _kivi_rows_scores(kc, ks, kz, qk, sel, qk_scale, HV, D, BLOCK_N, BITS_K, PTX, KW, KCH, KSUB,
                                    RJOIN)
     for t0 in range(start, end, BLOCK_N):
-        if PIDS_AHEAD and PIPE:  # this tile's rows (values), the next tile's (keys), the tile after it's read now
+        if SPG:  # this tile's page ids and value zeros, the next tile's read now; rows made where they are used
+            c0, c1, c2, c3, zcur = a0, a1, a2, a3, zfield
+            a0, a1, a2, a3 = _tile_page_ids(t0 + BLOCK_N, end, BT, b, stride_btb, PAGE, BLOCK_N)
+            vslot, vmask = _paged_slots(t0 + BLOCK_N + tl.arange(0, BLOCK_N), t0 + BLOCK_N, end, a0, a1, a2, a3,
+                                        PAGE, PAGE_SLOTS)
+            zfield = _kivi_value_field(V2, vslot, vmask, kvh, v2_s, v2_h, GRV, NGV, VSW)
+            slot, tmask = _paged_slots(t0 + tl.arange(0, BLOCK_N), t0, end, c0, c1, c2, c3, PAGE, PAGE_SLOTS)
+            kg = tl.arange(0, RK // HV)
+            gslot, gmask = _paged_slots(t0 + kg * G_K, t0, end, c0, c1, c2, c3, PAGE, PAGE_SLOTS)
+            gmask = gmask & (kg < NGK)
+        elif PIDS_AHEAD and PIPE:  # this tile's rows (values), the next tile's (keys), the tile after it's read now
             slot, tmask = vslot, vmask
             kslot, ktmask, kgslot, kgmask = nslot, nmask, ngslot, ngmask
             vslot, vmask = nslot, nmask
@@ -1570,7 +1627,11 @@ def _kivi_key_rows(
             kc, ks, kz = _kivi_rows_key_loads(slot, tmask, gslot, gmask, K0, K1, K2, kvh, k0_s, k0_h, k1_s, k1_h,
                                               k2_s, k2_h, HV, D, BLOCK_N, G_K, BITS_K, KW)
         if KW:  # (strides in words, so the rows' alignment is known to the compiler: vector loads)
-            if CSM:
+            if SPG:  # (the chunks' rows from the page ids, in the chunks' layout)
+                slot3, tmask3 = _paged_slots(t0 + _chunked_tokens(NCH, CN, CSM if CSM else CN), t0, end, c0, c1, c2,
+                                             c3, PAGE, PAGE_SLOTS)
+                slot3 = slot3[:, :, None]
+            elif CSM:
                 slot3 = _token_chunks1(slot, NCH, CSM)[:, :, None]
                 tmask3 = _token_chunks1(tmask, NCH, CSM)
             else:
@@ -1770,6 +1831,7 @@ def decode_split_kernel(
     CSM: tl.constexpr = 0,
     RJOIN: tl.constexpr = False,
     VSUB: tl.constexpr = False,
+    SPG: tl.constexpr = False,
     VSW: tl.constexpr = False,
     KPIPE: tl.constexpr = False,
     KSUB: tl.constexpr = False,
@@ -1898,7 +1960,7 @@ def decode_split_kernel(
                 Q, BT, K0, K1, K2, V0, V1, V2, b, kvh, start, end, stride_qb, stride_qh, stride_btb, k0_s, k0_h,
                 k1_s, k1_h, k2_s, k2_h, v0_s, v0_h, v1_s, v1_h, v2_s, v2_h, qk_scale, QPK, HV, BLOCK_H, D, PAGE,
                 PAGE_SLOTS, BLOCK_N, G_K, BITS_K, G_V, BITS_V, RN, PTX, KW, KCH, KPIPE, KSUB, PIDS_AHEAD, NCH,
-                VSW, CSM, RJOIN, VSUB)
+                VSW, CSM, RJOIN, VSUB, SPG)
         elif BLK:  # fast FP4 by block rows (``_fp4_block_rows``)
             acc0, acc1, m_i, l_i = _fp4_block_rows(
                 Q, BT, K0, K1, V0, V1, b, kvh, start, end, stride_qb, stride_qh, stride_btb, k0_s, k0_h, k1_s, k1_h,
@@ -2699,6 +2761,7 @@ def plan_decode(
     kivi_chunk_softmax: int | None = None,
     kivi_joined_row_terms: bool | None = None,
     kivi_value_subnormal_codes: bool | None = None,
+    kivi_scalar_page_ids: bool | None = None,
     kivi_value_scale_words: bool | None = None,
     kivi_pipeline: bool | None = None,
     direct_output: bool | None = None,
@@ -2768,7 +2831,12 @@ def plan_decode(
     ``kivi_value_subnormal_codes``: with ``kivi_words``, the value codes unpacked into bfloat16 subnormals
     ``code * 2**(k - 133)`` instead of the magic number 128 + code * 2**k and its subtraction, against
     ``bf16(p * 2**96 * s)`` (constexpr ``VSUB``, :func:`_kivi_key_rows`; exact scalings by powers of two: the same
-    roundings and sums). Default: off.
+    roundings and sums; on NVIDIA GPUs the tensor cores keep a few bits fewer of a subnormal operand's products in
+    their float32 sums). Default: 2-bit value words, and 4-bit ones in token-major pages with
+    ``kivi_chunk_softmax``, at 3-4 query heads per KV head.
+    ``kivi_scalar_page_ids``: with ``kivi_words`` and ``page_ids_ahead`` (not ``kivi_pipeline``), a tile's page ids
+    (at most four: the tile within 4 pages) read as scalars and each tensor of tokens' cache rows made from them in
+    its own layout (constexpr ``SPG``, :func:`_tile_page_ids`, :func:`_paged_slots`; the same rows). Default: off.
     ``kivi_value_scale_words``: with ``value_rows``, each token's KIVI value scales and zeros read as one 16/32/64-bit
     word (constexpr ``VSW``, :func:`kivi_value_scale_words_ok`; the same values); default: with ``key_rows`` in
     token-major pages.
@@ -3053,7 +3121,12 @@ def plan_decode(
              if kivi_joined_row_terms is None else bool(kivi_joined_row_terms))
     if rjoin and not key_rows:
         raise ValueError("kivi_joined_row_terms needs key_rows (fast KIVI by token-group key rows)")
-    vsub = False if kivi_value_subnormal_codes is None else bool(kivi_value_subnormal_codes)
+    # the key words' value codes as bfloat16 subnormals, where that measured faster (H200, session 36, 3 rounds, 4
+    # query heads per KV head, batch 32 x 8,192): 2-bit words 169.2 -> 166.9 us head-major, 175.2 -> 170.5 token-major
+    # (1 x 131,072: 96.3 -> 96.2, 101.4 -> 98.4); 4-bit words token-major (chunk states) 199.8 -> 196.6 (107.5 ->
+    # 106.6); 4-bit words head-major lose, 175.1 -> 188.9 (99.4 -> 101.4): off, as everywhere not measured
+    vsub = (bool(kivi_words) and hv == 4 and (v.bits == 2 or (bool(csm) and not k.head_major))
+            if kivi_value_subnormal_codes is None else bool(kivi_value_subnormal_codes))
     if vsub and not kivi_words:
         raise ValueError("kivi_value_subnormal_codes needs kivi_words (KIVI codes read as words)")
     # KIVI value rows' per-token scales and zeros as one word per (slot, head) in token-major pages: there Triton
@@ -3103,6 +3176,12 @@ def plan_decode(
     kpipe = (kivi_words4 and not page_ids_ahead) if kivi_pipeline is None else bool(kivi_pipeline)
     if kpipe and not key_rows:
         raise ValueError("kivi_pipeline needs key_rows (fast KIVI by token-group key rows)")
+    spg_ok = (bool(kivi_words) and bool(page_ids_ahead) and not kpipe and block_n <= 4 * page_size
+              and (block_n % page_size == 0 or page_size % block_n == 0))
+    spg = False if kivi_scalar_page_ids is None else bool(kivi_scalar_page_ids)
+    if spg and not spg_ok:
+        raise ValueError("kivi_scalar_page_ids needs kivi_words and page_ids_ahead without kivi_pipeline, and tiles "
+                         f"within 4 pages, whole or inside one (tile {block_n}, page {page_size})")
     # key codes as float16 subnormals for 2-bit keys (H100, 3 rounds: int2 at batch 32 x 8,192 244.1 -> 233.4 us, 128 x
     # 4,096 535.1 -> 519.4; int4 unchanged there, 275.5 -> 275.7, and 1,297 -> 1,329 at 64 query heads; session 21)
     # and for 4-bit keys in head-major pages (H200, session 29, today's kernels: int4 at batch 32 x 8,192 237.9 ->
@@ -3305,6 +3384,7 @@ def plan_decode(
         CSM=csm,
         RJOIN=rjoin,
         VSUB=vsub,
+        SPG=spg,
         VSW=vsw,
         KPIPE=kpipe,
         KSUB=ksub,
