@@ -557,8 +557,9 @@ def test_kivi_scalar_page_ids_give_the_same_bits(pair):
     rows made from them in its own layout) reads the same rows, so its outputs and lse equal the row vector's bit for
     bit, on the GPU too: token-major and head-major pages, 4 and 2 query heads per KV head, one split and three,
     sequences of 1, 150 and 300 tokens in pages from a shuffled free list (a tile spans 4 pages of 32), and pages of
-    128 (a tile inside one page). Refused without page ids ahead or for tiles over more than 4 pages. Planted bugs
-    fail it: the second and third page ids swapped, the next tile's zeros read from this tile's pages."""
+    128 (a tile inside one page). Refused without page ids ahead or with the pipelined loop; the default is the
+    measured one. Planted bugs fail it: the second and third page ids swapped, the next tile's zeros read from this
+    tile's pages."""
     rng = np.random.default_rng(41 + (pair[0] == "int2_kivi"))
     kw = dict(precision="fast", key_rows=True, value_rows=True, kivi_words=True, page_ids_ahead=True,
               kivi_pipeline=False)
@@ -580,6 +581,17 @@ def test_kivi_scalar_page_ids_give_the_same_bits(pair):
             (out0, lse0), (out1, lse1) = got
             assert np.isfinite(out0).all()
             assert np.array_equal(out1, out0) and np.array_equal(lse1, lse0), (page, layout, qq.shape, splits)
+    # the default (H200, session 36): 4-bit words in token-major pages with chunk states (196.1 -> 190.7 us at batch
+    # 32 x 8,192); head-major (174.8 -> 216.1) and 2-bit words (169.6 -> 181.8) lose
+    cache, _ = build_cache(pair, dict(SMALL, q_heads=8, kv_heads=2, head_dim=128, page_size=32, lens=(1, 150, 300)),
+                           rng)
+    dense = tb.DeviceCache.from_cache(cache, DEVICE)
+    for layout in ("NHD", "HND"):
+        for qq in (q, q[:, ::2]):
+            launches, _, _ = plan_for_cache(qq.to(DEVICE), dense.with_layout(layout), precision="fast",
+                                            key_rows=True, value_rows=True)
+            cx = split_launch_of(launches).constexprs
+            assert cx["SPG"] is (pair[0] == "int4_kivi" and layout == "NHD" and qq.shape[1] == 8), (layout, qq.shape)
     with pytest.raises(ValueError, match="kivi_scalar_page_ids needs"):
         plan_for_cache(q.to(DEVICE), dense, **{**kw, "page_ids_ahead": False}, kivi_scalar_page_ids=True)
     with pytest.raises(ValueError, match="kivi_scalar_page_ids needs"):

@@ -2836,7 +2836,8 @@ def plan_decode(
     ``kivi_chunk_softmax``, at 3-4 query heads per KV head.
     ``kivi_scalar_page_ids``: with ``kivi_words`` and ``page_ids_ahead`` (not ``kivi_pipeline``), a tile's page ids
     (at most four: the tile within 4 pages) read as scalars and each tensor of tokens' cache rows made from them in
-    its own layout (constexpr ``SPG``, :func:`_tile_page_ids`, :func:`_paged_slots`; the same rows). Default: off.
+    its own layout (constexpr ``SPG``, :func:`_tile_page_ids`, :func:`_paged_slots`; the same rows). Default: 4-bit
+    words in token-major pages with ``kivi_chunk_softmax`` at 3-4 query heads per KV head.
     ``kivi_value_scale_words``: with ``value_rows``, each token's KIVI value scales and zeros read as one 16/32/64-bit
     word (constexpr ``VSW``, :func:`kivi_value_scale_words_ok`; the same values); default: with ``key_rows`` in
     token-major pages.
@@ -3178,7 +3179,11 @@ def plan_decode(
         raise ValueError("kivi_pipeline needs key_rows (fast KIVI by token-group key rows)")
     spg_ok = (bool(kivi_words) and bool(page_ids_ahead) and not kpipe and block_n <= 4 * page_size
               and (block_n % page_size == 0 or page_size % block_n == 0))
-    spg = False if kivi_scalar_page_ids is None else bool(kivi_scalar_page_ids)
+    # (H200, session 36, 3 rounds, batch 32 x 8,192 at 4 query heads per KV head: 4-bit words in token-major pages,
+    # with chunk states, 196.1 -> 190.7 us; head-major 174.8 -> 216.1 and 2-bit words token-major 169.6 -> 181.8
+    # lose: their loops gain more selecting instructions than they lose barriers; elsewhere not measured)
+    spg = ((spg_ok and k.bits == 4 and not k.head_major and bool(csm) and hv == 4) if kivi_scalar_page_ids is None
+           else bool(kivi_scalar_page_ids))
     if spg and not spg_ok:
         raise ValueError("kivi_scalar_page_ids needs kivi_words and page_ids_ahead without kivi_pipeline, and tiles "
                          f"within 4 pages, whole or inside one (tile {block_n}, page {page_size})")
