@@ -76,6 +76,18 @@ def split_launch_of(launches):
     return next(la for la in launches if la.kernel is decode_split_kernel)
 
 
+def _decode_without_and_with(dc, q, kw, option, constexpr):
+    """``[(out, lse) without, (out, lse) with]`` plan option ``option`` (bool) of the decode of ``q`` over device cache
+    ``dc``, checking that the split launch's ``constexpr`` follows it."""
+    got = []
+    for on in (False, True):
+        launches, _, _ = plan_for_cache(q.to(DEVICE), dc, **kw, **{option: on})
+        assert split_launch_of(launches).constexprs[constexpr] is on
+        out, lse = tb.decode(q.to(DEVICE), dc, **kw, **{option: on})
+        got.append((out.cpu().numpy(), lse.cpu().numpy()))
+    return got
+
+
 def _value_round(cache, Vs):
     """For KIVI values in fast mode (the group's scale folded into p), the magnitudes whose product with p is
     rounded: (V - Z) = s * code on the paged tokens (Z: the token's group zero), V on the residual tokens;
@@ -519,13 +531,8 @@ def test_kivi_value_subnormal_codes_give_the_same_bits(pair):
     dense = tb.DeviceCache.from_cache(cache, DEVICE)
     for layout, qq, splits in (("NHD", q, {}), ("HND", q, {"num_splits": 3}), ("HND", q[:, ::2], {}),
                                ("NHD", q[:, ::2], {"num_splits": 3})):
-        got = []
-        for vsub in (False, True):
-            dc = dense.with_layout(layout)
-            launches, _, _ = plan_for_cache(qq.to(DEVICE), dc, **kw, **splits, kivi_value_subnormal_codes=vsub)
-            assert split_launch_of(launches).constexprs["VSUB"] is vsub
-            out, lse = tb.decode(qq.to(DEVICE), dc, **kw, **splits, kivi_value_subnormal_codes=vsub)
-            got.append((out.cpu().numpy(), lse.cpu().numpy()))
+        got = _decode_without_and_with(dense.with_layout(layout), qq, {**kw, **splits}, "kivi_value_subnormal_codes",
+                                       "VSUB")
         (out0, lse0), (out1, lse1) = got
         assert np.isfinite(out0).all()
         if GPU:  # the tensor cores align products to their operands' exponent fields, so a subnormal code's products
@@ -558,8 +565,9 @@ def test_kivi_scalar_page_ids_give_the_same_bits(pair):
     bit, on the GPU too: token-major and head-major pages, 4 and 2 query heads per KV head, one split and three,
     sequences of 1, 150 and 300 tokens in pages from a shuffled free list (a tile spans 4 pages of 32), and pages of
     128 (a tile inside one page). Refused without page ids ahead or with the pipelined loop; the default is the
-    measured one. Planted bugs fail it: the second and third page ids swapped, the next tile's zeros read from this
-    tile's pages."""
+    measured one. Planted bugs fail it: the value words' rows dealt to the chunks in runs of 16 while the scores are
+    dealt in runs of 8, the next tile's zeros read from this tile's pages. (The tile's page ids swapped for every
+    consumer alike passes: attention does not depend on the tokens' order.)"""
     rng = np.random.default_rng(41 + (pair[0] == "int2_kivi"))
     kw = dict(precision="fast", key_rows=True, value_rows=True, kivi_words=True, page_ids_ahead=True,
               kivi_pipeline=False)
@@ -571,14 +579,8 @@ def test_kivi_scalar_page_ids_give_the_same_bits(pair):
         cases = ((("NHD", q, {}), ("HND", q, {"num_splits": 3}), ("HND", q[:, ::2], {}),
                   ("NHD", q[:, ::2], {"num_splits": 3})) if page == 32 else (("HND", q, {"num_splits": 2}),))
         for layout, qq, splits in cases:
-            got = []
-            for spg in (False, True):
-                dc = dense.with_layout(layout)
-                launches, _, _ = plan_for_cache(qq.to(DEVICE), dc, **kw, **splits, kivi_scalar_page_ids=spg)
-                assert split_launch_of(launches).constexprs["SPG"] is spg
-                out, lse = tb.decode(qq.to(DEVICE), dc, **kw, **splits, kivi_scalar_page_ids=spg)
-                got.append((out.cpu().numpy(), lse.cpu().numpy()))
-            (out0, lse0), (out1, lse1) = got
+            (out0, lse0), (out1, lse1) = _decode_without_and_with(dense.with_layout(layout), qq, {**kw, **splits},
+                                                                  "kivi_scalar_page_ids", "SPG")
             assert np.isfinite(out0).all()
             assert np.array_equal(out1, out0) and np.array_equal(lse1, lse0), (page, layout, qq.shape, splits)
     # the default (H200, session 36): 4-bit words in token-major pages with chunk states (196.1 -> 190.7 us at batch
