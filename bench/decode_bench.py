@@ -218,11 +218,12 @@ def decode_case(label: str, shape, page_size: int, backend: str = "triton", prec
 
 
 def decode_setup(label: str, shape, page_size: int, backend: str = "triton", precision: str = "fast",
-                 rotation: bool = False, layout: str | None = None):
+                 rotation: bool = False, layout: str | None = None, plan: dict | None = None):
     """(the decode call to time, its record without times): a device cache written by the kernel;
     ``precision``: the triton kernel's ("fast" or "exact"; the torch backend's bfloat16 or float32);
     ``rotation``: a rotated cache (q rotated and the output un-rotated by the kernels); ``layout``: the triton
-    cache's field layout (default ``LAYOUT``; the torch backend reads token-major fields only)."""
+    cache's field layout (default ``LAYOUT``; the torch backend reads token-major fields only); ``plan``: options of
+    the triton kernel's ``plan_decode`` (default: none, the planned defaults)."""
     import torch
 
     from kvqref.backends import torch_backend, triton_backend
@@ -235,7 +236,8 @@ def decode_setup(label: str, shape, page_size: int, backend: str = "triton", pre
         triton_backend.validate_decode(q, dc)  # once, outside the timed region (it synchronizes)
 
         def fn():
-            return triton_backend.decode(q, dc, validate=False, max_seq_len=tokens, precision=precision)
+            return triton_backend.decode(q, dc, validate=False, max_seq_len=tokens, precision=precision,
+                                         **(plan or {}))
     else:
 
         def fn():

@@ -1,8 +1,9 @@
 #!/bin/bash
 # Nsight Compute profile per scheme of the decode kernel, or with --write of the quantize-on-write kernel:
 #   bash bench/ncu_decode.sh OUTDIR SCHEME...            decode_split_kernel (bench/ncu_decode.py)
-#   bash bench/ncu_decode.sh OUTDIR --write SCHEME...    quantize_write_kernel (bench/ncu_write.py); a SCHEME
-#                                                        of the form NAME:ARGS passes ARGS (e.g. int4_kivi:--side=v)
+#   bash bench/ncu_decode.sh OUTDIR --write SCHEME...    quantize_write_kernel (bench/ncu_write.py)
+# A SCHEME of the form NAME:ARGS passes ARGS, commas for spaces (e.g. int4_kivi:--side=v to the write script,
+# int4_kivi:--layout=HND,--plan=kivi_value_subnormal_codes=0 to the decode script).
 # Writes OUTDIR/SCHEME.txt (sections: speed of light, occupancy, warp states, scheduler, memory) and
 # OUTDIR/SCHEME-sass.csv (per SASS instruction: executed instructions and stall samples by reason).
 out=$1; shift
