@@ -1292,9 +1292,10 @@ def _kivi_group_slots(t0, end, BT, b, stride_btb, HV: tl.constexpr, PAGE: tl.con
 @triton.jit
 def _tile_page_ids(t0, end, BT, b, stride_btb, PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
     """The page ids of the tile at ``t0`` (a multiple of BLOCK_N) as four scalars: page i of the tile (at most four:
-    BLOCK_N <= 4 * PAGE) from sequence ``b``'s block table, 0 where it starts at or past ``end`` or the tile has
-    fewer pages (it lies in one page when PAGE >= BLOCK_N). Scalars: no layout, so every tensor of tokens can take
-    its rows from them where it is (:func:`_paged_slots`), without moving a row vector between layouts."""
+    BLOCK_N <= 4 * PAGE) from sequence ``b``'s block table, 0 where it starts at or past ``end``; where the tile has
+    fewer pages (one when PAGE >= BLOCK_N, two when BLOCK_N = 2 * PAGE) the rest repeat page 0's id, which
+    :func:`_paged_slots` never selects. Scalars: no layout, so every tensor of tokens can take its rows from them
+    where it is (:func:`_paged_slots`), without moving a row vector between layouts."""
     NP: tl.constexpr = BLOCK_N // PAGE if BLOCK_N > PAGE else 1
     row = BT + b * stride_btb + t0 // PAGE
     a0 = tl.load(row, mask=t0 < end, other=0)
