@@ -220,8 +220,9 @@ def _e2m1_code_lines(out: str, src: str, field_shift: int, sign_shift: int, pos:
     return lines + [f"lop3.b32 {out}, t, v, 0x{field:04X}{field:04X}, 0xEC;"]  # (t & field) | v
 
 
-def _e2m1_pairs_ptx(pos: int = 9) -> str:
-    """The PTX of :func:`_e2m1_pairs` (``pos`` 9: float16; its bfloat16 variant: 6): input $4 (bytes 0-3), outputs
+def _e2m1_pairs_ptx(pos: int) -> str:
+    """The 16-bit-domain PTX of :func:`_e2m1_pairs` (``pos`` 6: bfloat16, the one in use; 9 would be float16, which
+    :func:`_e2m1_f16_ptx` builds in the byte domain instead): input $4 (bytes 0-3), outputs
     $0, $1 (low nibbles of bytes 0,1 and 2,3) and $2, $3 (high nibbles). The 16-bit float's bits are the code's sign
     at bit 15 and its exponent and mantissa bits at ``pos`` .. ``pos + 2`` (the float's lowest exponent bits and
     highest mantissa bit). Per pair of bytes, ``prmt`` puts them in the high bytes of the halves of y: the high
@@ -236,11 +237,11 @@ def _e2m1_pairs_ptx(pos: int = 9) -> str:
     return "{\n" + "\n".join(lines) + "\n}"
 
 
-def _e2m1_quads_ptx(pos: int = 9) -> str:
-    """The PTX of :func:`_e2m1_quads` (``pos`` as :func:`_e2m1_pairs_ptx`): input $4, two 16-bit words (bytes 0, 1
-    and 2, 3); output k holds nibble k of each word in the word's half. Bytes 1 and 3 already lie in the high bytes
-    of the halves (as ``prmt`` arranges them for :func:`_e2m1_pairs_ptx`), and bytes 0 and 2 are there after a shift
-    by 8, folded into the shifts that follow: no ``prmt``, 15 instructions per 8 codes."""
+def _e2m1_quads_ptx(pos: int) -> str:
+    """The 16-bit-domain PTX of :func:`_e2m1_quads` (``pos`` as :func:`_e2m1_pairs_ptx`): input $4, two 16-bit
+    words (bytes 0, 1 and 2, 3); output k holds nibble k of each word in the word's half. Bytes 1 and 3 already lie
+    in the high bytes of the halves (as ``prmt`` arranges them for :func:`_e2m1_pairs_ptx`), and bytes 0 and 2 are
+    there after a shift by 8, folded into the shifts that follow: no ``prmt``, 15 instructions per 8 codes."""
     lines = [".reg .b32 t, v;"]
     lines += _e2m1_code_lines("$3", "$4", pos - 12, 0, pos)  # nibble 3: high nibbles of bytes 1, 3
     lines += _e2m1_code_lines("$2", "$4", pos - 8, 4, pos)  # nibble 2: low nibbles of bytes 1, 3
@@ -255,39 +256,32 @@ def _e2m1_f16_bytes_lines() -> list[str]:
     ``sign << 7 | (exponent and mantissa bits) << 1`` (the float16's top byte, as :func:`_e2m1_f16`'s bits >> 8).
     High nibble: its sign is already bit 7, the other bits move right by 3; low nibble: sign left by 4, the other
     bits left by 1; what crosses into a neighbouring byte is masked off. 7 instructions per 8 codes; a ``prmt`` per
-    two codes then places two bytes in the high bytes of a register's halves (:func:`_e2m1_pairs_f16_ptx`)."""
+    two codes then places two bytes in the high bytes of a register's halves (:func:`_e2m1_f16_ptx`)."""
     return [".reg .b32 a, s, h, l;",
             "shr.b32 a, $4, 3;", "and.b32 s, $4, 0x80808080;", "lop3.b32 h, a, s, 0x0E0E0E0E, 0xEC;",  # (a & c) | s
             "shl.b32 a, $4, 4;", "and.b32 s, a, 0x80808080;", "shl.b32 a, $4, 1;",
             "lop3.b32 l, a, s, 0x0E0E0E0E, 0xEC;"]
 
 
-def _e2m1_pairs_f16_ptx() -> str:
-    """The float16 PTX of :func:`_e2m1_pairs` (its output registers as :func:`_e2m1_pairs_ptx`'s): the code bytes of
-    :func:`_e2m1_f16_bytes_lines`, then per output register one ``prmt`` putting two of them in the high bytes of
-    the halves over zero low bytes: 11 instructions per 8 codes (the 16-bit route: 16)."""
+def _e2m1_f16_ptx(outputs: tuple[tuple[str, str], ...]) -> str:
+    """The float16 PTX of :func:`_e2m1_pairs` and :func:`_e2m1_quads`: the code bytes of :func:`_e2m1_f16_bytes_lines`,
+    then for output register $k one ``prmt`` of ``outputs[k]`` = (``l`` or ``h``, selector) putting two of those bytes
+    in the high bytes of the halves over zero low bytes: 11 instructions per 8 codes (the 16-bit route: 16 for
+    pairs, 15 for quads)."""
     lines = _e2m1_f16_bytes_lines()
-    for out, src, sel in (("$0", "l", "0x1404"), ("$1", "l", "0x3424"), ("$2", "h", "0x1404"), ("$3", "h", "0x3424")):
-        lines.append(f"prmt.b32 {out}, {src}, 0, {sel};")  # bytes [0, src.b_i, 0, src.b_j]
+    lines += [f"prmt.b32 ${k}, {src}, 0, {sel};" for k, (src, sel) in enumerate(outputs)]
     return "{\n" + "\n".join(lines) + "\n}"
 
 
-def _e2m1_quads_f16_ptx() -> str:
-    """The float16 PTX of :func:`_e2m1_quads` (two 16-bit words per register, bytes 0, 1 and 2, 3; output k holds
-    nibble k of each word in the word's half): :func:`_e2m1_f16_bytes_lines`, then one ``prmt`` per output (nibble
-    0: the low nibbles of bytes 0 and 2, 1: their high nibbles, 2 and 3: those of bytes 1 and 3): 11 instructions
-    per 8 codes (the 16-bit route: 15)."""
-    lines = _e2m1_f16_bytes_lines()
-    for out, src, sel in (("$0", "l", "0x2404"), ("$1", "h", "0x2404"), ("$2", "l", "0x3414"), ("$3", "h", "0x3414")):
-        lines.append(f"prmt.b32 {out}, {src}, 0, {sel};")
-    return "{\n" + "\n".join(lines) + "\n}"
-
-
-E2M1_PAIRS_PTX = tl.constexpr(_e2m1_pairs_f16_ptx())
+#: :func:`_e2m1_pairs`' outputs (as :func:`_e2m1_pairs_ptx`'s): $0, $1 the low nibbles of bytes 0, 1 and 2, 3; $2, $3
+#: their high nibbles (selector nibbles per output byte: 4 = zero, i = byte i)
+E2M1_PAIRS_PTX = tl.constexpr(_e2m1_f16_ptx((("l", "0x1404"), ("l", "0x3424"), ("h", "0x1404"), ("h", "0x3424"))))
 E2M1_PAIRS_BF16_PTX = tl.constexpr(_e2m1_pairs_ptx(6))
 #: 2**126, from the bfloat16 PTX unpacking's E2M1 * 2**-126 to E2M1 (a constexpr: the products stay bfloat16)
 TWO_126 = tl.constexpr(8.507059173023462e37)
-E2M1_QUADS_PTX = tl.constexpr(_e2m1_quads_f16_ptx())
+#: :func:`_e2m1_quads`' outputs: $k nibble k of each of the two words (bytes 0, 1 and 2, 3): the low / high nibbles of
+#: bytes 0 and 2 (k = 0, 1), of bytes 1 and 3 (k = 2, 3)
+E2M1_QUADS_PTX = tl.constexpr(_e2m1_f16_ptx((("l", "0x2404"), ("h", "0x2404"), ("l", "0x3414"), ("h", "0x3414"))))
 E2M1_QUADS_BF16_PTX = tl.constexpr(_e2m1_quads_ptx(6))
 
 
@@ -295,8 +289,9 @@ E2M1_QUADS_BF16_PTX = tl.constexpr(_e2m1_quads_ptx(6))
 def _e2m1_quads(word, PTX: tl.constexpr, BF16: tl.constexpr):
     """The four E2M1 codes of each 16-bit ``word`` (int16: two code bytes; channel 4c + k is nibble k) as four
     tensors: float16 value * 2**-14, or with ``BF16`` the exact values in bfloat16 (float32 in the interpreter, which
-    cannot bitcast to bfloat16). CUDA (``PTX``): two words per 32-bit register, :func:`_e2m1_quads_ptx` (bfloat16:
-    value * 2**-126 times 2**126, one packed multiply, exact); elsewhere nibble by nibble."""
+    cannot bitcast to bfloat16). CUDA (``PTX``): two words per 32-bit register, ``E2M1_QUADS_PTX`` (float16,
+    :func:`_e2m1_f16_ptx`) or :func:`_e2m1_quads_ptx` (bfloat16: value * 2**-126 times 2**126, one packed multiply,
+    exact); elsewhere nibble by nibble."""
     if PTX and not INTERPRET:
         if BF16:
             a, b, c, d = tl.inline_asm_elementwise(E2M1_QUADS_BF16_PTX, "=r,=r,=r,=r,r", [word],
@@ -331,9 +326,9 @@ def _e2m1_nibble(nib, BF16: tl.constexpr):
 def _e2m1_pairs(byte, BF16: tl.constexpr):
     """CUDA: the E2M1 codes of the low and high nibbles of ``byte`` (uint8) as float16 value * 2**-14, exactly
     as :func:`_e2m1_f16`, or with ``BF16`` as bfloat16 value * 2**-126 (exact: E2M1 0.5 becomes the bfloat16
-    subnormal 2**-127), with packed 32-bit operations: 4 bytes per register, ``prmt`` places two bytes in the
-    high bytes of the halves of a word, then shift/and/``lop3`` build two 16-bit floats at once (2 instructions per
-    element, :func:`_e2m1_pairs_ptx`). Element i of a call is byte i of the input register and half i % 2 of output
+    subnormal 2**-127), with packed 32-bit operations on 4 bytes per register: float16 in the byte domain (1.375
+    instructions per element, :func:`_e2m1_f16_ptx`), bfloat16 two 16-bit floats at a time (2 per element,
+    :func:`_e2m1_pairs_ptx`). Element i of a call is byte i of the input register and half i % 2 of output
     register i // 2."""
     if BF16:
         return tl.inline_asm_elementwise(E2M1_PAIRS_BF16_PTX, "=r,=r,=r,=r,r", [byte],
