@@ -2903,8 +2903,8 @@ def plan_decode(
     same bits; key rows with ``kivi_pipeline`` read the keys' two tiles ahead of the values): Triton's pipeliner then
     gives the page-table load no stage of its own and double-buffers the code tiles at 3 stages (sm_90, triton 3.6:
     fast FP8 at 64-token tiles one buffer per side, 22,848 B per program -> two, 38,976 B; without it more stages do
-    not add buffers). Default: NVFP4 by value words and channel halves in pages of more than one token and fp4_e2m1's
-    such launch at every page size (both then at 3 stages; the E8M0 check's rerun reads its page ids in the step),
+    not add buffers). Default: NVFP4 and fp4_e2m1 by value words and channel halves in pages of more than one token
+    (both then at 3 stages; the E8M0 check's rerun reads its page ids in the step),
     and KIVI key words without a register cap at 2-4 query heads per KV head: 4-bit ones in head-major pages
     (instead of ``kivi_pipeline``), both widths in token-major pages with their value scales read as words, where it
     measured 1-11% faster on the H200; FP8, mxfp4, 2-bit KIVI in head-major pages, NVFP4 at page size 1 and KIVI at
@@ -2916,14 +2916,15 @@ def plan_decode(
     nonzero products; values read as words split too, into four word products per half); default: on where it
     applies (:func:`channel_halves_apply`); ``True`` where no side applies raises.
     ``heads_fast``: the KV heads on the grid's fastest axis, so the programs reading one token's rows run together
-    (default False: it raised a loads-only kernel from 61% to 75% of the ceiling, but the decode kernels by at most
-    2%). ``merge_warps``: warps per program of the merge launch (default: :func:`merge_warps_default`);
-    ``merge_channels``: channels per merge program (a power of two dividing head_dim; the merge's grid gains
-    head_dim / merge_channels programs per (sequence, head); not with a rotated V, whose un-rotation needs the whole
-    row; each channel's arithmetic is the same, the sum over splits may be reduced in another order; default:
-    :func:`merge_channels_default`). ``fp8_value_words``: FP8 value tiles read as 16-bit words of two channels, the
-    even and odd channels two products, so the products' operands come from transposed 16-bit matrix loads instead
-    of one-byte shared loads (:func:`_fp8_word_halves`; the same products, each channel's sum in the same order);
+    (default: at page size 1 only, where one page's scale rows of all heads share 32-byte sectors: 3-7% faster on the
+    H100 for FP8 and FP4, bf16 the same; at pages of 2-16 tokens within 1%). ``merge_warps``: warps per program of
+    the merge launch (default: :func:`merge_warps_default`); ``merge_channels``: channels per merge program (a power
+    of two dividing head_dim; the merge's grid gains head_dim / merge_channels programs per (sequence, head); not
+    with a rotated V, whose un-rotation needs the whole row; each channel's arithmetic is the same, the sum over
+    splits may be reduced in another order; default: :func:`merge_channels_default`). ``fp8_value_words``: FP8 value
+    tiles read as 16-bit words of two channels, the even and odd channels two products, so the products' operands
+    come from transposed 16-bit matrix loads instead of one-byte shared loads (:func:`_fp8_word_halves`; the same
+    products, each channel's sum in the same order);
     needs FP8 values without token scales and rows aligned to 2 bytes; default: on NVIDIA GPUs where it applies
     (H100, fp8_e4m3 at batch 32 x 8,192: 207.1 -> 200.6 us; static sm_90: 679 -> 481 loop instructions per thread,
     177 -> 117 registers).
@@ -3195,9 +3196,11 @@ def plan_decode(
     kivi_ahead = (kivi_words_uncapped and qpk >= 2 and block_h <= 16
                   and ((kivi_words4 and k.head_major) or (vsw and not k.head_major)))
     e8m0_16_pair = k.kind == v.kind == "mxfp4" and k.block == v.block == 16
+    # (H100, session 38, batch 32 x 8,192 head-major, the KV heads on the grid's fastest axis: fp4_e2m1 at page size 1
+    # 182.1 -> 171.4 us without them, as NVFP4 there; bench/results/ANALYSIS.md 262)
     if page_ids_ahead is None:
-        page_ids_ahead = ((words_halves and num_stages in (None, 3) and (
-                              (k.kind == v.kind == "nvfp4" and page_size > 1) or e8m0_16_pair))
+        page_ids_ahead = ((words_halves and num_stages in (None, 3) and page_size > 1
+                           and (k.kind == v.kind == "nvfp4" or e8m0_16_pair))
                           or (kivi_ahead and not kivi_pipeline))
     words_ahead = bool(page_ids_ahead) and words_halves and (k.kind == v.kind == "nvfp4" or e8m0_16_pair)
     # the key-rows loop pipelined by one tile for 4-bit key words without a register cap (H100: int4 at batch 32 x
@@ -3344,7 +3347,11 @@ def plan_decode(
     else:
         op = torch.empty(batch, q_heads, total, head_dim, dtype=torch.float32, device=q.device)
         lp = torch.empty(batch, q_heads, total, dtype=torch.float32, device=q.device)
-    heads_fast = bool(heads_fast)
+    # one token per page: the KV heads' programs of one (sequence, split) side by side read each page's scale rows
+    # (8 bytes per head for fp4_e2m1, 32-byte sectors) while they are in L2 (H100, session 38, batch 32 x 8,192
+    # head-major: fp4_e2m1 188.4 -> 182.3 us, NVFP4 180.6 -> 169.4, mxfp4 175.8 -> 163.8, fp8 210.6 -> 204.8, bf16
+    # 375.7 -> 375.5; pages of 2, 4, 8 tokens within 1%; bench/results/ANALYSIS.md 262)
+    heads_fast = page_size == 1 if heads_fast is None else bool(heads_fast)
     grid = (kv_heads, batch, total) if heads_fast else (batch, kv_heads, total)
     # V's un-rotation (the merge kernel's, or with one split the split kernel's): v_signs / (D C_D); unread otherwise
     vsq = lp if v.rotation is None else rotation_vectors(v.rotation.seed, head_dim, q.device)[1]
