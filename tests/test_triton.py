@@ -1093,21 +1093,22 @@ def test_fp4_block_rows(pair, q_heads, kv_heads, head_dim):
 @pytest.mark.parametrize("page_size,want", [(16, (128, 4, 2)), (1, (64, 2, 2))])
 def test_fp4_halves_tiles_by_page_size(page_size, want):
     """FP4 by channel halves (4 query heads per KV head, D 128: 32 rows per side) reads its value tiles as words by
-    default, in 32-token tiles with one warp at every page size (H100, session 12: fp4_e2m1 261 -> 235 us at page
-    16, 294 -> 248 at page 1; NVFP4 194 -> 183), fp4_e2m1 with 3 stages in pages of 16 (session 25: 170.3 -> 167.2
-    us; at page 1 184.3 against 184.9, so 2 there; session 32, H200, with its page ids read ahead 3 at both: 157.5
-    -> 151.7 us, page 1 168.7 -> 160.5), NVFP4 with 3 stages and its page ids read ahead in pages of 16 (session 32,
-    H200: 152.7 -> 145.6 us); with value bytes (``value_words=False``) fp4_e2m1 takes the tiles
-    measured for its page size: 128 tokens / 4 warps in pages of 16 (261 us against 275 at 64 / 2), 64 / 2 in pages
-    of 1 (290 us against 316; bench/results/ANALYSIS.md, session 11), and NVFP4 64 / 2 with 3 stages."""
+    default, in 32-token tiles with one warp at every page size (H100, session 12: fp4_e2m1 261 -> 235 us at page 16,
+    294 -> 248 at page 1; NVFP4 194 -> 183), fp4_e2m1 with 3 stages in pages of 16 (session 25: 170.3 -> 167.2 us; at
+    page 1 184.3 against 184.9, so 2 there; session 32, H200, with its page ids read ahead 3 at both: 157.5 -> 151.7 us,
+    page 1 168.7 -> 160.5), NVFP4 with 3 stages and its page ids read ahead in pages of 16 (session 32, H200: 152.7 ->
+    145.6 us), and since session 38 both at 2 stages without the page ids ahead in pages of 1 (H100, the KV heads on the
+    grid's fastest axis there: fp4_e2m1 182.1 -> 171.4 us); with value bytes (``value_words=False``) fp4_e2m1 takes the
+    tiles measured for its page size: 128 tokens / 4 warps in pages of 16 (261 us against 275 at 64 / 2), 64 / 2 in
+    pages of 1 (290 us against 316; bench/results/ANALYSIS.md, session 11), and NVFP4 64 / 2 with 3 stages."""
     rng = np.random.default_rng(5)
     for pair, bytes_launch in ((PAIRS[5], want), (PAIRS[9], (64, 2, 3))):
         shape = dict(SMALL, q_heads=8, kv_heads=2, head_dim=128, page_size=page_size)
         cache, _ = build_cache(pair, shape, rng)
         dc = tb.DeviceCache.from_cache(cache, DEVICE)
         q = torch.zeros(3, 8, 128, dtype=torch.bfloat16, device=DEVICE)
-        # (page ids read ahead at 3 stages, session 32: NVFP4 in pages of more than one token, fp4_e2m1 at both)
-        words_launch = (32, 1, 3 if page_size > 1 or pair is PAIRS[5] else 2)
+        # (page ids read ahead at 3 stages in pages of more than one token: NVFP4 since session 32, fp4_e2m1 since 38)
+        words_launch = (32, 1, 3 if page_size > 1 else 2)
         for words, expect in ((None, words_launch), (False, bytes_launch)):
             launches, _, _ = plan_for_cache(q, dc, value_words=words)
             split = next(launch for launch in launches if "BLK" in launch.constexprs)
