@@ -2898,17 +2898,18 @@ def plan_decode(
     programmatic stream serialization; constexpr ``GDC``): it is scheduled while the splits run and waits for them
     (``griddepcontrol.wait``) instead of launching after they end; the same arithmetic, the same bits; default: where
     the device supports it (:func:`pdl_supported`); ``True`` elsewhere raises.
-    ``page_ids_ahead``: the per-tile, block-rows and KIVI key-rows loops read each next tile's page ids from the
-    block table one step ahead, carried through the loop (constexpr ``PIDS_AHEAD``; the same loads and arithmetic, the
-    same bits; key rows with ``kivi_pipeline`` read the keys' two tiles ahead of the values): Triton's pipeliner then
-    gives the page-table load no stage of its own and double-buffers the code tiles at 3 stages (sm_90, triton 3.6:
-    fast FP8 at 64-token tiles one buffer per side, 22,848 B per program -> two, 38,976 B; without it more stages do
-    not add buffers). Default: NVFP4 and fp4_e2m1 by value words and channel halves in pages of more than one token
-    (both then at 3 stages; the E8M0 check's rerun reads its page ids in the step),
-    and KIVI key words without a register cap at 2-4 query heads per KV head: 4-bit ones in head-major pages
-    (instead of ``kivi_pipeline``), both widths in token-major pages with their value scales read as words, where it
-    measured 1-11% faster on the H200; FP8, mxfp4, 2-bit KIVI in head-major pages, NVFP4 at page size 1 and KIVI at
-    1 query head per KV head lost (bench/results/ANALYSIS.md, sessions 32-34).
+    ``page_ids_ahead``: the per-tile, block-rows and KIVI key-rows loops read each next tile's page ids from the block
+    table one step ahead, carried through the loop (constexpr ``PIDS_AHEAD``; the same loads and arithmetic, the same
+    bits; key rows with ``kivi_pipeline`` read the keys' two tiles ahead of the values): Triton's pipeliner then gives
+    the page-table load no stage of its own and double-buffers the code tiles at 3 stages (sm_90, triton 3.6: fast FP8
+    at 64-token tiles one buffer per side, 22,848 B per program -> two, 38,976 B; without it more stages do not add
+    buffers). Default: NVFP4 and fp4_e2m1 by value words and channel halves in pages of more than one token (both then
+    at 3 stages; the E8M0 check's rerun reads its page ids in the step), and KIVI key words without a register cap at
+    2-4 query heads per KV head: 4-bit ones in head-major pages (instead of ``kivi_pipeline``), both widths in
+    token-major pages with their value scales read as words, where it measured 1-11% faster on the H200; FP8, mxfp4,
+    2-bit KIVI in head-major pages, NVFP4 at page size 1 and KIVI at 1 query head per KV head lost
+    (bench/results/ANALYSIS.md, sessions 32-34), and fp4_e2m1 at page size 1 on the H100 with the KV heads first
+    (session 38).
     ``residual_launch``: the residual window's split as its own launch (constexpr ``PART``), so the paged splits
     do not carry the residual path's registers; default: with ``key_rows`` and a residual window.
     ``channel_halves``: with ``block_rows``, a side of at least 32 rows multiplies each channel half by the rows of
