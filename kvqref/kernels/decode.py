@@ -3196,14 +3196,15 @@ def plan_decode(
     kivi_words4 = kivi_words_uncapped and k.bits == 4
     kivi_ahead = (kivi_words_uncapped and qpk >= 2 and block_h <= 16
                   and ((kivi_words4 and k.head_major) or (vsw and not k.head_major)))
-    e8m0_16_pair = k.kind == v.kind == "mxfp4" and k.block == v.block == 16
+    # the FP4 pairs whose value-word halves launch can read its page ids ahead: NVFP4, and E8M0 blocks of 16
+    # (fp4_e2m1)
+    words_ahead_pair = k.kind == v.kind == "nvfp4" or (k.kind == v.kind == "mxfp4" and k.block == v.block == 16)
     # (H100, session 38, batch 32 x 8,192 head-major, the KV heads on the grid's fastest axis: fp4_e2m1 at page size 1
     # 182.1 -> 171.4 us without them, as NVFP4 there; bench/results/ANALYSIS.md 262)
     if page_ids_ahead is None:
-        page_ids_ahead = ((words_halves and num_stages in (None, 3) and page_size > 1
-                           and (k.kind == v.kind == "nvfp4" or e8m0_16_pair))
+        page_ids_ahead = ((words_halves and words_ahead_pair and num_stages in (None, 3) and page_size > 1)
                           or (kivi_ahead and not kivi_pipeline))
-    words_ahead = bool(page_ids_ahead) and words_halves and (k.kind == v.kind == "nvfp4" or e8m0_16_pair)
+    words_ahead = bool(page_ids_ahead) and words_halves and words_ahead_pair
     # the key-rows loop pipelined by one tile for 4-bit key words without a register cap (H100: int4 at batch 32 x
     # 8,192 248.7 -> 238.1 us, batch 1 x 131,072 136.7 -> 134.8; 2-bit words at their 168-register cap 212.6 -> 234.5,
     # 4-bit bytes at 8 query heads per KV head (capped) 1,060 -> 1,265: off; bench/results/ANALYSIS.md, session 18);
