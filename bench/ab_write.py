@@ -268,6 +268,8 @@ def main() -> int:
                     help="with --sweep: launches to time, each 'k=v,k=v' and separated by ';': lower-case keys "
                          "are plan_write's arguments (maxnreg among them, the register cap), upper-case ones kernel "
                          "constexprs; each one's bytes are checked against the base first")
+    ap.add_argument("--layout", default="HND", choices=("HND", "NHD"),
+                    help="the cache's field layout (head-major HND, the bench's default, or token-major NHD)")
     ap.add_argument("--no-proofs", action="store_true")
     ap.add_argument("--smoke", action="store_true",
                     help="CPU plumbing check under TRITON_INTERPRET=1: 256 tokens, exactness only, no timing")
@@ -277,7 +279,7 @@ def main() -> int:
     dev, tokens = ("cpu", 256) if args.smoke else ("cuda", 65536)
     if args.smoke:
         args.rounds, args.sweep, args.no_proofs = 0, False, True
-    doc = {"environment": environment(), "command": " ".join(["python3", *sys.argv]),
+    doc = {"environment": environment(), "layout": args.layout, "command": " ".join(["python3", *sys.argv]),
            "ceiling_gbs": 0.0 if args.smoke else bandwidth_ceiling_gbs(), "rows": [], "exactness": {},
            "sweep": []}
     print("ceiling_gbs", round(doc["ceiling_gbs"], 1), flush=True)
@@ -291,7 +293,8 @@ def main() -> int:
         Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
 
     for label, scheme_label, side_name in (c for c in CASES if c[0] in args.cases.split(",")):
-        side, x, slots, rec = write_inputs(scheme_label, tokens=tokens, side=side_name, device=dev)
+        side, x, slots, rec = write_inputs(scheme_label, tokens=tokens, side=side_name, device=dev,
+                                           layout=args.layout)
         new = tb.plan_write(side, x, slots)
         # the baseline launched as the rows layout plans it (NVFP4 whole blocks per thread take their own tile)
         rows = tb.plan_write(side, x, slots, nvfp4_blocks=False) if new.constexprs.get("NV_BLOCKS") else new
