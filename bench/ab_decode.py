@@ -25,7 +25,8 @@ FP8 value tiles as 16-bit words (``fp8_value_words``), ``kp`` (0/1): the KIVI ke
 (``kivi_pipeline``), ``kch`` (1/2): KIVI key words' accumulation chains
 (``kivi_key_chains``), ``do`` (0/1): one split writing the outputs itself, no merge launch (``direct_output``),
 ``ksub`` (0/1): KIVI key codes as float16 subnormals (``kivi_subnormal_codes``), ``e8c`` (0/1): fast FP4 block
-rows' E8M0 scales as bare exponent fields after one check per tile (``e8m0_tile_check``), ``t2d`` (0/1):
+rows' E8M0 scales as bare exponent fields after one check per tile (``e8m0_tile_check``), ``ev16`` (0/1): their
+E8M0 value products in float16 against the running scale-code maximum (``e8m0_values_f16``), ``t2d`` (0/1):
 per-element FP4 tiles as [bytes, tokens] with each byte's scale code from its token's word (``fp4_tiles_2d``),
 ``pdl`` (0/1): the merge as a programmatic dependent launch of the split launch (``pdl``), ``pida`` (0/1): each
 next tile's page ids read one step ahead (``page_ids_ahead``), ``vch``: KIVI key words' value products in this many
@@ -63,7 +64,8 @@ KEYS = {"bn": ("block_n", int), "w": ("num_warps", int), "s": ("num_stages", int
         "mdb": ("merge_channels", int), "vw8": ("fp8_value_words", lambda v: v == "1"),
         "kch": ("kivi_key_chains", int), "kp": ("kivi_pipeline", lambda v: v == "1"),
         "do": ("direct_output", lambda v: v == "1"), "ksub": ("kivi_subnormal_codes", lambda v: v == "1"),
-        "e8c": ("e8m0_tile_check", lambda v: v == "1"), "t2d": ("fp4_tiles_2d", lambda v: v == "1"),
+        "e8c": ("e8m0_tile_check", lambda v: v == "1"), "ev16": ("e8m0_values_f16", lambda v: v == "1"),
+        "t2d": ("fp4_tiles_2d", lambda v: v == "1"),
         "pdl": ("pdl", lambda v: v == "1"), "pida": ("page_ids_ahead", lambda v: v == "1"),
         "vch": ("kivi_value_chunks", int), "vsw": ("kivi_value_scale_words", lambda v: v == "1"),
         "csm": ("kivi_chunk_softmax", int), "rj": ("kivi_joined_row_terms", lambda v: v == "1"),

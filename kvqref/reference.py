@@ -171,8 +171,12 @@ def fast_rounding(k_scheme: Any, v_scheme: Any, q_dtype: str, *, kivi_key_rows: 
         u_k=2.0**-16 if kivi_k and not rows_k else 0.0,
         u_p=U_F16 if fp16_v else U_BF16,
         # NVFP4 values: p * s_v * 2**7 rounded to float16 (the block rows of fast NVFP4 pairs), an absolute error of at
-        # most 2**-25 / 2**7 per token times |E2M1| = |v| / s_v <= 2**9 |v|; FP8: p * 2**14, 2**-25 / 2**14
-        a_p=2.0**-23 if isinstance(v_scheme, NVFP4Scheme) else (2.0**-39 if fp16_v else 0.0),
+        # most 2**-25 / 2**7 per token times |E2M1| = |v| / s_v <= 2**9 |v|; FP8: p * 2**14, 2**-25 / 2**14; E8M0
+        # values (block rows, ``e8m0_values_f16``): p * 2**(c - mc + 15) rounded to float16 with mc - 16 <= c <= mc,
+        # 2**-25 * 2**(mc - c - 15) <= 2**-24 of p, plus the float32 underflow of p * 2**(142 - mc) (mc <= 240: at
+        # most 2**-150 * 2**(c - 127) <= 2**-37 in p * 2**(c - mc + 15), 2**-36 of p): below 2**-23 (u_p stays
+        # bfloat16's: the bfloat16 route remains where the codes spread further)
+        a_p=(2.0**-23 if isinstance(v_scheme, (NVFP4Scheme, E8M0BlockScheme)) else (2.0**-39 if fp16_v else 0.0)),
         u_v=2.0**-16 if kivi_v else 0.0,
     )
 

@@ -106,7 +106,8 @@ def test_fast_rounding_constants():
     r = reference.fast_rounding(nv, nv, "float32")
     assert (r.u_q, r.u_p, r.a_p) == (reference.U_F16, reference.U_F16, 2.0**-23)  # NVFP4 block rows: p * s * 2**7
     r = reference.fast_rounding(mx, mx, "bfloat16")  # E8M0 keys: float16 q by block rows, bfloat16 q otherwise
-    assert (r.u_q, r.a_q, r.u_p, r.a_p) == (0.0, 2.0**-39, reference.U_BF16, 0.0)
+    # (a_p: E8M0 values in float16 against the split's reference code, e8m0_values_f16: 2**-24 + 2**-36)
+    assert (r.u_q, r.a_q, r.u_p, r.a_p) == (0.0, 2.0**-39, reference.U_BF16, 2.0**-23)
     assert reference.fast_rounding(mx, mx, "float32").u_q == reference.U_BF16
     r = reference.fast_rounding(kk, kv, "bfloat16")  # key rows: q * s rounded once to float16 (and, with the key
     # codes as float16 subnormals, multiplied by 2**-4 once more for the high nibble's chain)

@@ -893,7 +893,7 @@ def test_e8m0_tile_check_takes_the_rule_for_codes_0_and_255(pair, plant):
     b, kvh, t_k = 2, 1, 7
     heads = slice(2 * kvh, 2 * kvh + 2)  # 4 query heads over 2 KV heads
     q[b, heads, :16] = 1.0
-    cfg = dict(precision="fast", wide_scale_loads=True)
+    cfg = dict(precision="fast", wide_scale_loads=True, e8m0_values_f16=False)  # (float16 values: the next test)
     base, base_lse, _ = _run_decode(cache, q, e8m0_tile_check=False, **cfg)
     out, lse, _ = _run_decode(cache, q, e8m0_tile_check=True, **cfg)
     assert np.array_equal(out, base) and np.array_equal(lse, base_lse)
@@ -913,6 +913,53 @@ def test_e8m0_tile_check_takes_the_rule_for_codes_0_and_255(pair, plant):
         assert np.isnan(out[b, heads]).all() and np.isfinite(np.delete(out, b, axis=0)).all()
     elif cache.v.scheme.name in ("fp4_e2m1", "mxfp4"):
         assert (out[b, heads] != 0).any() and np.isfinite(out).all()
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")  # (``above``: the flagged pass)
+@pytest.mark.parametrize("plant", ["none", "below", "window", "above", "mc143", "mc240", "mc13", "mc241"])
+@pytest.mark.parametrize("pair", [PAIRS[5], ("nvfp4", {}, "mxfp4", {})], ids=[IDS[5], "nvfp4/mxfp4"])
+def test_e8m0_values_f16_within_its_window(pair, plant):
+    """``e8m0_values_f16`` (E8M0 value products in float16 against the split's reference code mc, its first tile's
+    largest value scale code + 4, with ``e8m0_tile_check``): within the oracle's bound (a_p = 2**-23 for the float16
+    subnormal step), not the bfloat16 route's bits (so the float16 route ran), and a code step at the most attended
+    token's largest value element fails the bound. Sequence 2 (70 tokens, one split, tiles of 64 in the interpreter:
+    the second tile partial) with a value scale code planted in block 0 of KV head 1: ``below`` mc - 17 at token 5,
+    ``above`` mc + 1 at token 66 (the second tile): the split reruns the bfloat16 way, the same bits as without the
+    option; ``window`` mc - 16 at token 5 and mc at token 66: no rerun. Every code of the sequence shifted so that mc
+    is 143 (``high``: p * 2**(142 - mc) below p) or 240: no rerun; 13 or 241 (outside 16 .. 240, where p * 2**(142 -
+    mc) could overflow or lose bits in float32's underflow): the split reruns."""
+    rng = np.random.default_rng(31)
+    cache, _ = build_cache(pair, dict(SMALL, head_dim=128), rng)  # (4 or 8 blocks a token: scale words)
+    q = torch.from_numpy(rng.standard_normal((3, 4, 128)).astype(np.float32))
+    b, kvh = 2, 1
+    heads = slice(2 * kvh, 2 * kvh + 2)  # 4 query heads over 2 KV heads
+    slots = [divmod(int(cache.slot_mapping(b, t, 1)[0]), cache.page_size) for t in range(int(cache.seq_lens[b]))]
+    sc = cache.v.storage["scales"]
+    if plant.startswith("mc"):
+        shift = int(plant[2:]) - 4 - max(int(sc[pg, off, kvh].max()) for pg, off in slots[:64])
+        for pg, off in slots:
+            sc[pg, off, kvh] = np.clip(sc[pg, off, kvh].astype(np.int32) + shift, 1, 254)
+    mc = max(int(sc[pg, off, kvh].max()) for pg, off in slots[:64]) + 4
+    if plant in ("below", "window"):
+        sc[slots[5][0], slots[5][1], kvh, 0] = mc - (17 if plant == "below" else 16)
+    if plant in ("above", "window"):
+        sc[slots[66][0], slots[66][1], kvh, 0] = mc + (1 if plant == "above" else 0)
+    cfg = dict(precision="fast", wide_scale_loads=True, e8m0_tile_check=True, num_splits=1)
+    base, base_lse, _ = _run_decode(cache, q, e8m0_values_f16=False, **cfg)
+    out, lse, _ = _run_decode(cache, q, e8m0_values_f16=True, **cfg)
+    ref_out, ref_lse, tol_o, tol_l = _oracle(cache, q.numpy().astype(np.float64), "fast", "float32")
+    assert (np.abs(out - ref_out) <= tol_o).all() and (np.abs(lse - ref_lse) <= tol_l).all()
+    assert np.array_equal(lse, base_lse)  # (the scores do not change)
+    assert np.array_equal(out[b, heads], base[b, heads]) == (plant in ("below", "above", "mc13", "mc241")), plant
+    if plant == "none":  # planted: one code step (the lowest bit) at the most attended token's largest value element
+        K, V = cache.dequantized(b)
+        q64 = q.numpy().astype(np.float64)
+        tt = int(np.argmax(K[:, kvh, :] @ q64[b, 2 * kvh]))
+        d = int(np.argmax(np.abs(V[tt, kvh, :])))
+        page, off = slots[tt]
+        cache.v.storage["codes"][page, off, kvh, d // 2] ^= np.uint8(1 << (4 * (d % 2)))
+        out, _, _ = _run_decode(cache, q, e8m0_values_f16=True, **cfg)
+        assert (np.abs(out - ref_out) > tol_o).any()
 
 
 @pytest.mark.parametrize("precision", ["fast", "exact"])

@@ -23,6 +23,7 @@ from kvqref.kernels.codecs import (  # noqa: E402
     e2m1_pair_bytes,
     e4m3_normal_bits,
     e8m0_to_f32,
+    e8m0_words_outside,
     e8m0_words_rare,
     encode_e2m1,
     encode_f32,
@@ -240,6 +241,39 @@ def test_e8m0_words_rare_flags_exactly_the_words_holding_code_0_or_255(dtype):
     x = torch.from_numpy(np.ascontiguousarray(words).view(dtype).reshape(-1).copy()).to(DEVICE)
     got = torch.empty(x.numel(), dtype=torch.int32, device=DEVICE)
     _words_rare_kernel[(triton.cdiv(x.numel(), 1024),)](x, got, x.numel(), BLOCK=1024)
+    assert np.array_equal(got.cpu().numpy(), want), words[got.cpu().numpy() != want][:4]
+
+
+@triton.jit
+def _words_outside_kernel(W, OUT, n, lo, width, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = i < n
+    lo_t = tl.full((), 0, tl.int32) + lo  # (a tensor even where Triton specializes lo = 1 as a constant)
+    out = e8m0_words_outside(tl.load(W + i, mask=m, other=0), lo_t, tl.full((), 0, tl.int32) + width)
+    tl.store(OUT + i, (out != 0).to(tl.int32), mask=m)
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.int64])
+@pytest.mark.parametrize("lo, width", [(1, 16), (100, 16), (239, 15), (238, 16), (0, 0), (128, 127), (40, 5)])
+def test_e8m0_words_outside_flags_exactly_the_words_with_a_byte_outside_the_window(dtype, lo, width):
+    """e8m0_words_outside (the window check of ``e8m0_values_f16``): nonzero exactly for the words with a byte
+    outside lo .. lo + width: every byte value at every position among bytes inside the window, the window's edges
+    and their neighbours at random positions, and random words."""
+    rng = np.random.default_rng(lo * 131 + width)
+    nb = np.dtype(dtype).itemsize
+    inside = np.arange(lo, lo + width + 1)
+    fill = rng.choice(inside, size=(256 * nb * 2, nb)).astype(np.uint8)
+    k = np.arange(fill.shape[0])
+    fill[k, (k // 2) % nb] = (k // (2 * nb)) % 256  # every byte value at every position
+    edges = np.array([lo - 1, lo, lo + 1, lo + width - 1, lo + width, lo + width + 1]) % 256
+    near = rng.choice(inside, size=(4096, nb)).astype(np.uint8)
+    near[np.arange(4096), rng.integers(0, nb, 4096)] = rng.choice(edges, 4096)
+    words = np.concatenate([fill, near, rng.integers(0, 256, size=(1 << 12, nb), dtype=np.uint8)])
+    want = ((words < lo) | (words > lo + width)).any(1).astype(np.int32)
+    assert 0 < want.sum() < len(want) or width == 127
+    x = torch.from_numpy(np.ascontiguousarray(words).view(dtype).reshape(-1).copy()).to(DEVICE)
+    got = torch.empty(x.numel(), dtype=torch.int32, device=DEVICE)
+    _words_outside_kernel[(triton.cdiv(x.numel(), 1024),)](x, got, x.numel(), lo, width, BLOCK=1024)
     assert np.array_equal(got.cpu().numpy(), want), words[got.cpu().numpy() != want][:4]
 
 

@@ -165,6 +165,23 @@ def e8m0_words_rare(w):
 
 
 @triton.jit
+def e8m0_words_outside(w, lo, width):
+    """Per word of ``w`` [N] (int32/int64 holding E8M0 codes as bytes), nonzero where a byte lies outside ``lo`` ..
+    ``lo + width`` (scalars, 0 <= width <= 127, lo + width <= 255): per byte d = (byte - lo) mod 256 by a subtraction
+    without borrows between bytes, ``((w | H) - (L & ~H)) ^ ((w ^ ~L) & H)`` (H = 0x80..80, L = lo in every byte),
+    then flagged where d >= 128 or ``(d & 0x7F) + (127 - width)`` carries into bit 7 (no carry leaves a byte)."""
+    ones = tl.full((), 0x0101010101010101, tl.int64).to(w.dtype)
+    tops = ones << 7
+    L = lo.to(w.dtype)
+    L = L | (L << 8)
+    L = L | (L << 16)
+    if w.dtype == tl.int64:
+        L = L | (L << 32)
+    d = ((w | tops) - (L & ~tops)) ^ ((w ^ ~L) & tops)
+    return (d | ((d & ~tops) + (127 - width).to(w.dtype) * ones)) & tops
+
+
+@triton.jit
 def floor_log2_f32(x):
     """floor(log2(|x|)) of a finite nonzero float32 from its exponent bits (subnormals give -127..-149
     clamped to -127, which is all an E8M0 scale can hold)."""

@@ -38,6 +38,7 @@ from kvqref.kernels.codecs import (
     bf16_bits_to_f32,
     decode_f32,
     e8m0_to_f32,
+    e8m0_words_outside,
     e8m0_words_rare,
     f32_to_bf16_bits,
     floor_log2_f32,
@@ -279,6 +280,11 @@ E2M1_PAIRS_PTX = tl.constexpr(_e2m1_f16_ptx((("l", "0x1404"), ("l", "0x3424"), (
 E2M1_PAIRS_BF16_PTX = tl.constexpr(_e2m1_pairs_ptx(6))
 #: 2**126, from the bfloat16 PTX unpacking's E2M1 * 2**-126 to E2M1 (a constexpr: the products stay bfloat16)
 TWO_126 = tl.constexpr(8.507059173023462e37)
+#: E8M0 value products in float16 (``e8m0_values_f16``): a split runs them only while every value scale code lies in
+#: mc - window .. mc, mc its first tile's largest value code plus the headroom; the float16 subnormal step then costs
+#: a token's weight at most 2**(window - 40) (docs/kernels.md)
+E8M0_V16_WINDOW = tl.constexpr(16)
+E8M0_V16_HEADROOM = tl.constexpr(4)
 #: :func:`_e2m1_quads`' outputs: $k nibble k of each of the two words (bytes 0, 1 and 2, 3): the low / high nibbles of
 #: bytes 0 and 2 (k = 0, 1), of bytes 1 and 3 (k = 2, 3)
 E2M1_QUADS_PTX = tl.constexpr(_e2m1_f16_ptx((("l", "0x2404"), ("h", "0x2404"), ("l", "0x3414"), ("h", "0x3414"))))
@@ -779,10 +785,17 @@ def _block_rows_scores(qe16, qo16, kb, ksc, NB: tl.constexpr, H: tl.constexpr, N
 
 @triton.jit
 def _block_rows_p(p, vsc, NB: tl.constexpr, H: tl.constexpr, N: tl.constexpr, KIND_V: tl.constexpr,
-                  FMT_V: tl.constexpr, BARE: tl.constexpr):
+                  FMT_V: tl.constexpr, BARE: tl.constexpr, EV16: tl.constexpr = False, mc=0):
     """The value product's rows (block, head): p [H, N] times the block scale (codes ``vsc`` [NB, N]), rounded
-    once: NVFP4 ``fl16(p * s * 2**7)``, E8M0 ``bf16(p * 2**(c - 127))`` (``BARE``: :func:`e8m0_to_f32`'s)."""
-    if KIND_V == 3:
+    once: NVFP4 ``fl16(p * s * 2**7)``, E8M0 ``bf16(p * 2**(c - 127))`` (``BARE``: :func:`e8m0_to_f32`'s), or with
+    ``EV16`` (bare E8M0 codes in mc - ``E8M0_V16_WINDOW`` .. mc, mc the split's reference code in 16 .. 240, as the
+    caller checks) ``fl16((p * 2**(142 - mc)) * 2**(c - 127))``: p * 2**(c - mc + 15), at most 2**15 (float16's
+    range), the power of two of mc applied to p [H, N] once, the code's as its bare exponent field (a masked token's
+    code 0 gives 0.0)."""
+    if EV16:
+        pk = p * pow2_f32(142 - mc)
+        return tl.reshape(pk[None, :, :] * e8m0_to_f32(vsc, BARE=True)[:, None, :], (NB * H, N)).to(tl.float16)
+    elif KIND_V == 3:
         return _split16(tl.reshape(p[None, :, :] * (_fp4_scale(vsc, 3, FMT_V) * 128.0)[:, None, :], (NB * H, N)),
                         True)[0]
     else:
@@ -791,12 +804,14 @@ def _block_rows_p(p, vsc, NB: tl.constexpr, H: tl.constexpr, N: tl.constexpr, KI
 
 @triton.jit
 def _block_rows_values(p, vsc, vb, alpha, acc_lo, acc_hi, NB: tl.constexpr, H: tl.constexpr, N: tl.constexpr,
-                       KIND_V: tl.constexpr, FMT_V: tl.constexpr, PTX: tl.constexpr, BARE: tl.constexpr):
+                       KIND_V: tl.constexpr, FMT_V: tl.constexpr, PTX: tl.constexpr, BARE: tl.constexpr,
+                       EV16: tl.constexpr = False, mc=0):
     """The accumulators of NB blocks' value rows (even / odd channels of the code bytes ``vb`` [N, C]), rescaled by
-    ``alpha`` [H], plus :func:`_block_rows_p` times the codes (NVFP4: float16 E2M1 * 2**-14; E8M0: exact bfloat16)."""
+    ``alpha`` [H], plus :func:`_block_rows_p` times the codes (NVFP4 and ``EV16``: float16 E2M1 * 2**-14; E8M0:
+    exact bfloat16)."""
     ar = tl.reshape(tl.broadcast_to(alpha[None, :], (NB, H)), (NB * H,))
-    pr = _block_rows_p(p, vsc, NB, H, N, KIND_V, FMT_V, BARE)
-    if KIND_V == 3:
+    pr = _block_rows_p(p, vsc, NB, H, N, KIND_V, FMT_V, BARE, EV16, mc)
+    if KIND_V == 3 or EV16:
         v0, v1 = _e2m1_nibbles_f16(vb, PTX)
     else:
         v0, v1 = _e2m1_values_bf16(vb, PTX)
@@ -805,13 +820,14 @@ def _block_rows_values(p, vsc, vb, alpha, acc_lo, acc_hi, NB: tl.constexpr, H: t
 
 @triton.jit
 def _block_rows_value_words(p, vsc, vw, alpha, a0, a1, a2, a3, NB: tl.constexpr, H: tl.constexpr, N: tl.constexpr,
-                            KIND_V: tl.constexpr, FMT_V: tl.constexpr, PTX: tl.constexpr, BARE: tl.constexpr):
+                            KIND_V: tl.constexpr, FMT_V: tl.constexpr, PTX: tl.constexpr, BARE: tl.constexpr,
+                            EV16: tl.constexpr = False, mc=0):
     """The four accumulators of NB blocks' value rows against the code words ``vw`` [N, C] (int16; nibble k of word c
     is channel 4c + k, :func:`_e2m1_quads`), each rescaled by ``alpha`` [H], plus :func:`_block_rows_p` times its
-    quad of channels."""
+    quad of channels (E8M0 without ``EV16``: the codes in bfloat16; else float16 E2M1 * 2**-14)."""
     ar = tl.reshape(tl.broadcast_to(alpha[None, :], (NB, H)), (NB * H,))
-    pr = _block_rows_p(p, vsc, NB, H, N, KIND_V, FMT_V, BARE)
-    v0, v1, v2, v3 = _e2m1_quads(vw, PTX, KIND_V == 2)
+    pr = _block_rows_p(p, vsc, NB, H, N, KIND_V, FMT_V, BARE, EV16, mc)
+    v0, v1, v2, v3 = _e2m1_quads(vw, PTX, KIND_V == 2 and not EV16)
     return (_dot_acc(pr, v0, a0 * ar[:, None]), _dot_acc(pr, v1, a1 * ar[:, None]), _dot_acc(pr, v2, a2 * ar[:, None]),
             _dot_acc(pr, v3, a3 * ar[:, None]))
 
@@ -845,10 +861,11 @@ def _fp4_block_rows_step(qe16, qo16, qe16_b, qo16_b, sc_k, kb, kb_b, ksc, vb, vb
                          acc2, acc3, acc4, acc5, acc6, acc7, H: tl.constexpr, BLOCK_N: tl.constexpr, NBK: tl.constexpr,
                          NBV: tl.constexpr, KIND_K: tl.constexpr, FMT_K: tl.constexpr, KIND_V: tl.constexpr,
                          FMT_V: tl.constexpr, PTX: tl.constexpr, VW: tl.constexpr, HALF_K: tl.constexpr,
-                         HALF_V: tl.constexpr, BARE: tl.constexpr):
+                         HALF_V: tl.constexpr, BARE: tl.constexpr, EV16: tl.constexpr = False, mc=0):
     """One tile of :func:`_fp4_block_rows` after its loads: the scores, the softmax step and the value products
-    (``BARE``: the tile's E8M0 codes all lie in 1 .. 254, :func:`e8m0_to_f32`). Returns the softmax state and the
-    eight accumulators (those the layout does not use pass through)."""
+    (``BARE``: the tile's E8M0 codes all lie in 1 .. 254, :func:`e8m0_to_f32`; ``EV16``: E8M0 value products in
+    float16 against the split's reference code ``mc``). Returns the softmax state and the eight accumulators (those
+    the layout does not use pass through)."""
     if HALF_K:
         ks_a, ks_b = _row_halves(ksc, NBK, BLOCK_N)
         s = _block_rows_scores(qe16, qo16, kb, ks_a, NBK // 2, H, BLOCK_N, KIND_K, FMT_K, PTX, BARE)
@@ -860,20 +877,21 @@ def _fp4_block_rows_step(qe16, qo16, qe16_b, qo16_b, sc_k, kb, kb_b, ksc, vb, vb
     if VW and HALF_V:
         vs_a, vs_b = _row_halves(vsc, NBV, BLOCK_N)
         acc0, acc1, acc2, acc3 = _block_rows_value_words(p, vs_a, vb, alpha, acc0, acc1, acc2, acc3, NBV // 2, H,
-                                                         BLOCK_N, KIND_V, FMT_V, PTX, BARE)
+                                                         BLOCK_N, KIND_V, FMT_V, PTX, BARE, EV16, mc)
         acc4, acc5, acc6, acc7 = _block_rows_value_words(p, vs_b, vb_b, alpha, acc4, acc5, acc6, acc7, NBV // 2,
-                                                         H, BLOCK_N, KIND_V, FMT_V, PTX, BARE)
+                                                         H, BLOCK_N, KIND_V, FMT_V, PTX, BARE, EV16, mc)
     elif HALF_V:
         vs_a, vs_b = _row_halves(vsc, NBV, BLOCK_N)
         acc0, acc1 = _block_rows_values(p, vs_a, vb, alpha, acc0, acc1, NBV // 2, H, BLOCK_N, KIND_V, FMT_V, PTX,
-                                        BARE)
+                                        BARE, EV16, mc)
         acc2, acc3 = _block_rows_values(p, vs_b, vb_b, alpha, acc2, acc3, NBV // 2, H, BLOCK_N, KIND_V, FMT_V, PTX,
-                                        BARE)
+                                        BARE, EV16, mc)
     elif VW:
         acc0, acc1, acc2, acc3 = _block_rows_value_words(p, vsc, vb, alpha, acc0, acc1, acc2, acc3, NBV, H, BLOCK_N,
-                                                         KIND_V, FMT_V, PTX, BARE)
+                                                         KIND_V, FMT_V, PTX, BARE, EV16, mc)
     else:
-        acc0, acc1 = _block_rows_values(p, vsc, vb, alpha, acc0, acc1, NBV, H, BLOCK_N, KIND_V, FMT_V, PTX, BARE)
+        acc0, acc1 = _block_rows_values(p, vsc, vb, alpha, acc0, acc1, NBV, H, BLOCK_N, KIND_V, FMT_V, PTX, BARE,
+                                        EV16, mc)
     return m_i, l_i, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7
 
 
@@ -884,13 +902,18 @@ def _fp4_block_rows_loop(
     BLOCK_N: tl.constexpr, KIND_K: tl.constexpr, QB_K: tl.constexpr, FMT_K: tl.constexpr, KIND_V: tl.constexpr,
     QB_V: tl.constexpr, FMT_V: tl.constexpr, PTX: tl.constexpr, WSC_K: tl.constexpr, WSC_V: tl.constexpr,
     VW: tl.constexpr, HALF_K: tl.constexpr, HALF_V: tl.constexpr, BARE: tl.constexpr,
-    PIDS_AHEAD: tl.constexpr = False,
+    PIDS_AHEAD: tl.constexpr = False, EV16: tl.constexpr = False,
 ):
     """The tile loop of :func:`_fp4_block_rows` over tokens ``start`` .. ``end`` from a fresh softmax state. ``BARE``:
     every E8M0 code taken as the bare exponent field (:func:`e8m0_to_f32`), valid where none is 0 or 255, and per
     token position of a tile a flag of whether any E8M0 code of those tokens was 0 or 255 (int32, nonzero if so; the
-    caller reruns the loop without ``BARE`` if one was). ``PIDS_AHEAD``: each next tile's page ids read one step
-    ahead (``page_ids_ahead``). Returns m, l, the eight accumulators and that flag."""
+    caller reruns the loop without ``BARE`` if one was). ``EV16`` (with ``BARE``, E8M0 values): the value products
+    in float16 against the split's reference code mc, the first tile's largest value scale code plus
+    ``E8M0_V16_HEADROOM`` (:func:`_block_rows_p`: the accumulators hold sum p v 2**(128 - mc)), the flag set for a
+    value code outside mc - ``E8M0_V16_WINDOW`` .. mc instead of 0 / 255 (:func:`e8m0_words_outside`), and for the
+    whole split where mc lies outside 16 .. 240 (so the window lies inside 1 .. 254). ``PIDS_AHEAD``: each next
+    tile's page ids read one step ahead (``page_ids_ahead``). Returns m, l, the eight accumulators, that flag and mc
+    (128 without ``EV16``)."""
     NBK: tl.constexpr = D // QB_K
     NBV: tl.constexpr = D // QB_V
     RV: tl.constexpr = NBV * H
@@ -914,6 +937,15 @@ def _fp4_block_rows_loop(
     acc6 = tl.zeros((RVP, DV), tl.float32)
     acc7 = tl.zeros((RVP, DV), tl.float32)
     sticky = tl.zeros((BLOCK_N,), tl.int32)
+    if EV16:  # the split's reference code: the first tile's largest value scale code + the headroom
+        fslot, fmask = _tile_slots(start, end, BT, b, stride_btb, PAGE, PAGE_SLOTS, BLOCK_N)
+        fcodes = _scale_word_bytes(_block_scale_words(V1, fslot, kvh, v1_s, v1_h, fmask, NBV), NBV, True)
+        mc = tl.max(tl.max(fcodes.to(tl.int32), 1), 0) + E8M0_V16_HEADROOM
+        lo = mc - E8M0_V16_WINDOW
+        sticky = sticky + ((mc < 16) | (mc > 240)).to(tl.int32)  # (outside: the split reruns)
+    else:  # (a tensor, as the rerun's mc replaces the first loop's)
+        mc = tl.full((), 128, tl.int32)
+        lo = mc
     if PIDS_AHEAD:
         nslot, nmask = _tile_slots(start, end, BT, b, stride_btb, PAGE, PAGE_SLOTS, BLOCK_N)
     for t0 in range(start, end, BLOCK_N):
@@ -948,15 +980,19 @@ def _fp4_block_rows_loop(
             vsc = _scale_word_bytes(vws, NBV, True)
         else:
             vsc = _block_scales(V1, slot, kvh, v1_s, v1_h, tmask, NBV, WSC_V, True)
-        if BARE:  # codes 0 and 255 of the tile's E8M0 scales, for the caller's one check after the loop
+        if BARE:  # codes 0 and 255 of the tile's E8M0 scales, for the caller's one check after the loop (masked
+            # tokens read word 0: not flagged, or every split that ends inside a tile would rerun)
             if KIND_K == 2:
-                sticky = sticky | (e8m0_words_rare(kw) != 0).to(tl.int32)
-            if KIND_V == 2:
-                sticky = sticky | (e8m0_words_rare(vws) != 0).to(tl.int32)
+                sticky = sticky | ((e8m0_words_rare(kw) != 0) & tmask).to(tl.int32)
+            if EV16:  # every value code in the window lo .. mc (which excludes 0 and 255)
+                sticky = sticky | ((e8m0_words_outside(vws, lo, mc - lo) != 0) & tmask).to(tl.int32)
+            elif KIND_V == 2:
+                sticky = sticky | ((e8m0_words_rare(vws) != 0) & tmask).to(tl.int32)
         m_i, l_i, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _fp4_block_rows_step(
             qe16, qo16, qe16_b, qo16_b, sc_k, kb, kb_b, ksc, vb, vb_b, vsc, tmask, m_i, l_i, acc0, acc1, acc2, acc3,
-            acc4, acc5, acc6, acc7, H, BLOCK_N, NBK, NBV, KIND_K, FMT_K, KIND_V, FMT_V, PTX, VW, HALF_K, HALF_V, BARE)
-    return m_i, l_i, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, sticky
+            acc4, acc5, acc6, acc7, H, BLOCK_N, NBK, NBV, KIND_K, FMT_K, KIND_V, FMT_V, PTX, VW, HALF_K, HALF_V, BARE,
+            EV16, mc)
+    return m_i, l_i, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, sticky, mc
 
 
 @triton.jit
@@ -966,7 +1002,7 @@ def _fp4_block_rows(
     PAGE_SLOTS: tl.constexpr, BLOCK_N: tl.constexpr, KIND_K: tl.constexpr, QB_K: tl.constexpr, FMT_K: tl.constexpr,
     KIND_V: tl.constexpr, QB_V: tl.constexpr, FMT_V: tl.constexpr, PTX: tl.constexpr, WSC_K: tl.constexpr,
     WSC_V: tl.constexpr, VW: tl.constexpr = False, HALF_K: tl.constexpr = False, HALF_V: tl.constexpr = False,
-    E8M0_CHECK: tl.constexpr = False, PIDS_AHEAD: tl.constexpr = False,
+    E8M0_CHECK: tl.constexpr = False, PIDS_AHEAD: tl.constexpr = False, EV16: tl.constexpr = False,
 ):
     """Fast-mode FP4 keys and values by block rows (``block_rows``): no block scale touches a tile element.
 
@@ -976,7 +1012,10 @@ def _fp4_block_rows(
     float32; times the block scale (float32: E4M3 or E8M0, exact) and summed over b: the scores [H, N]. Values: the
     same rows hold the probability times the token's block scale, rounded once: NVFP4 ``fl16(p * s * 2**7)`` (s <=
     448, so below 448 * 2**7 < 65504) against the float16 E2M1 * 2**-14 tile; E8M0 ``bf16(p * 2**(c - 127))``
-    (bfloat16 has float32's exponent range) against the exact E2M1 values in bfloat16. Output channel d of head h
+    (bfloat16 has float32's exponent range) against the exact E2M1 values in bfloat16, or with ``EV16`` (and
+    ``E8M0_CHECK``) ``fl16(p * 2**(c - mc + 15))`` against the float16 E2M1 * 2**-14 tile, mc the split's reference
+    code (:func:`_fp4_block_rows_loop`; the accumulators times 2**(mc - 128) after the loop; a split with a value code
+    outside its window reruns as for codes 0 and 255). Output channel d of head h
     is row (block of d, h). ``VW``: value tiles read as 16-bit words, four channels each (:func:`_e2m1_quads`), four
     value products of [rows, D/4]: the tensor cores' operand holds two tokens per register, which 16-bit words get
     from transposed matrix loads where bytes take one shared load each. ``HALF_K``, ``HALF_V`` (``channel_halves``):
@@ -1008,20 +1047,26 @@ def _fp4_block_rows(
         qe16_b = qe16
         qo16_b = qo16
     sc_k = qk_scale * pow2_f32(-eq) * 16384.0  # the key tiles hold E2M1 * 2**-14
-    m_i, l_i, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, rare = _fp4_block_rows_loop(
+    EV: tl.constexpr = EV16 and E8M0_CHECK and KIND_V == 2
+    m_i, l_i, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, rare, mc = _fp4_block_rows_loop(
         qe16, qo16, qe16_b, qo16_b, sc_k, BT, K0, K1, V0, V1, b, kvh, start, end, stride_btb, k0_s, k0_h, k1_s,
         k1_h, v0_s, v0_h, v1_s, v1_h, H, D, PAGE, PAGE_SLOTS, BLOCK_N, KIND_K, QB_K, FMT_K, KIND_V, QB_V, FMT_V, PTX,
-        WSC_K, WSC_V, VW, HALF_K, HALF_V, E8M0_CHECK, PIDS_AHEAD)
-    if E8M0_CHECK:  # a code 0 or 255 among the E8M0 scales: the split again, with the rule for them (its page ids
-        # read in the step: the rerun is rare, and carried page ids in both loops spill fp4_e2m1's 168 registers)
+        WSC_K, WSC_V, VW, HALF_K, HALF_V, E8M0_CHECK, PIDS_AHEAD, EV)
+    if E8M0_CHECK:  # a code 0 or 255 among the E8M0 scales (``EV``: or value codes spread too far): the split again,
+        # with the rule for them and bfloat16 value products (its page ids read in the step: the rerun is rare, and
+        # carried page ids in both loops spill fp4_e2m1's 168 registers)
         if tl.max(rare, 0) != 0:
-            m_i, l_i, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, rare = _fp4_block_rows_loop(
+            m_i, l_i, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, rare, mc = _fp4_block_rows_loop(
                 qe16, qo16, qe16_b, qo16_b, sc_k, BT, K0, K1, V0, V1, b, kvh, start, end, stride_btb, k0_s, k0_h, k1_s,
                 k1_h, v0_s, v0_h, v1_s, v1_h, H, D, PAGE, PAGE_SLOTS, BLOCK_N, KIND_K, QB_K, FMT_K, KIND_V, QB_V, FMT_V,
-                PTX, WSC_K, WSC_V, VW, HALF_K, HALF_V, False, False)
+                PTX, WSC_K, WSC_V, VW, HALF_K, HALF_V, False, False, False)
     DV: tl.constexpr = (D // 8 if HALF_V else D // 4) if VW else (D // 4 if HALF_V else D // 2)
     jv = tl.arange(0, DV)
-    f: tl.constexpr = 2.0**14 / 128.0 if KIND_V == 3 else 1.0
+    if EV:  # the accumulators hold sum p v 2**(128 - mc) (mc 128 after a rerun): 2**(mc - 128) in two exact steps
+        k1 = tl.maximum(mc - 128, -126)
+        f = pow2_f32(k1) * pow2_f32(mc - 128 - k1)
+    else:
+        f = 2.0**14 / 128.0 if KIND_V == 3 else 1.0
     if VW and HALF_V:  # the channels of the first half's words, then of the second's
         lo_a, hi_a = _word_channels(acc0, acc1, acc2, acc3, NBV // 2, H, DV, QB_V)
         lo_b, hi_b = _word_channels(acc4, acc5, acc6, acc7, NBV // 2, H, DV, QB_V)
@@ -1868,6 +1913,7 @@ def decode_split_kernel(
     HALF_K: tl.constexpr = False,
     HALF_V: tl.constexpr = False,
     E8M0_CHECK: tl.constexpr = False,
+    EV16: tl.constexpr = False,
     BLOCK_R: tl.constexpr = 0,
     PART: tl.constexpr = 0,
     VW8: tl.constexpr = 0,
@@ -1995,7 +2041,7 @@ def decode_split_kernel(
             acc0, acc1, m_i, l_i = _fp4_block_rows(
                 Q, BT, K0, K1, V0, V1, b, kvh, start, end, stride_qb, stride_qh, stride_btb, k0_s, k0_h, k1_s, k1_h,
                 v0_s, v0_h, v1_s, v1_h, qk_scale, QPK, BLOCK_H, D, PAGE, PAGE_SLOTS, BLOCK_N, KIND_K, QB_K, FMT_K,
-                KIND_V, QB_V, FMT_V, PTX, WSC_K, WSC_V, VW, HALF_K, HALF_V, E8M0_CHECK, PIDS_AHEAD)
+                KIND_V, QB_V, FMT_V, PTX, WSC_K, WSC_V, VW, HALF_K, HALF_V, E8M0_CHECK, PIDS_AHEAD, EV16)
         else:
             if PIDS_AHEAD:  # the first tile's cache rows before the loop, each next tile's one step ahead
                 nslot, nmask = _tile_slots(start, end, BT, b, stride_btb, PAGE, PAGE_SLOTS, BLOCK_N)
@@ -2797,6 +2843,7 @@ def plan_decode(
     direct_output: bool | None = None,
     kivi_subnormal_codes: bool | None = None,
     e8m0_tile_check: bool | None = None,
+    e8m0_values_f16: bool | None = None,
     fp4_tiles_2d: bool | None = None,
     pdl: bool | None = None,
     page_ids_ahead: bool | None = None,
@@ -2887,6 +2934,12 @@ def plan_decode(
     0 and 255 (constexpr ``E8M0_CHECK``); if a tile held code 0 or 255, one uniform branch after the loop reruns the
     split with that rule: the same bits either way; needs every E8M0 side's scales as words (``wide_scale_loads``);
     default: with value words by channel halves (one warp: ``value_words`` and ``channel_halves``).
+    ``e8m0_values_f16``: with ``e8m0_tile_check`` and E8M0 values, the value products in float16 (the byte-domain
+    E2M1 unpacking, no 2**126 multiply) against ``fl16(p * 2**(c - mc + 15))``, mc the split's running maximum of
+    the value scale codes, instead of ``bf16(p * 2**(c - 127))`` against bfloat16 codes (constexpr ``EV16``); a split
+    whose value codes spread more than ``E8M0_V16_WINDOW`` reruns the bfloat16 way (as for codes 0 and 255). Not the
+    same bits: float16 rounds p more finely (2**-11), and adds an absolute error of at most 2**-24 per token's
+    weight (docs/kernels.md); default: wherever ``e8m0_tile_check`` is on with E8M0 values.
     ``fp4_tiles_2d``: per-element FP4 tiles (no block rows; block scales read as words) built as [code bytes, tokens]
     (keys) and [tokens, code bytes] (values), each byte's block scale code shifted out of its token's scale word
     (:func:`_fp4_bytes_codes`), instead of [blocks, bytes, tokens] tiles times a broadcast scale, reshaped (constexpr
@@ -3240,6 +3293,10 @@ def plan_decode(
     # x 8,192, mxfp4 at 64 query heads 299.5 -> 270.8; mxfp4's two-warp programs, capped at 128 registers, spill
     # the second loop's and lose 0.5-2%: bench/results/ANALYSIS.md)
     e8m0_check = (e8m0_check_ok and words_halves) if e8m0_tile_check is None else bool(e8m0_tile_check)
+    ev16_ok = e8m0_check and v.kind == "mxfp4"
+    if e8m0_values_f16 and not ev16_ok:
+        raise ValueError("e8m0_values_f16 needs e8m0_tile_check (block_rows, E8M0 scales as words) and E8M0 values")
+    ev16 = ev16_ok if e8m0_values_f16 is None else bool(e8m0_values_f16)
     # per-element FP4 tiles as [bytes, tokens] with each byte's scale code from its token's scale word (``T2D``): no
     # reshape of [blocks, bytes, tokens] tiles before the product, so fewer, wider shared-memory stores. Default for
     # E8M0 tiles built by PTX (H200, fp4_e2m1 at 64 q / 8 KV heads, head-major: 64 x 16,384 1,019.6 -> 902.1 us, 8 x
@@ -3435,6 +3492,7 @@ def plan_decode(
         HALF_K=half_k,
         HALF_V=half_v,
         E8M0_CHECK=e8m0_check,
+        EV16=ev16,
         PART=0,  # 0: the paged and residual splits in one launch (``residual_launch`` makes 1 and 2)
         BLOCK_R=min(block_n, 32) if key_rows else 0,  # residual tiles: 32 tokens (128 measured 188 KB of shared memory)
         VW8=vw8,
