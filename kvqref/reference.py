@@ -136,8 +136,9 @@ def fast_rounding(k_scheme: Any, v_scheme: Any, q_dtype: str, *, kivi_key_rows: 
     2**-8 would no longer see one code step next to outlier channels), otherwise split in two bfloat16 parts
     from the bfloat16 q; float32 tiles (the KIVI residual) are split in two bfloat16 parts.
     Outputs: p is rounded to bfloat16, or (FP8 values with a tensor scale) ``p * 2**14`` to float16, or (NVFP4
-    values) ``p * 2**14`` or, with fast NVFP4 keys (block rows), ``p * s_v * 2**7`` to float16; the residual tiles
-    are split in two bfloat16 parts; KIVI values fold the token's group scale into
+    values) ``p * 2**14`` or, with fast NVFP4 keys (block rows), ``p * s_v * 2**7`` to float16, or (E8M0 values by
+    block rows, ``e8m0_values_f16``) ``p * 2**(c - mc + 15)`` to float16, mc the split's reference code; the residual
+    tiles are split in two bfloat16 parts; KIVI values fold the token's group scale into
     p (``p * s`` rounded once to bfloat16 against the exact integer codes, the zero term ``p * z`` in float32):
     pass ``V_round = V - Z`` (paged tokens) to :func:`kernel_tolerance`.
     """
