@@ -1513,7 +1513,8 @@ def test_nvfp4_write_skips_slots_of_minus_one(blocks):
 
 def test_write_register_cap():
     """``plan_write(maxnreg=...)`` (a register cap per thread, for tuning): on an NVIDIA GPU the capped launch writes
-    the oracle's bytes; anywhere else, and a cap that is not an int >= 16, is refused before launch."""
+    the oracle's bytes; anywhere else, and a cap that is not an int >= 16, is refused before launch; 0 takes any cap
+    off (KIVI keys: their default cap on NVIDIA GPUs) on every device."""
     from kvqref.conformance import to_dtype_values
 
     rng = np.random.default_rng(23)
@@ -1529,6 +1530,10 @@ def test_write_register_cap():
         ok, detail = triton_write_matches("nvfp4", {}, x, 16, rng, dtype="bfloat16",
                                           launch={"maxnreg": 40, "nvfp4_blocks": False})
         assert ok, detail
+    kside = tb.DeviceCache.from_cache(build_cache(PAIRS[8], SMALL, rng)[0], DEVICE).k  # int2 KIVI keys
+    kx = torch.from_numpy(to_dtype_values(kv_tensor(rng, 16, 2, 64, True), "bfloat16")).to(torch.bfloat16).to(DEVICE)
+    assert ("maxnreg" in tb.plan_write(kside, kx, slots).options) == nvidia
+    assert "maxnreg" not in tb.plan_write(kside, kx, slots, maxnreg=0).options
 
 
 @settings(max_examples=6 if not GPU else 40, deadline=None, suppress_health_check=list(HealthCheck))

@@ -703,7 +703,8 @@ def plan_write(side: Side, x, slot_mapping, *, block_t: int | None = None, block
                store_as_loaded: bool | None = None, word_load: bool | None = None, maxnreg: int | None = None,
                kivi_f16x2: bool | None = None, heads_fast: bool | None = None, x_evict_first: bool | None = None):
     """The launch of :func:`quantize_write` (checked on the host first). ``maxnreg``: a register cap per thread
-    (Triton's CUDA option; NVIDIA GPUs only, for tuning; default: the measured caps below, else none).
+    (Triton's CUDA option; NVIDIA GPUs only, for tuning; 0: no cap on any device; default: the measured caps below,
+    else none).
     ``block_t``/``block_h``/``num_warps``: the tile and warps (default :func:`write_tile`, WRITE_WARPS; KIVI keys
     always take BLOCK_T = G);
     ``hw_fp8``: OCP FP8 codes by the hardware conversion (default: :func:`hardware_fp8_encode` of x's
@@ -859,10 +860,12 @@ def plan_write(side: Side, x, slot_mapping, *, block_t: int | None = None, block
         options["maxnreg"] = WRITE_MAXNREG_KIVI_VALUES
     elif cfg["kind"] == "int_k" and rotation is None and block_d == head_dim and _nvidia_gpu(x.device):
         options["maxnreg"] = WRITE_MAXNREG_KIVI_KEYS
-    if maxnreg is not None:
+    if maxnreg == 0 and not isinstance(maxnreg, bool):  # no cap, whatever the default
+        options.pop("maxnreg", None)
+    elif maxnreg is not None:
         if not _nvidia_gpu(x.device) or isinstance(maxnreg, bool) or not isinstance(maxnreg, int) or maxnreg < 16:
-            raise ValueError(f"maxnreg (registers per thread, an int >= 16) needs an NVIDIA GPU; got {maxnreg!r} on "
-                             f"{x.device}")
+            raise ValueError(f"maxnreg (registers per thread, an int >= 16, or 0 for none) needs an NVIDIA GPU; got "
+                             f"{maxnreg!r} on {x.device}")
         options["maxnreg"] = maxnreg
     t_blocks, h_blocks = triton.cdiv(n, block_t), triton.cdiv(kv_heads, block_h)
     if heads_fast is None:  # unrotated KIVI keys by head on NVIDIA GPUs (H100, session 24: int4 keys 71.1 -> 69.0 us,
