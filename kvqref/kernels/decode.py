@@ -1072,9 +1072,8 @@ def _fp4_block_rows(
                 PTX, WSC_K, WSC_V, VW, HALF_K, HALF_V, False, False, False)
     DV: tl.constexpr = (D // 8 if HALF_V else D // 4) if VW else (D // 4 if HALF_V else D // 2)
     jv = tl.arange(0, DV)
-    if EV:  # the accumulators hold sum p v 2**(128 - mc) (mc 128 after a rerun): 2**(mc - 128) in two exact steps
-        k1 = tl.maximum(mc - 128, -126)
-        f = pow2_f32(k1) * pow2_f32(mc - 128 - k1)
+    if EV:  # the accumulators hold sum p v 2**(128 - mc) (mc in 16 .. 240, or 128 after a rerun)
+        f = pow2_f32(mc - 128)
     else:
         f = 2.0**14 / 128.0 if KIND_V == 3 else 1.0
     if VW and HALF_V:  # the channels of the first half's words, then of the second's
@@ -2945,11 +2944,13 @@ def plan_decode(
     split with that rule: the same bits either way; needs every E8M0 side's scales as words (``wide_scale_loads``);
     default: with value words by channel halves (one warp: ``value_words`` and ``channel_halves``).
     ``e8m0_values_f16``: with ``e8m0_tile_check`` and E8M0 values, the value products in float16 (the byte-domain
-    E2M1 unpacking, no 2**126 multiply) against ``fl16(p * 2**(c - mc + 15))``, mc the split's running maximum of
-    the value scale codes, instead of ``bf16(p * 2**(c - 127))`` against bfloat16 codes (constexpr ``EV16``); a split
-    whose value codes spread more than ``E8M0_V16_WINDOW`` reruns the bfloat16 way (as for codes 0 and 255). Not the
-    same bits: float16 rounds p more finely (2**-11), and adds an absolute error of at most 2**-24 per token's
-    weight (docs/kernels.md); default: wherever ``e8m0_tile_check`` is on with E8M0 values.
+    E2M1 unpacking, no 2**126 multiply) against ``fl16(p * 2**(c - mc + 15))``, mc the split's reference code (its
+    first tile's largest value scale code + ``E8M0_V16_HEADROOM``), instead of ``bf16(p * 2**(c - 127))`` against
+    bfloat16 codes (constexpr ``EV16``); a split with a value code outside mc - ``E8M0_V16_WINDOW`` .. mc, or mc
+    outside 16 .. 240, reruns the bfloat16 way (as for codes 0 and 255). Not the same bits: float16 rounds p more
+    finely (2**-11) and adds an absolute error below 2**-23 per token's weight (docs/kernels.md); default: wherever
+    ``e8m0_tile_check`` is on with E8M0 values (H100, fp4_e2m1 at batch 32 x 8,192 head-major: 154.6 -> 149.1 us,
+    bench/results/ANALYSIS.md, session 40).
     ``fp4_tiles_2d``: per-element FP4 tiles (no block rows; block scales read as words) built as [code bytes, tokens]
     (keys) and [tokens, code bytes] (values), each byte's block scale code shifted out of its token's scale word
     (:func:`_fp4_bytes_codes`), instead of [blocks, bytes, tokens] tiles times a broadcast scale, reshaped (constexpr
