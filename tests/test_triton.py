@@ -922,12 +922,12 @@ def test_e8m0_values_f16_within_its_window(pair, plant):
     """``e8m0_values_f16`` (E8M0 value products in float16 against the split's reference code mc, its first tile's
     largest value scale code + 4, with ``e8m0_tile_check``): within the oracle's bound (a_p = 2**-23 for the float16
     subnormal step), not the bfloat16 route's bits (so the float16 route ran), and a code step at the most attended
-    token's largest value element fails the bound. Sequence 2 (70 tokens, one split, tiles of 64 in the interpreter:
-    the second tile partial) with a value scale code planted in block 0 of KV head 1: ``below`` mc - 17 at token 5,
-    ``above`` mc + 1 at token 66 (the second tile): the split reruns the bfloat16 way, the same bits as without the
-    option; ``window`` mc - 16 at token 5 and mc at token 66: no rerun. Every code of the sequence shifted so that mc
-    is 143 (``high``: p * 2**(142 - mc) below p) or 240: no rerun; 13 or 241 (outside 16 .. 240, where p * 2**(142 -
-    mc) could overflow or lose bits in float32's underflow): the split reruns."""
+    token's largest value element fails the bound. Sequence 2 (70 tokens, one split, its last tile partial at the
+    plan's tile of 64 or fewer tokens) with a value scale code planted in block 0 of KV head 1: ``below`` mc - 17 at
+    token 5, ``above`` mc + 1 at token 66 (a later tile): the split reruns the bfloat16 way, the same bits as without
+    the option; ``window`` mc - 16 at token 5 and mc at token 66: no rerun. Every code of the sequence shifted so that
+    mc is 143 (p * 2**(142 - mc) below p) or 240: no rerun; 13 or 241 (outside 16 .. 240, where p * 2**(142 - mc)
+    could overflow or lose bits in float32's underflow): the split reruns."""
     rng = np.random.default_rng(31)
     cache, _ = build_cache(pair, dict(SMALL, head_dim=128), rng)  # (4 or 8 blocks a token: scale words)
     q = torch.from_numpy(rng.standard_normal((3, 4, 128)).astype(np.float32))
@@ -935,16 +935,19 @@ def test_e8m0_values_f16_within_its_window(pair, plant):
     heads = slice(2 * kvh, 2 * kvh + 2)  # 4 query heads over 2 KV heads
     slots = [divmod(int(cache.slot_mapping(b, t, 1)[0]), cache.page_size) for t in range(int(cache.seq_lens[b]))]
     sc = cache.v.storage["scales"]
+    cfg = dict(precision="fast", wide_scale_loads=True, e8m0_tile_check=True, num_splits=1)
+    bn = split_launch_of(plan_for_cache(q.to(DEVICE), tb.DeviceCache.from_cache(cache, DEVICE), **cfg)[0])
+    bn = bn.constexprs["BLOCK_N"]  # the tile: mc is its first one's largest code + 4
+    assert bn <= 64 and int(cache.seq_lens[b]) % bn
     if plant.startswith("mc"):
-        shift = int(plant[2:]) - 4 - max(int(sc[pg, off, kvh].max()) for pg, off in slots[:64])
+        shift = int(plant[2:]) - 4 - max(int(sc[pg, off, kvh].max()) for pg, off in slots[:bn])
         for pg, off in slots:
             sc[pg, off, kvh] = np.clip(sc[pg, off, kvh].astype(np.int32) + shift, 1, 254)
-    mc = max(int(sc[pg, off, kvh].max()) for pg, off in slots[:64]) + 4
+    mc = max(int(sc[pg, off, kvh].max()) for pg, off in slots[:bn]) + 4
     if plant in ("below", "window"):
         sc[slots[5][0], slots[5][1], kvh, 0] = mc - (17 if plant == "below" else 16)
     if plant in ("above", "window"):
         sc[slots[66][0], slots[66][1], kvh, 0] = mc + (1 if plant == "above" else 0)
-    cfg = dict(precision="fast", wide_scale_loads=True, e8m0_tile_check=True, num_splits=1)
     base, base_lse, _ = _run_decode(cache, q, e8m0_values_f16=False, **cfg)
     out, lse, _ = _run_decode(cache, q, e8m0_values_f16=True, **cfg)
     ref_out, ref_lse, tol_o, tol_l = _oracle(cache, q.numpy().astype(np.float64), "fast", "float32")
