@@ -26,7 +26,7 @@ FP8 value tiles as 16-bit words (``fp8_value_words``), ``kp`` (0/1): the KIVI ke
 (``kivi_key_chains``), ``do`` (0/1): one split writing the outputs itself, no merge launch (``direct_output``),
 ``ksub`` (0/1): KIVI key codes as float16 subnormals (``kivi_subnormal_codes``), ``e8c`` (0/1): fast FP4 block
 rows' E8M0 scales as bare exponent fields after one check per tile (``e8m0_tile_check``), ``ev16`` (0/1): their
-E8M0 value products in float16 against the running scale-code maximum (``e8m0_values_f16``), ``t2d`` (0/1):
+E8M0 value products in float16 against each split's reference scale code (``e8m0_values_f16``), ``t2d`` (0/1):
 per-element FP4 tiles as [bytes, tokens] with each byte's scale code from its token's word (``fp4_tiles_2d``),
 ``pdl`` (0/1): the merge as a programmatic dependent launch of the split launch (``pdl``), ``pida`` (0/1): each
 next tile's page ids read one step ahead (``page_ids_ahead``), ``vch``: KIVI key words' value products in this many

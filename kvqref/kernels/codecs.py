@@ -178,7 +178,7 @@ def e8m0_words_outside(w, lo, width):
     if w.dtype == tl.int64:
         L = L | (L << 32)
     d = ((w | tops) - (L & ~tops)) ^ ((w ^ ~L) & tops)
-    return (d | ((d & ~tops) + (127 - width).to(w.dtype) * ones)) & tops
+    return (d | ((d & ~tops) + (tl.full((), 127, w.dtype) - width) * ones)) & tops
 
 
 @triton.jit

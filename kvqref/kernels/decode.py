@@ -946,7 +946,6 @@ def _fp4_block_rows_loop(
         sticky = sticky + ((mc < 16) | (mc > 240)).to(tl.int32)  # (outside: the split reruns)
     else:  # (a tensor, as the rerun's mc replaces the first loop's)
         mc = tl.full((), 128, tl.int32)
-        lo = mc
     if PIDS_AHEAD:
         nslot, nmask = _tile_slots(start, end, BT, b, stride_btb, PAGE, PAGE_SLOTS, BLOCK_N)
     for t0 in range(start, end, BLOCK_N):
@@ -986,7 +985,7 @@ def _fp4_block_rows_loop(
             if KIND_K == 2:
                 bad = bad | (e8m0_words_rare(kw) != 0).to(tl.int32)
             if EV16:  # every value code in the window lo .. mc (which excludes 0 and 255)
-                bad = bad | (e8m0_words_outside(vws, lo, mc - lo) != 0).to(tl.int32)
+                bad = bad | (e8m0_words_outside(vws, lo, E8M0_V16_WINDOW) != 0).to(tl.int32)
             elif KIND_V == 2:
                 bad = bad | (e8m0_words_rare(vws) != 0).to(tl.int32)
             # a tile's flags join the sticky ones one tile later, and the last tile's after the loop, masked there:
