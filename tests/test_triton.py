@@ -1533,10 +1533,15 @@ def test_write_register_cap():
         ok, detail = triton_write_matches("nvfp4", {}, x, 16, rng, dtype="bfloat16",
                                           launch={"maxnreg": 40, "nvfp4_blocks": False})
         assert ok, detail
-    kside = tb.DeviceCache.from_cache(build_cache(PAIRS[8], SMALL, rng)[0], DEVICE).k  # int2 KIVI keys
+    kside = tb.DeviceCache.from_cache(build_cache(PAIRS[7], SMALL, rng)[0], DEVICE).k  # int4 KIVI keys (capped)
     kx = torch.from_numpy(to_dtype_values(kv_tensor(rng, 16, 2, 64, True), "bfloat16")).to(torch.bfloat16).to(DEVICE)
     assert ("maxnreg" in tb.plan_write(kside, kx, slots).options) == nvidia
     assert "maxnreg" not in tb.plan_write(kside, kx, slots, maxnreg=0).options
+    # int2 KIVI keys by float16 pairs have no default cap (session 41); an explicit one still applies on NVIDIA
+    k2side = tb.DeviceCache.from_cache(build_cache(PAIRS[8], SMALL, rng)[0], DEVICE).k
+    assert "maxnreg" not in tb.plan_write(k2side, kx, slots).options
+    if nvidia:
+        assert tb.plan_write(k2side, kx, slots, maxnreg=80).options["maxnreg"] == 80
 
 
 @settings(max_examples=6 if not GPU else 40, deadline=None, suppress_health_check=list(HealthCheck))
@@ -1728,7 +1733,8 @@ def test_launch_defaults_are_the_measured_choices():
         # KIVI keys of whole heads (head_dim 64 here), by float16 pairs: capped registers on NVIDIA GPUs
         kivi_nv = nvidia and pair[0].endswith("kivi")
         assert launch.constexprs["KIVI_X2"] is kivi_nv
-        assert launch.options.get("maxnreg") == (tb.WRITE_MAXNREG_KIVI_X2_KEYS if kivi_nv else None), pair[0]
+        key_cap = tb.WRITE_MAXNREG_KIVI_X2_INT2_KEYS if pair[0] == "int2_kivi" else tb.WRITE_MAXNREG_KIVI_X2_KEYS
+        assert launch.options.get("maxnreg") == (key_cap if kivi_nv else None), pair[0]
         vlaunch = tb.plan_write(dc.v, x, torch.full((16,), -1, device=DEVICE))  # KIVI values: capped registers
         assert vlaunch.options.get("maxnreg") == (tb.WRITE_MAXNREG_KIVI_X2_VALUES if kivi_nv else None), pair[0]
 
@@ -2345,9 +2351,9 @@ def test_write_layout_defaults_are_the_measured_choices(nvidia, monkeypatch):
     blocks, one warp, stores as loaded (92.6 -> 82.4 us); 2-bit keys (no gain) and head_dim 64 keep whole heads;
     elsewhere neither; session 14: NVFP4 whole blocks at 2 warps (74.1 -> 70.1 us), whole-head keys at <= 96
     registers. Session 23: KIVI by float16 pairs (NVIDIA's default) takes whole heads at 2 warps and
-    WRITE_MAXNREG_KIVI_X2_KEYS registers (int4 keys 81.6 -> 71.1 us); the layouts above are those of
-    ``kivi_f16x2=False``. Planned only (``_nvidia_gpu`` stands in for the device, FP8 encoding by integers); an
-    explicit choice wins."""
+    WRITE_MAXNREG_KIVI_X2_KEYS registers (int4 keys 81.6 -> 71.1 us); session 41: int2 keys by pairs uncapped
+    (WRITE_MAXNREG_KIVI_X2_INT2_KEYS, 65.2 -> 62.3 us); the layouts above are those of ``kivi_f16x2=False``.
+    Planned only (``_nvidia_gpu`` stands in for the device, FP8 encoding by integers); an explicit choice wins."""
     from kvqref.paged import PagedKVCache
 
     monkeypatch.setattr(tb, "_nvidia_gpu", lambda device: nvidia)
@@ -2360,7 +2366,8 @@ def test_write_layout_defaults_are_the_measured_choices(nvidia, monkeypatch):
         x2 = tb.plan_write(dc.k, x, slots, hw_fp8=False)
         assert x2.constexprs["KIVI_X2"] is nvidia and x2.constexprs["BLOCK_D"] == 0, (name, head_dim)
         assert x2.options["num_warps"] == tb.WRITE_WARPS_KIVI_KEYS, (name, head_dim)
-        assert x2.options.get("maxnreg") == (tb.WRITE_MAXNREG_KIVI_X2_KEYS if nvidia else None), (name, head_dim)
+        key_cap = tb.WRITE_MAXNREG_KIVI_X2_INT2_KEYS if name == "int2_kivi" else tb.WRITE_MAXNREG_KIVI_X2_KEYS
+        assert x2.options.get("maxnreg") == (key_cap if nvidia else None), (name, head_dim)
         want = chosen if nvidia else None
         launch = tb.plan_write(dc.k, x, slots, hw_fp8=False, kivi_f16x2=False)
         assert launch.constexprs["BLOCK_D"] == (want[0] if want else 0), (name, head_dim)

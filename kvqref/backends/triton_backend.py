@@ -530,8 +530,11 @@ def kivi_x2_code_words(kind: str, bits: int) -> bool:
 #: (bench/results/history/ab-h100-session23-x2-*.json): unrotated keys at 64 registers int4 78.4 us (64-channel
 #: blocks, one warp, no cap) -> 71.2 (0.81 of the ceiling), int2 72.3 (96) -> 68.4; values at 48 int2 65.9 (64) ->
 #: 64.7, int4 66.9 -> 67.2 (noise); rotated keys at 96 int4 95.9 (no cap) -> 91.4, int2 97.3 -> 91.3 (80: 109.6 /
-#: 106.9, 112: 96.6 / 94.8)
+#: 106.9, 112: 96.6 / 94.8). Session 41 (bench/results/history/ab-write-h100-session41-int2k-*.json): unrotated
+#: int2 keys uncapped 62.3 us (HND) / 63.3 (NHD) against 65.2 / 65.4 at 64 registers and 64.3 / 63.7 at 80, so
+#: int2 keys take no cap (WRITE_MAXNREG_KIVI_X2_INT2_KEYS = None); int4 keys keep 64
 WRITE_MAXNREG_KIVI_X2_KEYS = 64
+WRITE_MAXNREG_KIVI_X2_INT2_KEYS = None
 WRITE_MAXNREG_KIVI_X2_VALUES = 48
 WRITE_MAXNREG_KIVI_X2_ROTATED_KEYS = 96
 
@@ -854,8 +857,11 @@ def plan_write(side: Side, x, slot_mapping, *, block_t: int | None = None, block
     if rotation is not None:
         options["enable_fp_fusion"] = False
     if x2 and _nvidia_gpu(x.device) and (cfg["kind"] == "int_v" or block_d == head_dim):
-        options["maxnreg"] = (WRITE_MAXNREG_KIVI_X2_VALUES if cfg["kind"] == "int_v" else
-                              WRITE_MAXNREG_KIVI_X2_KEYS if rotation is None else WRITE_MAXNREG_KIVI_X2_ROTATED_KEYS)
+        cap = (WRITE_MAXNREG_KIVI_X2_VALUES if cfg["kind"] == "int_v" else
+               WRITE_MAXNREG_KIVI_X2_ROTATED_KEYS if rotation is not None else
+               WRITE_MAXNREG_KIVI_X2_INT2_KEYS if cfg["bits"] == 2 else WRITE_MAXNREG_KIVI_X2_KEYS)
+        if cap is not None:
+            options["maxnreg"] = cap
     elif cfg["kind"] == "int_v" and _nvidia_gpu(x.device):
         options["maxnreg"] = WRITE_MAXNREG_KIVI_VALUES
     elif cfg["kind"] == "int_k" and rotation is None and block_d == head_dim and _nvidia_gpu(x.device):
