@@ -2948,9 +2948,9 @@ def plan_decode(
     bfloat16 codes (constexpr ``EV16``); a split with a value code outside mc - ``E8M0_V16_WINDOW`` .. mc, or mc
     outside 16 .. 240, reruns the bfloat16 way (as for codes 0 and 255). Not the same bits: float16 rounds p more
     finely (2**-11) and adds an absolute error below 2**-23 per token's weight (docs/kernels.md); default: wherever
-    ``e8m0_tile_check`` is on with E8M0 values (H100, fp4_e2m1 at batch 32 x 8,192 head-major: 154.6 -> 149.1 us,
-    timed before the last tile's flags were masked after the loop, which is not timed yet: bench/results/ANALYSIS.md,
-    session 40).
+    ``e8m0_tile_check`` is on with E8M0 values (H100, fp4_e2m1 at batch 32 x 8,192 head-major: 153.7 -> 149.6 us;
+    mxfp4's two-warp programs with the check and these products: faster at some shapes, slower at others, so off
+    there: bench/results/ANALYSIS.md, sessions 40-41).
     ``fp4_tiles_2d``: per-element FP4 tiles (no block rows; block scales read as words) built as [code bytes, tokens]
     (keys) and [tokens, code bytes] (values), each byte's block scale code shifted out of its token's scale word
     (:func:`_fp4_bytes_codes`), instead of [blocks, bytes, tokens] tiles times a broadcast scale, reshaped (constexpr
