@@ -1044,6 +1044,38 @@ def test_fp4_keys_by_token(pair, precision):
         _run_decode(build_cache(PAIRS[1], SMALL, rng)[0], q, fp4_keys_by_token=True)
 
 
+
+@pytest.mark.parametrize("layout", ["HND", "NHD"])
+def test_mxfp4_two_warp_rows_take_the_e8m0_check_at_168_registers(layout, monkeypatch):
+    """Planned as on an NVIDIA GPU (``_nvidia_cuda`` patched; 132 multiprocessors): mxfp4's two-warp block rows (E8M0
+    blocks of 32 on both sides, 4 query heads per KV head) take the E8M0 tile check with float16 value products at
+    E8M0_TWO_WARP_MAXNREG (168) registers, and their split count follows the 6 programs per multiprocessor that cap
+    allows (session 41, H100: batch 32 x 8,192 head-major 143.9 -> 137.6 us at 3 splits); the check asked off gives
+    back TWO_WARP_MAXNREG (128); fp4_e2m1's two-warp rows (1 query head per KV head; blocks of 16) keep 128 without
+    the check (147.3 -> 151.7 us with it)."""
+    from kvqref.kernels import decode as dec
+
+    monkeypatch.setattr(dec, "_nvidia_cuda", lambda t: True)
+    monkeypatch.setattr(dec, "_multiprocessors", lambda d: 132)
+    rng = np.random.default_rng(41)
+    for name, q_heads in (("mxfp4", 8), ("fp4_e2m1", 2)):
+        cache, _ = build_cache((name, {}, name, {}), dict(SMALL, q_heads=q_heads, kv_heads=2, head_dim=128), rng)
+        dc = tb.DeviceCache.from_cache(cache, DEVICE).with_layout(layout)
+        q = torch.zeros(SMALL["batch"], q_heads, 128, dtype=torch.bfloat16, device=DEVICE)
+        split = split_launch_of(plan_for_cache(q, dc, max_seq_len=8192, hw_formats=())[0])
+        assert split.constexprs["BLK"] and split.options["num_warps"] == 2 and split.constexprs["BLOCK_N"] == 64
+        mx = name == "mxfp4"
+        assert split.constexprs["E8M0_CHECK"] is mx and split.constexprs["EV16"] is mx, name
+        assert split.options["maxnreg"] == (dec.E8M0_TWO_WARP_MAXNREG if mx else dec.TWO_WARP_MAXNREG), name
+        if mx:
+            assert dec.E8M0_TWO_WARP_MAXNREG == 168 and dec.two_warp_resident(168) == 6
+            off = split_launch_of(plan_for_cache(q, dc, max_seq_len=8192, hw_formats=(), e8m0_tile_check=False)[0])
+            assert not off.constexprs["E8M0_CHECK"] and off.options["maxnreg"] == dec.TWO_WARP_MAXNREG
+            # the split counts of 6 and 8 resident programs (this CPU plans for 4 multiprocessors)
+            fill = {r: dec.choose_splits(SMALL["batch"], 2, 8192, 64, 4, r)[0] for r in (6, 8)}
+            want = {r: min(dec.choose_splits(SMALL["batch"], 2, 8192, 64, 4)[0], fill[r]) for r in (6, 8)}
+            assert (split.grid[2], off.grid[2]) == (want[6], want[8]) and want[6] != want[8], want
+
 BLOCK_ROW_SHAPES = [  # (q_heads, kv_heads, head_dim): rows (head_dim / block) x heads per KV head, padded to 16
     (4, 2, 64), (2, 2, 128), (16, 2, 64), (8, 1, 128)]
 BLOCK_ROW_PAIRS = [PAIRS[9], PAIRS[5], PAIRS[6], ("mxfp4", {}, "mxfp4", {})]
@@ -1098,10 +1130,15 @@ def test_fp4_block_rows(pair, q_heads, kv_heads, head_dim):
         assert not split_ptx.constexprs["BLK"] and split_ptx.constexprs["PTX"]
         assert (split_ptx.constexprs["BLOCK_N"], split_ptx.options["num_warps"], split_ptx.options["num_stages"]) == (
             128, 2, 2)
-    # the E8M0 tile check: by default with value words by channel halves, where every E8M0 side's scales are words
+    # the E8M0 tile check: by default with value words by channel halves, and (session 41) for mxfp4's block rows
+    # without channel halves (E8M0 blocks of 32 on both sides), where every E8M0 side's scales are words; the float16
+    # value products wherever it is on with E8M0 values
     e8m0 = [split.constexprs[w] for t, w in ((dc.k.tiles(), "WSC_K"), (dc.v.tiles(), "WSC_V")) if t.kind == "mxfp4"]
-    want_check = rows <= 32 and words and halves[1] and bool(e8m0) and all(e8m0)
+    sides = (dc.k.tiles(), dc.v.tiles())
+    mx32_rows = all(t.kind == "mxfp4" and t.block == 32 for t in sides) and not any(halves)
+    want_check = rows <= 32 and (words and halves[1] or mx32_rows) and bool(e8m0) and all(e8m0)
     assert split.constexprs["E8M0_CHECK"] is want_check, (pair[0], q_heads, head_dim)
+    assert split.constexprs["EV16"] is (want_check and dc.v.tiles().kind == "mxfp4"), (pair[0], q_heads, head_dim)
     if v_rows > 32:
         with pytest.raises(ValueError, match="at most 32 value rows"):
             _run_decode(cache, q, block_rows=True, value_words=True)
@@ -2157,6 +2194,7 @@ def test_split_counts_are_the_measured_choices():
         BF16_TWO_WARP_RESIDENT,
         BF16_WIDE,
         BF16_WIDE_RESIDENT,
+        E8M0_TWO_WARP_MAXNREG,
         KEY_ROWS_RESIDENT,
         KIVI_KEY_ROWS_MAXNREG,
         TWO_WARP_MAXNREG,
@@ -2316,6 +2354,9 @@ def test_split_counts_are_the_measured_choices():
             continue
         assert split.options["num_warps"] == 2
         cap = TWO_WARP_MAXNREG if nvidia and pair[0] != "bf16" else None  # (bf16 lost at 128 and 144 registers)
+        if nvidia and pair[0] == "mxfp4":  # with the E8M0 tile check (session 41): 168 registers, 6 resident
+            assert split.constexprs["E8M0_CHECK"] and split.constexprs["EV16"]
+            cap = E8M0_TWO_WARP_MAXNREG
         assert split.options.get("maxnreg") == cap, (batch, pair[0])
         few = batch * 2 < sms  # fewer KV pairs than multiprocessors: whole waves, rounded down
         bn = split.constexprs["BLOCK_N"]

@@ -2717,6 +2717,12 @@ TWO_WARP_RESIDENT = 6
 #: mxfp4 167.4 -> 159.5 us; caps of 136 and 144 lost, 120 tied; bf16 lost at 128 and 144: 375.8 -> 400 us;
 #: bench/results/ANALYSIS.md, session 16)
 TWO_WARP_MAXNREG = 128
+#: mxfp4's two-warp block rows (E8M0 blocks of 32 on both sides) with the E8M0 tile check, which carries the float16
+#: value products: registers per thread (6 programs per multiprocessor). At TWO_WARP_MAXNREG the check's second loop
+#: spills and loses at 4 of 7 shapes; at 168 it wins or ties at every one (H100, head-major batch 32 x 8,192 143.9 ->
+#: 137.6 us, token-major 159.3 -> 151.3, page size 1 163.7 -> 145.3, 128 x 4,096 265.9 -> 263.5, 8 x 32,768 145.4 ->
+#: 143.4, 1 x 131,072 84.1 -> 83.4, 1 query head per KV head 143.5 -> 143.3; bench/results/ANALYSIS.md, session 41)
+E8M0_TWO_WARP_MAXNREG = 168
 
 
 def two_warp_resident(maxnreg: int | None) -> int:
@@ -2859,9 +2865,10 @@ def plan_decode(
     """The launches of decode attention (see :func:`paged_decode`), with their output tensors.
     ``hw_formats``: FP8 format ids converted in hardware (default: what ``q``'s device has); ``maxnreg``:
     a register cap per thread (CUDA only; for tuning occupancy; default on NVIDIA GPUs: ``TWO_WARP_MAXNREG`` for
-    two-warp fast FP8 and mxfp4 block rows, ``KIVI_KEY_ROWS_MAXNREG`` for KIVI key rows at 4 warps: 2-bit words with
-    16 value rows (1 query head per KV head in token-major pages, or 4 warps asked for; elsewhere they take 2 warps
-    uncapped) and 4-bit byte phases with 32, else none);
+    two-warp fast FP8 and mxfp4 block rows (``E8M0_TWO_WARP_MAXNREG`` for mxfp4's with the E8M0 tile check),
+    ``KIVI_KEY_ROWS_MAXNREG`` for KIVI key rows at 4 warps: 2-bit words with 16 value rows (1 query head per KV head
+    in token-major pages, or 4 warps asked for; elsewhere they take 2 warps uncapped) and 4-bit byte phases with 32,
+    else none);
     ``ptx_unpack``: FP4 nibbles (and, with
     ``key_rows``, KIVI codes; with ``fp8_value_words``, the FP8 words' halves in the OCP formats the device converts)
     unpacked with inline PTX (CUDA only); default (None): where it measured faster on the H100, fast-mode E8M0
@@ -2941,16 +2948,16 @@ def plan_decode(
     in 1 .. 254, then the bare exponent field as each code's float32 instead of :func:`e8m0_to_f32`'s rule for codes
     0 and 255 (constexpr ``E8M0_CHECK``); if a tile held code 0 or 255, one uniform branch after the loop reruns the
     split with that rule: the same bits either way; needs every E8M0 side's scales as words (``wide_scale_loads``);
-    default: with value words by channel halves (one warp: ``value_words`` and ``channel_halves``).
+    default: with value words by channel halves (one warp: ``value_words`` and ``channel_halves``), and for mxfp4's
+    two-warp block rows (E8M0 blocks of 32 on both sides) at ``E8M0_TWO_WARP_MAXNREG`` registers on NVIDIA GPUs.
     ``e8m0_values_f16``: with ``e8m0_tile_check`` and E8M0 values, the value products in float16 (the byte-domain
     E2M1 unpacking, no 2**126 multiply) against ``fl16(p * 2**(c - mc + 15))``, mc the split's reference code (its
     first tile's largest value scale code + ``E8M0_V16_HEADROOM``), instead of ``bf16(p * 2**(c - 127))`` against
     bfloat16 codes (constexpr ``EV16``); a split with a value code outside mc - ``E8M0_V16_WINDOW`` .. mc, or mc
     outside 16 .. 240, reruns the bfloat16 way (as for codes 0 and 255). Not the same bits: float16 rounds p more
     finely (2**-11) and adds an absolute error below 2**-23 per token's weight (docs/kernels.md); default: wherever
-    ``e8m0_tile_check`` is on with E8M0 values (H100, fp4_e2m1 at batch 32 x 8,192 head-major: 153.7 -> 149.6 us;
-    mxfp4's two-warp programs with the check and these products: faster at some shapes, slower at others, so off
-    there: bench/results/ANALYSIS.md, sessions 40-41).
+    ``e8m0_tile_check`` is on with E8M0 values (H100, batch 32 x 8,192 head-major: fp4_e2m1 153.7 -> 149.6 us,
+    mxfp4 with the check 143.9 -> 137.6 at 168 registers: bench/results/ANALYSIS.md, sessions 40-41).
     ``fp4_tiles_2d``: per-element FP4 tiles (no block rows; block scales read as words) built as [code bytes, tokens]
     (keys) and [tokens, code bytes] (values), each byte's block scale code shifted out of its token's scale word
     (:func:`_fp4_bytes_codes`), instead of [blocks, bytes, tokens] tiles times a broadcast scale, reshaped (constexpr
@@ -3300,10 +3307,15 @@ def plan_decode(
     e8m0_check_ok = bool(block_rows) and bool(e8m0_sides) and all(wide(t) for t in e8m0_sides)
     if e8m0_tile_check and not e8m0_check_ok:
         raise ValueError("e8m0_tile_check needs block_rows with E8M0 (mxfp4) scales read as words (wide_scale_loads)")
-    # default: one-warp value words by channel halves only (H200, session 26: fp4_e2m1 162.5 -> 157.5 us at batch 32
-    # x 8,192, mxfp4 at 64 query heads 299.5 -> 270.8; mxfp4's two-warp programs, capped at 128 registers, spill
-    # the second loop's and lose 0.5-2%: bench/results/ANALYSIS.md)
-    e8m0_check = (e8m0_check_ok and words_halves) if e8m0_tile_check is None else bool(e8m0_tile_check)
+    # default: one-warp value words by channel halves (H200, session 26: fp4_e2m1 162.5 -> 157.5 us at batch 32 x
+    # 8,192, mxfp4 at 64 query heads 299.5 -> 270.8), and since session 41 mxfp4's two-warp block rows (blocks of 32
+    # on both sides, no channel halves) at E8M0_TWO_WARP_MAXNREG registers, where the check carries the float16 value
+    # products (at 128 registers the check spills its second loop: session 26 measured 0.5-2% slower, session 41 4 of
+    # 7 shapes slower; fp4_e2m1's such launch, 1 query head per KV head, 147.3 -> 151.7 us at 168: off there)
+    mx_rows = bool(block_rows) and k.kind == v.kind == "mxfp4" and not (words_halves or blk_wide or half_k or half_v)
+    mx32_rows = mx_rows and k.block == v.block == 32
+    e8m0_check = ((e8m0_check_ok and (words_halves or mx32_rows)) if e8m0_tile_check is None
+                  else bool(e8m0_tile_check))
     ev16_ok = e8m0_check and v.kind == "mxfp4"
     if e8m0_values_f16 and not ev16_ok:
         raise ValueError("e8m0_values_f16 needs e8m0_tile_check (block_rows, E8M0 scales as words) and E8M0 values")
@@ -3332,10 +3344,8 @@ def plan_decode(
     # -> 156.0; token-major batch 32 153.1 -> 150.4; fp4_e2m1's such launch at 1 query head per KV head, 32 x 8,192:
     # 152.3 -> 150.4, mxfp4 150.1 -> 148.2; one buffer per code tile still; session 32; the same launch at other
     # head dims not measured)
-    mx_rows_stages = bool(block_rows) and k.kind == v.kind == "mxfp4" and not (words_halves or blk_wide or half_k
-                                                                                or half_v)
     if num_stages is None:
-        wide_stages = nvfp4_halves or kivi_words or bf16_wide or e8m0_16_words or words_ahead or mx_rows_stages
+        wide_stages = nvfp4_halves or kivi_words or bf16_wide or e8m0_16_words or words_ahead or mx_rows
         num_stages = 3 if wide_stages else 2 if block_rows or key_rows else (
             3 if k.kind in ("fp8", "int_k") or fast_mx_ptx or (precision == "fast" and k.kind == "nvfp4"
                                                                 and not ptx_unpack) else 2)
@@ -3346,7 +3356,7 @@ def plan_decode(
         (k.kind == v.kind == "fp8" and k.fmt in hw and v.fmt in hw)
         or (bool(block_rows) and k.kind == v.kind == "mxfp4" and block_n == 64 and not words_halves)))
     if maxnreg is None and two_warp_capped:
-        maxnreg = TWO_WARP_MAXNREG
+        maxnreg = E8M0_TWO_WARP_MAXNREG if e8m0_check and mx32_rows else TWO_WARP_MAXNREG
     elif maxnreg is None and e8m0_check and words_halves and _nvidia_cuda(q):
         maxnreg = WORDS_HALVES_MAXNREG  # (triton 3.6, sm_90: fp4_e2m1 242 registers uncapped, 168 without spills)
     has_res = residual is not None
