@@ -1,0 +1,131 @@
+"""The decode tile loop's sm_90 SASS grouped by the source line each instruction came from (static, on the CPU).
+
+    python3 bench/sass_lines.py [--scheme fp4_e2m1] [--qpk 4] [--layout HND] [--top 40]
+
+Plans the scheme's default decode launch as on an H200 (``bench/sass_defaults.py``'s ``load_decode``: 2 KV heads,
+head_dim 128, 140 tokens in pages of 16, KIVI pages of 32), compiles the split launch for sm_90 as ``python3 -m
+kvqref.kernels.aot`` does, disassembles the cubin with Triton's ``nvdisasm -g`` (the line table Triton writes) and
+counts the main tile loop's instructions (the first backward branch whose body holds tensor-core instructions, as
+``bench/sass_mix.py`` finds it) per line of kvqref/kernels/decode.py, with each line's commonest opcodes. The line
+table is the compiler's: an instruction it moved or merged may be charged to a neighbouring line (a register copy
+into an MMA operand is charged to the ``tl.dot``), so read a line's count with its opcodes. Needs a process without
+TRITON_INTERPRET; a cold Triton cache takes about a minute per launch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import warnings
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+_LABEL = re.compile(r"\s*(\.L_x_\d+):")
+_LINE = re.compile(r'//## File "([^"]+)", line (\d+)')
+_INSTR = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)([^;]*);")
+
+
+def loop_by_line(text: str) -> tuple[int, dict[int | None, collections.Counter], str | None]:
+    """(loop instructions, {source line: opcode counts}, the source file the line table names most) of the first
+    backward-branch loop holding tensor-core instructions in ``nvdisasm -g`` text (branch targets are labels there,
+    not addresses)."""
+    files: collections.Counter = collections.Counter()
+    labels: dict[str, int] = {}
+    pending: list[str] = []
+    rows: list[tuple[int, str, int | None, str]] = []
+    line = None
+    for row in text.splitlines():
+        if m := _LABEL.match(row):
+            pending.append(m.group(1))
+        elif m := _LINE.search(row):
+            line = int(m.group(2))
+            files[m.group(1)] += 1
+        elif m := _INSTR.search(row):
+            addr = int(m.group(1), 16)
+            labels.update((label, addr) for label in pending)
+            pending = []
+            rows.append((addr, m.group(2), line, m.group(3)))
+    for addr, op, _line, args in rows:
+        target = labels.get(m.group(1)) if op == "BRA" and (m := re.search(r"(\.L_x_\d+)", args)) else None
+        if target is not None and target < addr:
+            body = [r for r in rows if target <= r[0] <= addr]
+            if any(r[1] in ("HMMA", "HGMMA", "IMMA") for r in body):
+                per: dict[int | None, collections.Counter] = collections.defaultdict(collections.Counter)
+                for _a, o, ln, _args in body:
+                    per[ln][o] += 1
+                return len(body), dict(per), files.most_common(1)[0][0] if files else None
+    return 0, {}, None
+
+
+def default_split_launch(scheme: str, qpk: int, layout: str):
+    """The default split launch of ``scheme`` planned as on an H200 (:func:`sass_defaults.load_decode`)."""
+    import numpy as np
+    import torch
+    from sass_defaults import load_decode
+
+    from kvqref import schemes
+    from kvqref.backends import triton_backend as tb
+    from kvqref.kernels.aot import _hw_formats
+    from kvqref.paged import PagedKVCache
+
+    mod = load_decode("kvqref.kernels.decode")
+    kivi = "kivi" in scheme
+    ko = {"role": "key", "residual": 0} if kivi else {}
+    vo = {"role": "value", "residual": 0} if kivi else {}
+    page = 32 if kivi else 16
+    rng = np.random.default_rng(0)
+    cache = PagedKVCache(schemes.get(scheme, **ko), schemes.get(scheme, **vo), 24, page, 2, 128, batch=2)
+    for b in range(2):
+        cache.append(b, rng.standard_normal((140, 2, 128)), rng.standard_normal((140, 2, 128)))
+    dc = tb.DeviceCache.from_cache(cache, "cpu").with_layout(layout)
+    q = torch.zeros(2, 2 * qpk, 128, dtype=torch.bfloat16)
+    launches, _, _ = mod.plan_decode(q, dc.k.tiles(), dc.v.tiles(), dc.block_table, dc.seq_lens, page,
+                                     residual=dc.residual, max_seq_len=140, hw_formats=_hw_formats("cuda:90"))
+    return next(la for la in launches if "BLOCK_N" in la.constexprs)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--scheme", default="fp4_e2m1")
+    ap.add_argument("--qpk", type=int, default=4, help="query heads per KV head")
+    ap.add_argument("--layout", default="HND", choices=("HND", "NHD"))
+    ap.add_argument("--top", type=int, default=40, help="lines to print, the most instructions first")
+    args = ap.parse_args(argv)
+    warnings.simplefilter("ignore")
+    import triton
+
+    from kvqref.backends._aot import make_target
+    from kvqref.kernels import decode
+    from kvqref.kernels.aot import compile_launch
+
+    launch = default_split_launch(args.scheme, args.qpk, args.layout)
+    ck = compile_launch(launch, make_target("cuda", 90))
+    nvdisasm = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(ck.asm["cubin"])
+    try:
+        text = subprocess.run([str(nvdisasm), "-g", "-c", f.name], capture_output=True, text=True, check=True).stdout
+    finally:
+        os.unlink(f.name)
+    total, per, named = loop_by_line(text)
+    # (Triton's cache may hold this kernel compiled from an identical copy of decode.py elsewhere: its lines then)
+    path = Path(named) if named and Path(named).exists() else Path(decode.__file__)
+    source = path.read_text().splitlines()
+    print(f"{args.scheme}, {args.qpk} q heads per KV head, {args.layout}: {launch.options}; loop {total} instructions;"
+          f" lines of {path}")
+    ranked = sorted(per.items(), key=lambda kv: -sum(kv[1].values()))[:args.top]
+    for line, ops in ranked:
+        text_of = source[line - 1].strip()[:80] if line and line <= len(source) else "?"
+        print(f"{sum(ops.values()):5d}  L{line}: {text_of}  {dict(ops.most_common(6))}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
