@@ -1146,6 +1146,9 @@ def test_fp4_block_rows(pair, q_heads, kv_heads, head_dim):
         out, lse, _ = _run_decode(cache, q, block_rows=blk, value_words=words, channel_halves=ch)
         assert (np.abs(out - ref_out) <= tol_o).all(), (blk, words, ch, np.abs(out - ref_out).max())
         assert (np.abs(lse - ref_lse) <= tol_l).all(), (blk, words, ch, np.abs(lse - ref_lse).max())
+    for ch in (None, False):  # the key products transposed (``key_products_transposed``), by halves or in one
+        out, lse, _ = _run_decode(cache, q, block_rows=True, channel_halves=ch, key_products_transposed=True)
+        assert (np.abs(out - ref_out) <= tol_o).all() and (np.abs(lse - ref_lse) <= tol_l).all(), ch
     b = 2
     K, _ = cache.dequantized(b)
     top = int(np.argmax(K[:, 0, :] @ q64[b, 0]))
@@ -1161,6 +1164,8 @@ def test_fp4_block_rows(pair, q_heads, kv_heads, head_dim):
         for words, ch in ((False, None), (v_rows <= 32, None), (False, False), (v_rows <= 32, False)):
             out, lse, _ = _run_decode(cache, q, block_rows=True, value_words=words, channel_halves=ch)
             assert check(out, lse), (side, words, ch)
+        out, lse, _ = _run_decode(cache, q, block_rows=True, key_products_transposed=True)
+        assert check(out, lse), (side, "key_products_transposed")
         scales[page, off, 0, blk_] -= step
     with pytest.raises(ValueError, match="block_rows"):
         _run_decode(cache, q, block_rows=True, precision="exact")
@@ -1170,6 +1175,8 @@ def test_fp4_block_rows(pair, q_heads, kv_heads, head_dim):
         _run_decode(cache, q, block_rows=False, value_words=True)
     with pytest.raises(ValueError, match="channel_halves needs block_rows"):
         _run_decode(cache, q, block_rows=False, channel_halves=True)
+    with pytest.raises(ValueError, match="key_products_transposed needs block_rows"):
+        _run_decode(cache, q, block_rows=False, key_products_transposed=True)
     if rows <= 32 and not halves[0] and not (v_rows >= 32 and blocks[1] % 2 == 0):  # no side could split
         with pytest.raises(ValueError, match="channel_halves needs a side of >= 32 block rows"):
             _run_decode(cache, q, block_rows=True, channel_halves=True)

@@ -774,12 +774,19 @@ def _block_rows_q(Q, b, kvh, stride_qb, stride_qh, QPK: tl.constexpr, H: tl.cons
 
 @triton.jit
 def _block_rows_scores(qe16, qo16, kb, ksc, NB: tl.constexpr, H: tl.constexpr, N: tl.constexpr, KIND: tl.constexpr,
-                       FMT: tl.constexpr, PTX: tl.constexpr, BARE: tl.constexpr):
+                       FMT: tl.constexpr, PTX: tl.constexpr, BARE: tl.constexpr, KPT: tl.constexpr = False):
     """Scores [H, N] (without the softmax scale) of NB blocks: q's block rows (float16 [NB * H, C], even / odd
     channels) against the code bytes ``kb`` [C, N] as float16 E2M1 * 2**-14, each block's partial dot times its
-    scale (codes ``ksc`` [NB, N], :func:`_fp4_scale`; ``BARE`` as there), summed over the blocks."""
+    scale (codes ``ksc`` [NB, N], :func:`_fp4_scale`; ``BARE`` as there), summed over the blocks. ``KPT``: the
+    product transposed, [N, C] codes @ [C, NB * H] q (the same exact products and float32 sums, the tensor cores'
+    first operand the fresh code tile instead of q: the compiler otherwise copies q's fragments into each zero-start
+    product's destination registers, bench/results/ANALYSIS.md 276), then transposed back."""
     klo, khi = _e2m1_nibbles_f16(kb, PTX)
-    s2 = _dot_acc(qo16, khi, _dot_acc(qe16, klo, tl.zeros((NB * H, N), tl.float32)))
+    if KPT:
+        s2 = tl.trans(_dot_acc(tl.trans(khi), tl.trans(qo16),
+                               _dot_acc(tl.trans(klo), tl.trans(qe16), tl.zeros((N, NB * H), tl.float32))))
+    else:
+        s2 = _dot_acc(qo16, khi, _dot_acc(qe16, klo, tl.zeros((NB * H, N), tl.float32)))
     return tl.sum(tl.reshape(s2, (NB, H, N)) * _fp4_scale(ksc, KIND, FMT, BARE=BARE)[:, None, :], 0)
 
 
@@ -861,18 +868,20 @@ def _fp4_block_rows_step(qe16, qo16, qe16_b, qo16_b, sc_k, kb, kb_b, ksc, vb, vb
                          acc2, acc3, acc4, acc5, acc6, acc7, H: tl.constexpr, BLOCK_N: tl.constexpr, NBK: tl.constexpr,
                          NBV: tl.constexpr, KIND_K: tl.constexpr, FMT_K: tl.constexpr, KIND_V: tl.constexpr,
                          FMT_V: tl.constexpr, PTX: tl.constexpr, VW: tl.constexpr, HALF_K: tl.constexpr,
-                         HALF_V: tl.constexpr, BARE: tl.constexpr, EV16: tl.constexpr = False, mc=0):
+                         HALF_V: tl.constexpr, BARE: tl.constexpr, EV16: tl.constexpr = False, mc=0,
+                         KPT: tl.constexpr = False):
     """One tile of :func:`_fp4_block_rows` after its loads: the scores, the softmax step and the value products
     (``BARE``: the tile's E8M0 codes all lie in 1 .. 254, :func:`e8m0_to_f32`; ``EV16``: E8M0 value products in
-    float16 against the split's reference code ``mc``). Returns the softmax state and the eight accumulators (those
-    the layout does not use pass through)."""
+    float16 against the split's reference code ``mc``; ``KPT``: the key products transposed,
+    :func:`_block_rows_scores`). Returns the softmax state and the eight accumulators (those the layout does not use
+    pass through)."""
     if HALF_K:
         ks_a, ks_b = _row_halves(ksc, NBK, BLOCK_N)
-        s = _block_rows_scores(qe16, qo16, kb, ks_a, NBK // 2, H, BLOCK_N, KIND_K, FMT_K, PTX, BARE)
-        s += _block_rows_scores(qe16_b, qo16_b, kb_b, ks_b, NBK // 2, H, BLOCK_N, KIND_K, FMT_K, PTX, BARE)
+        s = _block_rows_scores(qe16, qo16, kb, ks_a, NBK // 2, H, BLOCK_N, KIND_K, FMT_K, PTX, BARE, KPT)
+        s += _block_rows_scores(qe16_b, qo16_b, kb_b, ks_b, NBK // 2, H, BLOCK_N, KIND_K, FMT_K, PTX, BARE, KPT)
         s = s * sc_k
     else:
-        s = _block_rows_scores(qe16, qo16, kb, ksc, NBK, H, BLOCK_N, KIND_K, FMT_K, PTX, BARE) * sc_k
+        s = _block_rows_scores(qe16, qo16, kb, ksc, NBK, H, BLOCK_N, KIND_K, FMT_K, PTX, BARE, KPT) * sc_k
     p, alpha, m_i, l_i = _softmax_step(s, tmask, m_i, l_i)
     if VW and HALF_V:
         vs_a, vs_b = _row_halves(vsc, NBV, BLOCK_N)
@@ -902,7 +911,7 @@ def _fp4_block_rows_loop(
     BLOCK_N: tl.constexpr, KIND_K: tl.constexpr, QB_K: tl.constexpr, FMT_K: tl.constexpr, KIND_V: tl.constexpr,
     QB_V: tl.constexpr, FMT_V: tl.constexpr, PTX: tl.constexpr, WSC_K: tl.constexpr, WSC_V: tl.constexpr,
     VW: tl.constexpr, HALF_K: tl.constexpr, HALF_V: tl.constexpr, BARE: tl.constexpr,
-    PIDS_AHEAD: tl.constexpr = False, EV16: tl.constexpr = False,
+    PIDS_AHEAD: tl.constexpr = False, EV16: tl.constexpr = False, KPT: tl.constexpr = False,
 ):
     """The tile loop of :func:`_fp4_block_rows` over tokens ``start`` .. ``end`` from a fresh softmax state. ``BARE``:
     every E8M0 code taken as the bare exponent field (:func:`e8m0_to_f32`), valid where none is 0 or 255, and per
@@ -912,7 +921,8 @@ def _fp4_block_rows_loop(
     ``E8M0_V16_HEADROOM`` (:func:`_block_rows_p`: the accumulators hold sum p v 2**(128 - mc)), the flag set for a
     value code outside mc - ``E8M0_V16_WINDOW`` .. mc instead of 0 / 255 (:func:`e8m0_words_outside`), and for the
     whole split where mc lies outside 16 .. 240 (so the window lies inside 1 .. 254). ``PIDS_AHEAD``: each next
-    tile's page ids read one step ahead (``page_ids_ahead``). Returns m, l, the eight accumulators, that flag and mc
+    tile's page ids read one step ahead (``page_ids_ahead``). ``KPT``: the key products transposed
+    (:func:`_block_rows_scores`). Returns m, l, the eight accumulators, that flag and mc
     (128 without ``EV16``)."""
     NBK: tl.constexpr = D // QB_K
     NBV: tl.constexpr = D // QB_V
@@ -997,7 +1007,7 @@ def _fp4_block_rows_loop(
         m_i, l_i, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _fp4_block_rows_step(
             qe16, qo16, qe16_b, qo16_b, sc_k, kb, kb_b, ksc, vb, vb_b, vsc, tmask, m_i, l_i, acc0, acc1, acc2, acc3,
             acc4, acc5, acc6, acc7, H, BLOCK_N, NBK, NBV, KIND_K, FMT_K, KIND_V, FMT_V, PTX, VW, HALF_K, HALF_V, BARE,
-            EV16, mc)
+            EV16, mc, KPT)
     if BARE:  # the last tile's flags, its masked tokens left out
         t_last = start + tl.maximum(end - start - 1, 0) // BLOCK_N * BLOCK_N
         sticky = sticky | (bad_prev & (t_last + tl.arange(0, BLOCK_N) < end).to(tl.int32))
@@ -1012,6 +1022,7 @@ def _fp4_block_rows(
     KIND_V: tl.constexpr, QB_V: tl.constexpr, FMT_V: tl.constexpr, PTX: tl.constexpr, WSC_K: tl.constexpr,
     WSC_V: tl.constexpr, VW: tl.constexpr = False, HALF_K: tl.constexpr = False, HALF_V: tl.constexpr = False,
     E8M0_CHECK: tl.constexpr = False, PIDS_AHEAD: tl.constexpr = False, EV16: tl.constexpr = False,
+    KPT: tl.constexpr = False,
 ):
     """Fast-mode FP4 keys and values by block rows (``block_rows``): no block scale touches a tile element.
 
@@ -1060,7 +1071,7 @@ def _fp4_block_rows(
     m_i, l_i, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, rare, mc = _fp4_block_rows_loop(
         qe16, qo16, qe16_b, qo16_b, sc_k, BT, K0, K1, V0, V1, b, kvh, start, end, stride_btb, k0_s, k0_h, k1_s,
         k1_h, v0_s, v0_h, v1_s, v1_h, H, D, PAGE, PAGE_SLOTS, BLOCK_N, KIND_K, QB_K, FMT_K, KIND_V, QB_V, FMT_V, PTX,
-        WSC_K, WSC_V, VW, HALF_K, HALF_V, E8M0_CHECK, PIDS_AHEAD, EV)
+        WSC_K, WSC_V, VW, HALF_K, HALF_V, E8M0_CHECK, PIDS_AHEAD, EV, KPT)
     if E8M0_CHECK:  # a code 0 or 255 among the E8M0 scales (``EV``: or value codes spread too far): the split again,
         # with the rule for them and bfloat16 value products (its page ids read in the step: the rerun is rare, and
         # carried page ids in both loops spill fp4_e2m1's 168 registers)
@@ -1068,7 +1079,7 @@ def _fp4_block_rows(
             m_i, l_i, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, rare, mc = _fp4_block_rows_loop(
                 qe16, qo16, qe16_b, qo16_b, sc_k, BT, K0, K1, V0, V1, b, kvh, start, end, stride_btb, k0_s, k0_h, k1_s,
                 k1_h, v0_s, v0_h, v1_s, v1_h, H, D, PAGE, PAGE_SLOTS, BLOCK_N, KIND_K, QB_K, FMT_K, KIND_V, QB_V, FMT_V,
-                PTX, WSC_K, WSC_V, VW, HALF_K, HALF_V, False, False, False)
+                PTX, WSC_K, WSC_V, VW, HALF_K, HALF_V, False, False, False, KPT)
     DV: tl.constexpr = (D // 8 if HALF_V else D // 4) if VW else (D // 4 if HALF_V else D // 2)
     jv = tl.arange(0, DV)
     if EV:  # the accumulators hold sum p v 2**(128 - mc) (mc in 16 .. 240, or 128 after a rerun)
@@ -1922,6 +1933,7 @@ def decode_split_kernel(
     HALF_V: tl.constexpr = False,
     E8M0_CHECK: tl.constexpr = False,
     EV16: tl.constexpr = False,
+    KPT: tl.constexpr = False,
     BLOCK_R: tl.constexpr = 0,
     PART: tl.constexpr = 0,
     VW8: tl.constexpr = 0,
@@ -2049,7 +2061,7 @@ def decode_split_kernel(
             acc0, acc1, m_i, l_i = _fp4_block_rows(
                 Q, BT, K0, K1, V0, V1, b, kvh, start, end, stride_qb, stride_qh, stride_btb, k0_s, k0_h, k1_s, k1_h,
                 v0_s, v0_h, v1_s, v1_h, qk_scale, QPK, BLOCK_H, D, PAGE, PAGE_SLOTS, BLOCK_N, KIND_K, QB_K, FMT_K,
-                KIND_V, QB_V, FMT_V, PTX, WSC_K, WSC_V, VW, HALF_K, HALF_V, E8M0_CHECK, PIDS_AHEAD, EV16)
+                KIND_V, QB_V, FMT_V, PTX, WSC_K, WSC_V, VW, HALF_K, HALF_V, E8M0_CHECK, PIDS_AHEAD, EV16, KPT)
         else:
             if PIDS_AHEAD:  # the first tile's cache rows before the loop, each next tile's one step ahead
                 nslot, nmask = _tile_slots(start, end, BT, b, stride_btb, PAGE, PAGE_SLOTS, BLOCK_N)
@@ -2861,6 +2873,7 @@ def plan_decode(
     fp4_tiles_2d: bool | None = None,
     pdl: bool | None = None,
     page_ids_ahead: bool | None = None,
+    key_products_transposed: bool | None = None,
 ):
     """The launches of decode attention (see :func:`paged_decode`), with their output tensors.
     ``hw_formats``: FP8 format ids converted in hardware (default: what ``q``'s device has); ``maxnreg``:
@@ -2958,6 +2971,11 @@ def plan_decode(
     finely (2**-11) and adds an absolute error below 2**-23 per token's weight (docs/kernels.md); default: wherever
     ``e8m0_tile_check`` is on with E8M0 values (H100, batch 32 x 8,192 head-major: fp4_e2m1 153.7 -> 149.6 us,
     mxfp4 with the check 143.9 -> 137.6 at 168 registers: bench/results/ANALYSIS.md, sessions 40-41).
+    ``key_products_transposed``: with ``block_rows``, each key product as [tokens, code bytes] @ [code bytes, rows],
+    the fresh code tile as the tensor cores' first operand instead of q, then transposed back (constexpr ``KPT``; the
+    same exact products and float32 sums). Static, sm_90, triton 3.6, 4 query heads per KV head: the default loops
+    fp4_e2m1 1,174 -> 1,109 instructions, nvfp4 1,204 -> 1,090, mxfp4 998 -> 960, without spills in the loop
+    (bench/results/ANALYSIS.md, 277). Default: off (not yet timed on a GPU).
     ``fp4_tiles_2d``: per-element FP4 tiles (no block rows; block scales read as words) built as [code bytes, tokens]
     (keys) and [tokens, code bytes] (values), each byte's block scale code shifted out of its token's scale word
     (:func:`_fp4_bytes_codes`), instead of [blocks, bytes, tokens] tiles times a broadcast scale, reshaped (constexpr
@@ -3320,6 +3338,9 @@ def plan_decode(
     if e8m0_values_f16 and not ev16_ok:
         raise ValueError("e8m0_values_f16 needs e8m0_tile_check (block_rows, E8M0 scales as words) and E8M0 values")
     ev16 = ev16_ok if e8m0_values_f16 is None else bool(e8m0_values_f16)
+    if key_products_transposed and not block_rows:
+        raise ValueError("key_products_transposed needs block_rows (fast FP4 keys and values by block rows)")
+    kpt = bool(key_products_transposed)
     # per-element FP4 tiles as [bytes, tokens] with each byte's scale code from its token's scale word (``T2D``): no
     # reshape of [blocks, bytes, tokens] tiles before the product, so fewer, wider shared-memory stores. Default for
     # E8M0 tiles built by PTX (H200, fp4_e2m1 at 64 q / 8 KV heads, head-major: 64 x 16,384 1,019.6 -> 902.1 us, 8 x
@@ -3514,6 +3535,7 @@ def plan_decode(
         HALF_V=half_v,
         E8M0_CHECK=e8m0_check,
         EV16=ev16,
+        KPT=kpt,
         PART=0,  # 0: the paged and residual splits in one launch (``residual_launch`` makes 1 and 2)
         BLOCK_R=min(block_n, 32) if key_rows else 0,  # residual tiles: 32 tokens (128 measured 188 KB of shared memory)
         VW8=vw8,
