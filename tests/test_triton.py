@@ -1055,6 +1055,7 @@ def test_mxfp4_two_warp_rows_take_the_e8m0_check_at_168_registers(layout, monkey
     from kvqref.kernels import decode as dec
 
     monkeypatch.setattr(dec, "_nvidia_cuda", lambda t: True)
+    monkeypatch.setattr(dec, "_multiprocessors", lambda device: 4)
     rng = np.random.default_rng(41)
     for name, q_heads in (("mxfp4", 8), ("fp4_e2m1", 2)):
         cache, _ = build_cache((name, {}, name, {}), dict(SMALL, q_heads=q_heads, kv_heads=2, head_dim=128), rng)
@@ -1069,7 +1070,8 @@ def test_mxfp4_two_warp_rows_take_the_e8m0_check_at_168_registers(layout, monkey
             assert dec.E8M0_TWO_WARP_MAXNREG == 168 and dec.two_warp_resident(168) == 6
             off = split_launch_of(plan_for_cache(q, dc, max_seq_len=8192, hw_formats=(), e8m0_tile_check=False)[0])
             assert not off.constexprs["E8M0_CHECK"] and off.options["maxnreg"] == dec.TWO_WARP_MAXNREG
-            # the split counts of 6 and 8 resident programs (this CPU plans for 4 multiprocessors)
+            # the split counts of 6 and 8 resident programs on 4 multiprocessors (as a CPU plans; patched on a GPU,
+            # where 132 of them give this small batch the most splits either way)
             fill = {r: dec.choose_splits(SMALL["batch"], 2, 8192, 64, 4, r)[0] for r in (6, 8)}
             want = {r: min(dec.choose_splits(SMALL["batch"], 2, 8192, 64, 4)[0], fill[r]) for r in (6, 8)}
             assert (split.grid[2], off.grid[2]) == (want[6], want[8]) and want[6] != want[8], want
@@ -1146,9 +1148,16 @@ def test_fp4_block_rows(pair, q_heads, kv_heads, head_dim):
         out, lse, _ = _run_decode(cache, q, block_rows=blk, value_words=words, channel_halves=ch)
         assert (np.abs(out - ref_out) <= tol_o).all(), (blk, words, ch, np.abs(out - ref_out).max())
         assert (np.abs(lse - ref_lse) <= tol_l).all(), (blk, words, ch, np.abs(lse - ref_lse).max())
-    for ch in (None, False):  # the key products transposed (``key_products_transposed``), by halves or in one
-        out, lse, _ = _run_decode(cache, q, block_rows=True, channel_halves=ch, key_products_transposed=True)
-        assert (np.abs(out - ref_out) <= tol_o).all() and (np.abs(lse - ref_lse) <= tol_l).all(), ch
+    # the key products transposed (``key_products_transposed``): the default for two-warp block rows (64-token
+    # tiles) and NVFP4 keys' one-warp value words by channel halves (session 42), not for E8M0 keys' value words by
+    # halves nor 4-warp rows; either way, by halves or in one product
+    tile = (split.constexprs["BLOCK_N"], split.options["num_warps"])
+    two_warp = split.constexprs["BLK"] and tile == (64, 2)
+    nvfp4_halves = split.constexprs["BLK"] and tile == (32, 1) and dc.k.tiles().kind == "nvfp4"
+    assert split.constexprs["KPT"] is (two_warp or nvfp4_halves), (pair[0], q_heads, head_dim)
+    for ch, kpt in ((None, True), (False, True), (None, False), (False, False)):
+        out, lse, _ = _run_decode(cache, q, block_rows=True, channel_halves=ch, key_products_transposed=kpt)
+        assert (np.abs(out - ref_out) <= tol_o).all() and (np.abs(lse - ref_lse) <= tol_l).all(), (ch, kpt)
     b = 2
     K, _ = cache.dequantized(b)
     top = int(np.argmax(K[:, 0, :] @ q64[b, 0]))
@@ -1164,8 +1173,9 @@ def test_fp4_block_rows(pair, q_heads, kv_heads, head_dim):
         for words, ch in ((False, None), (v_rows <= 32, None), (False, False), (v_rows <= 32, False)):
             out, lse, _ = _run_decode(cache, q, block_rows=True, value_words=words, channel_halves=ch)
             assert check(out, lse), (side, words, ch)
-        out, lse, _ = _run_decode(cache, q, block_rows=True, key_products_transposed=True)
-        assert check(out, lse), (side, "key_products_transposed")
+        for kpt in (True, False):
+            out, lse, _ = _run_decode(cache, q, block_rows=True, key_products_transposed=kpt)
+            assert check(out, lse), (side, "key_products_transposed", kpt)
         scales[page, off, 0, blk_] -= step
     with pytest.raises(ValueError, match="block_rows"):
         _run_decode(cache, q, block_rows=True, precision="exact")

@@ -2975,7 +2975,11 @@ def plan_decode(
     the fresh code tile as the tensor cores' first operand instead of q, then transposed back (constexpr ``KPT``; the
     same exact products and float32 sums). Static, sm_90, triton 3.6, 4 query heads per KV head: the default loops
     fp4_e2m1 1,174 -> 1,109 instructions, nvfp4 1,204 -> 1,090, mxfp4 998 -> 960, without spills in the loop
-    (bench/results/ANALYSIS.md, 277). Default: off (not yet timed on a GPU).
+    (bench/results/ANALYSIS.md, 277). Default: two-warp block rows (64-token tiles) and NVFP4's value words by
+    channel halves (H100, batch 32 x 8,192 head-major: mxfp4 at 4 query heads per KV head 135.6 -> 132.3 us, at 1
+    142.7 -> 133.4, fp4_e2m1 at 1 146.4 -> 141.1, nvfp4 at 4 147.9 -> 144.7; as fast or faster at four more shapes);
+    off for E8M0 value words by halves (fp4_e2m1 at 4: 148.2 -> 149.2, mxfp4 at 8: 85.9 -> 86.4) and 4-warp rows (not
+    measured; ANALYSIS 278).
     ``fp4_tiles_2d``: per-element FP4 tiles (no block rows; block scales read as words) built as [code bytes, tokens]
     (keys) and [tokens, code bytes] (values), each byte's block scale code shifted out of its token's scale word
     (:func:`_fp4_bytes_codes`), instead of [blocks, bytes, tokens] tiles times a broadcast scale, reshaped (constexpr
@@ -3340,7 +3344,16 @@ def plan_decode(
     ev16 = ev16_ok if e8m0_values_f16 is None else bool(e8m0_values_f16)
     if key_products_transposed and not block_rows:
         raise ValueError("key_products_transposed needs block_rows (fast FP4 keys and values by block rows)")
-    kpt = bool(key_products_transposed)
+    # default: two-warp block rows (64-token tiles, no value words by halves) and NVFP4 keys' one-warp value words by
+    # channel halves (H100, session 42, head-major, bench/results/ANALYSIS.md 278). Two-warp rows: mxfp4 at 4 query
+    # heads per KV head, batch 32 x 8,192 135.6 -> 132.3 us (token-major 151.4 -> 144.6; page size 1 143.5 -> 142.6;
+    # 128 x 4,096 259.5 -> 257.8; 1 x 131,072 82.0 -> 82.0), at 1 query head per KV head mxfp4 142.7 -> 133.4,
+    # fp4_e2m1 146.4 -> 141.1, nvfp4 146.3 -> 146.6. NVFP4 by halves (4 per KV head): 147.9 -> 144.7 (page size 1
+    # 168.2 -> 160.2; 128 x 4,096 267.7 -> 263.2; 1 x 131,072 85.4 -> 84.6). E8M0 by halves lose: fp4_e2m1 at 4 per
+    # KV head 148.2 -> 149.2 (slower at 5 of 6 shapes), mxfp4 at 8 85.9 -> 86.4; 4-warp rows not measured: off
+    two_warp_rows = bool(block_rows) and not (words_halves or blk_wide)
+    kpt_default = two_warp_rows or (words_halves and k.kind == "nvfp4")
+    kpt = kpt_default if key_products_transposed is None else bool(key_products_transposed)
     # per-element FP4 tiles as [bytes, tokens] with each byte's scale code from its token's scale word (``T2D``): no
     # reshape of [blocks, bytes, tokens] tiles before the product, so fewer, wider shared-memory stores. Default for
     # E8M0 tiles built by PTX (H200, fp4_e2m1 at 64 q / 8 KV heads, head-major: 64 x 16,384 1,019.6 -> 902.1 us, 8 x
