@@ -35,7 +35,8 @@ token chunks (``kivi_value_chunks``), ``vsw`` (0/1): KIVI value scales and zeros
 (0: off; ``kivi_chunk_softmax``), ``rj`` (0/1): the KIVI key rows' two row terms moved as one tensor
 (``kivi_joined_row_terms``), ``vsub`` (0/1): KIVI value codes as bfloat16 subnormals
 (``kivi_value_subnormal_codes``), ``spg`` (0/1): KIVI tiles' page ids as scalars (``kivi_scalar_page_ids``),
-``kpt`` (0/1): FP4 block rows' key products transposed (``key_products_transposed``).
+``kpt`` (0/1): FP4 block rows' key products transposed (``key_products_transposed``), ``e8f`` (0/1): their E8M0
+scales as exponent fields straight from the scale words (``e8m0_scale_fields``).
 KIVI caches carry their residual window, as in bench/decode_bench.py.
 """
 
@@ -72,7 +73,8 @@ KEYS = {"bn": ("block_n", int), "w": ("num_warps", int), "s": ("num_stages", int
         "csm": ("kivi_chunk_softmax", int), "rj": ("kivi_joined_row_terms", lambda v: v == "1"),
         "vsub": ("kivi_value_subnormal_codes", lambda v: v == "1"),
         "spg": ("kivi_scalar_page_ids", lambda v: v == "1"),
-        "kpt": ("key_products_transposed", lambda v: v == "1")}
+        "kpt": ("key_products_transposed", lambda v: v == "1"),
+        "e8f": ("e8m0_scale_fields", lambda v: v == "1")}
 
 
 def parse_variant(text: str) -> tuple[str, str, dict]:

@@ -1,6 +1,7 @@
 """The decode tile loop's sm_90 SASS grouped by the source line each instruction came from (static, on the CPU).
 
-    python3 bench/sass_lines.py [--scheme fp4_e2m1] [--qpk 4] [--layout HND] [--top 40]
+    python3 bench/sass_lines.py [--scheme fp4_e2m1] [--qpk 4] [--layout HND] [--top 40] \
+        [--plan key_products_transposed=true]
 
 Plans the scheme's default decode launch as on an H200 (``bench/sass_defaults.py``'s ``load_decode``: 2 KV heads,
 head_dim 128, 140 tokens in pages of 16, KIVI pages of 32), compiles the split launch for sm_90 as ``python3 -m
@@ -64,8 +65,9 @@ def loop_by_line(text: str) -> tuple[int, dict[int | None, collections.Counter],
     return 0, {}, None
 
 
-def default_split_launch(scheme: str, qpk: int, layout: str):
-    """The default split launch of ``scheme`` planned as on an H200 (:func:`sass_defaults.load_decode`)."""
+def default_split_launch(scheme: str, qpk: int, layout: str, plan: dict | None = None):
+    """The default split launch of ``scheme`` planned as on an H200 (:func:`sass_defaults.load_decode`), with
+    ``plan``'s keyword arguments of ``plan_decode`` over the defaults."""
     import numpy as np
     import torch
     from sass_defaults import load_decode
@@ -87,8 +89,18 @@ def default_split_launch(scheme: str, qpk: int, layout: str):
     dc = tb.DeviceCache.from_cache(cache, "cpu").with_layout(layout)
     q = torch.zeros(2, 2 * qpk, 128, dtype=torch.bfloat16)
     launches, _, _ = mod.plan_decode(q, dc.k.tiles(), dc.v.tiles(), dc.block_table, dc.seq_lens, page,
-                                     residual=dc.residual, max_seq_len=140, hw_formats=_hw_formats("cuda:90"))
+                                     residual=dc.residual, max_seq_len=140, hw_formats=_hw_formats("cuda:90"),
+                                     **(plan or {}))
     return next(la for la in launches if "BLOCK_N" in la.constexprs)
+
+
+def plan_option(text: str) -> tuple[str, int | bool]:
+    """``key=value`` of ``--plan``: ``true`` / ``false`` as booleans, anything else as an integer."""
+    key, _, value = text.partition("=")
+    if not key or not value:
+        raise argparse.ArgumentTypeError(f"--plan wants key=value, got {text!r}")
+    low = value.lower()
+    return key, (low == "true") if low in ("true", "false") else int(value)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -97,6 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--qpk", type=int, default=4, help="query heads per KV head")
     ap.add_argument("--layout", default="HND", choices=("HND", "NHD"))
     ap.add_argument("--top", type=int, default=40, help="lines to print, the most instructions first")
+    ap.add_argument("--plan", type=plan_option, action="append", default=[],
+                    help="a plan_decode keyword over the defaults, key=int or key=true/false (repeatable)")
     args = ap.parse_args(argv)
     warnings.simplefilter("ignore")
     import triton
@@ -105,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     from kvqref.kernels import decode
     from kvqref.kernels.aot import compile_launch
 
-    launch = default_split_launch(args.scheme, args.qpk, args.layout)
+    launch = default_split_launch(args.scheme, args.qpk, args.layout, dict(args.plan))
     ck = compile_launch(launch, make_target("cuda", 90))
     nvdisasm = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
@@ -118,8 +132,11 @@ def main(argv: list[str] | None = None) -> int:
     # (Triton's cache may hold this kernel compiled from an identical copy of decode.py elsewhere: its lines then)
     path = Path(named) if named and Path(named).exists() else Path(decode.__file__)
     source = path.read_text().splitlines()
-    print(f"{args.scheme}, {args.qpk} q heads per KV head, {args.layout}: {launch.options}; loop {total} instructions;"
-          f" lines of {path}")
+    whole = collections.Counter()
+    for ops in per.values():
+        whole.update(ops)
+    print(f"{args.scheme}, {args.qpk} q heads per KV head, {args.layout}: {launch.options}; loop {total} instructions"
+          f" (local loads / stores {whole['LDL']} / {whole['STL']}, barriers {whole['BAR']}); lines of {path}")
     ranked = sorted(per.items(), key=lambda kv: -sum(kv[1].values()))[:args.top]
     for line, ops in ranked:
         text_of = source[line - 1].strip()[:80] if line and line <= len(source) else "?"

@@ -915,6 +915,56 @@ def test_e8m0_tile_check_takes_the_rule_for_codes_0_and_255(pair, plant):
         assert (out[b, heads] != 0).any() and np.isfinite(out).all()
 
 
+@triton.jit
+def _e8m0_word_fields_one_bit_off(w, NB: tl.constexpr, HIGH: tl.constexpr):
+    """A planted bug: ``decode._e8m0_word_fields`` shifting each byte one bit too far (8 b + 8)."""
+    x = w if HIGH else w.to(tl.int64) << 32
+    b = tl.arange(0, NB).to(tl.int64)
+    return ((x[None, :] >> (8 * b + 8)[:, None]).to(tl.int32) & 0x7F800000).to(tl.float32, bitcast=True)
+
+
+E8F_CASES = [  # (pair, q heads over 2 KV heads): the sides whose products take 4 blocks from one half of the word
+    (PAIRS[5], 8),  # fp4_e2m1 both sides, 8 blocks by channel halves (32 rows)
+    (("mxfp4", {}, "mxfp4", {}), 4),  # both sides, 4 blocks
+    (PAIRS[6], 4),  # mxfp4 keys (4 blocks); NVFP4 values keep their codes
+]
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # (the planted bug's scales, interpreter)
+@pytest.mark.parametrize("layout", ["HND", "NHD"])
+@pytest.mark.parametrize("case", E8F_CASES, ids=["fp4_e2m1-halves", "mxfp4", "mxfp4/nvfp4"])
+def test_e8m0_scale_fields_equal_the_bare_codes(case, layout, monkeypatch):
+    """``e8m0_scale_fields`` (with the E8M0 tile check, each E8M0 side's scales as float32 exponent fields made
+    straight from the scale words, ``decode._e8m0_word_fields``): the default where it applies, the same bits as
+    the codes' bare rule (``e8m0_scale_fields=False``) on a cache whose every E8M0 scale code is redrawn in
+    124 .. 135 (inside the float16 values' window, so no split reruns: each block's byte differs from its
+    neighbours'), both layouts. In the interpreter a planted one-bit-off shift changes the output (the fields ran).
+    Refused without the tile check."""
+    from kvqref.kernels import decode as dec
+
+    pair, q_heads = case
+    rng = np.random.default_rng(44)
+    cache, _ = build_cache(pair, dict(SMALL, q_heads=q_heads, head_dim=128), rng)
+    for side in (cache.k, cache.v):
+        if side.scheme.name in ("fp4_e2m1", "mxfp4"):
+            sc = side.storage["scales"]
+            sc[...] = rng.integers(124, 136, sc.shape, dtype=np.uint8)
+    q = torch.from_numpy(rng.standard_normal((3, q_heads, 128)).astype(np.float32)).to(torch.bfloat16)
+    cfg = dict(precision="fast", block_rows=True, wide_scale_loads=True, e8m0_tile_check=True)
+    dc = tb.DeviceCache.from_cache(cache, DEVICE).with_layout(layout)
+    split = split_launch_of(plan_for_cache(q.to(DEVICE), dc, **cfg)[0])
+    assert split.constexprs["E8F"] and split.constexprs["E8M0_CHECK"]
+    (base, base_lse), (out, lse) = _decode_without_and_with(dc, q, cfg, "e8m0_scale_fields", "E8F")
+    assert np.array_equal(out, base) and np.array_equal(lse, base_lse)
+    if not GPU:  # (a compiled kernel would keep its cached dependency)
+        monkeypatch.setattr(dec, "_e8m0_word_fields", _e8m0_word_fields_one_bit_off)
+        bad, bad_lse = tb.decode(q.to(DEVICE), dc, **cfg)
+        assert not np.array_equal(bad.cpu().numpy(), base)
+    with pytest.raises(ValueError, match="e8m0_scale_fields needs e8m0_tile_check"):
+        plan_for_cache(q.to(DEVICE), dc, precision="fast", block_rows=True, e8m0_tile_check=False,
+                       e8m0_scale_fields=True)
+
+
 @pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")  # (``above``: the flagged pass)
 @pytest.mark.parametrize("plant", ["none", "below", "window", "above", "mc143", "mc240", "mc13", "mc241"])
 @pytest.mark.parametrize("pair", [PAIRS[5], ("nvfp4", {}, "mxfp4", {})], ids=[IDS[5], "nvfp4/mxfp4"])

@@ -389,6 +389,20 @@ def _word_byte(w, b):
 
 
 @triton.jit
+def _e8m0_word_fields(w, NB: tl.constexpr, HIGH: tl.constexpr):
+    """Blocks 0 .. NB - 1 (NB <= 4) of each token's E8M0 scale word ``w`` [N] (int32, or the low 32 bits of an int64
+    word; ``HIGH``: its high 32 bits, blocks 4 .. 7) as float32 [NB, N]: :func:`e8m0_to_f32`'s ``BARE`` rule (code c
+    as the exponent field, 2**(c - 127) for c in 1 .. 254, which the caller's tile check ensures), the code's byte
+    moved straight into the field: x holds the 32 bits in the high half of a 64-bit integer, and byte b is bits
+    23 .. 30 of ``x >> (8 b + 9)`` (one funnel shift and one mask, ``& 0x7F800000``, per element instead of a shift
+    out of the word, a shift into the field and a mask)."""
+    x = w if HIGH else w.to(tl.int64) << 32
+    b = tl.arange(0, NB).to(tl.int64)
+    f = (x[None, :] >> (8 * b + 9)[:, None]).to(tl.int32) & 0x7F800000
+    return f.to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _scale_word_bytes(w, NB: tl.constexpr, TOKENS_LAST: tl.constexpr):
     """Byte b of each word of ``w`` [N] (block b's code) as uint8 [NB, N] if ``TOKENS_LAST`` else [N, NB]."""
     b = tl.arange(0, NB)
@@ -774,50 +788,56 @@ def _block_rows_q(Q, b, kvh, stride_qb, stride_qh, QPK: tl.constexpr, H: tl.cons
 
 @triton.jit
 def _block_rows_scores(qe16, qo16, kb, ksc, NB: tl.constexpr, H: tl.constexpr, N: tl.constexpr, KIND: tl.constexpr,
-                       FMT: tl.constexpr, PTX: tl.constexpr, BARE: tl.constexpr, KPT: tl.constexpr = False):
+                       FMT: tl.constexpr, PTX: tl.constexpr, BARE: tl.constexpr, KPT: tl.constexpr = False,
+                       FIELDS: tl.constexpr = False):
     """Scores [H, N] (without the softmax scale) of NB blocks: q's block rows (float16 [NB * H, C], even / odd
     channels) against the code bytes ``kb`` [C, N] as float16 E2M1 * 2**-14, each block's partial dot times its
     scale (codes ``ksc`` [NB, N], :func:`_fp4_scale`; ``BARE`` as there), summed over the blocks. ``KPT``: the
     product transposed, [N, C] codes @ [C, NB * H] q (the same exact products and float32 sums, the tensor cores'
     first operand the fresh code tile instead of q: the compiler otherwise copies q's fragments into each zero-start
-    product's destination registers, bench/results/ANALYSIS.md 276), then transposed back."""
+    product's destination registers, bench/results/ANALYSIS.md 276), then transposed back. ``FIELDS``: ``ksc`` holds
+    the scales themselves (float32, :func:`_e8m0_word_fields`)."""
     klo, khi = _e2m1_nibbles_f16(kb, PTX)
     if KPT:
         s2 = tl.trans(_dot_acc(tl.trans(khi), tl.trans(qo16),
                                _dot_acc(tl.trans(klo), tl.trans(qe16), tl.zeros((N, NB * H), tl.float32))))
     else:
         s2 = _dot_acc(qo16, khi, _dot_acc(qe16, klo, tl.zeros((NB * H, N), tl.float32)))
-    return tl.sum(tl.reshape(s2, (NB, H, N)) * _fp4_scale(ksc, KIND, FMT, BARE=BARE)[:, None, :], 0)
+    scale = ksc if FIELDS else _fp4_scale(ksc, KIND, FMT, BARE=BARE)
+    return tl.sum(tl.reshape(s2, (NB, H, N)) * scale[:, None, :], 0)
 
 
 @triton.jit
 def _block_rows_p(p, vsc, NB: tl.constexpr, H: tl.constexpr, N: tl.constexpr, KIND_V: tl.constexpr,
-                  FMT_V: tl.constexpr, BARE: tl.constexpr, EV16: tl.constexpr = False, mc=0):
+                  FMT_V: tl.constexpr, BARE: tl.constexpr, EV16: tl.constexpr = False, mc=0,
+                  FIELDS: tl.constexpr = False):
     """The value product's rows (block, head): p [H, N] times the block scale (codes ``vsc`` [NB, N]), rounded
     once: NVFP4 ``fl16(p * s * 2**7)``, E8M0 ``bf16(p * 2**(c - 127))`` (``BARE``: :func:`e8m0_to_f32`'s), or with
     ``EV16`` (bare E8M0 codes in mc - ``E8M0_V16_WINDOW`` .. mc, mc the split's reference code in 16 .. 240, as the
     caller checks) ``fl16((p * 2**(142 - mc)) * 2**(c - 127))``: p * 2**(c - mc + 15), at most 2**15 (float16's
     range), the power of two of mc applied to p [H, N] once, the code's as its bare exponent field (a masked token's
-    code 0 gives 0.0)."""
+    code 0 gives 0.0). ``FIELDS`` (E8M0): ``vsc`` holds the scales themselves (float32, :func:`_e8m0_word_fields`)."""
     if EV16:
         pk = p * pow2_f32(142 - mc)
-        return tl.reshape(pk[None, :, :] * e8m0_to_f32(vsc, BARE=True)[:, None, :], (NB * H, N)).to(tl.float16)
+        sv = vsc if FIELDS else e8m0_to_f32(vsc, BARE=True)
+        return tl.reshape(pk[None, :, :] * sv[:, None, :], (NB * H, N)).to(tl.float16)
     elif KIND_V == 3:
         return _split16(tl.reshape(p[None, :, :] * (_fp4_scale(vsc, 3, FMT_V) * 128.0)[:, None, :], (NB * H, N)),
                         True)[0]
     else:
-        return _split(tl.reshape(p[None, :, :] * e8m0_to_f32(vsc, BARE=BARE)[:, None, :], (NB * H, N)), True, True)[0]
+        sv = vsc if FIELDS else e8m0_to_f32(vsc, BARE=BARE)
+        return _split(tl.reshape(p[None, :, :] * sv[:, None, :], (NB * H, N)), True, True)[0]
 
 
 @triton.jit
 def _block_rows_values(p, vsc, vb, alpha, acc_lo, acc_hi, NB: tl.constexpr, H: tl.constexpr, N: tl.constexpr,
                        KIND_V: tl.constexpr, FMT_V: tl.constexpr, PTX: tl.constexpr, BARE: tl.constexpr,
-                       EV16: tl.constexpr = False, mc=0):
+                       EV16: tl.constexpr = False, mc=0, FIELDS: tl.constexpr = False):
     """The accumulators of NB blocks' value rows (even / odd channels of the code bytes ``vb`` [N, C]), rescaled by
     ``alpha`` [H], plus :func:`_block_rows_p` times the codes (NVFP4 and ``EV16``: float16 E2M1 * 2**-14; E8M0:
     exact bfloat16)."""
     ar = tl.reshape(tl.broadcast_to(alpha[None, :], (NB, H)), (NB * H,))
-    pr = _block_rows_p(p, vsc, NB, H, N, KIND_V, FMT_V, BARE, EV16, mc)
+    pr = _block_rows_p(p, vsc, NB, H, N, KIND_V, FMT_V, BARE, EV16, mc, FIELDS)
     if KIND_V == 3 or EV16:
         v0, v1 = _e2m1_nibbles_f16(vb, PTX)
     else:
@@ -828,12 +848,12 @@ def _block_rows_values(p, vsc, vb, alpha, acc_lo, acc_hi, NB: tl.constexpr, H: t
 @triton.jit
 def _block_rows_value_words(p, vsc, vw, alpha, a0, a1, a2, a3, NB: tl.constexpr, H: tl.constexpr, N: tl.constexpr,
                             KIND_V: tl.constexpr, FMT_V: tl.constexpr, PTX: tl.constexpr, BARE: tl.constexpr,
-                            EV16: tl.constexpr = False, mc=0):
+                            EV16: tl.constexpr = False, mc=0, FIELDS: tl.constexpr = False):
     """The four accumulators of NB blocks' value rows against the code words ``vw`` [N, C] (int16; nibble k of word c
     is channel 4c + k, :func:`_e2m1_quads`), each rescaled by ``alpha`` [H], plus :func:`_block_rows_p` times its
     quad of channels (E8M0 without ``EV16``: the codes in bfloat16; else float16 E2M1 * 2**-14)."""
     ar = tl.reshape(tl.broadcast_to(alpha[None, :], (NB, H)), (NB * H,))
-    pr = _block_rows_p(p, vsc, NB, H, N, KIND_V, FMT_V, BARE, EV16, mc)
+    pr = _block_rows_p(p, vsc, NB, H, N, KIND_V, FMT_V, BARE, EV16, mc, FIELDS)
     v0, v1, v2, v3 = _e2m1_quads(vw, PTX, KIND_V == 2 and not EV16)
     return (_dot_acc(pr, v0, a0 * ar[:, None]), _dot_acc(pr, v1, a1 * ar[:, None]), _dot_acc(pr, v2, a2 * ar[:, None]),
             _dot_acc(pr, v3, a3 * ar[:, None]))
@@ -864,43 +884,51 @@ def _columns_cat(a, b, H: tl.constexpr, C: tl.constexpr):
 
 
 @triton.jit
-def _fp4_block_rows_step(qe16, qo16, qe16_b, qo16_b, sc_k, kb, kb_b, ksc, vb, vb_b, vsc, tmask, m_i, l_i, acc0, acc1,
+def _fp4_block_rows_step(qe16, qo16, qe16_b, qo16_b, sc_k, kb, kb_b, ksc, ksc_b, vb, vb_b, vsc, vsc_b, tmask, m_i,
+                         l_i, acc0, acc1,
                          acc2, acc3, acc4, acc5, acc6, acc7, H: tl.constexpr, BLOCK_N: tl.constexpr, NBK: tl.constexpr,
                          NBV: tl.constexpr, KIND_K: tl.constexpr, FMT_K: tl.constexpr, KIND_V: tl.constexpr,
                          FMT_V: tl.constexpr, PTX: tl.constexpr, VW: tl.constexpr, HALF_K: tl.constexpr,
                          HALF_V: tl.constexpr, BARE: tl.constexpr, EV16: tl.constexpr = False, mc=0,
-                         KPT: tl.constexpr = False):
+                         KPT: tl.constexpr = False, FK: tl.constexpr = False, FV: tl.constexpr = False):
     """One tile of :func:`_fp4_block_rows` after its loads: the scores, the softmax step and the value products
     (``BARE``: the tile's E8M0 codes all lie in 1 .. 254, :func:`e8m0_to_f32`; ``EV16``: E8M0 value products in
     float16 against the split's reference code ``mc``; ``KPT``: the key products transposed,
-    :func:`_block_rows_scores`). Returns the softmax state and the eight accumulators (those the layout does not use
-    pass through)."""
+    :func:`_block_rows_scores`); ``FK`` / ``FV``: ``ksc`` / ``vsc`` (and with channel halves ``ksc_b`` / ``vsc_b``,
+    the second half's) hold the E8M0 scales themselves (float32, :func:`_e8m0_word_fields`) instead of codes. Returns
+    the softmax state and the eight accumulators (those the layout does not use pass through)."""
     if HALF_K:
-        ks_a, ks_b = _row_halves(ksc, NBK, BLOCK_N)
-        s = _block_rows_scores(qe16, qo16, kb, ks_a, NBK // 2, H, BLOCK_N, KIND_K, FMT_K, PTX, BARE, KPT)
-        s += _block_rows_scores(qe16_b, qo16_b, kb_b, ks_b, NBK // 2, H, BLOCK_N, KIND_K, FMT_K, PTX, BARE, KPT)
+        if FK:
+            ks_a, ks_b = ksc, ksc_b
+        else:
+            ks_a, ks_b = _row_halves(ksc, NBK, BLOCK_N)
+        s = _block_rows_scores(qe16, qo16, kb, ks_a, NBK // 2, H, BLOCK_N, KIND_K, FMT_K, PTX, BARE, KPT, FK)
+        s += _block_rows_scores(qe16_b, qo16_b, kb_b, ks_b, NBK // 2, H, BLOCK_N, KIND_K, FMT_K, PTX, BARE, KPT, FK)
         s = s * sc_k
     else:
-        s = _block_rows_scores(qe16, qo16, kb, ksc, NBK, H, BLOCK_N, KIND_K, FMT_K, PTX, BARE, KPT) * sc_k
+        s = _block_rows_scores(qe16, qo16, kb, ksc, NBK, H, BLOCK_N, KIND_K, FMT_K, PTX, BARE, KPT, FK) * sc_k
     p, alpha, m_i, l_i = _softmax_step(s, tmask, m_i, l_i)
+    if HALF_V:
+        if FV:
+            vs_a, vs_b = vsc, vsc_b
+        else:
+            vs_a, vs_b = _row_halves(vsc, NBV, BLOCK_N)
     if VW and HALF_V:
-        vs_a, vs_b = _row_halves(vsc, NBV, BLOCK_N)
         acc0, acc1, acc2, acc3 = _block_rows_value_words(p, vs_a, vb, alpha, acc0, acc1, acc2, acc3, NBV // 2, H,
-                                                         BLOCK_N, KIND_V, FMT_V, PTX, BARE, EV16, mc)
+                                                         BLOCK_N, KIND_V, FMT_V, PTX, BARE, EV16, mc, FV)
         acc4, acc5, acc6, acc7 = _block_rows_value_words(p, vs_b, vb_b, alpha, acc4, acc5, acc6, acc7, NBV // 2,
-                                                         H, BLOCK_N, KIND_V, FMT_V, PTX, BARE, EV16, mc)
+                                                         H, BLOCK_N, KIND_V, FMT_V, PTX, BARE, EV16, mc, FV)
     elif HALF_V:
-        vs_a, vs_b = _row_halves(vsc, NBV, BLOCK_N)
         acc0, acc1 = _block_rows_values(p, vs_a, vb, alpha, acc0, acc1, NBV // 2, H, BLOCK_N, KIND_V, FMT_V, PTX,
-                                        BARE, EV16, mc)
+                                        BARE, EV16, mc, FV)
         acc2, acc3 = _block_rows_values(p, vs_b, vb_b, alpha, acc2, acc3, NBV // 2, H, BLOCK_N, KIND_V, FMT_V, PTX,
-                                        BARE, EV16, mc)
+                                        BARE, EV16, mc, FV)
     elif VW:
         acc0, acc1, acc2, acc3 = _block_rows_value_words(p, vsc, vb, alpha, acc0, acc1, acc2, acc3, NBV, H, BLOCK_N,
-                                                         KIND_V, FMT_V, PTX, BARE, EV16, mc)
+                                                         KIND_V, FMT_V, PTX, BARE, EV16, mc, FV)
     else:
         acc0, acc1 = _block_rows_values(p, vsc, vb, alpha, acc0, acc1, NBV, H, BLOCK_N, KIND_V, FMT_V, PTX, BARE,
-                                        EV16, mc)
+                                        EV16, mc, FV)
     return m_i, l_i, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7
 
 
@@ -912,6 +940,7 @@ def _fp4_block_rows_loop(
     QB_V: tl.constexpr, FMT_V: tl.constexpr, PTX: tl.constexpr, WSC_K: tl.constexpr, WSC_V: tl.constexpr,
     VW: tl.constexpr, HALF_K: tl.constexpr, HALF_V: tl.constexpr, BARE: tl.constexpr,
     PIDS_AHEAD: tl.constexpr = False, EV16: tl.constexpr = False, KPT: tl.constexpr = False,
+    FIELDS: tl.constexpr = False,
 ):
     """The tile loop of :func:`_fp4_block_rows` over tokens ``start`` .. ``end`` from a fresh softmax state. ``BARE``:
     every E8M0 code taken as the bare exponent field (:func:`e8m0_to_f32`), valid where none is 0 or 255, and per
@@ -922,10 +951,14 @@ def _fp4_block_rows_loop(
     value code outside mc - ``E8M0_V16_WINDOW`` .. mc instead of 0 / 255 (:func:`e8m0_words_outside`), and for the
     whole split where mc lies outside 16 .. 240 (so the window lies inside 1 .. 254). ``PIDS_AHEAD``: each next
     tile's page ids read one step ahead (``page_ids_ahead``). ``KPT``: the key products transposed
-    (:func:`_block_rows_scores`). Returns m, l, the eight accumulators, that flag and mc
-    (128 without ``EV16``)."""
+    (:func:`_block_rows_scores`). ``FIELDS`` (with ``BARE``): each E8M0 side whose products take 4 blocks from one
+    32-bit half of the scale word (4 blocks, or 8 by channel halves) reads its scales as exponent fields straight from
+    the words (:func:`_e8m0_word_fields`). Returns m, l, the eight accumulators, that flag and mc (128 without
+    ``EV16``)."""
     NBK: tl.constexpr = D // QB_K
     NBV: tl.constexpr = D // QB_V
+    FK: tl.constexpr = FIELDS and BARE and KIND_K == 2 and NBK == (8 if HALF_K else 4)
+    FV: tl.constexpr = FIELDS and BARE and KIND_V == 2 and NBV == (8 if HALF_V else 4)
     RV: tl.constexpr = NBV * H
     DH: tl.constexpr = D // 2
     DKP: tl.constexpr = DH // 2 if HALF_K else DH
@@ -972,9 +1005,15 @@ def _fp4_block_rows_loop(
             kb_b = tl.load(krow + (DKP + jk)[:, None], mask=tmask[None, :], other=0)
         if BARE and KIND_K == 2:
             kw = _block_scale_words(K1, slot, kvh, k1_s, k1_h, tmask, NBK)
-            ksc = _scale_word_bytes(kw, NBK, True)
+            if FK:  # (by channel halves: blocks 0 .. 3 from the word's low 32 bits, 4 .. 7 from its high ones)
+                ksc = _e8m0_word_fields(kw, 4, False)
+                ksc_b = _e8m0_word_fields(kw, 4, True) if HALF_K else ksc
+            else:
+                ksc = _scale_word_bytes(kw, NBK, True)
+                ksc_b = ksc
         else:
             ksc = _block_scales(K1, slot, kvh, k1_s, k1_h, tmask, NBK, WSC_K, True)
+            ksc_b = ksc
         vrow = V0 + slot[:, None] * v0_s + kvh * v0_h
         vb_b = 0  # (HALF_V only)
         if VW:
@@ -987,9 +1026,15 @@ def _fp4_block_rows_loop(
                 vb_b = tl.load(vrow + (DV + jv)[None, :], mask=tmask[:, None], other=0)
         if BARE and KIND_V == 2:
             vws = _block_scale_words(V1, slot, kvh, v1_s, v1_h, tmask, NBV)
-            vsc = _scale_word_bytes(vws, NBV, True)
+            if FV:
+                vsc = _e8m0_word_fields(vws, 4, False)
+                vsc_b = _e8m0_word_fields(vws, 4, True) if HALF_V else vsc
+            else:
+                vsc = _scale_word_bytes(vws, NBV, True)
+                vsc_b = vsc
         else:
             vsc = _block_scales(V1, slot, kvh, v1_s, v1_h, tmask, NBV, WSC_V, True)
+            vsc_b = vsc
         if BARE:  # codes 0 and 255 of the tile's E8M0 scales, for the caller's one check after the loop
             bad = tl.zeros((BLOCK_N,), tl.int32)
             if KIND_K == 2:
@@ -1005,9 +1050,9 @@ def _fp4_block_rows_loop(
             sticky = sticky | bad_prev
             bad_prev = bad
         m_i, l_i, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _fp4_block_rows_step(
-            qe16, qo16, qe16_b, qo16_b, sc_k, kb, kb_b, ksc, vb, vb_b, vsc, tmask, m_i, l_i, acc0, acc1, acc2, acc3,
-            acc4, acc5, acc6, acc7, H, BLOCK_N, NBK, NBV, KIND_K, FMT_K, KIND_V, FMT_V, PTX, VW, HALF_K, HALF_V, BARE,
-            EV16, mc, KPT)
+            qe16, qo16, qe16_b, qo16_b, sc_k, kb, kb_b, ksc, ksc_b, vb, vb_b, vsc, vsc_b, tmask, m_i, l_i, acc0, acc1,
+            acc2, acc3, acc4, acc5, acc6, acc7, H, BLOCK_N, NBK, NBV, KIND_K, FMT_K, KIND_V, FMT_V, PTX, VW, HALF_K,
+            HALF_V, BARE, EV16, mc, KPT, FK, FV)
     if BARE:  # the last tile's flags, its masked tokens left out
         t_last = start + tl.maximum(end - start - 1, 0) // BLOCK_N * BLOCK_N
         sticky = sticky | (bad_prev & (t_last + tl.arange(0, BLOCK_N) < end).to(tl.int32))
@@ -1022,7 +1067,7 @@ def _fp4_block_rows(
     KIND_V: tl.constexpr, QB_V: tl.constexpr, FMT_V: tl.constexpr, PTX: tl.constexpr, WSC_K: tl.constexpr,
     WSC_V: tl.constexpr, VW: tl.constexpr = False, HALF_K: tl.constexpr = False, HALF_V: tl.constexpr = False,
     E8M0_CHECK: tl.constexpr = False, PIDS_AHEAD: tl.constexpr = False, EV16: tl.constexpr = False,
-    KPT: tl.constexpr = False,
+    KPT: tl.constexpr = False, FIELDS: tl.constexpr = False,
 ):
     """Fast-mode FP4 keys and values by block rows (``block_rows``): no block scale touches a tile element.
 
@@ -1071,7 +1116,7 @@ def _fp4_block_rows(
     m_i, l_i, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, rare, mc = _fp4_block_rows_loop(
         qe16, qo16, qe16_b, qo16_b, sc_k, BT, K0, K1, V0, V1, b, kvh, start, end, stride_btb, k0_s, k0_h, k1_s,
         k1_h, v0_s, v0_h, v1_s, v1_h, H, D, PAGE, PAGE_SLOTS, BLOCK_N, KIND_K, QB_K, FMT_K, KIND_V, QB_V, FMT_V, PTX,
-        WSC_K, WSC_V, VW, HALF_K, HALF_V, E8M0_CHECK, PIDS_AHEAD, EV, KPT)
+        WSC_K, WSC_V, VW, HALF_K, HALF_V, E8M0_CHECK, PIDS_AHEAD, EV, KPT, FIELDS)
     if E8M0_CHECK:  # a code 0 or 255 among the E8M0 scales (``EV``: or value codes spread too far): the split again,
         # with the rule for them and bfloat16 value products (its page ids read in the step: the rerun is rare, and
         # carried page ids in both loops spill fp4_e2m1's 168 registers)
@@ -1934,6 +1979,7 @@ def decode_split_kernel(
     E8M0_CHECK: tl.constexpr = False,
     EV16: tl.constexpr = False,
     KPT: tl.constexpr = False,
+    E8F: tl.constexpr = False,
     BLOCK_R: tl.constexpr = 0,
     PART: tl.constexpr = 0,
     VW8: tl.constexpr = 0,
@@ -2061,7 +2107,7 @@ def decode_split_kernel(
             acc0, acc1, m_i, l_i = _fp4_block_rows(
                 Q, BT, K0, K1, V0, V1, b, kvh, start, end, stride_qb, stride_qh, stride_btb, k0_s, k0_h, k1_s, k1_h,
                 v0_s, v0_h, v1_s, v1_h, qk_scale, QPK, BLOCK_H, D, PAGE, PAGE_SLOTS, BLOCK_N, KIND_K, QB_K, FMT_K,
-                KIND_V, QB_V, FMT_V, PTX, WSC_K, WSC_V, VW, HALF_K, HALF_V, E8M0_CHECK, PIDS_AHEAD, EV16, KPT)
+                KIND_V, QB_V, FMT_V, PTX, WSC_K, WSC_V, VW, HALF_K, HALF_V, E8M0_CHECK, PIDS_AHEAD, EV16, KPT, E8F)
         else:
             if PIDS_AHEAD:  # the first tile's cache rows before the loop, each next tile's one step ahead
                 nslot, nmask = _tile_slots(start, end, BT, b, stride_btb, PAGE, PAGE_SLOTS, BLOCK_N)
@@ -2874,6 +2920,7 @@ def plan_decode(
     pdl: bool | None = None,
     page_ids_ahead: bool | None = None,
     key_products_transposed: bool | None = None,
+    e8m0_scale_fields: bool | None = None,
 ):
     """The launches of decode attention (see :func:`paged_decode`), with their output tensors.
     ``hw_formats``: FP8 format ids converted in hardware (default: what ``q``'s device has); ``maxnreg``:
@@ -2980,6 +3027,12 @@ def plan_decode(
     142.7 -> 133.4, fp4_e2m1 at 1 146.4 -> 141.1, nvfp4 at 4 147.9 -> 144.7; as fast or faster at four more shapes);
     off for E8M0 value words by halves (fp4_e2m1 at 4: 148.2 -> 149.2, mxfp4 at 8: 85.9 -> 86.4) and 4-warp rows (not
     measured; ANALYSIS 278).
+    ``e8m0_scale_fields``: with ``e8m0_tile_check``, each E8M0 side whose products take 4 blocks from one 32-bit
+    half of its scale word (4 blocks, or 8 by channel halves) has its scales made straight from the words as float32
+    exponent fields, a funnel shift and a mask per element (constexpr ``E8F``; the same bits as the codes' bare rule).
+    Static sm_90 loop at 4 query heads per KV head: fp4_e2m1 1,174 -> 1,105 instructions, mxfp4 960 -> 945. Default:
+    wherever it applies (H200, batch 32 x 8,192 head-major: fp4_e2m1 139.9 -> 137.6 us, page size 1 153.8 -> 148.3,
+    128 x 4,096 261.9 -> 255.8; mxfp4 128.6 -> 127.4; as fast or faster at every shape timed: ANALYSIS 283).
     ``fp4_tiles_2d``: per-element FP4 tiles (no block rows; block scales read as words) built as [code bytes, tokens]
     (keys) and [tokens, code bytes] (values), each byte's block scale code shifted out of its token's scale word
     (:func:`_fp4_bytes_codes`), instead of [blocks, bytes, tokens] tiles times a broadcast scale, reshaped (constexpr
@@ -3354,6 +3407,16 @@ def plan_decode(
     two_warp_rows = bool(block_rows) and not (words_halves or blk_wide)
     kpt_default = two_warp_rows or (words_halves and k.kind == "nvfp4")
     kpt = kpt_default if key_products_transposed is None else bool(key_products_transposed)
+    # E8M0 scales as exponent fields straight from the scale words (``E8F``): with the tile check, on each E8M0 side
+    # whose products take 4 blocks from one 32-bit half of the word (4 blocks, or 8 by channel halves); default there
+    # (H200, session 42: faster or the same at 6 shapes for fp4_e2m1 and mxfp4; bench/results/ANALYSIS.md 283)
+    e8f_sides = [t for t, half in ((k, half_k), (v, half_v))
+                 if t.kind == "mxfp4" and head_dim // t.block == (8 if half else 4)]
+    e8f_ok = e8m0_check and bool(e8f_sides)
+    if e8m0_scale_fields and not e8f_ok:
+        raise ValueError("e8m0_scale_fields needs e8m0_tile_check and an E8M0 side of 4 blocks per product from one "
+                         "32-bit half of its scale word (4 blocks, or 8 by channel halves)")
+    e8f = e8f_ok if e8m0_scale_fields is None else bool(e8m0_scale_fields)
     # per-element FP4 tiles as [bytes, tokens] with each byte's scale code from its token's scale word (``T2D``): no
     # reshape of [blocks, bytes, tokens] tiles before the product, so fewer, wider shared-memory stores. Default for
     # E8M0 tiles built by PTX (H200, fp4_e2m1 at 64 q / 8 KV heads, head-major: 64 x 16,384 1,019.6 -> 902.1 us, 8 x
@@ -3549,6 +3612,7 @@ def plan_decode(
         E8M0_CHECK=e8m0_check,
         EV16=ev16,
         KPT=kpt,
+        E8F=e8f,
         PART=0,  # 0: the paged and residual splits in one launch (``residual_launch`` makes 1 and 2)
         BLOCK_R=min(block_n, 32) if key_rows else 0,  # residual tiles: 32 tokens (128 measured 188 KB of shared memory)
         VW8=vw8,
