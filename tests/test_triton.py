@@ -916,23 +916,24 @@ def test_e8m0_tile_check_takes_the_rule_for_codes_0_and_255(pair, plant):
 
 
 @triton.jit
-def _e8m0_word_fields_one_bit_off(w, NB: tl.constexpr, HIGH: tl.constexpr):
-    """A planted bug: ``decode._e8m0_word_fields`` shifting each byte one bit too far (8 b + 8)."""
-    x = w if HIGH else w.to(tl.int64) << 32
-    b = tl.arange(0, NB).to(tl.int64)
-    return ((x[None, :] >> (8 * b + 8)[:, None]).to(tl.int32) & 0x7F800000).to(tl.float32, bitcast=True)
+def _e8m0_word_fields_one_bit_off(w, NB: tl.constexpr, FIRST: tl.constexpr):
+    """A planted bug: ``decode._e8m0_word_fields`` shifting each byte one bit too far (8 j + 8)."""
+    x = w if FIRST >= 4 else w.to(tl.int64) << 32
+    j = tl.arange(0, NB).to(tl.int64) + FIRST % 4
+    return ((x[None, :] >> (8 * j + 8)[:, None]).to(tl.int32) & 0x7F800000).to(tl.float32, bitcast=True)
 
 
-E8F_CASES = [  # (pair, q heads over 2 KV heads): the sides whose products take 4 blocks from one half of the word
-    (PAIRS[5], 8),  # fp4_e2m1 both sides, 8 blocks by channel halves (32 rows)
+E8F_CASES = [  # (pair, q heads over 2 KV heads): each product's blocks in one 32-bit half of the scale word
+    (PAIRS[5], 8),  # fp4_e2m1 both sides, 8 blocks by channel halves (32 rows): 4 + 4
     (("mxfp4", {}, "mxfp4", {}), 4),  # both sides, 4 blocks
+    (("mxfp4", {}, "mxfp4", {}), 16),  # both sides, 4 blocks by channel halves (32 rows): 2 + 2
     (PAIRS[6], 4),  # mxfp4 keys (4 blocks); NVFP4 values keep their codes
 ]
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # (the planted bug's scales, interpreter)
 @pytest.mark.parametrize("layout", ["HND", "NHD"])
-@pytest.mark.parametrize("case", E8F_CASES, ids=["fp4_e2m1-halves", "mxfp4", "mxfp4/nvfp4"])
+@pytest.mark.parametrize("case", E8F_CASES, ids=["fp4_e2m1-halves", "mxfp4", "mxfp4-halves", "mxfp4/nvfp4"])
 def test_e8m0_scale_fields_equal_the_bare_codes(case, layout, monkeypatch):
     """``e8m0_scale_fields`` (with the E8M0 tile check, each E8M0 side's scales as float32 exponent fields made
     straight from the scale words, ``decode._e8m0_word_fields``): the default where it applies, the same bits as

@@ -389,16 +389,20 @@ def _word_byte(w, b):
 
 
 @triton.jit
-def _e8m0_word_fields(w, NB: tl.constexpr, HIGH: tl.constexpr):
-    """Blocks 0 .. NB - 1 (NB <= 4) of each token's E8M0 scale word ``w`` [N] (int32, or the low 32 bits of an int64
-    word; ``HIGH``: its high 32 bits, blocks 4 .. 7) as float32 [NB, N]: :func:`e8m0_to_f32`'s ``BARE`` rule (code c
-    as the exponent field, 2**(c - 127) for c in 1 .. 254, which the caller's tile check ensures), the code's byte
-    moved straight into the field: x holds the 32 bits in the high half of a 64-bit integer, and byte b is bits
-    23 .. 30 of ``x >> (8 b + 9)`` (one funnel shift and one mask, ``& 0x7F800000``, per element instead of a shift
-    out of the word, a shift into the field and a mask)."""
-    x = w if HIGH else w.to(tl.int64) << 32
-    b = tl.arange(0, NB).to(tl.int64)
-    f = (x[None, :] >> (8 * b + 9)[:, None]).to(tl.int32) & 0x7F800000
+def _e8m0_word_fields(w, NB: tl.constexpr, FIRST: tl.constexpr):
+    """Blocks FIRST .. FIRST + NB - 1 (within one 32-bit half: 0 .. 3 of an int32 or int64 word, or 4 .. 7 of an
+    int64 word) of each token's E8M0 scale word ``w`` [N] as float32 [NB, N]: :func:`e8m0_to_f32`'s ``BARE`` rule
+    (code c as the exponent field, 2**(c - 127) for c in 1 .. 254, which the caller's tile check ensures), the code's
+    byte moved straight into the field: x holds that half's 32 bits in the high half of a 64-bit integer, and its
+    byte j is bits 23 .. 30 of ``x >> (8 j + 9)`` (one funnel shift and one mask, ``& 0x7F800000``, per element
+    instead of a shift out of the word, a shift into the field and a mask)."""
+    if FIRST >= 4:  # (the int64 word's high half is already there)
+        x = w
+        j = tl.arange(0, NB).to(tl.int64) + (FIRST - 4)
+    else:
+        x = w.to(tl.int64) << 32
+        j = tl.arange(0, NB).to(tl.int64) + FIRST
+    f = (x[None, :] >> (8 * j + 9)[:, None]).to(tl.int32) & 0x7F800000
     return f.to(tl.float32, bitcast=True)
 
 
@@ -951,14 +955,16 @@ def _fp4_block_rows_loop(
     value code outside mc - ``E8M0_V16_WINDOW`` .. mc instead of 0 / 255 (:func:`e8m0_words_outside`), and for the
     whole split where mc lies outside 16 .. 240 (so the window lies inside 1 .. 254). ``PIDS_AHEAD``: each next
     tile's page ids read one step ahead (``page_ids_ahead``). ``KPT``: the key products transposed
-    (:func:`_block_rows_scores`). ``FIELDS`` (with ``BARE``): each E8M0 side whose products take 4 blocks from one
-    32-bit half of the scale word (4 blocks, or 8 by channel halves) reads its scales as exponent fields straight from
-    the words (:func:`_e8m0_word_fields`). Returns m, l, the eight accumulators, that flag and mc (128 without
+    (:func:`_block_rows_scores`). ``FIELDS`` (with ``BARE``): each E8M0 side of 4 blocks, or of 4 or 8 by channel
+    halves (each product's blocks in one 32-bit half of the scale word), reads its scales as exponent fields straight
+    from the words (:func:`_e8m0_word_fields`). Returns m, l, the eight accumulators, that flag and mc (128 without
     ``EV16``)."""
     NBK: tl.constexpr = D // QB_K
     NBV: tl.constexpr = D // QB_V
-    FK: tl.constexpr = FIELDS and BARE and KIND_K == 2 and NBK == (8 if HALF_K else 4)
-    FV: tl.constexpr = FIELDS and BARE and KIND_V == 2 and NBV == (8 if HALF_V else 4)
+    FK: tl.constexpr = FIELDS and BARE and KIND_K == 2 and (NBK == 4 or (HALF_K and NBK == 8))
+    FV: tl.constexpr = FIELDS and BARE and KIND_V == 2 and (NBV == 4 or (HALF_V and NBV == 8))
+    PK: tl.constexpr = NBK // 2 if HALF_K else NBK  # (blocks per product)
+    PV: tl.constexpr = NBV // 2 if HALF_V else NBV
     RV: tl.constexpr = NBV * H
     DH: tl.constexpr = D // 2
     DKP: tl.constexpr = DH // 2 if HALF_K else DH
@@ -1005,9 +1011,9 @@ def _fp4_block_rows_loop(
             kb_b = tl.load(krow + (DKP + jk)[:, None], mask=tmask[None, :], other=0)
         if BARE and KIND_K == 2:
             kw = _block_scale_words(K1, slot, kvh, k1_s, k1_h, tmask, NBK)
-            if FK:  # (by channel halves: blocks 0 .. 3 from the word's low 32 bits, 4 .. 7 from its high ones)
-                ksc = _e8m0_word_fields(kw, 4, False)
-                ksc_b = _e8m0_word_fields(kw, 4, True) if HALF_K else ksc
+            if FK:  # (by channel halves: the first half's blocks, then the second's)
+                ksc = _e8m0_word_fields(kw, PK, 0)
+                ksc_b = _e8m0_word_fields(kw, PK, PK) if HALF_K else ksc
             else:
                 ksc = _scale_word_bytes(kw, NBK, True)
                 ksc_b = ksc
@@ -1027,8 +1033,8 @@ def _fp4_block_rows_loop(
         if BARE and KIND_V == 2:
             vws = _block_scale_words(V1, slot, kvh, v1_s, v1_h, tmask, NBV)
             if FV:
-                vsc = _e8m0_word_fields(vws, 4, False)
-                vsc_b = _e8m0_word_fields(vws, 4, True) if HALF_V else vsc
+                vsc = _e8m0_word_fields(vws, PV, 0)
+                vsc_b = _e8m0_word_fields(vws, PV, PV) if HALF_V else vsc
             else:
                 vsc = _scale_word_bytes(vws, NBV, True)
                 vsc_b = vsc
@@ -3027,8 +3033,8 @@ def plan_decode(
     142.7 -> 133.4, fp4_e2m1 at 1 146.4 -> 141.1, nvfp4 at 4 147.9 -> 144.7; as fast or faster at four more shapes);
     off for E8M0 value words by halves (fp4_e2m1 at 4: 148.2 -> 149.2, mxfp4 at 8: 85.9 -> 86.4) and 4-warp rows (not
     measured; ANALYSIS 278).
-    ``e8m0_scale_fields``: with ``e8m0_tile_check``, each E8M0 side whose products take 4 blocks from one 32-bit
-    half of its scale word (4 blocks, or 8 by channel halves) has its scales made straight from the words as float32
+    ``e8m0_scale_fields``: with ``e8m0_tile_check``, each E8M0 side of 4 blocks, or of 4 or 8 by channel halves
+    (each product's blocks in one 32-bit half of its scale word), has its scales made straight from the words as float32
     exponent fields, a funnel shift and a mask per element (constexpr ``E8F``; the same bits as the codes' bare rule).
     Static sm_90 loop at 4 query heads per KV head: fp4_e2m1 1,174 -> 1,105 instructions, mxfp4 960 -> 945. Default:
     wherever it applies (H200, batch 32 x 8,192 head-major: fp4_e2m1 139.9 -> 137.6 us, page size 1 153.8 -> 148.3,
@@ -3408,14 +3414,14 @@ def plan_decode(
     kpt_default = two_warp_rows or (words_halves and k.kind == "nvfp4")
     kpt = kpt_default if key_products_transposed is None else bool(key_products_transposed)
     # E8M0 scales as exponent fields straight from the scale words (``E8F``): with the tile check, on each E8M0 side
-    # whose products take 4 blocks from one 32-bit half of the word (4 blocks, or 8 by channel halves); default there
+    # of 4 blocks, or of 4 or 8 by channel halves (each product's blocks in one 32-bit half of the word); default there
     # (H200, session 42: faster or the same at 6 shapes for fp4_e2m1 and mxfp4; bench/results/ANALYSIS.md 283)
     e8f_sides = [t for t, half in ((k, half_k), (v, half_v))
-                 if t.kind == "mxfp4" and head_dim // t.block == (8 if half else 4)]
+                 if t.kind == "mxfp4" and head_dim // t.block in ((4, 8) if half else (4,))]
     e8f_ok = e8m0_check and bool(e8f_sides)
     if e8m0_scale_fields and not e8f_ok:
-        raise ValueError("e8m0_scale_fields needs e8m0_tile_check and an E8M0 side of 4 blocks per product from one "
-                         "32-bit half of its scale word (4 blocks, or 8 by channel halves)")
+        raise ValueError("e8m0_scale_fields needs e8m0_tile_check and an E8M0 side of 4 blocks, or of 4 or 8 by "
+                         "channel halves (each product's blocks in one 32-bit half of its scale word)")
     e8f = e8f_ok if e8m0_scale_fields is None else bool(e8m0_scale_fields)
     # per-element FP4 tiles as [bytes, tokens] with each byte's scale code from its token's scale word (``T2D``): no
     # reshape of [blocks, bytes, tokens] tiles before the product, so fewer, wider shared-memory stores. Default for
