@@ -954,8 +954,9 @@ def test_e8m0_scale_fields_equal_the_bare_codes(case, layout, monkeypatch):
     cfg = dict(precision="fast", block_rows=True, wide_scale_loads=True, e8m0_tile_check=True)
     dc = tb.DeviceCache.from_cache(cache, DEVICE).with_layout(layout)
     split = split_launch_of(plan_for_cache(q.to(DEVICE), dc, **cfg)[0])
-    assert split.constexprs["E8F"] and split.constexprs["E8M0_CHECK"]
-    (base, base_lse), (out, lse) = _decode_without_and_with(dc, q, cfg, "e8m0_scale_fields", "E8F")
+    assert split.constexprs["E8F_K"] and split.constexprs["E8M0_CHECK"]  # (every case's keys are E8M0)
+    assert split.constexprs["E8F_V"] is (pair[2] in ("fp4_e2m1", "mxfp4"))
+    (base, base_lse), (out, lse) = _decode_without_and_with(dc, q, cfg, "e8m0_scale_fields", "E8F_K")
     assert np.array_equal(out, base) and np.array_equal(lse, base_lse)
     if not GPU:  # (a compiled kernel would keep its cached dependency)
         monkeypatch.setattr(dec, "_e8m0_word_fields", _e8m0_word_fields_one_bit_off)
@@ -1201,14 +1202,15 @@ def test_fp4_block_rows(pair, q_heads, kv_heads, head_dim):
         assert (np.abs(lse - ref_lse) <= tol_l).all(), (blk, words, ch, np.abs(lse - ref_lse).max())
     # the key products transposed (``key_products_transposed``): the default for two-warp block rows (64-token
     # tiles) and NVFP4 keys' one-warp value words by channel halves (session 42), not for E8M0 keys' value words by
-    # halves nor 4-warp rows; either way, by halves or in one product
+    # halves nor 4-warp rows; the loop above ran the default, this one the other setting, by halves or in one product
     tile = (split.constexprs["BLOCK_N"], split.options["num_warps"])
     two_warp = split.constexprs["BLK"] and tile == (64, 2)
     nvfp4_halves = split.constexprs["BLK"] and tile == (32, 1) and dc.k.tiles().kind == "nvfp4"
     assert split.constexprs["KPT"] is (two_warp or nvfp4_halves), (pair[0], q_heads, head_dim)
-    for ch, kpt in ((None, True), (False, True), (None, False), (False, False)):
-        out, lse, _ = _run_decode(cache, q, block_rows=True, channel_halves=ch, key_products_transposed=kpt)
-        assert (np.abs(out - ref_out) <= tol_o).all() and (np.abs(lse - ref_lse) <= tol_l).all(), (ch, kpt)
+    kpt_other = not split_launch_of(plan_for_cache(q.to(DEVICE), dc, block_rows=True)[0]).constexprs["KPT"]
+    for ch in (None, False):
+        out, lse, _ = _run_decode(cache, q, block_rows=True, channel_halves=ch, key_products_transposed=kpt_other)
+        assert (np.abs(out - ref_out) <= tol_o).all() and (np.abs(lse - ref_lse) <= tol_l).all(), (ch, kpt_other)
     b = 2
     K, _ = cache.dequantized(b)
     top = int(np.argmax(K[:, 0, :] @ q64[b, 0]))
@@ -1224,9 +1226,8 @@ def test_fp4_block_rows(pair, q_heads, kv_heads, head_dim):
         for words, ch in ((False, None), (v_rows <= 32, None), (False, False), (v_rows <= 32, False)):
             out, lse, _ = _run_decode(cache, q, block_rows=True, value_words=words, channel_halves=ch)
             assert check(out, lse), (side, words, ch)
-        for kpt in (True, False):
-            out, lse, _ = _run_decode(cache, q, block_rows=True, key_products_transposed=kpt)
-            assert check(out, lse), (side, "key_products_transposed", kpt)
+        out, lse, _ = _run_decode(cache, q, block_rows=True, key_products_transposed=kpt_other)  # (the loop above:
+        assert check(out, lse), (side, "key_products_transposed", kpt_other)  # the default)
         scales[page, off, 0, blk_] -= step
     with pytest.raises(ValueError, match="block_rows"):
         _run_decode(cache, q, block_rows=True, precision="exact")

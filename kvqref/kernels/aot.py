@@ -159,11 +159,13 @@ def _launches(target: str, cases: list | None = None, page: int = 16) -> list[tu
                 out.append((f"decode[{label},t2d]", split(launches)))
             fast = default["fast"].constexprs
             if fast.get("BLK") and label in ("fp4_e2m1", "nvfp4"):  # block rows' key products transposed
-                # (``key_products_transposed``, an option until timed), as the default launch with it
+                # (``key_products_transposed``) or not, whichever the default launch is not (nvfp4's default here
+                # transposes them, fp4_e2m1's does not)
+                kpt = not fast["KPT"]
                 launches, _, _ = plan_decode(q, dc.k.tiles(), dc.v.tiles(), dc.block_table, dc.seq_lens, page,
                                              max_seq_len=40, num_splits=2, hw_formats=_hw_formats(target),
-                                             ptx_unpack=target.startswith("cuda"), key_products_transposed=True)
-                out.append((f"decode[{label},kpt]", split(launches)))
+                                             ptx_unpack=target.startswith("cuda"), key_products_transposed=kpt)
+                out.append((f"decode[{label},kpt={int(kpt)}]", split(launches)))
             if fast.get("BLK") and fast["VW"] and fast["HALF_V"]:  # block rows'
                 # value tiles by channel halves as bytes (``value_words=False``), where words are the default
                 launches, _, _ = plan_decode(q, dc.k.tiles(), dc.v.tiles(), dc.block_table, dc.seq_lens, page,

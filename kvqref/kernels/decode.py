@@ -944,7 +944,7 @@ def _fp4_block_rows_loop(
     QB_V: tl.constexpr, FMT_V: tl.constexpr, PTX: tl.constexpr, WSC_K: tl.constexpr, WSC_V: tl.constexpr,
     VW: tl.constexpr, HALF_K: tl.constexpr, HALF_V: tl.constexpr, BARE: tl.constexpr,
     PIDS_AHEAD: tl.constexpr = False, EV16: tl.constexpr = False, KPT: tl.constexpr = False,
-    FIELDS: tl.constexpr = False,
+    FIELDS_K: tl.constexpr = False, FIELDS_V: tl.constexpr = False,
 ):
     """The tile loop of :func:`_fp4_block_rows` over tokens ``start`` .. ``end`` from a fresh softmax state. ``BARE``:
     every E8M0 code taken as the bare exponent field (:func:`e8m0_to_f32`), valid where none is 0 or 255, and per
@@ -955,14 +955,14 @@ def _fp4_block_rows_loop(
     value code outside mc - ``E8M0_V16_WINDOW`` .. mc instead of 0 / 255 (:func:`e8m0_words_outside`), and for the
     whole split where mc lies outside 16 .. 240 (so the window lies inside 1 .. 254). ``PIDS_AHEAD``: each next
     tile's page ids read one step ahead (``page_ids_ahead``). ``KPT``: the key products transposed
-    (:func:`_block_rows_scores`). ``FIELDS`` (with ``BARE``): each E8M0 side of 4 blocks, or of 4 or 8 by channel
-    halves (each product's blocks in one 32-bit half of the scale word), reads its scales as exponent fields straight
-    from the words (:func:`_e8m0_word_fields`). Returns m, l, the eight accumulators, that flag and mc (128 without
-    ``EV16``)."""
+    (:func:`_block_rows_scores`). ``FIELDS_K`` / ``FIELDS_V`` (with ``BARE``; planned for an E8M0 side of 4 blocks,
+    or of 4 or 8 by channel halves, each product's blocks in one 32-bit half of the scale word): that side reads its
+    scales as exponent fields straight from the words (:func:`_e8m0_word_fields`). Returns m, l, the eight
+    accumulators, that flag and mc (128 without ``EV16``)."""
     NBK: tl.constexpr = D // QB_K
     NBV: tl.constexpr = D // QB_V
-    FK: tl.constexpr = FIELDS and BARE and KIND_K == 2 and (NBK == 4 or (HALF_K and NBK == 8))
-    FV: tl.constexpr = FIELDS and BARE and KIND_V == 2 and (NBV == 4 or (HALF_V and NBV == 8))
+    FK: tl.constexpr = FIELDS_K and BARE and KIND_K == 2
+    FV: tl.constexpr = FIELDS_V and BARE and KIND_V == 2
     PK: tl.constexpr = NBK // 2 if HALF_K else NBK  # (blocks per product)
     PV: tl.constexpr = NBV // 2 if HALF_V else NBV
     RV: tl.constexpr = NBV * H
@@ -1073,7 +1073,7 @@ def _fp4_block_rows(
     KIND_V: tl.constexpr, QB_V: tl.constexpr, FMT_V: tl.constexpr, PTX: tl.constexpr, WSC_K: tl.constexpr,
     WSC_V: tl.constexpr, VW: tl.constexpr = False, HALF_K: tl.constexpr = False, HALF_V: tl.constexpr = False,
     E8M0_CHECK: tl.constexpr = False, PIDS_AHEAD: tl.constexpr = False, EV16: tl.constexpr = False,
-    KPT: tl.constexpr = False, FIELDS: tl.constexpr = False,
+    KPT: tl.constexpr = False, FIELDS_K: tl.constexpr = False, FIELDS_V: tl.constexpr = False,
 ):
     """Fast-mode FP4 keys and values by block rows (``block_rows``): no block scale touches a tile element.
 
@@ -1122,7 +1122,7 @@ def _fp4_block_rows(
     m_i, l_i, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, rare, mc = _fp4_block_rows_loop(
         qe16, qo16, qe16_b, qo16_b, sc_k, BT, K0, K1, V0, V1, b, kvh, start, end, stride_btb, k0_s, k0_h, k1_s,
         k1_h, v0_s, v0_h, v1_s, v1_h, H, D, PAGE, PAGE_SLOTS, BLOCK_N, KIND_K, QB_K, FMT_K, KIND_V, QB_V, FMT_V, PTX,
-        WSC_K, WSC_V, VW, HALF_K, HALF_V, E8M0_CHECK, PIDS_AHEAD, EV, KPT, FIELDS)
+        WSC_K, WSC_V, VW, HALF_K, HALF_V, E8M0_CHECK, PIDS_AHEAD, EV, KPT, FIELDS_K, FIELDS_V)
     if E8M0_CHECK:  # a code 0 or 255 among the E8M0 scales (``EV``: or value codes spread too far): the split again,
         # with the rule for them and bfloat16 value products (its page ids read in the step: the rerun is rare, and
         # carried page ids in both loops spill fp4_e2m1's 168 registers)
@@ -1985,7 +1985,8 @@ def decode_split_kernel(
     E8M0_CHECK: tl.constexpr = False,
     EV16: tl.constexpr = False,
     KPT: tl.constexpr = False,
-    E8F: tl.constexpr = False,
+    E8F_K: tl.constexpr = False,
+    E8F_V: tl.constexpr = False,
     BLOCK_R: tl.constexpr = 0,
     PART: tl.constexpr = 0,
     VW8: tl.constexpr = 0,
@@ -2113,7 +2114,8 @@ def decode_split_kernel(
             acc0, acc1, m_i, l_i = _fp4_block_rows(
                 Q, BT, K0, K1, V0, V1, b, kvh, start, end, stride_qb, stride_qh, stride_btb, k0_s, k0_h, k1_s, k1_h,
                 v0_s, v0_h, v1_s, v1_h, qk_scale, QPK, BLOCK_H, D, PAGE, PAGE_SLOTS, BLOCK_N, KIND_K, QB_K, FMT_K,
-                KIND_V, QB_V, FMT_V, PTX, WSC_K, WSC_V, VW, HALF_K, HALF_V, E8M0_CHECK, PIDS_AHEAD, EV16, KPT, E8F)
+                KIND_V, QB_V, FMT_V, PTX, WSC_K, WSC_V, VW, HALF_K, HALF_V, E8M0_CHECK, PIDS_AHEAD, EV16, KPT, E8F_K,
+                E8F_V)
         else:
             if PIDS_AHEAD:  # the first tile's cache rows before the loop, each next tile's one step ahead
                 nslot, nmask = _tile_slots(start, end, BT, b, stride_btb, PAGE, PAGE_SLOTS, BLOCK_N)
@@ -3035,7 +3037,8 @@ def plan_decode(
     measured; ANALYSIS 278).
     ``e8m0_scale_fields``: with ``e8m0_tile_check``, each E8M0 side of 4 blocks, or of 4 or 8 by channel halves
     (each product's blocks in one 32-bit half of its scale word), has its scales made straight from the words as float32
-    exponent fields, a funnel shift and a mask per element (constexpr ``E8F``; the same bits as the codes' bare rule).
+    exponent fields, a funnel shift and a mask per element (constexprs ``E8F_K``, ``E8F_V``; the same bits as the
+    codes' bare rule).
     Static sm_90 loop at 4 query heads per KV head: fp4_e2m1 1,174 -> 1,105 instructions, mxfp4 960 -> 945. Default:
     wherever it applies (H200, batch 32 x 8,192 head-major: fp4_e2m1 139.9 -> 137.6 us, page size 1 153.8 -> 148.3,
     128 x 4,096 261.9 -> 255.8; mxfp4 128.6 -> 127.4; as fast or faster at every shape timed: ANALYSIS 283).
@@ -3413,16 +3416,17 @@ def plan_decode(
     two_warp_rows = bool(block_rows) and not (words_halves or blk_wide)
     kpt_default = two_warp_rows or (words_halves and k.kind == "nvfp4")
     kpt = kpt_default if key_products_transposed is None else bool(key_products_transposed)
-    # E8M0 scales as exponent fields straight from the scale words (``E8F``): with the tile check, on each E8M0 side
-    # of 4 blocks, or of 4 or 8 by channel halves (each product's blocks in one 32-bit half of the word); default there
+    # E8M0 scales as exponent fields straight from the scale words (``E8F_K``, ``E8F_V``): with the tile check, on
+    # each E8M0 side of 4 blocks, or of 4 or 8 by channel halves (each product's blocks in one 32-bit half of the
+    # word); default there
     # (H200, session 42: faster or the same at 6 shapes for fp4_e2m1 and mxfp4; bench/results/ANALYSIS.md 283)
-    e8f_sides = [t for t, half in ((k, half_k), (v, half_v))
-                 if t.kind == "mxfp4" and head_dim // t.block in ((4, 8) if half else (4,))]
-    e8f_ok = e8m0_check and bool(e8f_sides)
-    if e8m0_scale_fields and not e8f_ok:
+    e8f_k, e8f_v = (e8m0_check and t.kind == "mxfp4" and head_dim // t.block in ((4, 8) if half else (4,))
+                    for t, half in ((k, half_k), (v, half_v)))
+    if e8m0_scale_fields and not (e8f_k or e8f_v):
         raise ValueError("e8m0_scale_fields needs e8m0_tile_check and an E8M0 side of 4 blocks, or of 4 or 8 by "
                          "channel halves (each product's blocks in one 32-bit half of its scale word)")
-    e8f = e8f_ok if e8m0_scale_fields is None else bool(e8m0_scale_fields)
+    if e8m0_scale_fields is False:
+        e8f_k = e8f_v = False
     # per-element FP4 tiles as [bytes, tokens] with each byte's scale code from its token's scale word (``T2D``): no
     # reshape of [blocks, bytes, tokens] tiles before the product, so fewer, wider shared-memory stores. Default for
     # E8M0 tiles built by PTX (H200, fp4_e2m1 at 64 q / 8 KV heads, head-major: 64 x 16,384 1,019.6 -> 902.1 us, 8 x
@@ -3618,7 +3622,8 @@ def plan_decode(
         E8M0_CHECK=e8m0_check,
         EV16=ev16,
         KPT=kpt,
-        E8F=e8f,
+        E8F_K=e8f_k,
+        E8F_V=e8f_v,
         PART=0,  # 0: the paged and residual splits in one launch (``residual_launch`` makes 1 and 2)
         BLOCK_R=min(block_n, 32) if key_rows else 0,  # residual tiles: 32 tokens (128 measured 188 KB of shared memory)
         VW8=vw8,
