@@ -36,7 +36,8 @@ token chunks (``kivi_value_chunks``), ``vsw`` (0/1): KIVI value scales and zeros
 (``kivi_joined_row_terms``), ``vsub`` (0/1): KIVI value codes as bfloat16 subnormals
 (``kivi_value_subnormal_codes``), ``spg`` (0/1): KIVI tiles' page ids as scalars (``kivi_scalar_page_ids``),
 ``kpt`` (0/1): FP4 block rows' key products transposed (``key_products_transposed``), ``e8f`` (0/1): their E8M0
-scales as exponent fields straight from the scale words (``e8m0_scale_fields``).
+scales as exponent fields straight from the scale words (``e8m0_scale_fields``), ``qld`` (strided / transposed /
+contiguous): how their q rows are read (``q_rows_load``).
 KIVI caches carry their residual window, as in bench/decode_bench.py.
 """
 
@@ -74,7 +75,7 @@ KEYS = {"bn": ("block_n", int), "w": ("num_warps", int), "s": ("num_stages", int
         "vsub": ("kivi_value_subnormal_codes", lambda v: v == "1"),
         "spg": ("kivi_scalar_page_ids", lambda v: v == "1"),
         "kpt": ("key_products_transposed", lambda v: v == "1"),
-        "e8f": ("e8m0_scale_fields", lambda v: v == "1")}
+        "e8f": ("e8m0_scale_fields", lambda v: v == "1"), "qld": ("q_rows_load", str)}
 
 
 def parse_variant(text: str) -> tuple[str, str, dict]:

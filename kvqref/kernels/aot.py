@@ -166,6 +166,12 @@ def _launches(target: str, cases: list | None = None, page: int = 16) -> list[tu
                                              max_seq_len=40, num_splits=2, hw_formats=_hw_formats(target),
                                              ptx_unpack=target.startswith("cuda"), key_products_transposed=kpt)
                 out.append((f"decode[{label},kpt={int(kpt)}]", split(launches)))
+                # q's block rows at a stride of 2 (``q_rows_load``): the defaults here read them transposed
+                # (fp4_e2m1) and contiguously (nvfp4); mxfp4's default reads them at the stride
+                launches, _, _ = plan_decode(q, dc.k.tiles(), dc.v.tiles(), dc.block_table, dc.seq_lens, page,
+                                             max_seq_len=40, num_splits=2, hw_formats=_hw_formats(target),
+                                             ptx_unpack=target.startswith("cuda"), q_rows_load="strided")
+                out.append((f"decode[{label},qld=strided]", split(launches)))
             if fast.get("BLK") and fast["VW"] and fast["HALF_V"]:  # block rows'
                 # value tiles by channel halves as bytes (``value_words=False``), where words are the default
                 launches, _, _ = plan_decode(q, dc.k.tiles(), dc.v.tiles(), dc.block_table, dc.seq_lens, page,

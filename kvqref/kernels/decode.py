@@ -778,15 +778,30 @@ def _f16_exponent(qmax):
 
 @triton.jit
 def _block_rows_q(Q, b, kvh, stride_qb, stride_qh, QPK: tl.constexpr, H: tl.constexpr, R: tl.constexpr,
-                  C: tl.constexpr, QB: tl.constexpr, C0: tl.constexpr):
+                  C: tl.constexpr, QB: tl.constexpr, C0: tl.constexpr, QLD: tl.constexpr = 0):
     """q's even and odd channels (float32 [R, C]) as block rows over code bytes C0 .. C0 + C - 1: row r is (block
-    2 C0 / QB + r // H, head r % H), zero outside its block's channels and for padding heads (h >= QPK)."""
+    2 C0 / QB + r // H, head r % H), zero outside its block's channels and for padding heads (h >= QPK). ``QLD``
+    (``q_rows_load``), how q is read (the same values): 0 even and odd channels as two [R, C] loads at a stride of
+    2; 1 each as a [C, R] load transposed; 2 one [R, 2 C] load of contiguous channels split into even and odd.
+    (The load's layout decides the layout of q's shared-memory copy and so the register moves before each
+    product; bench/results/ANALYSIS.md 285-286.)"""
     r = tl.arange(0, R)
-    jb = C0 + tl.arange(0, C)
     base = b * stride_qb + (kvh * QPK + r % H).to(tl.int64) * stride_qh
-    m = (r % H < QPK)[:, None] & (((2 * jb) // QB)[None, :] == (2 * C0 // QB + r // H)[:, None])
-    qe = tl.load(Q + base[:, None] + (2 * jb)[None, :], mask=m, other=0.0).to(tl.float32)
-    qo = tl.load(Q + base[:, None] + (2 * jb + 1)[None, :], mask=m, other=0.0).to(tl.float32)
+    if QLD == 2:
+        jc = 2 * C0 + tl.arange(0, 2 * C)
+        m = (r % H < QPK)[:, None] & ((jc // QB)[None, :] == (2 * C0 // QB + r // H)[:, None])
+        x = tl.load(Q + base[:, None] + jc[None, :], mask=m, other=0.0).to(tl.float32)
+        qe, qo = tl.split(tl.reshape(x, (R, C, 2)))
+    elif QLD == 1:
+        jb = C0 + tl.arange(0, C)
+        mt = (r % H < QPK)[None, :] & (((2 * jb) // QB)[:, None] == (2 * C0 // QB + r // H)[None, :])
+        qe = tl.trans(tl.load(Q + base[None, :] + (2 * jb)[:, None], mask=mt, other=0.0).to(tl.float32))
+        qo = tl.trans(tl.load(Q + base[None, :] + (2 * jb + 1)[:, None], mask=mt, other=0.0).to(tl.float32))
+    else:
+        jb = C0 + tl.arange(0, C)
+        m = (r % H < QPK)[:, None] & (((2 * jb) // QB)[None, :] == (2 * C0 // QB + r // H)[:, None])
+        qe = tl.load(Q + base[:, None] + (2 * jb)[None, :], mask=m, other=0.0).to(tl.float32)
+        qo = tl.load(Q + base[:, None] + (2 * jb + 1)[None, :], mask=m, other=0.0).to(tl.float32)
     return qe, qo
 
 
@@ -1074,6 +1089,7 @@ def _fp4_block_rows(
     WSC_V: tl.constexpr, VW: tl.constexpr = False, HALF_K: tl.constexpr = False, HALF_V: tl.constexpr = False,
     E8M0_CHECK: tl.constexpr = False, PIDS_AHEAD: tl.constexpr = False, EV16: tl.constexpr = False,
     KPT: tl.constexpr = False, FIELDS_K: tl.constexpr = False, FIELDS_V: tl.constexpr = False,
+    QLD: tl.constexpr = 0,
 ):
     """Fast-mode FP4 keys and values by block rows (``block_rows``): no block scale touches a tile element.
 
@@ -1103,10 +1119,10 @@ def _fp4_block_rows(
     j = tl.arange(0, DH)
     RKP: tl.constexpr = RK // 2 if HALF_K else RK  # rows and code bytes of one key product
     DKP: tl.constexpr = DH // 2 if HALF_K else DH
-    qe, qo = _block_rows_q(Q, b, kvh, stride_qb, stride_qh, QPK, H, RKP, DKP, QB_K, 0)
+    qe, qo = _block_rows_q(Q, b, kvh, stride_qb, stride_qh, QPK, H, RKP, DKP, QB_K, 0, QLD)
     qmax = tl.max(tl.max(tl.maximum(tl.abs(qe), tl.abs(qo)), 1), 0)
     if HALF_K:  # the second half's rows: blocks NBK / 2 .. NBK - 1 against code bytes DH / 2 .. DH - 1
-        qe_b, qo_b = _block_rows_q(Q, b, kvh, stride_qb, stride_qh, QPK, H, RKP, DKP, QB_K, DKP)
+        qe_b, qo_b = _block_rows_q(Q, b, kvh, stride_qb, stride_qh, QPK, H, RKP, DKP, QB_K, DKP, QLD)
         qmax = tl.maximum(qmax, tl.max(tl.max(tl.maximum(tl.abs(qe_b), tl.abs(qo_b)), 1), 0))
     eq = _f16_exponent(qmax)
     qe16 = _split16(qe * pow2_f32(eq), True)[0]  # (no ``_`` targets here: triton 3.6 carries them through the loop)
@@ -1987,6 +2003,7 @@ def decode_split_kernel(
     KPT: tl.constexpr = False,
     E8F_K: tl.constexpr = False,
     E8F_V: tl.constexpr = False,
+    QLD: tl.constexpr = 0,
     BLOCK_R: tl.constexpr = 0,
     PART: tl.constexpr = 0,
     VW8: tl.constexpr = 0,
@@ -2115,7 +2132,7 @@ def decode_split_kernel(
                 Q, BT, K0, K1, V0, V1, b, kvh, start, end, stride_qb, stride_qh, stride_btb, k0_s, k0_h, k1_s, k1_h,
                 v0_s, v0_h, v1_s, v1_h, qk_scale, QPK, BLOCK_H, D, PAGE, PAGE_SLOTS, BLOCK_N, KIND_K, QB_K, FMT_K,
                 KIND_V, QB_V, FMT_V, PTX, WSC_K, WSC_V, VW, HALF_K, HALF_V, E8M0_CHECK, PIDS_AHEAD, EV16, KPT, E8F_K,
-                E8F_V)
+                E8F_V, QLD)
         else:
             if PIDS_AHEAD:  # the first tile's cache rows before the loop, each next tile's one step ahead
                 nslot, nmask = _tile_slots(start, end, BT, b, stride_btb, PAGE, PAGE_SLOTS, BLOCK_N)
@@ -2929,6 +2946,7 @@ def plan_decode(
     page_ids_ahead: bool | None = None,
     key_products_transposed: bool | None = None,
     e8m0_scale_fields: bool | None = None,
+    q_rows_load: str | None = None,
 ):
     """The launches of decode attention (see :func:`paged_decode`), with their output tensors.
     ``hw_formats``: FP8 format ids converted in hardware (default: what ``q``'s device has); ``maxnreg``:
@@ -3042,6 +3060,14 @@ def plan_decode(
     Static sm_90 loop at 4 query heads per KV head: fp4_e2m1 1,174 -> 1,105 instructions, mxfp4 960 -> 945. Default:
     wherever it applies (H200, batch 32 x 8,192 head-major: fp4_e2m1 139.9 -> 137.6 us, page size 1 153.8 -> 148.3,
     128 x 4,096 261.9 -> 255.8; mxfp4 128.6 -> 127.4; as fast or faster at every shape timed: ANALYSIS 283).
+    ``q_rows_load``: with ``block_rows``, how q's block rows are read before the loop (constexpr ``QLD``; the same
+    values): ``"strided"`` (even and odd channels as two loads at a stride of 2), ``"transposed"`` (each as a
+    [channels, rows] load, transposed) or ``"contiguous"`` (one load of contiguous channels split into even and odd).
+    The load's layout becomes the layout of q's shared-memory copy, and with it how many register moves ptxas puts
+    before each key product. Default: ``"transposed"`` for E8M0 value words by channel halves without transposed key
+    products (fp4_e2m1 at 4 query heads per KV head), ``"contiguous"`` for NVFP4 keys' value words by channel halves,
+    ``"strided"`` elsewhere (H100, batch 32 x 8,192 head-major: fp4_e2m1 147.1 -> 145.1 us, nvfp4 147.9 -> 146.1;
+    bench/results/ANALYSIS.md 286).
     ``fp4_tiles_2d``: per-element FP4 tiles (no block rows; block scales read as words) built as [code bytes, tokens]
     (keys) and [tokens, code bytes] (values), each byte's block scale code shifted out of its token's scale word
     (:func:`_fp4_bytes_codes`), instead of [blocks, bytes, tokens] tiles times a broadcast scale, reshaped (constexpr
@@ -3427,6 +3453,16 @@ def plan_decode(
                          "channel halves (each product's blocks in one 32-bit half of its scale word)")
     if e8m0_scale_fields is False:
         e8f_k = e8f_v = False
+    # q's block rows read so that ptxas moves fewer registers before the key products (``QLD``; H100, session 43:
+    # bench/results/ANALYSIS.md 286). Transposed loads for E8M0 value words by halves (fp4_e2m1 at 4 query heads per
+    # KV head 147.1 -> 145.1 us), contiguous ones for NVFP4's (147.9 -> 146.1); elsewhere they lose or tie
+    q_loads = {"strided": 0, "transposed": 1, "contiguous": 2}
+    if q_rows_load is not None and (q_rows_load not in q_loads or not block_rows):
+        raise ValueError(f"q_rows_load must be one of {sorted(q_loads)} and needs block_rows (fast FP4 keys and values "
+                         f"by block rows); got {q_rows_load!r}")
+    qld_default = ("contiguous" if words_halves and k.kind == "nvfp4" else "transposed" if words_halves and not kpt
+                   else "strided")
+    qld = q_loads[q_rows_load or qld_default] if block_rows else 0
     # per-element FP4 tiles as [bytes, tokens] with each byte's scale code from its token's scale word (``T2D``): no
     # reshape of [blocks, bytes, tokens] tiles before the product, so fewer, wider shared-memory stores. Default for
     # E8M0 tiles built by PTX (H200, fp4_e2m1 at 64 q / 8 KV heads, head-major: 64 x 16,384 1,019.6 -> 902.1 us, 8 x
@@ -3624,6 +3660,7 @@ def plan_decode(
         KPT=kpt,
         E8F_K=e8f_k,
         E8F_V=e8f_v,
+        QLD=qld,
         PART=0,  # 0: the paged and residual splits in one launch (``residual_launch`` makes 1 and 2)
         BLOCK_R=min(block_n, 32) if key_rows else 0,  # residual tiles: 32 tokens (128 measured 188 KB of shared memory)
         VW8=vw8,
