@@ -114,10 +114,14 @@ def test_every_kernel_compiles_for_rocm_and_cuda_targets():
         # + fp4_e2m1 and nvfp4 block rows with the key products transposed or not, whichever their default is not
         # (``key_products_transposed``), every target
         kpt = 2
+        # + the same two with q's block rows read at a stride of 2 (``q_rows_load``), every target
+        qld = 2
         assert len(rows) == (2 * len(DECODE_CASES) + len(SHARED_KERNELS) - (1 - gdc) + len(WRITE_CASES) + ptx + f16cvt
                              + rows_off + kt4 + ktile_off + 3 * key_rows + sums + nvb + blocks + vw_off + vw8
-                             + direct + kr_ptx + word_loads + x2 + bn64 + t2d + gdc + pida + vch + csm + kpt), t
+                             + direct + kr_ptx + word_loads + x2 + bn64 + t2d + gdc + pida + vch + csm + kpt
+                             + qld), t
         assert sum(",kpt=" in r["kernel"] and r["ok"] for r in rows) == kpt, t
+        assert sum(",qld=strided]" in r["kernel"] and r["ok"] for r in rows) == qld, t
         assert sum(r["kernel"] in ("decode[int2_kivi,kr=1,vch=4]", "decode[int2_kivi,kr=1,vsw=1,pida=1]") and r["ok"]
                    for r in rows) == vch, t
         assert sum(r["kernel"] == "decode[int4_kivi,kr=1,kw=1,csm=8]" and r["ok"] for r in rows) == csm, t
