@@ -792,16 +792,16 @@ def _block_rows_q(Q, b, kvh, stride_qb, stride_qh, QPK: tl.constexpr, H: tl.cons
         m = (r % H < QPK)[:, None] & ((jc // QB)[None, :] == (2 * C0 // QB + r // H)[:, None])
         x = tl.load(Q + base[:, None] + jc[None, :], mask=m, other=0.0).to(tl.float32)
         qe, qo = tl.split(tl.reshape(x, (R, C, 2)))
-    elif QLD == 1:
-        jb = C0 + tl.arange(0, C)
-        mt = (r % H < QPK)[None, :] & (((2 * jb) // QB)[:, None] == (2 * C0 // QB + r // H)[None, :])
-        qe = tl.trans(tl.load(Q + base[None, :] + (2 * jb)[:, None], mask=mt, other=0.0).to(tl.float32))
-        qo = tl.trans(tl.load(Q + base[None, :] + (2 * jb + 1)[:, None], mask=mt, other=0.0).to(tl.float32))
     else:
         jb = C0 + tl.arange(0, C)
         m = (r % H < QPK)[:, None] & (((2 * jb) // QB)[None, :] == (2 * C0 // QB + r // H)[:, None])
-        qe = tl.load(Q + base[:, None] + (2 * jb)[None, :], mask=m, other=0.0).to(tl.float32)
-        qo = tl.load(Q + base[:, None] + (2 * jb + 1)[None, :], mask=m, other=0.0).to(tl.float32)
+        if QLD == 1:
+            mt = tl.trans(m)
+            qe = tl.trans(tl.load(Q + base[None, :] + (2 * jb)[:, None], mask=mt, other=0.0).to(tl.float32))
+            qo = tl.trans(tl.load(Q + base[None, :] + (2 * jb + 1)[:, None], mask=mt, other=0.0).to(tl.float32))
+        else:
+            qe = tl.load(Q + base[:, None] + (2 * jb)[None, :], mask=m, other=0.0).to(tl.float32)
+            qo = tl.load(Q + base[:, None] + (2 * jb + 1)[None, :], mask=m, other=0.0).to(tl.float32)
     return qe, qo
 
 
