@@ -1212,11 +1212,11 @@ def test_fp4_block_rows(pair, q_heads, kv_heads, head_dim):
         out, lse, _ = _run_decode(cache, q, block_rows=True, channel_halves=ch, key_products_transposed=kpt_other)
         assert (np.abs(out - ref_out) <= tol_o).all() and (np.abs(lse - ref_lse) <= tol_l).all(), (ch, kpt_other)
     # q's block rows read transposed for E8M0 value words by halves without transposed keys, contiguously for NVFP4
-    # keys' value words by halves, at a stride of 2 elsewhere (``q_rows_load``, session 43); the same values, so the
+    # keys' value words by halves in pages of more than one token, at a stride of 2 elsewhere (``q_rows_load``, session 43); the same values, so the
     # other two loads meet the same bound
     qld = {0: "strided", 1: "transposed", 2: "contiguous"}[split.constexprs["QLD"]]
     words_halves = split.constexprs["BLK"] and split.constexprs["VW"] and split.constexprs["HALF_V"]
-    nvfp4_words_halves = words_halves and dc.k.tiles().kind == "nvfp4"
+    nvfp4_words_halves = words_halves and dc.k.tiles().kind == "nvfp4" and dc.page_size > 1
     e8m0_words_halves = words_halves and not split.constexprs["KPT"]
     assert qld == ("contiguous" if nvfp4_words_halves else "transposed" if e8m0_words_halves else "strided"), qld
     for other in {"strided", "transposed", "contiguous"} - {qld}:
@@ -2124,6 +2124,23 @@ def test_heads_fast_is_the_default_at_page_size_one(pair):
             out, lse, _ = _run_decode(cache, q, num_splits=2, heads_fast=True)
             out1, lse1, _ = _run_decode(cache, q, num_splits=2, heads_fast=False)
             assert np.array_equal(out, out1) and np.array_equal(lse, lse1), pair[0]
+
+
+def test_nvfp4_q_rows_load_by_page_size():
+    """NVFP4 by value words and channel halves (4 query heads per KV head, head_dim 128) reads q's block rows
+    contiguously in pages of more than one token and at a stride of 2 in pages of one (H100, session 44: at page
+    size 1 the contiguous load lost, 160.4 -> 168.5 us; ANALYSIS 288); fp4_e2m1's transposed load is the same at
+    both page sizes. Planned on the CPU: the launch's constexpr ``QLD``."""
+    rng = np.random.default_rng(77)
+    q = torch.from_numpy(rng.standard_normal((3, 8, 128)).astype(np.float32)).to(torch.bfloat16)
+    for kind, want in (("nvfp4", {1: 0, 16: 2}), ("fp4_e2m1", {1: 1, 16: 1})):
+        for page_size in (1, 16):
+            cache, _ = build_cache((kind, {}, kind, {}), dict(SMALL, head_dim=128, q_heads=8, page_size=page_size),
+                                   rng)
+            dc = tb.DeviceCache.from_cache(cache, "cpu")
+            split = split_launch_of(plan_for_cache(q, dc)[0])
+            assert split.constexprs["BLK"] and split.constexprs["VW"] and split.constexprs["HALF_V"], kind
+            assert split.constexprs["QLD"] == want[page_size], (kind, page_size, split.constexprs["QLD"])
 
 
 @pytest.mark.parametrize("code", [None, 0])

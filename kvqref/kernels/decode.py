@@ -3065,9 +3065,10 @@ def plan_decode(
     [channels, rows] load, transposed) or ``"contiguous"`` (one load of contiguous channels split into even and odd).
     The load's layout becomes the layout of q's shared-memory copy, and with it how many register moves ptxas puts
     before each key product. Default: ``"transposed"`` for E8M0 value words by channel halves without transposed key
-    products (fp4_e2m1 at 4 query heads per KV head), ``"contiguous"`` for NVFP4 keys' value words by channel halves,
-    ``"strided"`` elsewhere (H100, batch 32 x 8,192 head-major: fp4_e2m1 147.1 -> 145.1 us, nvfp4 147.9 -> 146.1;
-    bench/results/ANALYSIS.md 286).
+    products (fp4_e2m1 at 4 query heads per KV head), ``"contiguous"`` for NVFP4 keys' value words by channel halves
+    in pages of more than one token, ``"strided"`` elsewhere (H100, batch 32 x 8,192 head-major: fp4_e2m1 147.1 ->
+    145.1 us, nvfp4 147.9 -> 146.1; nvfp4 at page size 1 strided 160.4, contiguous 168.5; bench/results/ANALYSIS.md
+    286, 288).
     ``fp4_tiles_2d``: per-element FP4 tiles (no block rows; block scales read as words) built as [code bytes, tokens]
     (keys) and [tokens, code bytes] (values), each byte's block scale code shifted out of its token's scale word
     (:func:`_fp4_bytes_codes`), instead of [blocks, bytes, tokens] tiles times a broadcast scale, reshaped (constexpr
@@ -3455,13 +3456,14 @@ def plan_decode(
         e8f_k = e8f_v = False
     # q's block rows read so that ptxas moves fewer registers before the key products (``QLD``; H100, session 43:
     # bench/results/ANALYSIS.md 286). Transposed loads for E8M0 value words by halves (fp4_e2m1 at 4 query heads per
-    # KV head 147.1 -> 145.1 us), contiguous ones for NVFP4's (147.9 -> 146.1); elsewhere they lose or tie
+    # KV head 147.1 -> 145.1 us), contiguous ones for NVFP4's (147.9 -> 146.1) in pages of more than one token (at
+    # page size 1 they lost, 160.4 -> 168.5 us: ANALYSIS 288); elsewhere they lose or tie
     q_loads = {"strided": 0, "transposed": 1, "contiguous": 2}
     if q_rows_load is not None and (q_rows_load not in q_loads or not block_rows):
         raise ValueError(f"q_rows_load must be one of {sorted(q_loads)} and needs block_rows (fast FP4 keys and values "
                          f"by block rows); got {q_rows_load!r}")
-    qld_default = ("contiguous" if words_halves and k.kind == "nvfp4" else "transposed" if words_halves and not kpt
-                   else "strided")
+    qld_default = ("contiguous" if words_halves and k.kind == "nvfp4" and page_size > 1 else
+                   "transposed" if words_halves and not kpt else "strided")
     qld = q_loads[q_rows_load or qld_default] if block_rows else 0
     # per-element FP4 tiles as [bytes, tokens] with each byte's scale code from its token's scale word (``T2D``): no
     # reshape of [blocks, bytes, tokens] tiles before the product, so fewer, wider shared-memory stores. Default for
