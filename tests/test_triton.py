@@ -1212,8 +1212,8 @@ def test_fp4_block_rows(pair, q_heads, kv_heads, head_dim):
         out, lse, _ = _run_decode(cache, q, block_rows=True, channel_halves=ch, key_products_transposed=kpt_other)
         assert (np.abs(out - ref_out) <= tol_o).all() and (np.abs(lse - ref_lse) <= tol_l).all(), (ch, kpt_other)
     # q's block rows read transposed for E8M0 value words by halves without transposed keys, contiguously for NVFP4
-    # keys' value words by halves in pages of more than one token, at a stride of 2 elsewhere (``q_rows_load``, session 43); the same values, so the
-    # other two loads meet the same bound
+    # keys' value words by halves in pages of more than one token, at a stride of 2 elsewhere (``q_rows_load``,
+    # sessions 43-44); the same values, so the other two loads meet the same bound
     qld = {0: "strided", 1: "transposed", 2: "contiguous"}[split.constexprs["QLD"]]
     words_halves = split.constexprs["BLK"] and split.constexprs["VW"] and split.constexprs["HALF_V"]
     nvfp4_words_halves = words_halves and dc.k.tiles().kind == "nvfp4" and dc.page_size > 1
