@@ -849,54 +849,33 @@ def _block_rows_p(p, vsc, NB: tl.constexpr, H: tl.constexpr, N: tl.constexpr, KI
 
 
 @triton.jit
-def _max_grew(alpha):
-    """Whether some row's running max grew in this tile: some rescale factor ``alpha`` = 2**(m_i - m) below 1 (where
-    no max grew, every alpha is exactly 2**0 = 1, and a rescale by it leaves the accumulators' bits as they are)."""
-    return tl.min(tl.reshape(alpha, (alpha.numel,)), 0) < 1.0
-
-
-@triton.jit
 def _block_rows_values(p, vsc, vb, alpha, acc_lo, acc_hi, NB: tl.constexpr, H: tl.constexpr, N: tl.constexpr,
                        KIND_V: tl.constexpr, FMT_V: tl.constexpr, PTX: tl.constexpr, BARE: tl.constexpr,
-                       EV16: tl.constexpr = False, mc=0, FIELDS: tl.constexpr = False, SKR: tl.constexpr = False):
+                       EV16: tl.constexpr = False, mc=0, FIELDS: tl.constexpr = False):
     """The accumulators of NB blocks' value rows (even / odd channels of the code bytes ``vb`` [N, C]), rescaled by
-    ``alpha`` [H] (``SKR``: only in a tile where a row's max grew, :func:`_max_grew`; the same bits), plus
-    :func:`_block_rows_p` times the codes (NVFP4 and ``EV16``: float16 E2M1 * 2**-14; E8M0: exact bfloat16)."""
+    ``alpha`` [H], plus :func:`_block_rows_p` times the codes (NVFP4 and ``EV16``: float16 E2M1 * 2**-14; E8M0:
+    exact bfloat16)."""
     ar = tl.reshape(tl.broadcast_to(alpha[None, :], (NB, H)), (NB * H,))
     pr = _block_rows_p(p, vsc, NB, H, N, KIND_V, FMT_V, BARE, EV16, mc, FIELDS)
     if KIND_V == 3 or EV16:
         v0, v1 = _e2m1_nibbles_f16(vb, PTX)
     else:
         v0, v1 = _e2m1_values_bf16(vb, PTX)
-    if SKR:
-        if _max_grew(alpha):
-            acc_lo = acc_lo * ar[:, None]
-            acc_hi = acc_hi * ar[:, None]
-    else:
-        acc_lo = acc_lo * ar[:, None]
-        acc_hi = acc_hi * ar[:, None]
-    return _dot_acc(pr, v0, acc_lo), _dot_acc(pr, v1, acc_hi)
+    return _dot_acc(pr, v0, acc_lo * ar[:, None]), _dot_acc(pr, v1, acc_hi * ar[:, None])
 
 
 @triton.jit
 def _block_rows_value_words(p, vsc, vw, alpha, a0, a1, a2, a3, NB: tl.constexpr, H: tl.constexpr, N: tl.constexpr,
                             KIND_V: tl.constexpr, FMT_V: tl.constexpr, PTX: tl.constexpr, BARE: tl.constexpr,
-                            EV16: tl.constexpr = False, mc=0, FIELDS: tl.constexpr = False, SKR: tl.constexpr = False):
+                            EV16: tl.constexpr = False, mc=0, FIELDS: tl.constexpr = False):
     """The four accumulators of NB blocks' value rows against the code words ``vw`` [N, C] (int16; nibble k of word c
-    is channel 4c + k, :func:`_e2m1_quads`), each rescaled by ``alpha`` [H] (``SKR`` as :func:`_block_rows_values`),
-    plus :func:`_block_rows_p` times its quad of channels (E8M0 without ``EV16``: the codes in bfloat16; else float16
-    E2M1 * 2**-14)."""
+    is channel 4c + k, :func:`_e2m1_quads`), each rescaled by ``alpha`` [H], plus :func:`_block_rows_p` times its
+    quad of channels (E8M0 without ``EV16``: the codes in bfloat16; else float16 E2M1 * 2**-14)."""
     ar = tl.reshape(tl.broadcast_to(alpha[None, :], (NB, H)), (NB * H,))
     pr = _block_rows_p(p, vsc, NB, H, N, KIND_V, FMT_V, BARE, EV16, mc, FIELDS)
     v0, v1, v2, v3 = _e2m1_quads(vw, PTX, KIND_V == 2 and not EV16)
-    if SKR:
-        if _max_grew(alpha):
-            a0, a1 = a0 * ar[:, None], a1 * ar[:, None]
-            a2, a3 = a2 * ar[:, None], a3 * ar[:, None]
-    else:
-        a0, a1 = a0 * ar[:, None], a1 * ar[:, None]
-        a2, a3 = a2 * ar[:, None], a3 * ar[:, None]
-    return _dot_acc(pr, v0, a0), _dot_acc(pr, v1, a1), _dot_acc(pr, v2, a2), _dot_acc(pr, v3, a3)
+    return (_dot_acc(pr, v0, a0 * ar[:, None]), _dot_acc(pr, v1, a1 * ar[:, None]), _dot_acc(pr, v2, a2 * ar[:, None]),
+            _dot_acc(pr, v3, a3 * ar[:, None]))
 
 
 @triton.jit
@@ -930,14 +909,12 @@ def _fp4_block_rows_step(qe16, qo16, qe16_b, qo16_b, sc_k, kb, kb_b, ksc, ksc_b,
                          NBV: tl.constexpr, KIND_K: tl.constexpr, FMT_K: tl.constexpr, KIND_V: tl.constexpr,
                          FMT_V: tl.constexpr, PTX: tl.constexpr, VW: tl.constexpr, HALF_K: tl.constexpr,
                          HALF_V: tl.constexpr, BARE: tl.constexpr, EV16: tl.constexpr = False, mc=0,
-                         KPT: tl.constexpr = False, FK: tl.constexpr = False, FV: tl.constexpr = False,
-                         SKR: tl.constexpr = False):
+                         KPT: tl.constexpr = False, FK: tl.constexpr = False, FV: tl.constexpr = False):
     """One tile of :func:`_fp4_block_rows` after its loads: the scores, the softmax step and the value products
     (``BARE``: the tile's E8M0 codes all lie in 1 .. 254, :func:`e8m0_to_f32`; ``EV16``: E8M0 value products in
     float16 against the split's reference code ``mc``; ``KPT``: the key products transposed,
     :func:`_block_rows_scores`); ``FK`` / ``FV``: ``ksc`` / ``vsc`` (and with channel halves ``ksc_b`` / ``vsc_b``,
-    the second half's) hold the E8M0 scales themselves (float32, :func:`_e8m0_word_fields`) instead of codes; ``SKR``:
-    the accumulators rescaled only in a tile where a row's max grew (:func:`_block_rows_values`). Returns
+    the second half's) hold the E8M0 scales themselves (float32, :func:`_e8m0_word_fields`) instead of codes. Returns
     the softmax state and the eight accumulators (those the layout does not use pass through)."""
     if HALF_K:
         if FK:
@@ -957,20 +934,20 @@ def _fp4_block_rows_step(qe16, qo16, qe16_b, qo16_b, sc_k, kb, kb_b, ksc, ksc_b,
             vs_a, vs_b = _row_halves(vsc, NBV, BLOCK_N)
     if VW and HALF_V:
         acc0, acc1, acc2, acc3 = _block_rows_value_words(p, vs_a, vb, alpha, acc0, acc1, acc2, acc3, NBV // 2, H,
-                                                         BLOCK_N, KIND_V, FMT_V, PTX, BARE, EV16, mc, FV, SKR)
+                                                         BLOCK_N, KIND_V, FMT_V, PTX, BARE, EV16, mc, FV)
         acc4, acc5, acc6, acc7 = _block_rows_value_words(p, vs_b, vb_b, alpha, acc4, acc5, acc6, acc7, NBV // 2,
-                                                         H, BLOCK_N, KIND_V, FMT_V, PTX, BARE, EV16, mc, FV, SKR)
+                                                         H, BLOCK_N, KIND_V, FMT_V, PTX, BARE, EV16, mc, FV)
     elif HALF_V:
         acc0, acc1 = _block_rows_values(p, vs_a, vb, alpha, acc0, acc1, NBV // 2, H, BLOCK_N, KIND_V, FMT_V, PTX,
-                                        BARE, EV16, mc, FV, SKR)
+                                        BARE, EV16, mc, FV)
         acc2, acc3 = _block_rows_values(p, vs_b, vb_b, alpha, acc2, acc3, NBV // 2, H, BLOCK_N, KIND_V, FMT_V, PTX,
-                                        BARE, EV16, mc, FV, SKR)
+                                        BARE, EV16, mc, FV)
     elif VW:
         acc0, acc1, acc2, acc3 = _block_rows_value_words(p, vsc, vb, alpha, acc0, acc1, acc2, acc3, NBV, H, BLOCK_N,
-                                                         KIND_V, FMT_V, PTX, BARE, EV16, mc, FV, SKR)
+                                                         KIND_V, FMT_V, PTX, BARE, EV16, mc, FV)
     else:
         acc0, acc1 = _block_rows_values(p, vsc, vb, alpha, acc0, acc1, NBV, H, BLOCK_N, KIND_V, FMT_V, PTX, BARE,
-                                        EV16, mc, FV, SKR)
+                                        EV16, mc, FV)
     return m_i, l_i, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7
 
 
@@ -982,7 +959,7 @@ def _fp4_block_rows_loop(
     QB_V: tl.constexpr, FMT_V: tl.constexpr, PTX: tl.constexpr, WSC_K: tl.constexpr, WSC_V: tl.constexpr,
     VW: tl.constexpr, HALF_K: tl.constexpr, HALF_V: tl.constexpr, BARE: tl.constexpr,
     PIDS_AHEAD: tl.constexpr = False, EV16: tl.constexpr = False, KPT: tl.constexpr = False,
-    FIELDS_K: tl.constexpr = False, FIELDS_V: tl.constexpr = False, SKR: tl.constexpr = False,
+    FIELDS_K: tl.constexpr = False, FIELDS_V: tl.constexpr = False,
 ):
     """The tile loop of :func:`_fp4_block_rows` over tokens ``start`` .. ``end`` from a fresh softmax state. ``BARE``:
     every E8M0 code taken as the bare exponent field (:func:`e8m0_to_f32`), valid where none is 0 or 255, and per
@@ -995,9 +972,8 @@ def _fp4_block_rows_loop(
     tile's page ids read one step ahead (``page_ids_ahead``). ``KPT``: the key products transposed
     (:func:`_block_rows_scores`). ``FIELDS_K`` / ``FIELDS_V`` (with ``BARE``; planned for an E8M0 side of 4 blocks,
     or of 4 or 8 by channel halves, each product's blocks in one 32-bit half of the scale word): that side reads its
-    scales as exponent fields straight from the words (:func:`_e8m0_word_fields`). ``SKR``: the accumulators rescaled
-    only in tiles where a row's max grew (:func:`_block_rows_values`). Returns m, l, the eight accumulators, that flag
-    and mc (128 without ``EV16``)."""
+    scales as exponent fields straight from the words (:func:`_e8m0_word_fields`). Returns m, l, the eight
+    accumulators, that flag and mc (128 without ``EV16``)."""
     NBK: tl.constexpr = D // QB_K
     NBV: tl.constexpr = D // QB_V
     FK: tl.constexpr = FIELDS_K and BARE and KIND_K == 2
@@ -1097,7 +1073,7 @@ def _fp4_block_rows_loop(
         m_i, l_i, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _fp4_block_rows_step(
             qe16, qo16, qe16_b, qo16_b, sc_k, kb, kb_b, ksc, ksc_b, vb, vb_b, vsc, vsc_b, tmask, m_i, l_i, acc0, acc1,
             acc2, acc3, acc4, acc5, acc6, acc7, H, BLOCK_N, NBK, NBV, KIND_K, FMT_K, KIND_V, FMT_V, PTX, VW, HALF_K,
-            HALF_V, BARE, EV16, mc, KPT, FK, FV, SKR)
+            HALF_V, BARE, EV16, mc, KPT, FK, FV)
     if BARE:  # the last tile's flags, its masked tokens left out
         t_last = start + tl.maximum(end - start - 1, 0) // BLOCK_N * BLOCK_N
         sticky = sticky | (bad_prev & (t_last + tl.arange(0, BLOCK_N) < end).to(tl.int32))
@@ -1113,7 +1089,7 @@ def _fp4_block_rows(
     WSC_V: tl.constexpr, VW: tl.constexpr = False, HALF_K: tl.constexpr = False, HALF_V: tl.constexpr = False,
     E8M0_CHECK: tl.constexpr = False, PIDS_AHEAD: tl.constexpr = False, EV16: tl.constexpr = False,
     KPT: tl.constexpr = False, FIELDS_K: tl.constexpr = False, FIELDS_V: tl.constexpr = False,
-    QLD: tl.constexpr = 0, SKR: tl.constexpr = False,
+    QLD: tl.constexpr = 0,
 ):
     """Fast-mode FP4 keys and values by block rows (``block_rows``): no block scale touches a tile element.
 
@@ -1162,7 +1138,7 @@ def _fp4_block_rows(
     m_i, l_i, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, rare, mc = _fp4_block_rows_loop(
         qe16, qo16, qe16_b, qo16_b, sc_k, BT, K0, K1, V0, V1, b, kvh, start, end, stride_btb, k0_s, k0_h, k1_s,
         k1_h, v0_s, v0_h, v1_s, v1_h, H, D, PAGE, PAGE_SLOTS, BLOCK_N, KIND_K, QB_K, FMT_K, KIND_V, QB_V, FMT_V, PTX,
-        WSC_K, WSC_V, VW, HALF_K, HALF_V, E8M0_CHECK, PIDS_AHEAD, EV, KPT, FIELDS_K, FIELDS_V, SKR)
+        WSC_K, WSC_V, VW, HALF_K, HALF_V, E8M0_CHECK, PIDS_AHEAD, EV, KPT, FIELDS_K, FIELDS_V)
     if E8M0_CHECK:  # a code 0 or 255 among the E8M0 scales (``EV``: or value codes spread too far): the split again,
         # with the rule for them and bfloat16 value products (its page ids read in the step: the rerun is rare, and
         # carried page ids in both loops spill fp4_e2m1's 168 registers)
@@ -1170,7 +1146,7 @@ def _fp4_block_rows(
             m_i, l_i, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, rare, mc = _fp4_block_rows_loop(
                 qe16, qo16, qe16_b, qo16_b, sc_k, BT, K0, K1, V0, V1, b, kvh, start, end, stride_btb, k0_s, k0_h, k1_s,
                 k1_h, v0_s, v0_h, v1_s, v1_h, H, D, PAGE, PAGE_SLOTS, BLOCK_N, KIND_K, QB_K, FMT_K, KIND_V, QB_V, FMT_V,
-                PTX, WSC_K, WSC_V, VW, HALF_K, HALF_V, False, False, False, KPT, False, False, SKR)
+                PTX, WSC_K, WSC_V, VW, HALF_K, HALF_V, False, False, False, KPT)
     DV: tl.constexpr = (D // 8 if HALF_V else D // 4) if VW else (D // 4 if HALF_V else D // 2)
     jv = tl.arange(0, DV)
     if EV:  # the accumulators hold sum p v 2**(128 - mc) (mc in 16 .. 240, or 128 after a rerun)
@@ -1676,7 +1652,6 @@ def _kivi_key_rows(
     KW: tl.constexpr = False, KCH: tl.constexpr = 1, PIPE: tl.constexpr = False, KSUB: tl.constexpr = False,
     PIDS_AHEAD: tl.constexpr = False, NCH: tl.constexpr = 1, VSW: tl.constexpr = False, CSM: tl.constexpr = 0,
     RJOIN: tl.constexpr = False, VSUB: tl.constexpr = False, SPG: tl.constexpr = False, ZB1: tl.constexpr = False,
-    SKR: tl.constexpr = False,
 ):
     """Fast-mode KIVI keys by token-group rows (``key_rows``), values by channel-group rows (``value_rows``).
 
@@ -1711,9 +1686,7 @@ def _kivi_key_rows(
     chunk's l, zero term and value accumulators times 2**(m_c - m) (0 for a chunk that saw no token) and summed; the
     chunk's zero term (the row sums of p * z) is summed on the tensor cores (:func:`_row_sums_mma`), in the value
     accumulators' layout; ``ZB1``: each term p * z rounded once to bfloat16 there (:func:`_row_sums_mma`'s ``ONE``: one
-    product instead of three exact parts; p * z within 2**-9 of itself, as p * s is). ``SKR`` (with ``KW``): the
-    value accumulators (and the chunks' zero terms) rescaled only in a tile where a row's max grew
-    (:func:`_max_grew`; the same bits).
+    product instead of three exact parts; p * z within 2**-9 of itself, as p * s is).
     ``RJOIN``: :func:`_kivi_rows_scores`' ``JOIN``. ``VSUB`` (with ``KW``): the value codes as bfloat16 subnormals
     ``code * 2**(k - 133)`` (:func:`_int_word_phases`' ``SUB``: no magic number to subtract) against
     ``bf16(p * 2**VALUE_SUB_SHIFT * s)``, each code position's accumulator times
@@ -1858,12 +1831,7 @@ def _kivi_key_rows(
             else:
                 pa3 = _split(pr3 * _token_chunks(srow, NCH, CSM), True, True)[0]
             ar3 = ar3c[:, :, None]
-            if SKR:
-                if _max_grew(ar3c):
-                    zacc_c = zacc_c * ar3
-            else:
-                zacc_c = zacc_c * ar3
-            zacc_c = _row_sums_mma(pr3 * _token_chunks(zrow, NCH, CSM), zacc_c, ZB1)
+            zacc_c = _row_sums_mma(pr3 * _token_chunks(zrow, NCH, CSM), zacc_c * ar3, ZB1)
         else:
             p, alpha, m_i, l_i = _softmax_step(s, tmask, m_i, l_i)
             pr = tl.reshape(tl.broadcast_to(p[None, :, :], (GRV, HV, BLOCK_N)), (BLOCK_H, BLOCK_N))
@@ -1880,21 +1848,14 @@ def _kivi_key_rows(
                 ar3 = ar[None, :, None]
         if KW:  # per chunk of BLOCK_N / NCH tokens: [NCH, rows, BLOCK_N / NCH] x [NCH, BLOCK_N / NCH, D / 8] per code p
             v0, v1, v2, v3, v4, v5, v6, v7 = _int_word_phases(vw, BITS_V, False, PTX, VSUB)
-            if SKR:
-                if _max_grew(ar3):
-                    w0, w1, w2, w3 = w0 * ar3, w1 * ar3, w2 * ar3, w3 * ar3
-                    w4, w5, w6, w7 = w4 * ar3, w5 * ar3, w6 * ar3, w7 * ar3
-            else:
-                w0, w1, w2, w3 = w0 * ar3, w1 * ar3, w2 * ar3, w3 * ar3
-                w4, w5, w6, w7 = w4 * ar3, w5 * ar3, w6 * ar3, w7 * ar3
-            w0 = _dot_acc(pa3, v0, w0)
-            w1 = _dot_acc(pa3, v1, w1)
-            w2 = _dot_acc(pa3, v2, w2)
-            w3 = _dot_acc(pa3, v3, w3)
-            w4 = _dot_acc(pa3, v4, w4)
-            w5 = _dot_acc(pa3, v5, w5)
-            w6 = _dot_acc(pa3, v6, w6)
-            w7 = _dot_acc(pa3, v7, w7)
+            w0 = _dot_acc(pa3, v0, w0 * ar3)
+            w1 = _dot_acc(pa3, v1, w1 * ar3)
+            w2 = _dot_acc(pa3, v2, w2 * ar3)
+            w3 = _dot_acc(pa3, v3, w3 * ar3)
+            w4 = _dot_acc(pa3, v4, w4 * ar3)
+            w5 = _dot_acc(pa3, v5, w5 * ar3)
+            w6 = _dot_acc(pa3, v6, w6 * ar3)
+            w7 = _dot_acc(pa3, v7, w7 * ar3)
         else:
             v0, v1, v2, v3 = _int_phases(vb, BITS_V, False, PTX)
             acc0 = _dot_acc(pa, v0, acc0 * ar[:, None])
@@ -2036,7 +1997,6 @@ def decode_split_kernel(
     NCH: tl.constexpr = 1,
     CSM: tl.constexpr = 0,
     ZB1: tl.constexpr = False,
-    SKR: tl.constexpr = False,
     RJOIN: tl.constexpr = False,
     VSUB: tl.constexpr = False,
     SPG: tl.constexpr = False,
@@ -2173,13 +2133,13 @@ def decode_split_kernel(
                 Q, BT, K0, K1, K2, V0, V1, V2, b, kvh, start, end, stride_qb, stride_qh, stride_btb, k0_s, k0_h,
                 k1_s, k1_h, k2_s, k2_h, v0_s, v0_h, v1_s, v1_h, v2_s, v2_h, qk_scale, QPK, HV, BLOCK_H, D, PAGE,
                 PAGE_SLOTS, BLOCK_N, G_K, BITS_K, G_V, BITS_V, RN, PTX, KW, KCH, KPIPE, KSUB, PIDS_AHEAD, NCH,
-                VSW, CSM, RJOIN, VSUB, SPG, ZB1, SKR)
+                VSW, CSM, RJOIN, VSUB, SPG, ZB1)
         elif BLK:  # fast FP4 by block rows (``_fp4_block_rows``)
             acc0, acc1, m_i, l_i = _fp4_block_rows(
                 Q, BT, K0, K1, V0, V1, b, kvh, start, end, stride_qb, stride_qh, stride_btb, k0_s, k0_h, k1_s, k1_h,
                 v0_s, v0_h, v1_s, v1_h, qk_scale, QPK, BLOCK_H, D, PAGE, PAGE_SLOTS, BLOCK_N, KIND_K, QB_K, FMT_K,
                 KIND_V, QB_V, FMT_V, PTX, WSC_K, WSC_V, VW, HALF_K, HALF_V, E8M0_CHECK, PIDS_AHEAD, EV16, KPT, E8F_K,
-                E8F_V, QLD, SKR)
+                E8F_V, QLD)
         else:
             if PIDS_AHEAD:  # the first tile's cache rows before the loop, each next tile's one step ahead
                 nslot, nmask = _tile_slots(start, end, BT, b, stride_btb, PAGE, PAGE_SLOTS, BLOCK_N)
@@ -2980,7 +2940,6 @@ def plan_decode(
     kivi_value_chunks: int | None = None,
     kivi_chunk_softmax: int | None = None,
     kivi_zero_terms_bf16: bool | None = None,
-    skip_unit_rescale: bool | None = None,
     kivi_joined_row_terms: bool | None = None,
     kivi_value_subnormal_codes: bool | None = None,
     kivi_scalar_page_ids: bool | None = None,
@@ -3054,10 +3013,6 @@ def plan_decode(
     bfloat16 before the chunk's tensor-core row sum (constexpr ``ZB1``; one product instead of three exact bfloat16
     parts), as p * s is before its product with the codes: both parts of p * v = p * s * code + p * z then carry one
     16-bit rounding (``reference.fast_rounding``'s ``u_z``). Default: off.
-    ``skip_unit_rescale``: with ``block_rows`` (fast FP4) or ``kivi_words`` (fast KIVI key words), the value
-    accumulators rescaled by alpha = 2**(m_i - m) only in a tile where some row's running max grew (constexpr
-    ``SKR``; one reduction and a branch per tile): elsewhere every alpha is exactly 1, so skipping the multiply
-    leaves the same bits. Default: off.
     ``kivi_joined_row_terms``: with ``key_rows``, the key rows' two per-row terms (the power of two 2**-e and the
     zero term q . z) joined into one [rows, 2] tensor before they meet the product (constexpr ``RJOIN``; the same
     values); default with ``kivi_chunk_softmax`` and for 2-bit key words in token-major pages at 3-4 query heads per
@@ -3386,11 +3341,6 @@ def plan_decode(
     if kivi_zero_terms_bf16 and not csm:
         raise ValueError("kivi_zero_terms_bf16 needs kivi_chunk_softmax (the chunks' zero terms on the tensor cores)")
     zb1 = bool(csm) and bool(kivi_zero_terms_bf16)
-    # the accumulators rescaled only in tiles where a row's running max grew (alpha is exactly 1 elsewhere: the
-    # same bits), in the loops of FP4 block rows and KIVI key words; default: off (not yet timed)
-    if skip_unit_rescale and not (block_rows or (kivi_words and key_rows)):
-        raise ValueError("skip_unit_rescale needs block_rows (fast FP4) or kivi_words (fast KIVI key words)")
-    skr = bool(skip_unit_rescale) and bool(block_rows or (kivi_words and key_rows))
     # the key rows' two row terms (2**-e, q . z) moved into the product's layout as one tensor: with a softmax state
     # per chunk (H200, session 35: int4 at batch 32 x 8,192 206.9 -> 205.2 us head-major, 211.0 -> 209.9
     # token-major) and for 2-bit key words in token-major pages at 4 query heads per KV head (183.9 -> 175.9: 7 -> 2
@@ -3714,7 +3664,6 @@ def plan_decode(
         NCH=nch,
         CSM=csm,
         ZB1=zb1,
-        SKR=skr,
         RJOIN=rjoin,
         VSUB=vsub,
         SPG=spg,
