@@ -119,32 +119,6 @@ def test_fast_rounding_constants():
     assert (r.u_q, r.u_qs) == (reference.U_BF16, reference.U_F16 + 2.0**-24 * (1 + reference.U_F16))
     r = reference.fast_rounding(kk, kv, "bfloat16", kivi_key_rows=False)  # key tiles / q * s in two parts
     assert (r.u_q, r.u_qs, r.a_qs, r.u_k, r.u_p, r.u_v) == (0.0, 2.0**-16, 0.0, 2.0**-16, reference.U_BF16, 2.0**-16)
-    # KIVI values' zero-term products p * z rounded once to bfloat16 (kivi_zero_terms_bf16); no other value side
-    assert r.u_z == reference.U_BF16 + 2.0**-24 * (1 + reference.U_BF16)
-    assert reference.fast_rounding(f8, f8, "bfloat16").u_z == reference.fast_rounding(kv, mx, "bfloat16").u_z == 0.0
-
-
-def test_kernel_tolerance_zero_term_rounding():
-    """``u_z`` adds ``u_z * sum_j p_j |z_jd|`` to the output bound, with ``z = V - V_round`` (``|V|`` without
-    ``V_round``), and nothing to the lse bound."""
-    rng = np.random.default_rng(5)
-    q = rng.standard_normal((2, 4, 16))
-    K = [rng.standard_normal((7, 2, 16)) for _ in range(2)]
-    V = [rng.standard_normal((7, 2, 16)) for _ in range(2)]
-    Z = [rng.standard_normal((7, 2, 16)) for _ in range(2)]
-    V_round = [v - z for v, z in zip(V, Z, strict=True)]
-    base = reference.Rounding16(u_p=reference.U_BF16)
-    with_z = reference.Rounding16(u_p=reference.U_BF16, u_z=2.0**-8)
-    for vr, zs in ((V_round, Z), (None, V)):
-        t0, l0 = reference.kernel_tolerance(q, K, V, fast=base, V_round=vr)
-        t1, l1 = reference.kernel_tolerance(q, K, V, fast=with_z, V_round=vr)
-        assert np.array_equal(l0, l1)
-        for b in range(2):
-            s = np.einsum("hd,thd->ht", q[b], K[b][:, [0, 0, 1, 1], :]) / 4.0
-            p = np.exp(s - s.max(1, keepdims=True))
-            p /= p.sum(1, keepdims=True)
-            want = 2.0**-8 * np.einsum("ht,thd->hd", p, np.abs(zs[b][:, [0, 0, 1, 1], :]))
-            np.testing.assert_allclose(t1[b] - t0[b], want, rtol=1e-9, atol=1e-15)
 
 
 def test_torch_backend_precision_picks_the_dtype_and_rejects_others():
