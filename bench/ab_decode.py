@@ -32,8 +32,7 @@ per-element FP4 tiles as [bytes, tokens] with each byte's scale code from its to
 next tile's page ids read one step ahead (``page_ids_ahead``), ``vch``: KIVI key words' value products in this many
 token chunks (``kivi_value_chunks``), ``vsw`` (0/1): KIVI value scales and zeros as one word per token
 (``kivi_value_scale_words``), ``csm``: a softmax state per KIVI value chunk, its tokens dealt in runs of this many
-(0: off; ``kivi_chunk_softmax``), ``zb`` (0/1): each chunk's p * z rounded once to bfloat16 before its
-tensor-core row sum (``kivi_zero_terms_bf16``), ``rj`` (0/1): the KIVI key rows' two row terms moved as one tensor
+(0: off; ``kivi_chunk_softmax``), ``rj`` (0/1): the KIVI key rows' two row terms moved as one tensor
 (``kivi_joined_row_terms``), ``vsub`` (0/1): KIVI value codes as bfloat16 subnormals
 (``kivi_value_subnormal_codes``), ``spg`` (0/1): KIVI tiles' page ids as scalars (``kivi_scalar_page_ids``),
 ``kpt`` (0/1): FP4 block rows' key products transposed (``key_products_transposed``), ``e8f`` (0/1): their E8M0
@@ -72,8 +71,7 @@ KEYS = {"bn": ("block_n", int), "w": ("num_warps", int), "s": ("num_stages", int
         "t2d": ("fp4_tiles_2d", lambda v: v == "1"),
         "pdl": ("pdl", lambda v: v == "1"), "pida": ("page_ids_ahead", lambda v: v == "1"),
         "vch": ("kivi_value_chunks", int), "vsw": ("kivi_value_scale_words", lambda v: v == "1"),
-        "csm": ("kivi_chunk_softmax", int), "zb": ("kivi_zero_terms_bf16", lambda v: v == "1"),
-        "rj": ("kivi_joined_row_terms", lambda v: v == "1"),
+        "csm": ("kivi_chunk_softmax", int), "rj": ("kivi_joined_row_terms", lambda v: v == "1"),
         "vsub": ("kivi_value_subnormal_codes", lambda v: v == "1"),
         "spg": ("kivi_scalar_page_ids", lambda v: v == "1"),
         "kpt": ("key_products_transposed", lambda v: v == "1"),

@@ -105,10 +105,7 @@ class Rounding16:
     * ``u_k``: relative error of the K tile (a float32 tile split in two bfloat16 parts: 2**-16);
     * ``u_p``, ``a_p``: relative and absolute (float16 underflow) error of each probability ``p_j <= 1``
       rounded to 16 bits before the P @ V product;
-    * ``u_v``: relative error of the V tile (two-part split: 2**-16);
-    * ``u_z``: relative error of KIVI values' zero-term products ``p_j z_jd`` (``kivi_zero_terms_bf16``: the float32
-      product rounded once to bfloat16 before its tensor-core row sum: 2**-8 + 2**-24 (1 + 2**-8)), against
-      ``sum_j p_j |z_jd|`` with ``z = V - V_round`` (``|V|`` when no ``V_round`` is given).
+    * ``u_v``: relative error of the V tile (two-part split: 2**-16).
 
     The output term ``(u_p + u_v + u_p u_v) sum_j p_j |v_jd|`` is taken against the ``V_round`` magnitudes
     given to :func:`kernel_tolerance` when there are any (fast-mode KIVI values fold the token's group scale
@@ -124,7 +121,6 @@ class Rounding16:
     u_p: float = 0.0
     a_p: float = 0.0
     u_v: float = 0.0
-    u_z: float = 0.0
 
 
 def fast_rounding(k_scheme: Any, v_scheme: Any, q_dtype: str, *, kivi_key_rows: bool = True) -> Rounding16:
@@ -143,9 +139,8 @@ def fast_rounding(k_scheme: Any, v_scheme: Any, q_dtype: str, *, kivi_key_rows: 
     values) ``p * 2**14`` or, with fast NVFP4 keys (block rows), ``p * s_v * 2**7`` to float16, or (E8M0 values by
     block rows, ``e8m0_values_f16``) ``p * 2**(c - mc + 15)`` to float16, mc the split's reference code; the residual
     tiles are split in two bfloat16 parts; KIVI values fold the token's group scale into
-    p (``p * s`` rounded once to bfloat16 against the exact integer codes; the zero term ``p * z`` in float32, or
-    with ``kivi_zero_terms_bf16`` each ``p * z`` rounded once to bfloat16 too, which ``u_z`` allows for every KIVI
-    value side): pass ``V_round = V - Z`` (paged tokens) to :func:`kernel_tolerance`.
+    p (``p * s`` rounded once to bfloat16 against the exact integer codes, the zero term ``p * z`` in float32):
+    pass ``V_round = V - Z`` (paged tokens) to :func:`kernel_tolerance`.
     """
     from kvqref.schemes import E8M0BlockScheme, FP8Scheme, KiviScheme, NVFP4Scheme
     from kvqref.schemes.rotation import storage_scheme
@@ -184,7 +179,6 @@ def fast_rounding(k_scheme: Any, v_scheme: Any, q_dtype: str, *, kivi_key_rows: 
         # bfloat16's: the bfloat16 route remains where the codes spread further)
         a_p=(2.0**-23 if isinstance(v_scheme, (NVFP4Scheme, E8M0BlockScheme)) else (2.0**-39 if fp16_v else 0.0)),
         u_v=2.0**-16 if kivi_v else 0.0,
-        u_z=U_BF16 + EPS32 * (1 + U_BF16) if kivi_v else 0.0,
     )
 
 
@@ -213,9 +207,7 @@ def kernel_tolerance(q: Any, K_list: Sequence[Any], V_list: Sequence[Any], sm_sc
     K_scale`` (each token's group scale per channel, 0 on the residual; required then).
     With ``V_round`` (KIVI values in fast mode:
     the codes' part ``sum p s c`` and the zero part ``sum p z`` are accumulated apart in float32, and
-    ``|z| <= |v| + |s c|``), ``|d out_d| += 2 g(T + 7) sum_j p_j vr_jd`` too. ``fast.u_z`` (KIVI values' zero-term
-    products rounded to 16 bits): ``|d out_d| += u_z sum_j p_j |z_jd|``, ``z = V - V_round`` (``|V|`` without
-    ``V_round``).
+    ``|z| <= |v| + |s c|``), ``|d out_d| += 2 g(T + 7) sum_j p_j vr_jd`` too.
     """
     if model not in ("probabilistic", "worst"):
         raise ValueError(f"model must be 'probabilistic' or 'worst', got {model!r}")
@@ -267,10 +259,6 @@ def kernel_tolerance(q: Any, K_list: Sequence[Any], V_list: Sequence[Any], sm_sc
             out_tol[b] += (fast.u_p + fast.u_v + fast.u_p * fast.u_v) * pvr
             if V_round is not None:
                 out_tol[b] += 2 * g(T + 7) * pvr
-            if fast.u_z:
-                z = np.abs(Vq) if V_round is None else np.abs(
-                    Vq - np.asarray(V_round[b], dtype=np.float64)[:, kv_of, :])
-                out_tol[b] += fast.u_z * np.einsum("ht,thd->hd", p, z)
             out_tol[b] += fast.a_p * np.abs(Vq).sum(axis=0)
     return out_tol, lse_tol
 

@@ -452,13 +452,11 @@ def test_kivi_chunk_softmax(pair):
     runs of 8 for 4-bit key words at 4 query heads per KV head in either layout (with subnormal key codes), off at 2
     query heads per KV head, for 2-bit words and without words; bad runs refused. Planted bugs fail it: the chunks'
     sums merged without their factor 2**(m_c - m), the values' tokens chunked in contiguous runs while the scores'
-    are dealt in runs of 8. With the chunks' p * z rounded once to bfloat16 (``kivi_zero_terms_bf16``) within the
-    bound too (it allows ``u_z``, reference.fast_rounding); refused without chunk states."""
+    are dealt in runs of 8."""
     cache, q, ref_out, ref_lse, tol_o, tol_l = _kivi_words_case(pair, 53)
     kw = dict(precision="fast", key_rows=True, value_rows=True, kivi_words=True)
     one, one_lse, _ = _run_decode(cache, q, kivi_chunk_softmax=0, **kw)
-    for runs, extra in ((8, {}), (1, {}), (32, {}), (8, {"page_ids_ahead": True}), (8, {"kivi_pipeline": True}),
-                        (8, {"kivi_zero_terms_bf16": True})):
+    for runs, extra in ((8, {}), (1, {}), (32, {}), (8, {"page_ids_ahead": True}), (8, {"kivi_pipeline": True})):
         out, lse, _ = _run_decode(cache, q, kivi_chunk_softmax=runs, **kw, **extra)
         assert (np.abs(out - ref_out) <= tol_o).all() and (np.abs(lse - ref_lse) <= tol_l).all(), (runs, extra)
         assert (np.abs(out - one) <= 2 * tol_o).all() and (np.abs(lse - one_lse) <= 2 * tol_l).all(), (runs, extra)
@@ -478,16 +476,14 @@ def test_kivi_chunk_softmax(pair):
                 {"kivi_chunk_softmax": 8, "kivi_words": False}):
         with pytest.raises(ValueError, match="kivi_chunk_softmax must be 0 or a power of two"):
             _run_decode(cache, q, **{**kw, **bad})
-    with pytest.raises(ValueError, match="kivi_zero_terms_bf16 needs kivi_chunk_softmax"):
-        _run_decode(cache, q, kivi_chunk_softmax=0, kivi_zero_terms_bf16=True, **kw)
 
 
 @triton.jit
-def _row_sums_probe(X, O, B: tl.constexpr, M: tl.constexpr, K: tl.constexpr, ONE: tl.constexpr):
-    """O [B, M, 16] = 0.25 + the row sums of X [B, M, K] by ``_row_sums_mma`` (``ONE``: its one-part sums)."""
+def _row_sums_probe(X, O, B: tl.constexpr, M: tl.constexpr, K: tl.constexpr):
+    """O [B, M, 16] = 0.25 + the row sums of X [B, M, K] by ``_row_sums_mma``."""
     i = tl.arange(0, B)[:, None, None] * M + tl.arange(0, M)[None, :, None]
     x = tl.load(X + i * K + tl.arange(0, K)[None, None, :])
-    r = _row_sums_mma(x, tl.zeros((B, M, 16), tl.float32) + 0.25, ONE)
+    r = _row_sums_mma(x, tl.zeros((B, M, 16), tl.float32) + 0.25)
     tl.store(O + i * 16 + tl.arange(0, 16)[None, None, :], r)
 
 
@@ -499,20 +495,15 @@ def test_row_sums_mma_are_exact_sums(seed):
     bits: hi and mid, rounded to nearest, hold 17 at most, so each part counts) over 16 columns plus 0.25: every
     partial sum of the parts, in any order, is a multiple of 2**-20 below 2**23 * 2**-20, so float32 holds it
     exactly (23 bits; the tensor cores' float32 accumulation keeps at least 24) and the result must equal the float64
-    sum. With one part (``ONE``, ``kivi_zero_terms_bf16``) the sums are those of x rounded once to bfloat16 (round
-    to nearest even), again exact. Planted bugs fail it
-    (interpreter): the last part (lo) or the last two left out; with one part, x truncated to bfloat16 instead of
-    rounded, or not rounded at all."""
+    sum. Planted bugs fail it
+    (interpreter): the last part (lo) or the last two left out."""
     rng = np.random.default_rng(seed)
     n = rng.integers(-(2**19) + 1, 2**19, size=(4, 16, 16))
     x = (n * 2.0**-20).astype(np.float32)
-    bits = x.view(np.uint32).astype(np.uint64)
-    x16 = ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).astype(np.uint32).view(np.float32)  # RNE to bfloat16
-    for one, want in ((False, n.sum(2) * 2.0**-20), (True, x16.astype(np.float64).sum(2))):
-        out = torch.full((4, 16, 16), float("nan"), dtype=torch.float32, device=DEVICE)
-        _row_sums_probe[(1,)](torch.from_numpy(x).to(DEVICE), out, B=4, M=16, K=16, ONE=one, num_warps=4)
-        assert np.array_equal(out.cpu().numpy(), np.broadcast_to(0.25 + want[:, :, None], (4, 16, 16)).astype(
-            np.float32)), one
+    out = torch.full((4, 16, 16), float("nan"), dtype=torch.float32, device=DEVICE)
+    _row_sums_probe[(1,)](torch.from_numpy(x).to(DEVICE), out, B=4, M=16, K=16, num_warps=4)
+    want = 0.25 + n.sum(2) * 2.0**-20
+    assert np.array_equal(out.cpu().numpy(), np.broadcast_to(want[:, :, None], (4, 16, 16)).astype(np.float32))
 
 
 @pytest.mark.parametrize("pair", KIVI_WORD_PAIRS, ids=["int4", "int2"])

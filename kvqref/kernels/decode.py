@@ -1605,25 +1605,20 @@ def _kivi_rows_scores(kc, ks, kz, qk, sel, qk_scale, HV: tl.constexpr, D: tl.con
 
 
 @triton.jit
-def _row_sums_mma(x, acc, ONE: tl.constexpr = False):
+def _row_sums_mma(x, acc):
     """``acc`` [B, M, 16] plus the row sums of float32 ``x`` [B, M, K], in every column: x's three bfloat16 parts
     (hi = bf16(x), mid = bf16(x - hi), lo = x - hi - mid, exact) times ones on the tensor cores, float32
     accumulation; a reduction with no exchange of the rows between threads (the interpreter: the same parts as
-    float32, float32 products). ``ONE``: x rounded once to bfloat16 (``hi`` alone, one product): each term within
-    2**-9 of itself."""
+    float32, float32 products)."""
     if INTERPRET:
         hi = _bf16_rn(x)
         mid = _bf16_rn(x - hi)
         lo = x - hi - mid
         ones = tl.full((x.shape[0], x.shape[2], 16), 1.0, tl.float32)
     else:
-        hi, mid, lo = _split(x, not ONE, ONE)
+        hi, mid, lo = _split(x, True)
         ones = tl.full((x.shape[0], x.shape[2], 16), 1.0, tl.bfloat16)
-    if ONE:
-        r = _dot_acc(hi, ones, acc)
-    else:
-        r = _dot_acc(lo, ones, _dot_acc(mid, ones, _dot_acc(hi, ones, acc)))
-    return r
+    return _dot_acc(lo, ones, _dot_acc(mid, ones, _dot_acc(hi, ones, acc)))
 
 
 @triton.jit
@@ -1651,7 +1646,7 @@ def _kivi_key_rows(
     BITS_K: tl.constexpr, G_V: tl.constexpr, BITS_V: tl.constexpr, RN: tl.constexpr, PTX: tl.constexpr,
     KW: tl.constexpr = False, KCH: tl.constexpr = 1, PIPE: tl.constexpr = False, KSUB: tl.constexpr = False,
     PIDS_AHEAD: tl.constexpr = False, NCH: tl.constexpr = 1, VSW: tl.constexpr = False, CSM: tl.constexpr = 0,
-    RJOIN: tl.constexpr = False, VSUB: tl.constexpr = False, SPG: tl.constexpr = False, ZB1: tl.constexpr = False,
+    RJOIN: tl.constexpr = False, VSUB: tl.constexpr = False, SPG: tl.constexpr = False,
 ):
     """Fast-mode KIVI keys by token-group rows (``key_rows``), values by channel-group rows (``value_rows``).
 
@@ -1685,8 +1680,7 @@ def _kivi_key_rows(
     (:func:`_token_chunks`; the value words loaded in the same order), merged after the loop: m = max_c m_c, each
     chunk's l, zero term and value accumulators times 2**(m_c - m) (0 for a chunk that saw no token) and summed; the
     chunk's zero term (the row sums of p * z) is summed on the tensor cores (:func:`_row_sums_mma`), in the value
-    accumulators' layout; ``ZB1``: each term p * z rounded once to bfloat16 there (:func:`_row_sums_mma`'s ``ONE``: one
-    product instead of three exact parts; p * z within 2**-9 of itself, as p * s is).
+    accumulators' layout.
     ``RJOIN``: :func:`_kivi_rows_scores`' ``JOIN``. ``VSUB`` (with ``KW``): the value codes as bfloat16 subnormals
     ``code * 2**(k - 133)`` (:func:`_int_word_phases`' ``SUB``: no magic number to subtract) against
     ``bf16(p * 2**VALUE_SUB_SHIFT * s)``, each code position's accumulator times
@@ -1831,7 +1825,7 @@ def _kivi_key_rows(
             else:
                 pa3 = _split(pr3 * _token_chunks(srow, NCH, CSM), True, True)[0]
             ar3 = ar3c[:, :, None]
-            zacc_c = _row_sums_mma(pr3 * _token_chunks(zrow, NCH, CSM), zacc_c * ar3, ZB1)
+            zacc_c = _row_sums_mma(pr3 * _token_chunks(zrow, NCH, CSM), zacc_c * ar3)
         else:
             p, alpha, m_i, l_i = _softmax_step(s, tmask, m_i, l_i)
             pr = tl.reshape(tl.broadcast_to(p[None, :, :], (GRV, HV, BLOCK_N)), (BLOCK_H, BLOCK_N))
@@ -1996,7 +1990,6 @@ def decode_split_kernel(
     KCH: tl.constexpr = 1,
     NCH: tl.constexpr = 1,
     CSM: tl.constexpr = 0,
-    ZB1: tl.constexpr = False,
     RJOIN: tl.constexpr = False,
     VSUB: tl.constexpr = False,
     SPG: tl.constexpr = False,
@@ -2133,7 +2126,7 @@ def decode_split_kernel(
                 Q, BT, K0, K1, K2, V0, V1, V2, b, kvh, start, end, stride_qb, stride_qh, stride_btb, k0_s, k0_h,
                 k1_s, k1_h, k2_s, k2_h, v0_s, v0_h, v1_s, v1_h, v2_s, v2_h, qk_scale, QPK, HV, BLOCK_H, D, PAGE,
                 PAGE_SLOTS, BLOCK_N, G_K, BITS_K, G_V, BITS_V, RN, PTX, KW, KCH, KPIPE, KSUB, PIDS_AHEAD, NCH,
-                VSW, CSM, RJOIN, VSUB, SPG, ZB1)
+                VSW, CSM, RJOIN, VSUB, SPG)
         elif BLK:  # fast FP4 by block rows (``_fp4_block_rows``)
             acc0, acc1, m_i, l_i = _fp4_block_rows(
                 Q, BT, K0, K1, V0, V1, b, kvh, start, end, stride_qb, stride_qh, stride_btb, k0_s, k0_h, k1_s, k1_h,
@@ -2939,7 +2932,6 @@ def plan_decode(
     kivi_key_chains: int | None = None,
     kivi_value_chunks: int | None = None,
     kivi_chunk_softmax: int | None = None,
-    kivi_zero_terms_bf16: bool | None = None,
     kivi_joined_row_terms: bool | None = None,
     kivi_value_subnormal_codes: bool | None = None,
     kivi_scalar_page_ids: bool | None = None,
@@ -3009,10 +3001,7 @@ def plan_decode(
     merge launch joins splits), so that a tile's max and sums need no exchange between warps; the chunks take the
     tile's tokens in runs of this many dealt round-robin (constexpr ``CSM``, a power of two; 0: one state per tile).
     Default 8 (each warp's columns of the key product: runs of 8 tokens) for 4-bit key words at 3-4 query heads per
-    KV head, else 0. ``kivi_zero_terms_bf16``: with ``kivi_chunk_softmax``, each value term p * z rounded once to
-    bfloat16 before the chunk's tensor-core row sum (constexpr ``ZB1``; one product instead of three exact bfloat16
-    parts), as p * s is before its product with the codes: both parts of p * v = p * s * code + p * z then carry one
-    16-bit rounding (``reference.fast_rounding``'s ``u_z``). Default: off.
+    KV head, else 0.
     ``kivi_joined_row_terms``: with ``key_rows``, the key rows' two per-row terms (the power of two 2**-e and the
     zero term q . z) joined into one [rows, 2] tensor before they meet the product (constexpr ``RJOIN``; the same
     values); default with ``kivi_chunk_softmax`` and for 2-bit key words in token-major pages at 3-4 query heads per
@@ -3338,9 +3327,6 @@ def plan_decode(
     if csm and (not kivi_words or csm < 0 or csm & (csm - 1) or block_n % (csm * nch)):
         raise ValueError(f"kivi_chunk_softmax must be 0 or a power of two run of tokens dividing the tile into "
                          f"kivi_value_chunks runs, with kivi_words; got {kivi_chunk_softmax!r}")
-    if kivi_zero_terms_bf16 and not csm:
-        raise ValueError("kivi_zero_terms_bf16 needs kivi_chunk_softmax (the chunks' zero terms on the tensor cores)")
-    zb1 = bool(csm) and bool(kivi_zero_terms_bf16)
     # the key rows' two row terms (2**-e, q . z) moved into the product's layout as one tensor: with a softmax state
     # per chunk (H200, session 35: int4 at batch 32 x 8,192 206.9 -> 205.2 us head-major, 211.0 -> 209.9
     # token-major) and for 2-bit key words in token-major pages at 4 query heads per KV head (183.9 -> 175.9: 7 -> 2
@@ -3663,7 +3649,6 @@ def plan_decode(
         KCH=kch,
         NCH=nch,
         CSM=csm,
-        ZB1=zb1,
         RJOIN=rjoin,
         VSUB=vsub,
         SPG=spg,
