@@ -2331,6 +2331,16 @@ def test_split_counts_are_the_measured_choices():
     assert choose_splits(1, 8, 131072, 32, 132, waves_of=6, down=True) == (196, 672)  # 2,112 programs -> 2 waves
     assert choose_splits(1, 8, 131072, 32, 132, waves_of=6) == (293, 448)  # -> 3 waves, the measured loss
     assert choose_splits(8, 8, 32768, 32, 132, waves_of=6, down=True) == (24, 1376)
+    # the planner's rule for them since session 44 (``wave_tiles``): the fewest tile steps, whole waves times tiles per
+    # split, the fewest splits among equals (H100: mxfp4, 6 resident, 64-token tiles, batch 1 x 131,072 83.0 -> 76.6
+    # us at 98 splits, 8 x 32,768 141.1 -> 134.7 at 12, 16 x 8,192 82.2 -> 78.0 at 6; FP8, 8 resident, 32-token
+    # tiles, batch 1 114.8 -> 110.0 at 128, 8 x 32,768 203.8 -> 200.4 at 16)
+    assert choose_splits(1, 8, 131072, 64, 132, waves_of=6, down=True, wave_tiles=True) == (98, 1344)  # 1 wave x 21
+    assert choose_splits(1, 8, 131072, 64, 132, waves_of=6, down=True) == (187, 704)  # 2 waves x 11: the loss
+    assert choose_splits(8, 8, 32768, 64, 132, waves_of=6, down=True, wave_tiles=True) == (12, 2752)
+    assert choose_splits(16, 8, 8192, 64, 132, waves_of=6, down=True, wave_tiles=True) == (6, 1408)
+    assert choose_splits(1, 8, 131072, 32, 132, waves_of=8, down=True, wave_tiles=True) == (128, 1024)
+    assert choose_splits(8, 8, 32768, 32, 132, waves_of=8, down=True, wave_tiles=True) == (16, 2048)
     # mxfp4 by block rows at 2 warps (64-token tiles, 8 resident at TWO_WARP_MAXNREG) with at least as many KV pairs
     # as multiprocessors: the fewest splits that fill whole waves, where that is fewer than the default (session 22,
     # H100: batch 32 x 8,192 169.1 -> 163.1 us at 4 splits instead of 9, 64 x 8,192 321.7 -> 312.5 at 2 instead of
@@ -2453,9 +2463,9 @@ def test_split_counts_are_the_measured_choices():
             assert split.constexprs["E8M0_CHECK"] and split.constexprs["EV16"]
             cap = E8M0_TWO_WARP_MAXNREG
         assert split.options.get("maxnreg") == cap, (batch, pair[0])
-        few = batch * 2 < sms  # fewer KV pairs than multiprocessors: whole waves, rounded down
+        few = batch * 2 < sms  # fewer KV pairs than multiprocessors: the fewest tile steps by whole waves
         bn = split.constexprs["BLOCK_N"]
-        rule = dict(waves_of=two_warp_resident(cap), down=True) if few and pair[0] != "bf16" else {}
+        rule = dict(waves_of=two_warp_resident(cap), down=True, wave_tiles=True) if few and pair[0] != "bf16" else {}
         want = choose_splits(batch, 2, long, bn, sms, **rule)[0]
         if not few:  # whole waves of resident programs, where fewer splits
             fill = choose_splits(batch, 2, long, bn, sms, two_warp_resident(cap) if pair[0] != "bf16" else

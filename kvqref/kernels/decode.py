@@ -2836,7 +2836,8 @@ def whole_tile_splits(max_len: int, splits: int, block_n: int) -> tuple[int, int
 
 
 def choose_splits(batch: int, kv_heads: int, max_len: int, block_n: int, num_sms: int,
-                  resident: int | None = None, waves_of: int | None = None, down: bool = False) -> tuple[int, int]:
+                  resident: int | None = None, waves_of: int | None = None, down: bool = False,
+                  wave_tiles: bool = False) -> tuple[int, int]:
     """(splits, tokens per split), each split a whole number of tiles and at least 4 tiles long. Default: about
     16 programs per multiprocessor (measured best on the H100 for batch x kv_heads = 256). ``resident``: the
     programs one multiprocessor holds at once, for a kernel that few fit: the fewest splits whose programs fill
@@ -2851,7 +2852,13 @@ def choose_splits(batch: int, kv_heads: int, max_len: int, block_n: int, num_sms
     words by halves, 12 resident, H100: batch 1 x 131,072 nvfp4 114 -> 94 us at 196 splits against 256,
     history/ab-h100-session12-waves.log); ``down``: rounded down instead, ``max(1, default // wave)``
     waves (FP8 and mxfp4 at 2 warps, 6 resident, with fewer KV pairs than multiprocessors: batch 1 x 131,072 fp8
-    132 -> 121 us at 198 splits, where 297, the nearest, took 172; history/ab-h100-session12-splits-2warp.log)."""
+    132 -> 121 us at 198 splits, where 297, the nearest, took 172; history/ab-h100-session12-splits-2warp.log).
+    ``wave_tiles`` (with ``waves_of``): the split count of at most the default's that takes the fewest tile steps,
+    whole waves times tiles per split (``ceil(programs / wave) * ceil(tokens per split / block_n)``), the fewest
+    splits among equals (FP8 and mxfp4 at 2 warps with fewer KV pairs than multiprocessors, H100: mxfp4 (6 resident)
+    batch 1 x 131,072 83.0 -> 76.6 us at 98 splits, one wave of 21 tiles, against the rounded-down 187, two waves of
+    11; 8 x 32,768 141.1 -> 134.7 at 12 against 24; 16 x 8,192 82.2 -> 78.0 at 6 against 12; FP8 (8 resident) batch
+    1 114.8 -> 110.0 at 128 against 256, 8 x 32,768 203.8 -> 200.4 at 16 against 32; bench/results/ANALYSIS.md 290)."""
     pairs = max(1, batch * kv_heads)
     want = max(1, -(-16 * num_sms // pairs))  # the default
     most = max(1, -(-max_len // (4 * block_n)))
@@ -2867,6 +2874,14 @@ def choose_splits(batch: int, kv_heads: int, max_len: int, block_n: int, num_sms
             return programs >= WAVE_FILL * -(-programs // wave) * wave
 
         want = next((s for s in range(1, most + 1) if fills(s)), max(1, wave // pairs))
+    elif waves_of is not None and wave_tiles:
+        wave = waves_of * num_sms
+
+        def steps(splits: int) -> tuple[int, int]:
+            n, per = tiled(splits)
+            return -(-(n * pairs) // wave) * -(-per // block_n), n
+
+        want = min(range(1, min(want, most) + 1), key=steps)
     elif waves_of is not None:
         wave, programs = waves_of * num_sms, want * pairs
         want = max(1, max(1, programs // wave if down else round(programs / wave)) * wave // pairs)
@@ -3526,8 +3541,10 @@ def plan_decode(
     if max_seq_len is None:  # (a device sync: callers in a hot loop pass it)
         max_seq_len = int(seq_lens.max().item()) if seq_lens.numel() else 0
     if num_splits is None:
-        # FP8 and mxfp4 at 2 warps with fewer KV pairs than multiprocessors (long contexts, few sequences): whole
-        # waves, rounded down (with more pairs the split count is too coarse to hit them: ANALYSIS.md, session 12)
+        # FP8 and mxfp4 at 2 warps with fewer KV pairs than multiprocessors (long contexts, few sequences): the
+        # split count with the fewest tile steps, whole waves times tiles per split (session 44: one wave of long
+        # splits beat two of half as long; with more pairs the split count is too coarse to hit them: ANALYSIS.md,
+        # session 12)
         two_warp_waves = (num_warps == 2 and precision == "fast" and batch * kv_heads < sms
                           and (k.kind == v.kind == "fp8" or (bool(block_rows) and k.kind == v.kind == "mxfp4")))
         # the KIVI key rows and the fast bf16 launch (``BF16_WIDE``): whole waves of the programs resident at once
@@ -3536,7 +3553,8 @@ def plan_decode(
                                         key_rows_resident(num_warps, maxnreg) if key_rows else
                                         BF16_WIDE_RESIDENT if bf16_waves else None,
                                         WORDS_HALVES_RESIDENT if words_halves else
-                                        two_warp_resident(maxnreg) if two_warp_waves else None, down=two_warp_waves)
+                                        two_warp_resident(maxnreg) if two_warp_waves else None, down=two_warp_waves,
+                                        wave_tiles=two_warp_waves)
         # FP8, bf16 and FP4 without block rows at 2 warps with at least as many KV pairs as multiprocessors: the
         # fewest splits that fill whole waves, where that is fewer than the default (H100, fp8: batch 32 x 8,192
         # 220.7 -> 214.3 us at 3 splits, 64 x 8,192 452.2 -> 409.9, 64 x 64 heads x 16,384 875.8 -> 798.9; bf16 batch
