@@ -2281,6 +2281,30 @@ def test_bf16_launch_is_the_measured_choice(monkeypatch):
     assert launches[0].constexprs["BLOCK_N"] == 128 and launches[0].grid[2] == 4
 
 
+@given(batch=st.integers(1, 32), kv_heads=st.sampled_from([1, 2, 4, 8]), tokens=st.integers(1, 300_000),
+       block_n=st.sampled_from([32, 64, 128]), waves_of=st.integers(1, 16), sms=st.sampled_from([4, 78, 132]))
+@settings(max_examples=200, deadline=None)
+def test_wave_tiles_split_count_is_the_fewest_tile_steps(batch, kv_heads, tokens, block_n, waves_of, sms):
+    """``choose_splits(wave_tiles=True)`` (one candidate per wave count, for a planner called per decode step) takes
+    the split count that a search over every count from 1 to the default's would: the fewest tile steps
+    ``ceil(programs / wave) * ceil(tokens per split / block_n)``, the fewest splits among equals."""
+    from kvqref.kernels.decode import choose_splits, whole_tile_splits
+
+    pairs, wave = batch * kv_heads, waves_of * sms
+    cap = min(max(1, -(-16 * sms // pairs)), max(1, -(-tokens // (4 * block_n))))
+
+    def steps(splits):
+        n, per = whole_tile_splits(tokens, splits, block_n)
+        return -(-(n * pairs) // wave) * -(-per // block_n), n
+
+    def tile_steps(split):  # of a (splits, tokens per split) pair
+        return -(-(split[0] * pairs) // wave) * -(-split[1] // block_n)
+
+    best = whole_tile_splits(tokens, min(range(1, cap + 1), key=steps), block_n)
+    got = choose_splits(batch, kv_heads, tokens, block_n, sms, waves_of=waves_of, down=True, wave_tiles=True)
+    assert tile_steps(got) == tile_steps(best) and got[0] <= best[0], (got, best)
+
+
 def test_split_counts_are_the_measured_choices():
     """About 16 programs per multiprocessor by default; one wave of programs for the KIVI key-rows kernel, which
     holds 2 per multiprocessor (session 10, H100: batch 32 x 8,192 1 split 321 us against 353 us for 8; batch 1

@@ -2875,13 +2875,14 @@ def choose_splits(batch: int, kv_heads: int, max_len: int, block_n: int, num_sms
 
         want = next((s for s in range(1, most + 1) if fills(s)), max(1, wave // pairs))
     elif waves_of is not None and wave_tiles:
-        wave = waves_of * num_sms
+        wave, cap = waves_of * num_sms, min(want, most)
 
         def steps(splits: int) -> tuple[int, int]:
             n, per = tiled(splits)
             return -(-(n * pairs) // wave) * -(-per // block_n), n
 
-        want = min(range(1, min(want, most) + 1), key=steps)
+        # within w waves the most splits take the fewest tiles each: one candidate per wave count
+        want = min((max(1, min(cap, w * wave // pairs)) for w in range(1, -(-(cap * pairs) // wave) + 1)), key=steps)
     elif waves_of is not None:
         wave, programs = waves_of * num_sms, want * pairs
         want = max(1, max(1, programs // wave if down else round(programs / wave)) * wave // pairs)
