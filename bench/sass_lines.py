@@ -1,7 +1,7 @@
 """The decode tile loop's sm_90 SASS grouped by the source line each instruction came from (static, on the CPU).
 
     python3 bench/sass_lines.py [--scheme fp4_e2m1] [--qpk 4] [--layout HND] [--top 40] \
-        [--plan key_products_transposed=true]
+        [--plan key_products_transposed=true] [--spread 20]
 
 Plans the scheme's default decode launch as on an H200 (``bench/sass_defaults.py``'s ``load_decode``: 2 KV heads,
 head_dim 128, 140 tokens in pages of 16, KIVI pages of 32), compiles the split launch for sm_90 as ``python3 -m
@@ -37,6 +37,30 @@ def loop_by_line(text: str) -> tuple[int, dict[int | None, collections.Counter],
     """(loop instructions, {source line: opcode counts}, the source file the line table names most) of the first
     backward-branch loop holding tensor-core instructions in ``nvdisasm -g`` text (branch targets are labels there,
     not addresses)."""
+    body, named = loop_body(text)
+    per: dict[int | None, collections.Counter] = collections.defaultdict(collections.Counter)
+    for _a, o, ln, _args in body:
+        per[ln][o] += 1
+    return len(body), dict(per), named
+
+
+#: opcode classes of :func:`spread`
+SPREAD_CLASSES = {"tensor": ("HMMA", "HGMMA", "IMMA"), "shared/barrier": ("LDS", "LDSM", "STS", "STSM", "BAR"),
+                  "global": ("LDG", "LDGSTS")}
+
+
+def spread(body: list[tuple[int, str, int | None, str]], parts: int) -> list[dict[str, int]]:
+    """Per consecutive part (``parts`` of about equal length) of the loop body, in program order, how many of its
+    instructions fall in each class of SPREAD_CLASSES: where in the loop the tensor-core products, the shared-memory
+    traffic and the global loads sit."""
+    n = len(body)
+    return [{c: sum(op in ops for _a, op, _l, _x in body[i * n // parts:(i + 1) * n // parts])
+             for c, ops in SPREAD_CLASSES.items()} for i in range(parts)]
+
+
+def loop_body(text: str) -> tuple[list[tuple[int, str, int | None, str]], str | None]:
+    """The instructions (address, opcode, source line, operands), in order, of :func:`loop_by_line`'s loop, and the
+    source file the line table names most (empty and None when there is no such loop)."""
     files: collections.Counter = collections.Counter()
     labels: dict[str, int] = {}
     pending: list[str] = []
@@ -58,11 +82,8 @@ def loop_by_line(text: str) -> tuple[int, dict[int | None, collections.Counter],
         if target is not None and target < addr:
             body = [r for r in rows if target <= r[0] <= addr]
             if any(r[1] in ("HMMA", "HGMMA", "IMMA") for r in body):
-                per: dict[int | None, collections.Counter] = collections.defaultdict(collections.Counter)
-                for _a, o, ln, _args in body:
-                    per[ln][o] += 1
-                return len(body), dict(per), files.most_common(1)[0][0] if files else None
-    return 0, {}, None
+                return body, files.most_common(1)[0][0] if files else None
+    return [], None
 
 
 def default_split_launch(scheme: str, qpk: int, layout: str, plan: dict | None = None):
@@ -111,6 +132,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--top", type=int, default=40, help="lines to print, the most instructions first")
     ap.add_argument("--plan", type=plan_option, action="append", default=[],
                     help="a plan_decode keyword over the defaults, key=int or key=true/false (repeatable)")
+    ap.add_argument("--spread", type=int, default=0,
+                    help="also print, per this many consecutive parts of the loop, its tensor-core, shared-memory / "
+                         "barrier and global-load instructions")
     args = ap.parse_args(argv)
     warnings.simplefilter("ignore")
     import triton
@@ -141,6 +165,10 @@ def main(argv: list[str] | None = None) -> int:
     for line, ops in ranked:
         text_of = source[line - 1].strip()[:80] if line and line <= len(source) else "?"
         print(f"{sum(ops.values()):5d}  L{line}: {text_of}  {dict(ops.most_common(6))}")
+    if args.spread:
+        parts = spread(loop_body(text)[0], args.spread)
+        print(f"per {len(parts)} parts of the loop in program order ({', '.join(SPREAD_CLASSES)}):")
+        print(" ".join("/".join(str(p[c]) for c in SPREAD_CLASSES) for p in parts))
     return 0
 
 
