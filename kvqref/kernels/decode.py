@@ -2851,8 +2851,9 @@ def choose_splits(batch: int, kv_heads: int, max_len: int, block_n: int, num_sms
     programs rounded to whole waves, ``max(1, round(default / wave)) * wave // (batch * kv_heads)`` splits (FP4 value
     words by halves, 12 resident, H100: batch 1 x 131,072 nvfp4 114 -> 94 us at 196 splits against 256,
     history/ab-h100-session12-waves.log); ``down``: rounded down instead, ``max(1, default // wave)``
-    waves (FP8 and mxfp4 at 2 warps, 6 resident, with fewer KV pairs than multiprocessors: batch 1 x 131,072 fp8
-    132 -> 121 us at 198 splits, where 297, the nearest, took 172; history/ab-h100-session12-splits-2warp.log).
+    waves (the planner's rule until session 44, which ``wave_tiles`` replaced: FP8 and mxfp4 at 2 warps, 6
+    resident, with fewer KV pairs than multiprocessors: batch 1 x 131,072 fp8 132 -> 121 us at 198 splits, where 297,
+    the nearest, took 172; history/ab-h100-session12-splits-2warp.log).
     ``wave_tiles`` (with ``waves_of``): the split count of at most the default's that takes the fewest tile steps,
     whole waves times tiles per split (``ceil(programs / wave) * ceil(tokens per split / block_n)``), the fewest
     splits among equals (FP8 and mxfp4 at 2 warps with fewer KV pairs than multiprocessors, H100: mxfp4 (6 resident)
@@ -3554,7 +3555,7 @@ def plan_decode(
                                         key_rows_resident(num_warps, maxnreg) if key_rows else
                                         BF16_WIDE_RESIDENT if bf16_waves else None,
                                         WORDS_HALVES_RESIDENT if words_halves else
-                                        two_warp_resident(maxnreg) if two_warp_waves else None, down=two_warp_waves,
+                                        two_warp_resident(maxnreg) if two_warp_waves else None,
                                         wave_tiles=two_warp_waves)
         # FP8, bf16 and FP4 without block rows at 2 warps with at least as many KV pairs as multiprocessors: the
         # fewest splits that fill whole waves, where that is fewer than the default (H100, fp8: batch 32 x 8,192
