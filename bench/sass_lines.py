@@ -33,14 +33,15 @@ _LINE = re.compile(r'//## File "([^"]+)", line (\d+)')
 _INSTR = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)([^;]*);")
 
 
-def loop_by_line(text: str) -> tuple[int, dict[int | None, collections.Counter], str | None]:
-    """(loop instructions, {source line: opcode counts}, the source file the line table names most) of the first
-    backward-branch loop holding tensor-core instructions in ``nvdisasm -g`` text (branch targets are labels there,
-    not addresses)."""
+def loop_by_line(text: str) -> tuple[int, dict[tuple[str | None, int | None], collections.Counter], str | None]:
+    """(loop instructions, {(source file, line): opcode counts}, the source file the line table names most) of the
+    first backward-branch loop holding tensor-core instructions in ``nvdisasm -g`` text (branch targets are labels
+    there, not addresses). The file matters: Triton's own helpers (``tl.sum``'s and ``tl.max``'s combine functions in
+    triton/language/standard.py) carry their own lines."""
     body, named = loop_body(text)
-    per: dict[int | None, collections.Counter] = collections.defaultdict(collections.Counter)
-    for _a, o, ln, _args in body:
-        per[ln][o] += 1
+    per: dict[tuple[str | None, int | None], collections.Counter] = collections.defaultdict(collections.Counter)
+    for _a, o, where, _args in body:
+        per[where][o] += 1
     return len(body), dict(per), named
 
 
@@ -49,7 +50,7 @@ SPREAD_CLASSES = {"tensor": ("HMMA", "HGMMA", "IMMA"), "shared/barrier": ("LDS",
                   "global": ("LDG", "LDGSTS")}
 
 
-def spread(body: list[tuple[int, str, int | None, str]], parts: int) -> list[dict[str, int]]:
+def spread(body: list[tuple[int, str, tuple[str | None, int | None], str]], parts: int) -> list[dict[str, int]]:
     """Per consecutive part (``parts`` of about equal length) of the loop body, in program order, how many of its
     instructions fall in each class of SPREAD_CLASSES: where in the loop the tensor-core products, the shared-memory
     traffic and the global loads sit."""
@@ -58,25 +59,25 @@ def spread(body: list[tuple[int, str, int | None, str]], parts: int) -> list[dic
              for c, ops in SPREAD_CLASSES.items()} for i in range(parts)]
 
 
-def loop_body(text: str) -> tuple[list[tuple[int, str, int | None, str]], str | None]:
-    """The instructions (address, opcode, source line, operands), in order, of :func:`loop_by_line`'s loop, and the
-    source file the line table names most (empty and None when there is no such loop)."""
+def loop_body(text: str) -> tuple[list[tuple[int, str, tuple[str | None, int | None], str]], str | None]:
+    """The instructions (address, opcode, (source file, line), operands), in order, of :func:`loop_by_line`'s loop,
+    and the source file the line table names most (empty and None when there is no such loop)."""
     files: collections.Counter = collections.Counter()
     labels: dict[str, int] = {}
     pending: list[str] = []
-    rows: list[tuple[int, str, int | None, str]] = []
-    line = None
+    rows: list[tuple[int, str, tuple[str | None, int | None], str]] = []
+    where: tuple[str | None, int | None] = (None, None)
     for row in text.splitlines():
         if m := _LABEL.match(row):
             pending.append(m.group(1))
         elif m := _LINE.search(row):
-            line = int(m.group(2))
+            where = (m.group(1), int(m.group(2)))
             files[m.group(1)] += 1
         elif m := _INSTR.search(row):
             addr = int(m.group(1), 16)
             labels.update((label, addr) for label in pending)
             pending = []
-            rows.append((addr, m.group(2), line, m.group(3)))
+            rows.append((addr, m.group(2), where, m.group(3)))
     for addr, op, _line, args in rows:
         target = labels.get(m.group(1)) if op == "BRA" and (m := re.search(r"(\.L_x_\d+)", args)) else None
         if target is not None and target < addr:
@@ -155,16 +156,26 @@ def main(argv: list[str] | None = None) -> int:
     total, per, named = loop_by_line(text)
     # (Triton's cache may hold this kernel compiled from an identical copy of decode.py elsewhere: its lines then)
     path = Path(named) if named and Path(named).exists() else Path(decode.__file__)
-    source = path.read_text().splitlines()
+    sources: dict[str | None, list[str]] = {}
+
+    def text_of(where: tuple[str | None, int | None]) -> str:
+        """The line's file (its name, where not the kernel's) and text."""
+        file, line = where
+        here = path if file == named else Path(file) if file else None
+        if file not in sources:
+            sources[file] = here.read_text().splitlines() if here and here.exists() else []
+        src = sources[file]
+        label = "" if file == named else f"{Path(file).name if file else '?'}:"
+        return f"{label}L{line}: " + (src[line - 1].strip()[:80] if line and line <= len(src) else "?")
+
     whole = collections.Counter()
     for ops in per.values():
         whole.update(ops)
     print(f"{args.scheme}, {args.qpk} q heads per KV head, {args.layout}: {launch.options}; loop {total} instructions"
           f" (local loads / stores {whole['LDL']} / {whole['STL']}, barriers {whole['BAR']}); lines of {path}")
     ranked = sorted(per.items(), key=lambda kv: -sum(kv[1].values()))[:args.top]
-    for line, ops in ranked:
-        text_of = source[line - 1].strip()[:80] if line and line <= len(source) else "?"
-        print(f"{sum(ops.values()):5d}  L{line}: {text_of}  {dict(ops.most_common(6))}")
+    for where, ops in ranked:
+        print(f"{sum(ops.values()):5d}  {text_of(where)}  {dict(ops.most_common(6))}")
     if args.spread:
         parts = spread(loop_body(text)[0], args.spread)
         print(f"per {len(parts)} parts of the loop in program order ({', '.join(SPREAD_CLASSES)}):")
