@@ -21,17 +21,14 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import os
-import subprocess
 import sys
-import tempfile
 import warnings
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from sass_lines import default_split_launch, loop_body  # noqa: E402
+from sass_lines import default_split_launch, loop_body, sm90_sass  # noqa: E402
 
 #: opcode classes (SASS opcodes without modifiers, as bench/sass_lines.py reads them)
 CLASSES: dict[str, tuple[str, ...]] = {
@@ -58,21 +55,8 @@ def classify(op: str) -> str:
 def loop_budget(scheme: str) -> dict:
     """The default split launch's loop of ``scheme`` (4 q heads per KV head, head-major): its launch parameters,
     instructions per thread per tile in total and by class, and thread instructions per cache element."""
-    import triton
-
-    from kvqref.backends._aot import make_target
-    from kvqref.kernels.aot import compile_launch
-
     launch = default_split_launch(scheme, 4, "HND")
-    ck = compile_launch(launch, make_target("cuda", 90))
-    nvdisasm = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
-    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-        f.write(ck.asm["cubin"])
-    try:
-        text = subprocess.run([str(nvdisasm), "-g", "-c", f.name], capture_output=True, text=True, check=True).stdout
-    finally:
-        os.unlink(f.name)
-    body, _ = loop_body(text)
+    body, _ = loop_body(sm90_sass(launch))
     if not body:
         raise RuntimeError(f"{scheme}: no tile loop with tensor-core instructions found")
     by_class = collections.Counter(classify(op) for _a, op, _w, _x in body)

@@ -116,6 +116,25 @@ def default_split_launch(scheme: str, qpk: int, layout: str, plan: dict | None =
     return next(la for la in launches if "BLOCK_N" in la.constexprs)
 
 
+def sm90_sass(launch) -> str:
+    """``nvdisasm -g`` text (with Triton's line table) of ``launch`` compiled for sm_90 as ``kvqref.kernels.aot``
+    compiles it."""
+    import triton
+
+    from kvqref.backends._aot import make_target
+    from kvqref.kernels.aot import compile_launch
+
+    ck = compile_launch(launch, make_target("cuda", 90))
+    nvdisasm = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(ck.asm["cubin"])
+    try:
+        text = subprocess.run([str(nvdisasm), "-g", "-c", f.name], capture_output=True, text=True, check=True).stdout
+    finally:
+        os.unlink(f.name)
+    return text
+
+
 def plan_option(text: str) -> tuple[str, int | bool]:
     """``key=value`` of ``--plan``: ``true`` / ``false`` as booleans, anything else as an integer."""
     key, _, value = text.partition("=")
@@ -138,21 +157,10 @@ def main(argv: list[str] | None = None) -> int:
                          "barrier and global-load instructions")
     args = ap.parse_args(argv)
     warnings.simplefilter("ignore")
-    import triton
-
-    from kvqref.backends._aot import make_target
     from kvqref.kernels import decode
-    from kvqref.kernels.aot import compile_launch
 
     launch = default_split_launch(args.scheme, args.qpk, args.layout, dict(args.plan))
-    ck = compile_launch(launch, make_target("cuda", 90))
-    nvdisasm = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
-    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-        f.write(ck.asm["cubin"])
-    try:
-        text = subprocess.run([str(nvdisasm), "-g", "-c", f.name], capture_output=True, text=True, check=True).stdout
-    finally:
-        os.unlink(f.name)
+    text = sm90_sass(launch)
     total, per, named = loop_by_line(text)
     # (Triton's cache may hold this kernel compiled from an identical copy of decode.py elsewhere: its lines then)
     path = Path(named) if named and Path(named).exists() else Path(decode.__file__)
