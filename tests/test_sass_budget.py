@@ -54,3 +54,25 @@ def test_table_sets_the_floors_beside_the_measured_row():
     assert cells[-3] == "100.0" and cells[-2] == "150.0"  # 3e8 bytes at 3,000 GB/s; the HND row, not the NHD one
     assert cells[-1] == f"{150.0 / max(100.0, issue):.2f}"
     assert "measured" not in sb.table([b], 1980.0, None)
+
+
+def test_loop_lines_keep_their_files():
+    """bench/sass_lines.py: a line of Triton's standard.py is not counted as the kernel file's line of that number."""
+    import sass_lines
+
+    text = "\n".join([
+        "        /*0000*/                   MOV R1, c[0x0][0x28] ;",
+        ".L_x_0:",
+        '        //## File "/k/decode.py", line 263',
+        "        /*0010*/                   HMMA.16816.F32 R4, R8, R12, R4 ;",
+        '        //## File "/t/standard.py", line 263',
+        "        /*0020*/                   FADD R2, R2, R3 ;",
+        "        /*0030*/                   FADD R2, R2, R5 ;",
+        '        //## File "/k/decode.py", line 100',
+        "        /*0040*/              @P0   BRA `(.L_x_0) ;",
+    ])
+    total, per, named = sass_lines.loop_by_line(text)
+    assert total == 4 and named == "/k/decode.py"
+    assert per[("/k/decode.py", 263)] == {"HMMA": 1}
+    assert per[("/t/standard.py", 263)] == {"FADD": 2}
+    assert per[("/k/decode.py", 100)] == {"BRA": 1}
