@@ -28,11 +28,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from sass_lines import default_split_launch, loop_body, sm90_sass  # noqa: E402
+from sass_lines import TENSOR_OPS, default_split_launch, loop_body, sm90_sass  # noqa: E402
 
 #: opcode classes (SASS opcodes without modifiers, as bench/sass_lines.py reads them)
 CLASSES: dict[str, tuple[str, ...]] = {
-    "tensor": ("HMMA", "HGMMA", "IMMA"),
+    "tensor": TENSOR_OPS,
     "memory": ("LDG", "LDGSTS", "LDGDEPBAR", "LDS", "LDSM", "STS", "STSM", "LDL", "STL", "BAR", "DEPBAR", "SHFL"),
     "float32": ("FADD", "FMUL", "FFMA", "FMNMX", "FSEL", "FSETP", "MUFU", "FCHK"),
     "16-bit float": ("HADD2", "HMUL2", "HFMA2", "HMNMX2", "F2FP", "F2F"),
@@ -52,6 +52,12 @@ def classify(op: str) -> str:
     return next((name for name, ops in CLASSES.items() if op in ops), "other")
 
 
+def per_element_factor(block_n: int, num_warps: int) -> float:
+    """What turns a count per thread per tile into thread instructions per cache element: a tile holds ``block_n``
+    tokens of K and of V, ``head_dim`` elements each, read by ``num_warps * 32`` threads."""
+    return num_warps * 32 / (2 * block_n * SHAPE["head_dim"])
+
+
 def loop_budget(scheme: str) -> dict:
     """The default split launch's loop of ``scheme`` (4 q heads per KV head, head-major): its launch parameters,
     instructions per thread per tile in total and by class, and thread instructions per cache element."""
@@ -62,10 +68,8 @@ def loop_budget(scheme: str) -> dict:
     by_class = collections.Counter(classify(op) for _a, op, _w, _x in body)
     block_n = int(launch.constexprs["BLOCK_N"])
     warps = int(launch.options.get("num_warps", 4))
-    head_dim = SHAPE["head_dim"]
-    per_element = len(body) * warps * 32 / (2 * block_n * head_dim)
     return {"scheme": scheme, "block_n": block_n, "num_warps": warps, "loop": len(body),
-            "by_class": dict(by_class), "per_element": per_element}
+            "by_class": dict(by_class), "per_element": len(body) * per_element_factor(block_n, warps)}
 
 
 def issue_floor_us(b: dict, clock_mhz: float, sms: int = 132) -> float:
@@ -94,7 +98,7 @@ def table(budgets: list[dict], clock_mhz: float, results: dict | None) -> str:
         head += ["bytes floor (us)", "measured (us)", "measured / larger floor"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for b in budgets:
-        scale = b["num_warps"] * 32 / (2 * b["block_n"] * SHAPE["head_dim"])
+        scale = per_element_factor(b["block_n"], b["num_warps"])
         issue = issue_floor_us(b, clock_mhz)
         cells = [b["scheme"], f"{b['block_n']} / {b['num_warps']}", f"{b['loop']:,}", f"{b['per_element']:.2f}"]
         cells += [f"{b['by_class'].get(n, 0) * scale:.2f}" for n in names] + [f"{issue:.1f}"]

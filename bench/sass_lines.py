@@ -32,25 +32,37 @@ _LABEL = re.compile(r"\s*(\.L_x_\d+):")
 _LINE = re.compile(r'//## File "([^"]+)", line (\d+)')
 _INSTR = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)([^;]*);")
 
+#: where an instruction came from, by the line table: (source file, line)
+Where = tuple[str | None, int | None]
+#: one instruction: (address, opcode, where, operands)
+Row = tuple[int, str, Where, str]
+#: the tensor-core opcodes (the tile loop is the backward-branch loop holding one)
+TENSOR_OPS = ("HMMA", "HGMMA", "IMMA")
 
-def loop_by_line(text: str) -> tuple[int, dict[tuple[str | None, int | None], collections.Counter], str | None]:
-    """(loop instructions, {(source file, line): opcode counts}, the source file the line table names most) of the
-    first backward-branch loop holding tensor-core instructions in ``nvdisasm -g`` text (branch targets are labels
-    there, not addresses). The file matters: Triton's own helpers (``tl.sum``'s and ``tl.max``'s combine functions in
-    triton/language/standard.py) carry their own lines."""
-    body, named = loop_body(text)
-    per: dict[tuple[str | None, int | None], collections.Counter] = collections.defaultdict(collections.Counter)
+
+def lines_of(body: list[Row]) -> dict[Where, collections.Counter]:
+    """{(source file, line): opcode counts} of a loop body. The file matters: Triton's own helpers (``tl.sum``'s and
+    ``tl.max``'s combine functions in triton/language/standard.py) carry their own lines."""
+    per: dict[Where, collections.Counter] = collections.defaultdict(collections.Counter)
     for _a, o, where, _args in body:
         per[where][o] += 1
-    return len(body), dict(per), named
+    return dict(per)
+
+
+def loop_by_line(text: str) -> tuple[int, dict[Where, collections.Counter], str | None]:
+    """(loop instructions, :func:`lines_of` its body, the source file the line table names most) of the first
+    backward-branch loop holding tensor-core instructions in ``nvdisasm -g`` text (branch targets are labels there,
+    not addresses)."""
+    body, named = loop_body(text)
+    return len(body), lines_of(body), named
 
 
 #: opcode classes of :func:`spread`
-SPREAD_CLASSES = {"tensor": ("HMMA", "HGMMA", "IMMA"), "shared/barrier": ("LDS", "LDSM", "STS", "STSM", "BAR"),
+SPREAD_CLASSES = {"tensor": TENSOR_OPS, "shared/barrier": ("LDS", "LDSM", "STS", "STSM", "BAR"),
                   "global": ("LDG", "LDGSTS")}
 
 
-def spread(body: list[tuple[int, str, tuple[str | None, int | None], str]], parts: int) -> list[dict[str, int]]:
+def spread(body: list[Row], parts: int) -> list[dict[str, int]]:
     """Per consecutive part (``parts`` of about equal length) of the loop body, in program order, how many of its
     instructions fall in each class of SPREAD_CLASSES: where in the loop the tensor-core products, the shared-memory
     traffic and the global loads sit."""
@@ -59,14 +71,14 @@ def spread(body: list[tuple[int, str, tuple[str | None, int | None], str]], part
              for c, ops in SPREAD_CLASSES.items()} for i in range(parts)]
 
 
-def loop_body(text: str) -> tuple[list[tuple[int, str, tuple[str | None, int | None], str]], str | None]:
+def loop_body(text: str) -> tuple[list[Row], str | None]:
     """The instructions (address, opcode, (source file, line), operands), in order, of :func:`loop_by_line`'s loop,
     and the source file the line table names most (empty and None when there is no such loop)."""
     files: collections.Counter = collections.Counter()
     labels: dict[str, int] = {}
     pending: list[str] = []
-    rows: list[tuple[int, str, tuple[str | None, int | None], str]] = []
-    where: tuple[str | None, int | None] = (None, None)
+    rows: list[Row] = []
+    where: Where = (None, None)
     for row in text.splitlines():
         if m := _LABEL.match(row):
             pending.append(m.group(1))
@@ -82,7 +94,7 @@ def loop_body(text: str) -> tuple[list[tuple[int, str, tuple[str | None, int | N
         target = labels.get(m.group(1)) if op == "BRA" and (m := re.search(r"(\.L_x_\d+)", args)) else None
         if target is not None and target < addr:
             body = [r for r in rows if target <= r[0] <= addr]
-            if any(r[1] in ("HMMA", "HGMMA", "IMMA") for r in body):
+            if any(r[1] in TENSOR_OPS for r in body):
                 return body, files.most_common(1)[0][0] if files else None
     return [], None
 
@@ -160,13 +172,13 @@ def main(argv: list[str] | None = None) -> int:
     from kvqref.kernels import decode
 
     launch = default_split_launch(args.scheme, args.qpk, args.layout, dict(args.plan))
-    text = sm90_sass(launch)
-    total, per, named = loop_by_line(text)
+    body, named = loop_body(sm90_sass(launch))
+    per = lines_of(body)
     # (Triton's cache may hold this kernel compiled from an identical copy of decode.py elsewhere: its lines then)
     path = Path(named) if named and Path(named).exists() else Path(decode.__file__)
     sources: dict[str | None, list[str]] = {}
 
-    def text_of(where: tuple[str | None, int | None]) -> str:
+    def text_of(where: Where) -> str:
         """The line's file (its name, where not the kernel's) and text."""
         file, line = where
         here = path if file == named else Path(file) if file else None
@@ -176,16 +188,15 @@ def main(argv: list[str] | None = None) -> int:
         label = "" if file == named else f"{Path(file).name if file else '?'}:"
         return f"{label}L{line}: " + (src[line - 1].strip()[:80] if line and line <= len(src) else "?")
 
-    whole = collections.Counter()
-    for ops in per.values():
-        whole.update(ops)
-    print(f"{args.scheme}, {args.qpk} q heads per KV head, {args.layout}: {launch.options}; loop {total} instructions"
-          f" (local loads / stores {whole['LDL']} / {whole['STL']}, barriers {whole['BAR']}); lines of {path}")
+    whole = collections.Counter(op for _a, op, _w, _x in body)
+    print(f"{args.scheme}, {args.qpk} q heads per KV head, {args.layout}: {launch.options}; loop {len(body)} "
+          f"instructions (local loads / stores {whole['LDL']} / {whole['STL']}, barriers {whole['BAR']}); lines of "
+          f"{path}")
     ranked = sorted(per.items(), key=lambda kv: -sum(kv[1].values()))[:args.top]
     for where, ops in ranked:
         print(f"{sum(ops.values()):5d}  {text_of(where)}  {dict(ops.most_common(6))}")
     if args.spread:
-        parts = spread(loop_body(text)[0], args.spread)
+        parts = spread(body, args.spread)
         print(f"per {len(parts)} parts of the loop in program order ({', '.join(SPREAD_CLASSES)}):")
         print(" ".join("/".join(str(p[c]) for c in SPREAD_CLASSES) for p in parts))
     return 0

@@ -2293,15 +2293,15 @@ def test_wave_tiles_split_count_is_the_fewest_tile_steps(batch, kv_heads, tokens
     pairs, wave = batch * kv_heads, waves_of * sms
     cap = min(max(1, -(-16 * sms // pairs)), max(1, -(-tokens // (4 * block_n))))
 
-    def steps(splits):
-        n, per = whole_tile_splits(tokens, splits, block_n)
-        return -(-(n * pairs) // wave) * -(-per // block_n), n
-
     def tile_steps(split):  # of a (splits, tokens per split) pair
         return -(-(split[0] * pairs) // wave) * -(-split[1] // block_n)
 
+    def steps(splits):  # the search's key: tile steps, then splits
+        split = whole_tile_splits(tokens, splits, block_n)
+        return tile_steps(split), split[0]
+
     best = whole_tile_splits(tokens, min(range(1, cap + 1), key=steps), block_n)
-    got = choose_splits(batch, kv_heads, tokens, block_n, sms, waves_of=waves_of, down=True, wave_tiles=True)
+    got = choose_splits(batch, kv_heads, tokens, block_n, sms, waves_of=waves_of, wave_tiles=True)
     assert tile_steps(got) == tile_steps(best) and got[0] <= best[0], (got, best)
 
 
