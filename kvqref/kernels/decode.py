@@ -28,7 +28,10 @@ residual tiles in two bfloat16 parts (docs/kernels.md, "Precision", derives both
 
 from __future__ import annotations
 
+import collections
 import functools
+import threading
+from typing import Any, NamedTuple
 
 import triton
 import triton.language as tl
@@ -2912,19 +2915,32 @@ def merge_channels_default(rows: int, num_sms: int, head_dim: int, rotated_v: bo
     return head_dim // 2 if rows < 2 * num_sms and head_dim >= 32 and not rotated_v else head_dim
 
 
-def plan_decode(
+class DecodePlan(NamedTuple):
+    """What :func:`choose_decode_plan` decided, without tensors: ``rotate_q`` (None, or the rotation launch's
+    (query heads per program, q' in bfloat16)), the softmax scale (a rotated K's 1 / (D C_D) folded in), the split
+    count, tokens per split, the splits in all (a residual split included), the split launches as (grid, constexprs,
+    options) and the merge launch likewise (None where the split kernel writes the output)."""
+
+    rotate_q: tuple[int, bool] | None
+    sm_scale: float
+    num_splits: int
+    per: int
+    total: int
+    splits: tuple
+    merge: tuple | None
+
+
+def choose_decode_plan(
     q,
     k: CacheTiles,
     v: CacheTiles,
-    block_table,
-    seq_lens,
     page_size: int,
     *,
+    has_residual: bool,
+    max_seq_len: int,
     sm_scale: float | None = None,
-    residual=None,
     block_n: int | None = None,
     num_splits: int | None = None,
-    max_seq_len: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
     hw_formats: set[int] | None = None,
@@ -2964,8 +2980,9 @@ def plan_decode(
     key_products_transposed: bool | None = None,
     e8m0_scale_fields: bool | None = None,
     q_rows_load: str | None = None,
-):
-    """The launches of decode attention (see :func:`paged_decode`), with their output tensors.
+) -> DecodePlan:
+    """What decode attention launches (see :func:`plan_decode`), chosen from the shapes, strides, dtypes and device
+    of ``q`` and the tiles alone (no tensor is read or made): the same inputs give the same plan.
     ``hw_formats``: FP8 format ids converted in hardware (default: what ``q``'s device has); ``maxnreg``:
     a register cap per thread (CUDA only; for tuning occupancy; default on NVIDIA GPUs: ``TWO_WARP_MAXNREG`` for
     two-warp fast FP8 and mxfp4 block rows (``E8M0_TWO_WARP_MAXNREG`` for mxfp4's with the E8M0 tile check),
@@ -3189,7 +3206,8 @@ def plan_decode(
     if fp4_keys_by_token and k.kind not in ("mxfp4", "nvfp4"):
         raise ValueError("fp4_keys_by_token needs FP4 keys (mxfp4 or nvfp4 tiles)")
     kt4 = bool(fp4_keys_by_token)
-    rotate_q = []
+    rotate_q = None
+    q_dtype = q.dtype  # the split kernel's q: a rotated K's q' (float32, or bfloat16 where the keys meet it so)
     if k.rotation is not None:  # q' = butterflies(q * signs) in float32; 1 / (D C_D) goes into the softmax scale
         # fast mode, keys that meet q in bfloat16 (bf16 and KIVI keys): q' rounded once to bfloat16 by the rotation's
         # launch, which the split kernel's bfloat16 rounding of q then leaves as it is; KIVI key rows take q' * s from
@@ -3197,12 +3215,9 @@ def plan_decode(
         # H100: a float32 q costs the int4 key-rows loop 80 instructions per tile (+6%) and 3% of its time
         # (bench/results/ANALYSIS.md, session 24)
         q16 = precision == "fast" and k.kind in ("bf16", "int_k")
-        signs, _, inv = rotation_vectors(k.rotation.seed, head_dim, q.device)
-        qr = torch.empty(batch, q_heads, head_dim, dtype=torch.bfloat16 if q16 else torch.float32, device=q.device)
-        rows = min(8, triton.next_power_of_2(q_heads))
-        rotate_q.append(Launch(rotate_q_kernel, (batch, triton.cdiv(q_heads, rows)),
-                               [q, signs, qr, q_heads, q.stride(0), q.stride(1)], dict(D=head_dim, ROWS=rows), {}))
-        q, sm_scale = qr, sm_scale * inv
+        rotate_q = (min(8, triton.next_power_of_2(q_heads)), q16)
+        q_dtype = torch.bfloat16 if q16 else torch.float32
+        sm_scale = sm_scale * rotation_vectors(k.rotation.seed, head_dim, q.device)[2]
     # defaults tuned on the H100 (bench/tune_decode.py; logs in bench/results/history/tune-h100-*.log): the
     # kernel's occupancy is limited by registers, so small programs (2 warps, 32-token tiles) win, except in
     # fast mode for bf16 (64-token tiles), E8M0 FP4 (64-token tiles, 4 warps; with PTX-unpacked bfloat16 tiles
@@ -3521,7 +3536,7 @@ def plan_decode(
         maxnreg = E8M0_TWO_WARP_MAXNREG if e8m0_check and mx32_rows else TWO_WARP_MAXNREG
     elif maxnreg is None and e8m0_check and words_halves and _nvidia_cuda(q):
         maxnreg = WORDS_HALVES_MAXNREG  # (triton 3.6, sm_90: fp4_e2m1 242 registers uncapped, 168 without spills)
-    has_res = residual is not None
+    has_res = has_residual
     # FP8 values as 16-bit words of two channels (``VW8``): transposed 16-bit matrix loads instead of one-byte shared
     # loads for the value products (:func:`_fp8_word_halves`)
     fp8_words_ok = (v.kind == "fp8" and not v.token_scale and not has_res and head_dim % 2 == 0
@@ -3535,13 +3550,6 @@ def plan_decode(
     # their halves by inline PTX (VW8 = 2) on CUDA by default, or as ``ptx_unpack`` says where it is given
     ptx_words = _nvidia_cuda(q) if ptx_auto else bool(ptx_unpack)
     vw8 = (2 if ptx_words and v.fmt in hw and v.fmt in (0, 1) else 1) if fp8_value_words else 0
-    if has_res:
-        rk, rv, kl, vl = residual
-    else:
-        rk = rv = _unused_residual(str(q.device))  # a pointer the kernel never reads without HAS_RES
-        kl = vl = seq_lens
-    if max_seq_len is None:  # (a device sync: callers in a hot loop pass it)
-        max_seq_len = int(seq_lens.max().item()) if seq_lens.numel() else 0
     if num_splits is None:
         # FP8 and mxfp4 at 2 warps with fewer KV pairs than multiprocessors (long contexts, few sequences): the
         # split count with the fewest tile steps, whole waves times tiles per split (session 44: one wave of long
@@ -3585,53 +3593,12 @@ def plan_decode(
         raise ValueError("pdl (programmatic dependent launch) needs an NVIDIA GPU of compute capability 9.0 or newer")
     gdc = not direct and (pdl_ok if pdl is None else bool(pdl))
     pids_ahead = bool(page_ids_ahead)
-    out = torch.empty(batch, q_heads, head_dim, dtype=torch.float32, device=q.device)
-    lse = torch.empty(batch, q_heads, dtype=torch.float32, device=q.device)
-    if direct:  # the split kernel writes out and lse: [B, Hq, 1, D] and [B, Hq, 1] views (the split axis unused)
-        op, lp = out.unsqueeze(2), lse.unsqueeze(2)
-    else:
-        op = torch.empty(batch, q_heads, total, head_dim, dtype=torch.float32, device=q.device)
-        lp = torch.empty(batch, q_heads, total, dtype=torch.float32, device=q.device)
     # one token per page: the KV heads' programs of one (sequence, split) side by side read each page's scale rows
     # (8 bytes per head for fp4_e2m1, 32-byte sectors) while they are in L2 (H100, session 38, batch 32 x 8,192
     # head-major: fp4_e2m1 188.4 -> 182.3 us, NVFP4 180.6 -> 169.4, mxfp4 175.8 -> 163.8, fp8 210.6 -> 204.8, bf16
     # 375.7 -> 375.5; pages of 2, 4, 8 tokens within 1%; bench/results/ANALYSIS.md 262)
     heads_fast = page_size == 1 if heads_fast is None else bool(heads_fast)
     grid = (kv_heads, batch, total) if heads_fast else (batch, kv_heads, total)
-    # V's un-rotation (the merge kernel's, or with one split the split kernel's): v_signs / (D C_D); unread otherwise
-    vsq = lp if v.rotation is None else rotation_vectors(v.rotation.seed, head_dim, q.device)[1]
-    split_args = [
-        q,
-        block_table,
-        seq_lens,
-        kl,
-        vl,
-        *k.field_args(),
-        *v.field_args(),
-        rk,
-        rv,
-        k.tensor_scale,
-        v.tensor_scale,
-        op,
-        lp,
-        float(sm_scale),
-        num_splits,
-        per,
-        q.stride(0),
-        q.stride(1),
-        block_table.stride(0),
-        *k.stride_args(),
-        *v.stride_args(),
-        rk.stride(0),
-        rk.stride(1),
-        rk.stride(2),
-        op.stride(0),
-        op.stride(1),
-        op.stride(2),
-        lp.stride(0),
-        lp.stride(1),
-        vsq,
-    ]
     split_cx = dict(
         QPK=qpk,
         BLOCK_H=block_h,
@@ -3652,7 +3619,7 @@ def plan_decode(
         G_V=v.group,
         BITS_V=v.bits,
         HAS_RES=has_res,
-        Q_SPLIT=q.dtype != torch.bfloat16,
+        Q_SPLIT=q_dtype != torch.bfloat16,
         KT=k_transposed,
         FAST=precision == "fast",
         PTX=ptx_unpack,
@@ -3692,6 +3659,94 @@ def plan_decode(
         GDC=False,  # set on the last split launch where the merge depends on it (``pdl``)
         PIDS_AHEAD=pids_ahead,
     )
+    merge_cx = dict(D=head_dim, S_PAD=max(2, triton.next_power_of_2(total)), ROT_V=v.rotation is not None)
+    opts = {"num_warps": num_warps, "num_stages": num_stages, **({"maxnreg": maxnreg} if maxnreg else {})}
+    if residual_launch is None:
+        residual_launch = bool(key_rows) and has_res
+    elif residual_launch and not has_res:
+        raise ValueError("residual_launch needs a residual window")
+    if residual_launch:  # the paged splits without the residual path's registers; the residual split on its own
+        res_grid = (kv_heads, batch, 1) if heads_fast else (batch, kv_heads, 1)
+        splits = (((*grid[:2], num_splits), {**split_cx, "PART": 1}, opts),
+                  (res_grid, {**split_cx, "PART": 2, "GDC": gdc}, {**opts, "num_warps": 2, "num_stages": 3}))
+    else:  # (the merge depends on the last split launch only: stream order covers the one before it)
+        splits = ((grid, {**split_cx, "GDC": gdc}, opts),)
+    if merge_channels is None:
+        mdb = merge_channels_default(batch * q_heads, sms, head_dim, v.rotation is not None)
+    else:
+        mdb = int(merge_channels)
+    if mdb <= 0 or head_dim % mdb or mdb & (mdb - 1) or (mdb < head_dim and v.rotation is not None):
+        raise ValueError(f"merge_channels must be a power of two dividing head_dim {head_dim} (all of it with a "
+                         f"rotated V), got {merge_channels!r}")
+    merge_cx["DB"] = mdb
+    merge_opts = {"num_warps": int(merge_warps) if merge_warps else merge_warps_default(merge_cx["S_PAD"], mdb),
+                  **({"launch_pdl": True} if gdc else {})}
+    merge_cx["GDC"] = gdc
+    merge = None if direct else ((batch, q_heads, head_dim // mdb), merge_cx, merge_opts)
+    return DecodePlan(rotate_q, float(sm_scale), num_splits, per, total, splits, merge)
+
+
+def bind_decode_plan(plan: DecodePlan, q, k: CacheTiles, v: CacheTiles, block_table, seq_lens, residual=None):
+    """The launches of ``plan`` (made by :func:`choose_decode_plan` for these tensors' shapes, strides, dtypes and
+    device) over these tensors, with the output tensors they write: (launches, out, lse)."""
+    import torch
+
+    batch, q_heads, head_dim = q.shape
+    rotate_q = []
+    if plan.rotate_q is not None:  # q' = butterflies(q * signs), then q' is the split kernel's q
+        rows, q16 = plan.rotate_q
+        signs = rotation_vectors(k.rotation.seed, head_dim, q.device)[0]
+        qr = torch.empty(batch, q_heads, head_dim, dtype=torch.bfloat16 if q16 else torch.float32, device=q.device)
+        rotate_q.append(Launch(rotate_q_kernel, (batch, triton.cdiv(q_heads, rows)),
+                               [q, signs, qr, q_heads, q.stride(0), q.stride(1)], dict(D=head_dim, ROWS=rows), {}))
+        q = qr
+    if residual is not None:
+        rk, rv, kl, vl = residual
+    else:
+        rk = rv = _unused_residual(str(q.device))  # a pointer the kernel never reads without HAS_RES
+        kl = vl = seq_lens
+    sm_scale, num_splits, per, total = plan.sm_scale, plan.num_splits, plan.per, plan.total
+    out = torch.empty(batch, q_heads, head_dim, dtype=torch.float32, device=q.device)
+    lse = torch.empty(batch, q_heads, dtype=torch.float32, device=q.device)
+    if plan.merge is None:  # the split kernel writes out and lse: [B, Hq, 1, D] and [B, Hq, 1] views (the split
+        op, lp = out.unsqueeze(2), lse.unsqueeze(2)  # axis unused)
+    else:
+        op = torch.empty(batch, q_heads, total, head_dim, dtype=torch.float32, device=q.device)
+        lp = torch.empty(batch, q_heads, total, dtype=torch.float32, device=q.device)
+    # V's un-rotation (the merge kernel's, or with one split the split kernel's): v_signs / (D C_D); unread otherwise
+    vsq = lp if v.rotation is None else rotation_vectors(v.rotation.seed, head_dim, q.device)[1]
+    split_args = [
+        q,
+        block_table,
+        seq_lens,
+        kl,
+        vl,
+        *k.field_args(),
+        *v.field_args(),
+        rk,
+        rv,
+        k.tensor_scale,
+        v.tensor_scale,
+        op,
+        lp,
+        float(sm_scale),
+        num_splits,
+        per,
+        q.stride(0),
+        q.stride(1),
+        block_table.stride(0),
+        *k.stride_args(),
+        *v.stride_args(),
+        rk.stride(0),
+        rk.stride(1),
+        rk.stride(2),
+        op.stride(0),
+        op.stride(1),
+        op.stride(2),
+        lp.stride(0),
+        lp.stride(1),
+        vsq,
+    ]
     merge_args = [
         op,
         lp,
@@ -3708,33 +3763,87 @@ def plan_decode(
         lse.stride(0),
         vsq,
     ]
-    merge_cx = dict(D=head_dim, S_PAD=max(2, triton.next_power_of_2(total)), ROT_V=v.rotation is not None)
-    opts = {"num_warps": num_warps, "num_stages": num_stages, **({"maxnreg": maxnreg} if maxnreg else {})}
-    if residual_launch is None:
-        residual_launch = bool(key_rows) and has_res
-    elif residual_launch and not has_res:
-        raise ValueError("residual_launch needs a residual window")
-    if residual_launch:  # the paged splits without the residual path's registers; the residual split on its own
-        res_grid = (kv_heads, batch, 1) if heads_fast else (batch, kv_heads, 1)
-        splits = [Launch(decode_split_kernel, (*grid[:2], num_splits), split_args, {**split_cx, "PART": 1}, opts),
-                  Launch(decode_split_kernel, res_grid, split_args, {**split_cx, "PART": 2, "GDC": gdc},
-                         {**opts, "num_warps": 2, "num_stages": 3})]
-    else:  # (the merge depends on the last split launch only: stream order covers the one before it)
-        splits = [Launch(decode_split_kernel, grid, split_args, {**split_cx, "GDC": gdc}, opts)]
-    if merge_channels is None:
-        mdb = merge_channels_default(batch * q_heads, sms, head_dim, v.rotation is not None)
-    else:
-        mdb = int(merge_channels)
-    if mdb <= 0 or head_dim % mdb or mdb & (mdb - 1) or (mdb < head_dim and v.rotation is not None):
-        raise ValueError(f"merge_channels must be a power of two dividing head_dim {head_dim} (all of it with a "
-                         f"rotated V), got {merge_channels!r}")
-    merge_cx["DB"] = mdb
-    merge_opts = {"num_warps": int(merge_warps) if merge_warps else merge_warps_default(merge_cx["S_PAD"], mdb),
-                  **({"launch_pdl": True} if gdc else {})}
-    merge_cx["GDC"] = gdc
-    merge = [] if direct else [
-        Launch(merge_kernel, (batch, q_heads, head_dim // mdb), merge_args, merge_cx, merge_opts)]
+    splits = [Launch(decode_split_kernel, grid, split_args, dict(cx), dict(opts)) for grid, cx, opts in plan.splits]
+    merge = [] if plan.merge is None else [
+        Launch(merge_kernel, plan.merge[0], merge_args, dict(plan.merge[1]), dict(plan.merge[2]))]
     return [*rotate_q, *splits, *merge], out, lse
+
+
+#: decode plans by :func:`decode_plan_key`, least recently used first (:func:`plan_decode`)
+_PLANS: collections.OrderedDict = collections.OrderedDict()
+_PLANS_LOCK = threading.Lock()  # (calls from several threads: a serving loop's)
+#: how many plans :func:`plan_decode` keeps (one per model shape and batch composition in a serving loop)
+PLAN_CACHE_SIZE = 256
+
+
+def clear_plan_cache() -> None:
+    """Forget every cached decode plan (:func:`plan_decode`)."""
+    with _PLANS_LOCK:
+        _PLANS.clear()
+
+
+def _tensor_key(t) -> tuple:
+    """What a plan may read of tensor ``t``: shape, strides, dtype, and its address modulo 16 (alignment)."""
+    return tuple(t.shape), t.stride(), t.dtype, t.data_ptr() % 16
+
+
+def _tiles_key(t: CacheTiles) -> tuple:
+    return (t.kind, t.fmt, t.token_scale, t.block, t.group, t.bits, t.rotation, t.head_major,
+            tuple(_tensor_key(f) for f in t.fields), _tensor_key(t.tensor_scale))
+
+
+def decode_plan_key(q, k: CacheTiles, v: CacheTiles, block_table, seq_lens, page_size: int, residual,
+                    max_seq_len: int, options: dict) -> tuple:
+    """The key of a decode plan: everything :func:`choose_decode_plan` reads, the tensors' shapes, strides, dtypes
+    and alignment, the options, and the device's facts it asks for (NVIDIA or not, multiprocessors, FP8 tiles by the
+    device's name, programmatic dependent launch, FP8 formats in hardware); raises TypeError for an option that
+    cannot be a key (a list)."""
+    device = str(q.device)
+    nvidia = _nvidia_cuda(q)
+    fp8_tile = (fast_fp8_block_n(device) if nvidia and k.kind == v.kind == "fp8" and options.get("block_n") is None
+                and options.get("precision", "fast") == "fast" else 0)  # (the device's name, where asked for)
+    env = (device, nvidia, _multiprocessors(device) if q.is_cuda else 4, fp8_tile, pdl_supported(q),
+           frozenset(hardware_fp8_formats(q.device)), INTERPRET)
+    res = None if residual is None else tuple(_tensor_key(t) for t in residual)
+    opts = tuple(sorted((n, frozenset(o) if isinstance(o, set) else o) for n, o in options.items()))
+    key = (env, _tensor_key(q), _tiles_key(k), _tiles_key(v), _tensor_key(block_table), _tensor_key(seq_lens),
+           int(page_size), res, int(max_seq_len), opts)
+    hash(key)
+    return key
+
+
+def plan_decode(q, k: CacheTiles, v: CacheTiles, block_table, seq_lens, page_size: int, *, residual=None,
+                max_seq_len: int | None = None, cache: bool = True, **options: Any):
+    """The launches of decode attention (see :func:`paged_decode`), with their output tensors: (launches, out,
+    lse). ``options`` are :func:`choose_decode_plan`'s (``sm_scale``, ``block_n``, ``num_splits``, ...).
+
+    The plan depends only on shapes, strides, dtypes, alignment, the device and the options (plus ``max_seq_len``,
+    the longest sequence, taken from ``seq_lens`` by a device sync where not given), so with ``cache`` (default) it
+    is made once per :func:`decode_plan_key` and kept (the last :data:`PLAN_CACHE_SIZE`), as FlashInfer's ``plan``
+    serves every ``run`` of a batch: an eager decode call then spends its host time on the launches, not on
+    choosing them (``bench/host_overhead.py``). The tuning constants of this module are read when a plan is made:
+    :func:`clear_plan_cache` after changing one."""
+    if max_seq_len is None:  # (a device sync: callers in a hot loop pass it)
+        max_seq_len = int(seq_lens.max().item()) if seq_lens.numel() else 0
+    key = None
+    if cache:
+        try:
+            key = decode_plan_key(q, k, v, block_table, seq_lens, page_size, residual, max_seq_len, options)
+        except TypeError:  # an option that cannot be a key: planned every call
+            key = None
+    with _PLANS_LOCK:
+        plan = _PLANS.get(key) if key is not None else None
+        if plan is not None:
+            _PLANS.move_to_end(key)
+    if plan is None:
+        plan = choose_decode_plan(q, k, v, page_size, has_residual=residual is not None, max_seq_len=max_seq_len,
+                                  **options)
+        if key is not None:
+            with _PLANS_LOCK:
+                _PLANS[key] = plan
+                while len(_PLANS) > PLAN_CACHE_SIZE:
+                    _PLANS.popitem(last=False)
+    return bind_decode_plan(plan, q, k, v, block_table, seq_lens, residual)
 
 
 def paged_decode(q, k: CacheTiles, v: CacheTiles, block_table, seq_lens, page_size: int, **kw):
