@@ -9,9 +9,9 @@ headline row of bench/decode_bench.py. For each scheme, microseconds of host tim
 * ``plan_us`` / ``plan_uncached_us``: ``plan_decode`` with its plan cache (a plan made once per shape and options,
   then bound to the call's tensors) and without (``cache=False``: every choice made again, as before session 46);
 * on a GPU also ``call_us`` / ``call_uncached_us``: the whole eager call, ``decode(validate=False, max_seq_len=...)``
-  issued without synchronizing (plan, then Triton's argument specialization and launcher for each launch), with
-  the GPU time of one call (``gpu_us``, CUDA events, L2 not flushed: only to show which of host and GPU bounds
-  an eager loop).
+  issued without synchronizing (plan, then Triton's argument specialization and launcher for each launch), and
+  ``gpu_us``: one call between two CUDA events after a synchronize (L2 not flushed), which holds the host's time
+  until the first launch is issued plus the kernels' (an eager call's latency, not the kernels' time).
 
 Without a GPU the plan is timed on this machine's CPU over empty CPU tensors (planning reads no values; the split
 counts are those of 4 multiprocessors). ``--profile`` prints a cProfile of the cached calls.
@@ -58,8 +58,6 @@ def cpu_cache(label: str, shape, page_size: int, layout: str = db.LAYOUT):
     reads none)."""
     import warnings
 
-    import torch
-
     from kvqref import schemes
     from kvqref.backends import triton_backend as tb
 
@@ -69,12 +67,9 @@ def cpu_cache(label: str, shape, page_size: int, layout: str = db.LAYOUT):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         ks, vs = schemes.get(name, **kopt), schemes.get(name, **vopt)
-    pages = -(-tokens // page_size)
-    table = torch.arange(batch * pages, dtype=torch.int32).reshape(batch, pages)
-    lens = torch.full((batch,), tokens, dtype=torch.int32)
-    params = {"scale": 6.0 / 448.0} if name.startswith("fp8") else {}
-    return tb.empty_device_cache(ks, vs, batch * pages, page_size, kv_heads, head_dim, table, lens, device="cpu",
-                                 layout=layout, k_params=params or None, v_params=params or None)
+    params = {"scale": 6.0 / 448.0} if name.startswith("fp8") else None
+    return tb.uniform_device_cache(ks, vs, batch, tokens, page_size, kv_heads, head_dim, device="cpu", layout=layout,
+                                   k_params=params, v_params=params)
 
 
 def measure(label: str, calls: int, profile: bool) -> dict[str, Any]:

@@ -40,11 +40,7 @@ def device_cache(pair, q_heads: int, kv_heads: int = 2, head_dim: int = 128, lay
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         ks, vs = schemes.get(kname, **kopt), schemes.get(vname, **vopt)
-    pages = -(-tokens // page_size)
-    table = torch.arange(batch * pages, dtype=torch.int32).reshape(batch, pages)
-    lens = torch.full((batch,), tokens, dtype=torch.int32)
-    dc = tb.empty_device_cache(ks, vs, batch * pages, page_size, kv_heads, head_dim, table, lens, device=DEVICE,
-                               layout=layout)
+    dc = tb.uniform_device_cache(ks, vs, batch, tokens, page_size, kv_heads, head_dim, device=DEVICE, layout=layout)
     q = torch.randn(batch, q_heads, head_dim, device=DEVICE).to(torch.bfloat16)
     return dc, q
 
