@@ -8,13 +8,13 @@ import warnings
 
 import numpy as np
 import pytest
-import torch
 
 from kvqref import schemes
-from kvqref.backends import triton_backend as tb
 
-GPU = torch.cuda.is_available()
-DEVICE = "cuda" if GPU else "cpu"
+torch = pytest.importorskip("torch")
+
+from test_triton import DEVICE, GPU, build_cache, split_launch_of, tb  # noqa: E402
+
 pytestmark = pytest.mark.gpu if GPU else pytest.mark.interpret
 
 ROT = {"rotation": "hadamard", "rotation_seed": 3}
@@ -138,8 +138,7 @@ def test_plan_cache_key_sees_what_the_plan_reads(monkeypatch):
                            block=v.block, group=v.group, bits=v.bits, head_major=v.head_major)
 
     def split_cx(tiles_v, **kw):
-        launches = plan(dc, q, k=k, v=tiles_v, max_seq_len=300, **kw)[0]
-        return next(la for la in launches if la.kernel is dec.decode_split_kernel).constexprs
+        return split_launch_of(plan(dc, q, k=k, v=tiles_v, max_seq_len=300, **kw)[0]).constexprs
 
     aligned = split_cx(v)
     unaligned = split_cx(v_odd)
@@ -183,11 +182,9 @@ def test_plan_cache_keeps_the_most_recent(monkeypatch):
 def test_cached_plan_decodes_the_same_bits():
     """The decode of a filled fp8 cache (interpreter on the CPU, the kernels on a GPU): the call served from the
     cache returns the bits of the call planned afresh, and a new output each call."""
-    from kvqref import conformance
-
     rng = np.random.default_rng(7)
     shape = dict(batch=2, kv_heads=2, q_heads=4, head_dim=64, page_size=16, lens=(5, 40))
-    cache, _ = conformance.build_cache(("", "fp8_e4m3", {}, "fp8_e4m3", {}), shape, rng)
+    cache, _ = build_cache(("fp8_e4m3", {}, "fp8_e4m3", {}), shape, rng)
     dc = tb.DeviceCache.from_cache(cache, DEVICE)
     q = torch.from_numpy(rng.standard_normal((2, 4, 64), dtype=np.float32)).to(DEVICE, torch.bfloat16)
     fresh = tb.decode(q, dc, cache=False)

@@ -2663,6 +2663,12 @@ class CacheTiles:
         """The axes of one (slot, head) row of field ``t``."""
         return tuple(t.shape[3:] if self.head_major else t.shape[2:])
 
+    def plan_key(self) -> tuple:
+        """What a decode plan reads of these tiles (:func:`decode_plan_key`): every attribute, and each tensor's
+        shape, strides, dtype and alignment."""
+        return (self.kind, self.fmt, self.token_scale, self.block, self.group, self.bits, self.rotation,
+                self.head_major, tuple(_tensor_key(f) for f in self.fields), _tensor_key(self.tensor_scale))
+
     def field_args(self) -> list:
         f = self.fields + [self.fields[0]] * (3 - len(self.fields))  # unused slots get a valid pointer
         return f
@@ -3787,11 +3793,6 @@ def _tensor_key(t) -> tuple:
     return tuple(t.shape), t.stride(), t.dtype, t.data_ptr() % 16
 
 
-def _tiles_key(t: CacheTiles) -> tuple:
-    return (t.kind, t.fmt, t.token_scale, t.block, t.group, t.bits, t.rotation, t.head_major,
-            tuple(_tensor_key(f) for f in t.fields), _tensor_key(t.tensor_scale))
-
-
 def decode_plan_key(q, k: CacheTiles, v: CacheTiles, block_table, seq_lens, page_size: int, residual,
                     max_seq_len: int, options: dict) -> tuple:
     """The key of a decode plan: everything :func:`choose_decode_plan` reads, the tensors' shapes, strides, dtypes
@@ -3806,7 +3807,7 @@ def decode_plan_key(q, k: CacheTiles, v: CacheTiles, block_table, seq_lens, page
            frozenset(hardware_fp8_formats(q.device)), INTERPRET)
     res = None if residual is None else tuple(_tensor_key(t) for t in residual)
     opts = tuple(sorted((n, frozenset(o) if isinstance(o, set) else o) for n, o in options.items()))
-    key = (env, _tensor_key(q), _tiles_key(k), _tiles_key(v), _tensor_key(block_table), _tensor_key(seq_lens),
+    key = (env, _tensor_key(q), k.plan_key(), v.plan_key(), _tensor_key(block_table), _tensor_key(seq_lens),
            int(page_size), res, int(max_seq_len), opts)
     hash(key)
     return key
