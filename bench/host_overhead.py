@@ -8,8 +8,11 @@ headline row of bench/decode_bench.py. For each scheme, microseconds of host tim
 
 * ``plan_us`` / ``plan_uncached_us``: ``plan_decode`` with its plan cache (a plan made once per shape and options,
   then bound to the call's tensors) and without (``cache=False``: every choice made again, as before session 46);
-* on a GPU also ``call_us`` / ``call_uncached_us``: the whole eager call, ``decode(validate=False, max_seq_len=...)``
-  issued without synchronizing (plan, then Triton's argument specialization and launcher for each launch), and
+* on a GPU also ``call_us`` / ``call_jit_us`` / ``call_uncached_us``: the whole eager call,
+  ``decode(validate=False, max_seq_len=...)`` issued without synchronizing: the plan served from its cache and its
+  compiled kernels launched directly (``decode.LaunchHandle``, the default), the same plan launched through
+  Triton's ``kernel[grid]`` (its argument binding, specialization and cache lookup per launch;
+  ``decode.DIRECT_LAUNCH = False``), and a plan made every call, whose launches go through ``kernel[grid]``; and
   ``gpu_us``: one call between two CUDA events after a synchronize (L2 not flushed), which holds the host's time
   until the first launch is issued plus the kernels' (an eager call's latency, not the kernels' time).
 
@@ -76,6 +79,7 @@ def measure(label: str, calls: int, profile: bool) -> dict[str, Any]:
     import torch
 
     from kvqref.backends import triton_backend as tb
+    from kvqref.kernels import decode as dec
     from kvqref.kernels.decode import clear_plan_cache, plan_decode
 
     batch, q_heads, _, head_dim, tokens = SHAPE
@@ -100,12 +104,14 @@ def measure(label: str, calls: int, profile: bool) -> dict[str, Any]:
         def call(cache: bool):
             return tb.decode(q, dc, validate=False, max_seq_len=tokens, cache=cache)
 
-        for cache in (True, False):
+        for name, cache, direct in (("call_us", True, True), ("call_jit_us", True, False),
+                                    ("call_uncached_us", False, True)):
+            dec.DIRECT_LAUNCH = direct
             for _ in range(20):
                 call(cache)
             torch.cuda.synchronize()
-            row["call_us" if cache else "call_uncached_us"] = per_call_us(lambda c=cache: call(c), calls,
-                                                                           sync=torch.cuda.synchronize)
+            row[name] = per_call_us(lambda c=cache: call(c), calls, sync=torch.cuda.synchronize)
+        dec.DIRECT_LAUNCH = True
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         gpu_ms = []
         for _ in range(20):
@@ -147,7 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     for i, label in enumerate(labels, 1):
         row = measure(label, args.calls, args.profile)
         rows.append(row)
-        keys = [k for k in ("plan_us", "plan_uncached_us", "call_us", "call_uncached_us", "gpu_us") if k in row]
+        keys = [k for k in ("plan_us", "plan_uncached_us", "call_us", "call_jit_us", "call_uncached_us", "gpu_us")
+                if k in row]
         print(f"[{i}/{len(labels)}] {label}: " + ", ".join(f"{k} {row[k]:.1f}" for k in keys), flush=True)
     result = {"command": "python3 bench/host_overhead.py " + " ".join(argv if argv is not None else sys.argv[1:]),
               "environment": db.environment(), "rows": rows}

@@ -195,3 +195,112 @@ def test_cached_plan_decodes_the_same_bits():
                                                                                      c.view(torch.int32))
     assert first[0].data_ptr() != second[0].data_ptr()
     assert np.isfinite(first[0].cpu().numpy()).all() and float(first[0].abs().max()) > 0
+
+
+class _FakeCompiled:
+    """A compiled kernel's launcher as ``LaunchHandle`` calls it, recording the arguments."""
+
+    def __init__(self) -> None:
+        self.function, self.packed_metadata, self.calls = object(), object(), []
+
+    def launch_metadata(self, grid, stream, *args):
+        return None
+
+    def run(self, g0, g1, g2, stream, function, packed_metadata, launch_metadata, enter, exit_, *args):
+        assert function is self.function and packed_metadata is self.packed_metadata
+        self.calls.append(((g0, g1, g2), stream, args))
+
+
+@pytest.mark.parametrize("pair", [PAIRS[0], PAIRS[5], PAIRS[7]], ids=["bf16", "mxfp4/nvfp4-rot", "int4_kivi"])
+def test_direct_launch_passes_the_bound_arguments(pair, monkeypatch):
+    """A cached plan's launch through its ``LaunchHandle`` gives the compiled kernel's launcher what
+    ``JITFunction.run`` gives it: every parameter of the kernel in order, the call's arguments, then the constexprs,
+    else the defaults (as Python's ``Signature.bind`` and ``apply_defaults``), over the grid, on the current stream;
+    on another device, or without a compiled kernel, nothing (Triton's own launch then). Planted: the constexprs
+    and defaults in another order fail it."""
+    import inspect
+    import types
+
+    from kvqref.kernels import decode as dec
+
+    current = {"device": 0}
+    fake_driver = types.SimpleNamespace(get_current_device=lambda: current["device"],
+                                        get_current_stream=lambda device: 1000 + device)
+    monkeypatch.setattr(dec, "INTERPRET", False)
+    monkeypatch.setattr(dec.triton.runtime, "driver", types.SimpleNamespace(active=fake_driver))
+    dec.clear_plan_cache()
+    dc, q = device_cache(pair, 8)
+    launches = plan(dc, q, max_seq_len=300)[0]
+    assert all(la.handle is not None for la in launches) and len({id(la.handle) for la in launches}) == len(launches)
+    for la in launches:
+        compiled = _FakeCompiled()
+        assert not la.handle.launch(la.grid, la.args)  # nothing kept yet
+        la.handle.capture(la.kernel, compiled, la.args, la.constexprs)
+        bound = inspect.signature(la.kernel.fn).bind(*la.args, **la.constexprs)
+        bound.apply_defaults()
+        assert la.handle.launch(la.grid, la.args)
+        grid = (*la.grid, 1, 1)[:3]
+        assert len(compiled.calls) == 1
+        got_grid, stream, args = compiled.calls[0]
+        assert got_grid == grid and stream == 1000
+        want = list(bound.arguments.values())
+        assert len(args) == len(want) and all(a is b or a == b for a, b in zip(args, want, strict=True)), la.kernel
+        current["device"] = 1
+        assert not la.handle.launch(la.grid, la.args) and len(compiled.calls) == 1
+        current["device"] = 0
+    # the next call's launches share the plan's handles, so they launch directly
+    again = plan(dc, q, max_seq_len=300)[0]
+    assert [la.handle for la in again] == [la.handle for la in launches]
+    assert all(la.handle.compiled is not None for la in again)
+
+
+def test_direct_launch_off_in_the_interpreter_and_by_switch(monkeypatch):
+    """Under the interpreter (no compiled kernel to keep) and with ``DIRECT_LAUNCH`` off, a handle keeps nothing and
+    every launch goes through ``kernel[grid]``."""
+    from kvqref.kernels import decode as dec
+
+    dec.clear_plan_cache()
+    dc, q = device_cache(PAIRS[1], 4)
+    la = plan(dc, q, max_seq_len=300)[0][0]
+    monkeypatch.setattr(dec, "INTERPRET", True)
+    la.handle.capture(la.kernel, _FakeCompiled(), la.args, la.constexprs)
+    assert la.handle.compiled is None
+    monkeypatch.setattr(dec, "DIRECT_LAUNCH", False)
+    seen = []
+
+    class Kernel:
+        def __getitem__(self, grid):
+            return lambda *a, **kw: seen.append(grid) or _FakeCompiled()
+
+    launch = dec.Launch(Kernel(), (2, 3), [], {}, {}, dec.LaunchHandle())
+    launch()
+    launch()
+    assert seen == [(2, 3), (2, 3)] and launch.handle.compiled is None
+
+
+@pytest.mark.skipif(not GPU, reason="the compiled kernels' launchers need a GPU")
+def test_direct_launch_decodes_the_same_bits(monkeypatch):
+    """On the GPU: after a cached plan's first call every launch of the plan holds its compiled kernel, and later
+    calls launch them without Triton's ``JITFunction.run`` (made to fail here) and decode the bits of a plan launched
+    through it (``cache=False``), for FP8, rotated NVFP4 (three launches) and KIVI with its residual window."""
+    from kvqref.kernels import decode as dec
+
+    rng = np.random.default_rng(11)
+    shape = dict(batch=2, kv_heads=2, q_heads=8, head_dim=128, page_size=16, lens=(37, 300))
+    for pair in (PAIRS[1], PAIRS[5], PAIRS[7]):
+        cache, _ = build_cache(pair, shape, rng)
+        dc = tb.DeviceCache.from_cache(cache, DEVICE)
+        q = torch.from_numpy(rng.standard_normal((2, 8, 128), dtype=np.float32)).to(DEVICE, torch.bfloat16)
+        dec.clear_plan_cache()
+        fresh = tb.decode(q, dc, cache=False)
+        first = tb.decode(q, dc)
+        plans = list(dec._PLANS.values())
+        assert len(plans) == 1 and all(h.compiled is not None for h in plans[0].handles), pair
+        with monkeypatch.context() as m:
+            m.setattr(type(dec.decode_split_kernel), "run", lambda *a, **kw: pytest.fail("JIT launch"))
+            second = tb.decode(q, dc)
+            torch.cuda.synchronize()
+        for a, b, c in zip(fresh, first, second, strict=True):
+            assert torch.equal(a.view(torch.int32), b.view(torch.int32)), pair
+            assert torch.equal(a.view(torch.int32), c.view(torch.int32)), pair
+        assert np.isfinite(second[0].cpu().numpy()).all() and float(second[0].abs().max()) > 0

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import inspect
 import threading
 from typing import Any, NamedTuple
 
@@ -2591,19 +2592,85 @@ def hardware_fp8_formats(device) -> set[int]:
     return {0, 1} if torch.cuda.get_device_capability(device) >= (8, 9) else set()
 
 
+#: launch a cached plan's kernels through their compiled handles (:class:`LaunchHandle`) after a plan's first call
+DIRECT_LAUNCH = True
+
+
+class LaunchHandle:
+    """The compiled kernel of one launch of a cached decode plan, kept from the plan's first call so that later
+    calls launch it directly: ``CompiledKernel.run`` with the kernel's arguments in its parameter order (the call's
+    positional arguments, then the constexprs and defaults, fixed per plan), as ``JITFunction.run`` calls it after
+    its argument binding, specialization and cache lookup, which this skips (30-60 us of host time per launch on
+    the device tool's H100 host, ``bench/host_overhead.py``).
+
+    Sound because a plan is served only to calls of equal :func:`decode_plan_key`: the same shapes, strides,
+    dtypes, 16-byte alignment of every input, options and device, and its scalar arguments come from those alone
+    (``bind_decode_plan``), so Triton would specialize every call of the plan as the first and find the same
+    compiled kernel. Taken only where the current device is the one of the first call and Triton's compiled kernel
+    has the launcher this calls (not the interpreter); otherwise the launch goes through ``kernel[grid]``. After
+    changing a Triton knob that enters its cache key (``TRITON_DEBUG``, instrumentation), :func:`clear_plan_cache`."""
+
+    __slots__ = ("compiled", "device", "tail")
+
+    def __init__(self) -> None:
+        self.compiled = None
+        self.device = None
+        self.tail: tuple = ()
+
+    def capture(self, kernel, compiled, args: list, constexprs: dict) -> None:
+        """Keep ``compiled`` (what ``kernel[grid](*args, **constexprs, ...)`` returned) and the values of the
+        kernel's parameters after ``args``: the constexprs, else the parameters' defaults."""
+        if INTERPRET or not all(hasattr(compiled, a) for a in ("run", "function", "packed_metadata",
+                                                                 "launch_metadata")):
+            return
+        sig = getattr(kernel, "signature", None) or inspect.signature(kernel.fn)  # (JITFunction's own)
+        params = list(sig.parameters.values())[len(args):]
+        if any(p.name not in constexprs and p.default is p.empty for p in params):
+            return  # (a parameter without a value: leave it to Triton's binding)
+        self.tail = tuple(constexprs.get(p.name, p.default) for p in params)
+        self.device = triton.runtime.driver.active.get_current_device()
+        self.compiled = compiled
+
+    def launch(self, grid, args: list) -> bool:
+        """Launch the kept kernel over ``args`` on the current stream; False (nothing launched) where there is none
+        or the current device is not the first call's."""
+        c = self.compiled
+        if c is None:
+            return False
+        drv = triton.runtime.driver.active
+        device = drv.get_current_device()
+        if device != self.device:
+            return False
+        stream = drv.get_current_stream(device)
+        values = (*args, *self.tail)
+        g = (*grid, 1, 1)
+        hooks = triton.knobs.runtime
+        c.run(g[0], g[1], g[2], stream, c.function, c.packed_metadata, c.launch_metadata(grid, stream, *values),
+              hooks.launch_enter_hook, hooks.launch_exit_hook, *values)
+        return True
+
+
 class Launch:
     """One kernel launch: ``kernel[grid](*args, **constexprs, **options)``; AOT compiles the same record.
 
     ``options`` always name ``enable_fp_fusion`` (default True: floating-point contraction, Triton's default up to
     3.9, with which every kernel was measured and tested on GPUs; Triton 3.10 turns the default off, and 3.9 warns
-    where it is not named). Rotated writes pass False (docs/rotation.md)."""
+    where it is not named). Rotated writes pass False (docs/rotation.md). ``handle``: the :class:`LaunchHandle` of
+    this launch in a cached plan (launched directly once it holds the compiled kernel, :data:`DIRECT_LAUNCH`)."""
 
-    def __init__(self, kernel, grid, args: list, constexprs: dict, options: dict) -> None:
+    def __init__(self, kernel, grid, args: list, constexprs: dict, options: dict,
+                 handle: LaunchHandle | None = None) -> None:
         self.kernel, self.grid, self.args, self.constexprs = kernel, grid, args, constexprs
         self.options = {"enable_fp_fusion": True, **options}
+        self.handle = handle
 
     def __call__(self) -> None:
-        self.kernel[self.grid](*self.args, **self.constexprs, **self.options)
+        h = self.handle
+        if h is not None and DIRECT_LAUNCH and h.launch(self.grid, self.args):
+            return
+        compiled = self.kernel[self.grid](*self.args, **self.constexprs, **self.options)
+        if h is not None and DIRECT_LAUNCH and h.compiled is None:
+            h.capture(self.kernel, compiled, self.args, self.constexprs)
 
 
 class CacheTiles:
@@ -2934,6 +3001,7 @@ class DecodePlan(NamedTuple):
     total: int
     splits: tuple
     merge: tuple | None
+    handles: tuple = ()  # a LaunchHandle per launch (rotation, splits, merge), filled by the plan's first call
 
 
 def choose_decode_plan(
@@ -3689,7 +3757,8 @@ def choose_decode_plan(
                   **({"launch_pdl": True} if gdc else {})}
     merge_cx["GDC"] = gdc
     merge = None if direct else ((batch, q_heads, head_dim // mdb), merge_cx, merge_opts)
-    return DecodePlan(rotate_q, float(sm_scale), num_splits, per, total, splits, merge)
+    handles = tuple(LaunchHandle() for _ in range((rotate_q is not None) + len(splits) + (merge is not None)))
+    return DecodePlan(rotate_q, float(sm_scale), num_splits, per, total, splits, merge, handles)
 
 
 def bind_decode_plan(plan: DecodePlan, q, k: CacheTiles, v: CacheTiles, block_table, seq_lens, residual=None):
@@ -3698,13 +3767,15 @@ def bind_decode_plan(plan: DecodePlan, q, k: CacheTiles, v: CacheTiles, block_ta
     import torch
 
     batch, q_heads, head_dim = q.shape
+    handles = plan.handles
     rotate_q = []
     if plan.rotate_q is not None:  # q' = butterflies(q * signs), then q' is the split kernel's q
         rows, q16 = plan.rotate_q
         signs = rotation_vectors(k.rotation.seed, head_dim, q.device)[0]
         qr = torch.empty(batch, q_heads, head_dim, dtype=torch.bfloat16 if q16 else torch.float32, device=q.device)
         rotate_q.append(Launch(rotate_q_kernel, (batch, triton.cdiv(q_heads, rows)),
-                               [q, signs, qr, q_heads, q.stride(0), q.stride(1)], dict(D=head_dim, ROWS=rows), {}))
+                               [q, signs, qr, q_heads, q.stride(0), q.stride(1)], dict(D=head_dim, ROWS=rows), {},
+                               handles[0] if handles else None))
         q = qr
     if residual is not None:
         rk, rv, kl, vl = residual
@@ -3769,9 +3840,11 @@ def bind_decode_plan(plan: DecodePlan, q, k: CacheTiles, v: CacheTiles, block_ta
         lse.stride(0),
         vsq,
     ]
-    splits = [Launch(decode_split_kernel, grid, split_args, dict(cx), dict(opts)) for grid, cx, opts in plan.splits]
-    merge = [] if plan.merge is None else [
-        Launch(merge_kernel, plan.merge[0], merge_args, dict(plan.merge[1]), dict(plan.merge[2]))]
+    hs = list(handles[len(rotate_q):]) if handles else [None] * (len(plan.splits) + 1)  # (splits, then merge)
+    splits = [Launch(decode_split_kernel, grid, split_args, dict(cx), dict(opts), hs[i])
+              for i, (grid, cx, opts) in enumerate(plan.splits)]
+    merge = [] if plan.merge is None else [Launch(merge_kernel, plan.merge[0], merge_args, dict(plan.merge[1]),
+                                                  dict(plan.merge[2]), hs[len(plan.splits)])]
     return [*rotate_q, *splits, *merge], out, lse
 
 
