@@ -286,7 +286,7 @@ def test_direct_launch_decodes_the_same_bits(monkeypatch):
     from kvqref.kernels import decode as dec
 
     rng = np.random.default_rng(11)
-    shape = dict(batch=2, kv_heads=2, q_heads=8, head_dim=128, page_size=16, lens=(37, 300))
+    shape = dict(batch=2, kv_heads=2, q_heads=8, head_dim=128, page_size=32, lens=(37, 300))
     for pair in (PAIRS[1], PAIRS[5], PAIRS[7]):
         cache, _ = build_cache(pair, shape, rng)
         dc = tb.DeviceCache.from_cache(cache, DEVICE)
