@@ -304,3 +304,30 @@ def test_direct_launch_decodes_the_same_bits(monkeypatch):
             assert torch.equal(a.view(torch.int32), b.view(torch.int32)), pair
             assert torch.equal(a.view(torch.int32), c.view(torch.int32)), pair
         assert np.isfinite(second[0].cpu().numpy()).all() and float(second[0].abs().max()) > 0
+
+
+def test_side_tiles_kept_while_the_side_holds_the_same_tensors():
+    """``Side.tiles()`` returns the same ``CacheTiles`` while the side holds the same scheme, fields, tensor scale and
+    layout, and a new one, equal to a fresh one, once any of them is replaced (a field, the tensor scale, the scheme,
+    the layout flag); the kept tiles hold the tensors they were made of."""
+    dc, _ = device_cache(PAIRS[4], 4)
+    side = dc.k
+    first = side.tiles()
+    assert side.tiles() is first
+    name = next(iter(side.fields))
+    old = side.fields[name]
+    side.fields[name] = old.clone()
+    second = side.tiles()
+    assert second is not first and second.fields[0] is side.fields[name] and first.fields[0] is old
+    side.tensor_scale = side.tensor_scale.clone()
+    third = side.tiles()
+    assert third is not second and third.tensor_scale is side.tensor_scale
+    side.scheme = schemes.get("nvfp4")
+    assert side.tiles() is not third and side.tiles() is side.tiles()
+    before = side.tiles()
+    side.head_major = not side.head_major
+    flipped = side.tiles()
+    side.head_major = not side.head_major
+    assert flipped is not before and flipped.head_major != before.head_major
+    assert side.tiles().plan_key() == type(side)(side.scheme, dict(side.fields), side.tensor_scale, side.params,
+                                                 side.head_major).tiles().plan_key()
