@@ -211,11 +211,13 @@ class _FakeCompiled:
         self.calls.append(((g0, g1, g2), stream, args))
 
 
-@pytest.mark.parametrize("pair", [PAIRS[0], PAIRS[5], PAIRS[7]], ids=["bf16", "mxfp4/nvfp4-rot", "int4_kivi"])
+@pytest.mark.parametrize("pair", [PAIRS[0], PAIRS[5], PAIRS[6], PAIRS[7]],
+                         ids=["bf16", "mxfp4/nvfp4-rot", "fp8-rot/fp8", "int4_kivi"])
 def test_direct_launch_passes_the_bound_arguments(pair, monkeypatch):
     """A cached plan's launch through its ``LaunchHandle`` gives the compiled kernel's launcher what
     ``JITFunction.run`` gives it: every parameter of the kernel in order, the call's arguments, then the constexprs,
-    else the defaults (as Python's ``Signature.bind`` and ``apply_defaults``), over the grid, on the current stream;
+    else the defaults (as Python's ``Signature.bind`` and ``apply_defaults``), over the grid, on the current stream,
+    for every launch kind (split, merge, the rotation of q ahead of rotated FP8 keys, KIVI's residual split);
     on another device, or without a compiled kernel, nothing (Triton's own launch then). Planted: the constexprs
     and defaults in another order fail it."""
     import inspect
@@ -282,7 +284,8 @@ def test_direct_launch_off_in_the_interpreter_and_by_switch(monkeypatch):
 def test_direct_launch_decodes_the_same_bits(monkeypatch):
     """On the GPU: after a cached plan's first call every launch of the plan holds its compiled kernel, and later
     calls launch them without Triton's ``JITFunction.run`` (made to fail here) and decode the bits of a plan launched
-    through it (``cache=False``), for FP8, rotated NVFP4 (three launches) and KIVI with its residual window."""
+    through it (``cache=False``), for FP8, mxfp4 keys with rotated NVFP4 values (un-rotated at the output) and KIVI
+    with its residual window."""
     from kvqref.kernels import decode as dec
 
     rng = np.random.default_rng(11)

@@ -2601,7 +2601,7 @@ class LaunchHandle:
     calls launch it directly: ``CompiledKernel.run`` with the kernel's arguments in its parameter order (the call's
     positional arguments, then the constexprs and defaults, fixed per plan), as ``JITFunction.run`` calls it after
     its argument binding, specialization and cache lookup, which this skips (on the device tool's H100 host an eager
-    call of 1-3 launches issued 74-245 us sooner, ``bench/host_overhead.py``'s ``call_jit_us`` against ``call_us``).
+    call of 1-3 launches issued 14-245 us sooner, ``bench/host_overhead.py``'s ``call_jit_us`` against ``call_us``).
 
     Sound because a plan is served only to calls of equal :func:`decode_plan_key`: the same shapes, strides,
     dtypes, 16-byte alignment of every input, options and device, and its scalar arguments come from those alone
