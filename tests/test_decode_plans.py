@@ -258,7 +258,7 @@ def test_direct_launch_passes_the_bound_arguments(pair, monkeypatch):
 
 def test_direct_launch_off_in_the_interpreter_and_by_switch(monkeypatch):
     """Under the interpreter (no compiled kernel to keep) and with ``DIRECT_LAUNCH`` off, a handle keeps nothing and
-    every launch goes through ``kernel[grid]``."""
+    every launch goes through ``kernel[grid]``; a plan made for one call has no handles."""
     from kvqref.kernels import decode as dec
 
     dec.clear_plan_cache()
@@ -278,6 +278,8 @@ def test_direct_launch_off_in_the_interpreter_and_by_switch(monkeypatch):
     launch()
     launch()
     assert seen == [(2, 3), (2, 3)] and launch.handle.compiled is None
+    # a plan made for one call (``cache=False``) keeps no handles: its launches go through ``kernel[grid]``
+    assert all(la.handle is None for la in plan(dc, q, max_seq_len=300, cache=False)[0])
 
 
 @pytest.mark.skipif(not GPU, reason="the compiled kernels' launchers need a GPU")

@@ -259,7 +259,6 @@ def empty_device_cache(k_scheme: Scheme, v_scheme: Scheme, num_pages: int, page_
     return DeviceCache(sides[0], sides[1], page_size, bt, sl, sl, sl, empty, empty, has_res)
 
 
-
 def uniform_device_cache(k_scheme: Scheme, v_scheme: Scheme, batch: int, tokens: int, page_size: int, kv_heads: int,
                          head_dim: int, **kw: Any) -> DeviceCache:
     """:func:`empty_device_cache` of ``batch`` sequences of ``tokens`` tokens each, sequence b on pages
@@ -270,6 +269,7 @@ def uniform_device_cache(k_scheme: Scheme, v_scheme: Scheme, batch: int, tokens:
     table = torch.arange(batch * pages, dtype=torch.int32).reshape(batch, pages)
     lens = torch.full((batch,), tokens, dtype=torch.int32)
     return empty_device_cache(k_scheme, v_scheme, batch * pages, page_size, kv_heads, head_dim, table, lens, **kw)
+
 
 def decode(q, dc: DeviceCache, sm_scale: float | None = None, validate: bool = True, *,
            precision: str = "fast", **kw: Any):

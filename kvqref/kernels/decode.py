@@ -31,6 +31,7 @@ from __future__ import annotations
 import collections
 import functools
 import inspect
+import itertools
 import threading
 from typing import Any, NamedTuple
 
@@ -3001,7 +3002,7 @@ class DecodePlan(NamedTuple):
     total: int
     splits: tuple
     merge: tuple | None
-    handles: tuple = ()  # a LaunchHandle per launch (rotation, splits, merge), filled by the plan's first call
+    handles: tuple = ()  # a cached plan's LaunchHandle per launch (rotation, splits, merge): :func:`plan_decode`
 
 
 def choose_decode_plan(
@@ -3757,8 +3758,7 @@ def choose_decode_plan(
                   **({"launch_pdl": True} if gdc else {})}
     merge_cx["GDC"] = gdc
     merge = None if direct else ((batch, q_heads, head_dim // mdb), merge_cx, merge_opts)
-    handles = tuple(LaunchHandle() for _ in range((rotate_q is not None) + len(splits) + (merge is not None)))
-    return DecodePlan(rotate_q, float(sm_scale), num_splits, per, total, splits, merge, handles)
+    return DecodePlan(rotate_q, float(sm_scale), num_splits, per, total, splits, merge)
 
 
 def bind_decode_plan(plan: DecodePlan, q, k: CacheTiles, v: CacheTiles, block_table, seq_lens, residual=None):
@@ -3767,7 +3767,7 @@ def bind_decode_plan(plan: DecodePlan, q, k: CacheTiles, v: CacheTiles, block_ta
     import torch
 
     batch, q_heads, head_dim = q.shape
-    handles = plan.handles
+    handles = iter(plan.handles) if plan.handles else itertools.repeat(None)  # in launch order
     rotate_q = []
     if plan.rotate_q is not None:  # q' = butterflies(q * signs), then q' is the split kernel's q
         rows, q16 = plan.rotate_q
@@ -3775,7 +3775,7 @@ def bind_decode_plan(plan: DecodePlan, q, k: CacheTiles, v: CacheTiles, block_ta
         qr = torch.empty(batch, q_heads, head_dim, dtype=torch.bfloat16 if q16 else torch.float32, device=q.device)
         rotate_q.append(Launch(rotate_q_kernel, (batch, triton.cdiv(q_heads, rows)),
                                [q, signs, qr, q_heads, q.stride(0), q.stride(1)], dict(D=head_dim, ROWS=rows), {},
-                               handles[0] if handles else None))
+                               next(handles)))
         q = qr
     if residual is not None:
         rk, rv, kl, vl = residual
@@ -3840,11 +3840,10 @@ def bind_decode_plan(plan: DecodePlan, q, k: CacheTiles, v: CacheTiles, block_ta
         lse.stride(0),
         vsq,
     ]
-    hs = list(handles[len(rotate_q):]) if handles else [None] * (len(plan.splits) + 1)  # (splits, then merge)
-    splits = [Launch(decode_split_kernel, grid, split_args, dict(cx), dict(opts), hs[i])
-              for i, (grid, cx, opts) in enumerate(plan.splits)]
+    splits = [Launch(decode_split_kernel, grid, split_args, dict(cx), dict(opts), next(handles))
+              for grid, cx, opts in plan.splits]
     merge = [] if plan.merge is None else [Launch(merge_kernel, plan.merge[0], merge_args, dict(plan.merge[1]),
-                                                  dict(plan.merge[2]), hs[len(plan.splits)])]
+                                                  dict(plan.merge[2]), next(handles))]
     return [*rotate_q, *splits, *merge], out, lse
 
 
@@ -3912,7 +3911,9 @@ def plan_decode(q, k: CacheTiles, v: CacheTiles, block_table, seq_lens, page_siz
     if plan is None:
         plan = choose_decode_plan(q, k, v, page_size, has_residual=residual is not None, max_seq_len=max_seq_len,
                                   **options)
-        if key is not None:
+        if key is not None:  # a kept plan launches its compiled kernels directly after its first call
+            launches = (plan.rotate_q is not None) + len(plan.splits) + (plan.merge is not None)
+            plan = plan._replace(handles=tuple(LaunchHandle() for _ in range(launches)))
             with _PLANS_LOCK:
                 _PLANS[key] = plan
                 while len(_PLANS) > PLAN_CACHE_SIZE:
