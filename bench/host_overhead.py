@@ -16,6 +16,11 @@ headline row of bench/decode_bench.py. For each scheme, microseconds of host tim
   ``gpu_us``: one call between two CUDA events after a synchronize (L2 not flushed), which holds the host's time
   until the first launch is issued plus the kernels' (an eager call's latency, not the kernels' time).
 
+The write of one decode step (one bfloat16 token per sequence into V) likewise: ``write_plan_us`` /
+``write_plan_uncached_us`` (``plan_write`` with its plan kept, and ``cache=False``), and on a GPU ``write_call_us`` /
+``write_call_jit_us`` / ``write_call_uncached_us`` (the eager ``quantize_write(validate=False)``: directly launched,
+through ``kernel[grid]``, planned every call).
+
 Without a GPU the plan is timed on this machine's CPU over empty CPU tensors (planning reads no values; the split
 counts are those of 4 multiprocessors). ``--profile`` prints a cProfile of the cached calls.
 """
@@ -121,6 +126,7 @@ def measure(label: str, calls: int, profile: bool) -> dict[str, Any]:
             torch.cuda.synchronize()
             gpu_ms.append(start.elapsed_time(end))
         row["gpu_us"] = statistics.median(gpu_ms) * 1e3
+    measure_writes(row, dc, calls, gpu)
     if profile:
         def profiled():
             return tb.decode(q, dc, validate=False, max_seq_len=tokens) if gpu else plan(True)
@@ -134,6 +140,38 @@ def measure(label: str, calls: int, profile: bool) -> dict[str, Any]:
         pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(20)
         print(text.getvalue()[:5000], flush=True)
     return row
+
+
+def measure_writes(row: dict[str, Any], dc, calls: int, gpu: bool) -> None:
+    """The write of one decode step into V (one token per sequence: x [batch, kv_heads, head_dim] bfloat16): host us
+    per ``plan_write`` with its plan kept and without (``write_plan_us``, ``write_plan_uncached_us``), and on a GPU
+    the whole eager ``quantize_write(validate=False)`` directly launched, through ``kernel[grid]``, and planned every
+    call (``write_call_us``, ``write_call_jit_us``, ``write_call_uncached_us``)."""
+    import torch
+
+    from kvqref.backends import triton_backend as tb
+    from kvqref.kernels import decode as dec
+
+    batch, _, kv_heads, head_dim, _ = SHAPE
+    device = "cuda" if gpu else "cpu"
+    x = torch.randn(batch, kv_heads, head_dim, device=device).to(torch.bfloat16)
+    slots = torch.arange(batch, dtype=torch.int64, device=device)
+    tb.clear_write_plan_cache()
+    for cache in (True, False):
+        tb.plan_write(dc.v, x, slots, cache=cache)
+        key = "write_plan_us" if cache else "write_plan_uncached_us"
+        row[key] = per_call_us(lambda c=cache: tb.plan_write(dc.v, x, slots, cache=c), calls)
+    if not gpu:
+        return
+    for name, cache, direct in (("write_call_us", True, True), ("write_call_jit_us", True, False),
+                                ("write_call_uncached_us", False, True)):
+        dec.DIRECT_LAUNCH = direct
+        for _ in range(20):
+            tb.quantize_write(dc.v, x, slots, validate=False, cache=cache)
+        torch.cuda.synchronize()
+        row[name] = per_call_us(lambda c=cache: tb.quantize_write(dc.v, x, slots, validate=False, cache=c), calls,
+                                sync=torch.cuda.synchronize)
+    dec.DIRECT_LAUNCH = True
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -153,8 +191,9 @@ def main(argv: list[str] | None = None) -> int:
     for i, label in enumerate(labels, 1):
         row = measure(label, args.calls, args.profile)
         rows.append(row)
-        keys = [k for k in ("plan_us", "plan_uncached_us", "call_us", "call_jit_us", "call_uncached_us", "gpu_us")
-                if k in row]
+        keys = [k for k in ("plan_us", "plan_uncached_us", "call_us", "call_jit_us", "call_uncached_us", "gpu_us",
+                            "write_plan_us", "write_plan_uncached_us", "write_call_us", "write_call_jit_us",
+                            "write_call_uncached_us") if k in row]
         print(f"[{i}/{len(labels)}] {label}: " + ", ".join(f"{k} {row[k]:.1f}" for k in keys), flush=True)
     result = {"command": "python3 bench/host_overhead.py " + " ".join(argv if argv is not None else sys.argv[1:]),
               "environment": db.environment(), "rows": rows}

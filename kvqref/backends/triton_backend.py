@@ -11,9 +11,11 @@ keys never meet an unrotated query.
 
 from __future__ import annotations
 
+import collections
+import threading
 import warnings
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -723,12 +725,14 @@ def settle_partner_lanes(launch, device, d: int):
                          "use rotation_route='gather'")
 
 
-def plan_write(side: Side, x, slot_mapping, *, block_t: int | None = None, block_h: int | None = None,
-               num_warps: int | None = None, hw_fp8: bool | None = None, f16_cvt: bool | None = None,
-               rotation_route: str | None = None, nvfp4_blocks: bool | None = None, block_d: int | None = None,
-               store_as_loaded: bool | None = None, word_load: bool | None = None, maxnreg: int | None = None,
-               kivi_f16x2: bool | None = None, heads_fast: bool | None = None, x_evict_first: bool | None = None):
-    """The launch of :func:`quantize_write` (checked on the host first). ``maxnreg``: a register cap per thread
+def choose_write_launch(side: Side, x, slot_mapping, *, block_t: int | None = None, block_h: int | None = None,
+                        num_warps: int | None = None, hw_fp8: bool | None = None, f16_cvt: bool | None = None,
+                        rotation_route: str | None = None, nvfp4_blocks: bool | None = None,
+                        block_d: int | None = None, store_as_loaded: bool | None = None,
+                        word_load: bool | None = None, maxnreg: int | None = None, kivi_f16x2: bool | None = None,
+                        heads_fast: bool | None = None, x_evict_first: bool | None = None):
+    """The launch of :func:`quantize_write` made from scratch (checked on the host first; :func:`plan_write` keeps
+    it). ``maxnreg``: a register cap per thread
     (Triton's CUDA option; NVIDIA GPUs only, for tuning; 0: no cap on any device; default: the measured caps below,
     else none).
     ``block_t``/``block_h``/``num_warps``: the tile and warps (default :func:`write_tile`, WRITE_WARPS; KIVI keys
@@ -787,24 +791,15 @@ def plan_write(side: Side, x, slot_mapping, *, block_t: int | None = None, block
     if rotation_route == "shfl" and (INTERPRET or getattr(torch.version, "hip", None) and x.device.type == "cuda"):
         raise ValueError("rotation_route='shfl' runs CUDA warp shuffles (inline PTX): not in the interpreter nor "
                          "on ROCm (use 'gather', the same arithmetic in portable Triton)")
-    rdt = 0
-    if rotation is None:
-        x, qdt = _model_input(side.scheme, x)
-    else:
-        rdt, qdt = _rotated_dtypes(side.codec)
-    cfg = kernel_config(side.scheme)
-    n, kv_heads, head_dim = x.shape
     if x.device != slot_mapping.device or x.device != next(iter(side.fields.values())).device:
         raise ValueError("x, slot_mapping and the cache must be on one device")
-    x = x.contiguous()
-    slot_mapping = slot_mapping.to(torch.int64).contiguous()
-    fields = [side.fields[f] for f in FIELD_ORDER[cfg["kind"]] if f in side.fields]
-    fields += [fields[0]] * (3 - len(fields))
+    cfg = kernel_config(side.scheme)
+    args = write_args(side, x, slot_mapping, cfg.get("sglang") == 2)
+    x = args[0]
+    rdt, qdt = (0, _model_input(side.scheme, x)[1]) if rotation is None else _rotated_dtypes(side.codec)
+    n, kv_heads, head_dim = x.shape
     tiles = side.tiles()
-    strides: list[int] = []
-    for t in fields:
-        strides += list(tiles.row_strides(t))
-    page = fields[0].shape[2] if side.head_major else 1  # tokens per page (field 0 is per token); NHD: unused
+    page = tiles.fields[0].shape[2] if side.head_major else 1  # tokens per page (field 0 is per token); NHD: unused
     dt, dh = write_tile(cfg["kind"], kv_heads, head_dim, cfg.get("group", 1))
     tile_given = block_t is not None
     nv_blocks = False
@@ -832,14 +827,7 @@ def plan_write(side: Side, x, slot_mapping, *, block_t: int | None = None, block
                              f"got {block_d!r}")
     else:
         block_d = head_dim
-    sc = side.tensor_scale
-    if cfg.get("sglang") == 2:  # torch's x * (1 / s): the reciprocal rounded to float32 once, on the host
-        sc = (1.0 / sc.double()).float()
     hw = hardware_fp8_encode(x.device) if hw_fp8 is None else hw_fp8
-    signs, c_d = sc, 1.0  # unused without rotation (any float32 pointer)
-    if rotation is not None:
-        signs, c_d = rotation_signs(rotation, head_dim, x.device), float(norm_f32(head_dim))
-    args = [x, slot_mapping, *fields, sc, n, kv_heads, x.stride(0), x.stride(1), *strides, signs, c_d]
     # rotated FP4 and KIVI kinds of bfloat16 input at a 4-byte aligned address: element pairs as 32-bit words
     words = ((rotated_word_load_default(cfg["kind"], cfg.get("bits", 4), x.device, cfg.get("sglang", 0))
               if word_load is None else bool(word_load)) and rotation is not None and x.dtype == torch.bfloat16
@@ -924,11 +912,112 @@ def plan_write(side: Side, x, slot_mapping, *, block_t: int | None = None, block
                 warnings.warn(f"{side.scheme.name}: the default warp-shuffle butterflies do not fit this kernel's "
                               f"layout ({err}); writing by rotation_route={portable!r} instead (the same bytes, "
                               "slower)", RuntimeWarning, stacklevel=2)
-            return plan_write(side, x, slot_mapping, block_t=block_t, block_h=block_h, num_warps=num_warps,
-                              hw_fp8=hw_fp8, f16_cvt=f16_cvt, rotation_route=portable, block_d=block_d,
-                              store_as_loaded=store_as_loaded, word_load=word_load, maxnreg=maxnreg,
-                              kivi_f16x2=kivi_f16x2, heads_fast=heads_fast, x_evict_first=x_evict_first)
+            return choose_write_launch(side, x, slot_mapping, block_t=block_t, block_h=block_h,
+                                       num_warps=num_warps, hw_fp8=hw_fp8, f16_cvt=f16_cvt,
+                                       rotation_route=portable, block_d=block_d, store_as_loaded=store_as_loaded,
+                                       word_load=word_load, maxnreg=maxnreg, kivi_f16x2=kivi_f16x2,
+                                       heads_fast=heads_fast, x_evict_first=x_evict_first)
     return launch
+
+
+def write_args(side: Side, x, slot_mapping, reciprocal_scale: bool) -> list:
+    """The write kernel's positional arguments for ``x`` [tokens, kv_heads, D] into ``side`` at ``slot_mapping``:
+    x in the model dtype (unrotated: :func:`_model_input`; a rotated write reads the input as given), contiguous;
+    the slots as int64; the fields in :data:`FIELD_ORDER` (the unused ones alias the first); the tensor scale
+    (``reciprocal_scale``, SGLang's float scale: ``1 / s`` rounded to float32 once, torch's ``x * (1 / s)``);
+    tokens, heads and the strides of x and of the fields' rows; the rotation's signs and C_D (unused without a
+    rotation: the tensor scale and 1.0)."""
+    torch = _torch()
+    rotation = rotation_of(side.scheme)
+    if rotation is None:
+        x = _model_input(side.scheme, x)[0]
+    x = x.contiguous()
+    tiles = side.tiles()
+    sc = side.tensor_scale
+    if reciprocal_scale:
+        sc = (1.0 / sc.double()).float()
+    signs, c_d = sc, 1.0
+    if rotation is not None:
+        signs, c_d = rotation_signs(rotation, x.shape[2], x.device), float(norm_f32(x.shape[2]))
+    return [x, slot_mapping.to(torch.int64).contiguous(), *tiles.field_args(), sc, x.shape[0], x.shape[1],
+            x.stride(0), x.stride(1), *tiles.stride_args(), signs, c_d]
+
+
+class WritePlan(NamedTuple):
+    """A kept write launch (:func:`plan_write`): everything but its tensor arguments, which :func:`write_args`
+    binds per call, and the :class:`~kvqref.kernels.decode.LaunchHandle` that launches its compiled kernel
+    directly after the first call."""
+
+    kernel: Any
+    grid: tuple
+    constexprs: dict
+    options: dict
+    handle: Any
+
+
+#: write plans by :func:`write_plan_key`, least recently used first (:func:`plan_write`)
+_WRITE_PLANS: collections.OrderedDict = collections.OrderedDict()
+_WRITE_PLANS_LOCK = threading.Lock()
+#: how many write plans :func:`plan_write` keeps (a decode step writes one shape per layer kind: a few)
+WRITE_PLAN_CACHE_SIZE = 256
+
+
+def clear_write_plan_cache() -> None:
+    """Forget every kept write plan (:func:`plan_write`)."""
+    with _WRITE_PLANS_LOCK:
+        _WRITE_PLANS.clear()
+
+
+def write_plan_key(side: Side, x, slot_mapping, options: dict) -> tuple:
+    """The key of a write plan: everything :func:`choose_write_launch` reads: the side's scheme (the object) and
+    tiles (every attribute; the fields' and tensor scale's shapes, strides, dtypes and alignment), x's and the
+    slots' shapes, strides, dtypes and alignment, the devices, whether they are NVIDIA GPUs running compiled
+    kernels (the device facts the defaults ask for are the device's) and the options; TypeError for an option that
+    cannot be a key."""
+    from kvqref.kernels.codecs import INTERPRET
+    from kvqref.kernels.decode import _tensor_key
+
+    tiles = side.tiles()
+    env = (str(x.device), str(slot_mapping.device), str(tiles.fields[0].device), _nvidia_gpu(x.device), INTERPRET)
+    key = (env, side.scheme, tiles.plan_key(), _tensor_key(x), _tensor_key(slot_mapping),
+           tuple(sorted(options.items())))
+    hash(key)
+    return key
+
+
+def plan_write(side: Side, x, slot_mapping, *, cache: bool = True, **options: Any):
+    """The launch of :func:`quantize_write`: ``options`` are :func:`choose_write_launch`'s. With ``cache``
+    (default) the launch's choices are made once per :func:`write_plan_key` and kept (the last
+    :data:`WRITE_PLAN_CACHE_SIZE`), then bound to each call's tensors (:func:`write_args`), and the kept plan's
+    compiled kernel is launched directly after its first call (``kernels.decode.LaunchHandle``), as a decode plan's:
+    a decode step's writes then skip both the choices (60-84 us of host time on this project's CPU) and Triton's
+    per-launch argument binding. The tuning constants of this module are read when a plan is made:
+    :func:`clear_write_plan_cache` after changing one."""
+    from kvqref.kernels.decode import Launch, LaunchHandle
+
+    key = None
+    if cache:
+        try:
+            key = write_plan_key(side, x, slot_mapping, options)
+        except TypeError:  # an option that cannot be a key: planned every call
+            key = None
+    with _WRITE_PLANS_LOCK:
+        plan = _WRITE_PLANS.get(key) if key is not None else None
+        if plan is not None:
+            _WRITE_PLANS.move_to_end(key)
+    if plan is None:
+        launch = choose_write_launch(side, x, slot_mapping, **options)
+        if key is None:
+            return launch
+        plan = WritePlan(launch.kernel, launch.grid, launch.constexprs, launch.options, LaunchHandle())
+        with _WRITE_PLANS_LOCK:
+            _WRITE_PLANS[key] = plan
+            while len(_WRITE_PLANS) > WRITE_PLAN_CACHE_SIZE:
+                _WRITE_PLANS.popitem(last=False)
+        args = launch.args
+    else:
+        args = write_args(side, x, slot_mapping, plan.constexprs["SGLANG"] == 2)
+    return Launch(plan.kernel, plan.grid, args, dict(plan.constexprs), plan.options, plan.handle)
 
 
 def quantize_write(side: Side, x, slot_mapping, *, validate: bool = True, **launch: Any) -> None:

@@ -104,6 +104,7 @@ class SideStore:
         self.paged = np.zeros(batch, np.int64)  # tokens of each sequence in pages
         self.params: dict[str, Any] | None = None
         self.tensor_scale = torch.ones(kv_heads, dtype=torch.float32, device=device)
+        self._sides: dict[bool, triton_backend.Side] = {}  # (side(): kept per rotated flag)
         if params is not None:  # given (calibrated) params; otherwise _write calibrates on the first chunk
             self.set_params(scheme.check_params(params, kv_heads))
         self.grow(1)  # the backends' gathers index page 0 even while every token is in the residual
@@ -153,6 +154,7 @@ class SideStore:
     # -- writing --------------------------------------------------------------------------------
     def set_params(self, params: dict[str, Any]) -> None:
         self.params = params
+        self._sides.clear()
         dc = triton_backend.empty_device_cache(self.codec, self.codec, 1, self.page_size, self.kv_heads,
                                                self.head_dim, torch.zeros(1, 1, dtype=torch.int32),
                                                torch.zeros(1, dtype=torch.int32), k_params=params,
@@ -162,9 +164,15 @@ class SideStore:
     def side(self, rotated: bool = False) -> triton_backend.Side:
         """This store as the backends' :class:`~kvqref.backends.triton_backend.Side`: the stored values (the
         codec's fields) with the codec as its scheme, or with ``rotated`` the store's scheme (a rotated one
-        carries its rotation, so the fused decode rotates queries and un-rotates outputs)."""
-        return triton_backend.Side(self.scheme if rotated else self.codec, self.fields, self.tensor_scale,
-                                   dict(self.params or {}))
+        carries its rotation, so the fused decode rotates queries and un-rotates outputs). Made once per
+        ``rotated`` and kept until the params change (:meth:`set_params`): the side holds this store's fields dict
+        itself, so fields that grow or are reordered are read through it, and its kept tiles
+        (``Side.tiles()``) are made again only then; a decode step asks for each side three times per layer."""
+        kept = self._sides.get(rotated)
+        if kept is None:
+            kept = self._sides[rotated] = triton_backend.Side(self.scheme if rotated else self.codec, self.fields,
+                                                              self.tensor_scale, dict(self.params or {}))
+        return kept
 
     def to_storage(self, x: torch.Tensor, validate: bool = True) -> torch.Tensor:
         """float32 ``x`` in the stored domain: unchanged, or rotated by the exact float32 rule (ValueError for
@@ -329,8 +337,8 @@ class SideStore:
         """The slots of the pages in use, dequantized by the torch backend (stored domain):
         ``[slots, kv_heads, head_dim]`` (pages are page-major, so the pages in use come first)."""
         pages = max(1, -(-int(self.paged.max()) // self.page_size)) * self.batch
-        side = self.side()
-        side.fields = {f: t[: pages * self.rows(f)] for f, t in self.fields.items()}
+        side = triton_backend.Side(self.codec, {f: t[: pages * self.rows(f)] for f, t in self.fields.items()},
+                                   self.tensor_scale, dict(self.params or {}))  # (a new side: the kept one reads all)
         return torch_backend.dequantize(side, dtype)
 
     def dequantized_all(self, length: int, how: str, dtype: torch.dtype, domain: str = "original") -> torch.Tensor:
