@@ -13,6 +13,7 @@ from kvqref import schemes
 
 torch = pytest.importorskip("torch")
 
+from launch_fakes import FakeCompiled  # noqa: E402
 from test_triton import DEVICE, GPU, build_cache, split_launch_of, tb  # noqa: E402
 
 pytestmark = pytest.mark.gpu if GPU else pytest.mark.interpret
@@ -197,20 +198,6 @@ def test_cached_plan_decodes_the_same_bits():
     assert np.isfinite(first[0].cpu().numpy()).all() and float(first[0].abs().max()) > 0
 
 
-class _FakeCompiled:
-    """A compiled kernel's launcher as ``LaunchHandle`` calls it, recording the arguments."""
-
-    def __init__(self) -> None:
-        self.function, self.packed_metadata, self.calls = object(), object(), []
-
-    def launch_metadata(self, grid, stream, *args):
-        return None
-
-    def run(self, g0, g1, g2, stream, function, packed_metadata, launch_metadata, enter, exit_, *args):
-        assert function is self.function and packed_metadata is self.packed_metadata
-        self.calls.append(((g0, g1, g2), stream, args))
-
-
 @pytest.mark.parametrize("pair", [PAIRS[0], PAIRS[5], PAIRS[6], PAIRS[7]],
                          ids=["bf16", "mxfp4/nvfp4-rot", "fp8-rot/fp8", "int4_kivi"])
 def test_direct_launch_passes_the_bound_arguments(pair, monkeypatch):
@@ -235,7 +222,7 @@ def test_direct_launch_passes_the_bound_arguments(pair, monkeypatch):
     launches = plan(dc, q, max_seq_len=300)[0]
     assert all(la.handle is not None for la in launches) and len({id(la.handle) for la in launches}) == len(launches)
     for la in launches:
-        compiled = _FakeCompiled()
+        compiled = FakeCompiled()
         assert not la.handle.launch(la.grid, la.args)  # nothing kept yet
         la.handle.capture(la.kernel, compiled, la.args, la.constexprs)
         bound = inspect.signature(la.kernel.fn).bind(*la.args, **la.constexprs)
@@ -265,14 +252,14 @@ def test_direct_launch_off_in_the_interpreter_and_by_switch(monkeypatch):
     dc, q = device_cache(PAIRS[1], 4)
     la = plan(dc, q, max_seq_len=300)[0][0]
     monkeypatch.setattr(dec, "INTERPRET", True)
-    la.handle.capture(la.kernel, _FakeCompiled(), la.args, la.constexprs)
+    la.handle.capture(la.kernel, FakeCompiled(), la.args, la.constexprs)
     assert la.handle.compiled is None
     monkeypatch.setattr(dec, "DIRECT_LAUNCH", False)
     seen = []
 
     class Kernel:
         def __getitem__(self, grid):
-            return lambda *a, **kw: seen.append(grid) or _FakeCompiled()
+            return lambda *a, **kw: seen.append(grid) or FakeCompiled()
 
     launch = dec.Launch(Kernel(), (2, 3), [], {}, {}, dec.LaunchHandle())
     launch()

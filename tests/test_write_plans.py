@@ -12,6 +12,7 @@ from kvqref import schemes
 
 torch = pytest.importorskip("torch")
 
+from launch_fakes import FakeCompiled  # noqa: E402
 from test_triton import DEVICE, GPU, tb  # noqa: E402
 
 pytestmark = pytest.mark.gpu if GPU else pytest.mark.interpret
@@ -169,20 +170,6 @@ def test_write_plan_cache_keeps_the_most_recent(monkeypatch):
     assert launch.handle is None and [key[3][0][0] for key in tb._WRITE_PLANS] == [16, 32]
 
 
-class _FakeCompiled:
-    """A compiled kernel's launcher as ``LaunchHandle`` calls it, recording the arguments."""
-
-    def __init__(self) -> None:
-        self.function, self.packed_metadata, self.calls = object(), object(), []
-
-    def launch_metadata(self, grid, stream, *args):
-        return None
-
-    def run(self, g0, g1, g2, stream, function, packed_metadata, launch_metadata, enter, exit_, *args):
-        assert function is self.function and packed_metadata is self.packed_metadata
-        self.calls.append(((g0, g1, g2), stream, args))
-
-
 @pytest.mark.parametrize("case", [CASES[0], CASES[3], CASES[7], CASES[9], CASES[11]],
                          ids=["bf16", "fp8-sglang-float", "nvfp4", "int2_kivi-k", "nvfp4-rot"])
 def test_write_direct_launch_passes_the_bound_arguments(case, monkeypatch):
@@ -205,7 +192,7 @@ def test_write_direct_launch_passes_the_bound_arguments(case, monkeypatch):
     x, slots = call_tensors()
     la = tb.plan_write(side, x, slots)
     assert la.handle is not None and tb.plan_write(side, x, slots, cache=False).handle is None
-    compiled = _FakeCompiled()
+    compiled = FakeCompiled()
     assert not la.handle.launch(la.grid, la.args)  # nothing kept yet
     la.handle.capture(la.kernel, compiled, la.args, la.constexprs)
     bound = inspect.signature(la.kernel.fn).bind(*la.args, **la.constexprs)

@@ -11,14 +11,13 @@ keys never meet an unrotated query.
 
 from __future__ import annotations
 
-import collections
-import threading
 import warnings
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import numpy as np
 
+from kvqref.kernels.kept_plans import KeptPlans
 from kvqref.schemes import BF16Scheme, E8M0BlockScheme, FP8Scheme, KiviScheme, NVFP4Scheme, RotatedScheme, Scheme
 from kvqref.schemes.rotation import norm_f32, rotation_of, storage_scheme
 
@@ -955,17 +954,15 @@ class WritePlan(NamedTuple):
     handle: Any
 
 
-#: write plans by :func:`write_plan_key`, least recently used first (:func:`plan_write`)
-_WRITE_PLANS: collections.OrderedDict = collections.OrderedDict()
-_WRITE_PLANS_LOCK = threading.Lock()
+#: write plans by :func:`write_plan_key` (:func:`plan_write`)
+_WRITE_PLANS = KeptPlans()
 #: how many write plans :func:`plan_write` keeps (a decode step writes one shape per layer kind: a few)
 WRITE_PLAN_CACHE_SIZE = 256
 
 
 def clear_write_plan_cache() -> None:
     """Forget every kept write plan (:func:`plan_write`)."""
-    with _WRITE_PLANS_LOCK:
-        _WRITE_PLANS.clear()
+    _WRITE_PLANS.forget()
 
 
 def write_plan_key(side: Side, x, slot_mapping, options: dict) -> tuple:
@@ -995,25 +992,14 @@ def plan_write(side: Side, x, slot_mapping, *, cache: bool = True, **options: An
     :func:`clear_write_plan_cache` after changing one."""
     from kvqref.kernels.decode import Launch, LaunchHandle
 
-    key = None
-    if cache:
-        try:
-            key = write_plan_key(side, x, slot_mapping, options)
-        except TypeError:  # an option that cannot be a key: planned every call
-            key = None
-    with _WRITE_PLANS_LOCK:
-        plan = _WRITE_PLANS.get(key) if key is not None else None
-        if plan is not None:
-            _WRITE_PLANS.move_to_end(key)
+    key = KeptPlans.key_of(write_plan_key, side, x, slot_mapping, options) if cache else None
+    plan = _WRITE_PLANS.serve(key)
     if plan is None:
         launch = choose_write_launch(side, x, slot_mapping, **options)
         if key is None:
             return launch
         plan = WritePlan(launch.kernel, launch.grid, launch.constexprs, launch.options, LaunchHandle())
-        with _WRITE_PLANS_LOCK:
-            _WRITE_PLANS[key] = plan
-            while len(_WRITE_PLANS) > WRITE_PLAN_CACHE_SIZE:
-                _WRITE_PLANS.popitem(last=False)
+        _WRITE_PLANS.keep(key, plan, WRITE_PLAN_CACHE_SIZE)
         args = launch.args
     else:
         args = write_args(side, x, slot_mapping, plan.constexprs["SGLANG"] == 2)

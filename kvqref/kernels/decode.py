@@ -28,11 +28,9 @@ residual tiles in two bfloat16 parts (docs/kernels.md, "Precision", derives both
 
 from __future__ import annotations
 
-import collections
 import functools
 import inspect
 import itertools
-import threading
 from typing import Any, NamedTuple
 
 import triton
@@ -51,6 +49,7 @@ from kvqref.kernels.codecs import (
     page_slot,
     pow2_f32,
 )
+from kvqref.kernels.kept_plans import KeptPlans
 
 
 @triton.jit
@@ -3847,17 +3846,15 @@ def bind_decode_plan(plan: DecodePlan, q, k: CacheTiles, v: CacheTiles, block_ta
     return [*rotate_q, *splits, *merge], out, lse
 
 
-#: decode plans by :func:`decode_plan_key`, least recently used first (:func:`plan_decode`)
-_PLANS: collections.OrderedDict = collections.OrderedDict()
-_PLANS_LOCK = threading.Lock()  # (calls from several threads: a serving loop's)
+#: decode plans by :func:`decode_plan_key` (:func:`plan_decode`)
+_PLANS = KeptPlans()
 #: how many plans :func:`plan_decode` keeps (one per model shape and batch composition in a serving loop)
 PLAN_CACHE_SIZE = 256
 
 
 def clear_plan_cache() -> None:
     """Forget every cached decode plan (:func:`plan_decode`)."""
-    with _PLANS_LOCK:
-        _PLANS.clear()
+    _PLANS.forget()
 
 
 def _tensor_key(t) -> tuple:
@@ -3898,26 +3895,16 @@ def plan_decode(q, k: CacheTiles, v: CacheTiles, block_table, seq_lens, page_siz
     :func:`clear_plan_cache` after changing one."""
     if max_seq_len is None:  # (a device sync: callers in a hot loop pass it)
         max_seq_len = int(seq_lens.max().item()) if seq_lens.numel() else 0
-    key = None
-    if cache:
-        try:
-            key = decode_plan_key(q, k, v, block_table, seq_lens, page_size, residual, max_seq_len, options)
-        except TypeError:  # an option that cannot be a key: planned every call
-            key = None
-    with _PLANS_LOCK:
-        plan = _PLANS.get(key) if key is not None else None
-        if plan is not None:
-            _PLANS.move_to_end(key)
+    key = (KeptPlans.key_of(decode_plan_key, q, k, v, block_table, seq_lens, page_size, residual, max_seq_len,
+                            options) if cache else None)
+    plan = _PLANS.serve(key)
     if plan is None:
         plan = choose_decode_plan(q, k, v, page_size, has_residual=residual is not None, max_seq_len=max_seq_len,
                                   **options)
         if key is not None:  # a kept plan launches its compiled kernels directly after its first call
             launches = (plan.rotate_q is not None) + len(plan.splits) + (plan.merge is not None)
             plan = plan._replace(handles=tuple(LaunchHandle() for _ in range(launches)))
-            with _PLANS_LOCK:
-                _PLANS[key] = plan
-                while len(_PLANS) > PLAN_CACHE_SIZE:
-                    _PLANS.popitem(last=False)
+            _PLANS.keep(key, plan, PLAN_CACHE_SIZE)
     return bind_decode_plan(plan, q, k, v, block_table, seq_lens, residual)
 
 
