@@ -146,6 +146,42 @@ def test_triton_writes_the_oracles_bytes_and_decodes(scheme, opts):
     torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=1e-5)
 
 
+@pytest.mark.interpret
+@pytest.mark.parametrize("scheme,opts", [("fp8_e4m3", {}), ("nvfp4", {})])
+def test_kept_sides_follow_growth_and_params(scheme, opts):
+    """The stores keep their triton ``Side`` across decode steps (``SideStore.side``): it stays the same object
+    while the pages grow (the fields dict is the store's own, and the side's kept tiles are made again over the
+    grown tensors), a new one holds new params, ``dequantized_slots`` leaves it whole, and the bytes written through
+    it across a page boundary equal the torch backend's (the oracle's)."""
+    dev = backends.get("triton").device()
+    model = _model(num_hidden_layers=1).to(dev)
+    ids = _ids(68).to(dev)
+    caches = []
+    for backend in ("torch", "triton"):
+        cache = _cache(model, scheme, opts, backend=backend, precision="exact")
+        with torch.no_grad():
+            model(ids[:, :60], **H.cache_kwargs(model, cache))
+            store = cache.layers[0].v
+            side, tiles, pages = store.side(), store.side().tiles(), store.max_pages
+            for t in range(60, 68):  # token 64 opens the second page: the fields grow
+                model(ids[:, t:t + 1], **H.cache_kwargs(model, cache))
+        caches.append(cache)
+    assert pages == 1 and store.max_pages > pages
+    assert store.side() is side and side.fields is store.fields
+    grown = side.tiles()
+    current = {id(t) for t in store.fields.values()}
+    assert grown is not tiles and all(id(t) in current for t in grown.fields)
+    store.dequantized_slots(torch.float32)
+    assert store.side() is side and side.fields is store.fields
+    store.set_params(dict(store.params))
+    assert store.side() is not side and store.side().tensor_scale is store.tensor_scale
+    a, b = caches[0].layers[0], caches[1].layers[0]
+    for sa, sb in ((a.k, b.k), (a.v, b.v)):
+        qa, qb = sa.quantized(0), sb.quantized(0)
+        for f in qa.fields:
+            np.testing.assert_array_equal(qa.fields[f], qb.fields[f], err_msg=f"{sa.label} {f}")
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: a CPU model with the GPU's fused kernels")
 def test_triton_backend_names_a_model_on_the_wrong_device():
     model = _model(num_hidden_layers=1)  # on the CPU, while the kernels run on the GPU
