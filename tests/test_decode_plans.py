@@ -13,7 +13,7 @@ from kvqref import schemes
 
 torch = pytest.importorskip("torch")
 
-from launch_fakes import FakeCompiled  # noqa: E402
+from launch_fakes import FakeCompiled, FakeDriver, check_direct_launch  # noqa: E402
 from test_triton import DEVICE, GPU, build_cache, split_launch_of, tb  # noqa: E402
 
 pytestmark = pytest.mark.gpu if GPU else pytest.mark.interpret
@@ -207,36 +207,16 @@ def test_direct_launch_passes_the_bound_arguments(pair, monkeypatch):
     for every launch kind (split, merge, the rotation of q ahead of rotated FP8 keys, KIVI's residual split);
     on another device, or without a compiled kernel, nothing (Triton's own launch then). Planted: the constexprs
     and defaults in another order fail it."""
-    import inspect
-    import types
-
     from kvqref.kernels import decode as dec
 
-    current = {"device": 0}
-    fake_driver = types.SimpleNamespace(get_current_device=lambda: current["device"],
-                                        get_current_stream=lambda device: 1000 + device)
-    monkeypatch.setattr(dec, "INTERPRET", False)
-    monkeypatch.setattr(dec.triton.runtime, "driver", types.SimpleNamespace(active=fake_driver))
+    driver = FakeDriver()
+    driver.install(monkeypatch)
     dec.clear_plan_cache()
     dc, q = device_cache(pair, 8)
     launches = plan(dc, q, max_seq_len=300)[0]
     assert all(la.handle is not None for la in launches) and len({id(la.handle) for la in launches}) == len(launches)
     for la in launches:
-        compiled = FakeCompiled()
-        assert not la.handle.launch(la.grid, la.args)  # nothing kept yet
-        la.handle.capture(la.kernel, compiled, la.args, la.constexprs)
-        bound = inspect.signature(la.kernel.fn).bind(*la.args, **la.constexprs)
-        bound.apply_defaults()
-        assert la.handle.launch(la.grid, la.args)
-        grid = (*la.grid, 1, 1)[:3]
-        assert len(compiled.calls) == 1
-        got_grid, stream, args = compiled.calls[0]
-        assert got_grid == grid and stream == 1000
-        want = list(bound.arguments.values())
-        assert len(args) == len(want) and all(a is b or a == b for a, b in zip(args, want, strict=True)), la.kernel
-        current["device"] = 1
-        assert not la.handle.launch(la.grid, la.args) and len(compiled.calls) == 1
-        current["device"] = 0
+        check_direct_launch(la, driver)
     # the next call's launches share the plan's handles, so they launch directly
     again = plan(dc, q, max_seq_len=300)[0]
     assert [la.handle for la in again] == [la.handle for la in launches]

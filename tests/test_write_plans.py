@@ -12,7 +12,7 @@ from kvqref import schemes
 
 torch = pytest.importorskip("torch")
 
-from launch_fakes import FakeCompiled  # noqa: E402
+from launch_fakes import FakeDriver, check_direct_launch  # noqa: E402
 from test_triton import DEVICE, GPU, tb  # noqa: E402
 
 pytestmark = pytest.mark.gpu if GPU else pytest.mark.interpret
@@ -178,33 +178,13 @@ def test_write_direct_launch_passes_the_bound_arguments(case, monkeypatch):
     ``Signature.bind`` and ``apply_defaults``), over the grid, on the current stream; on another device nothing.
     The next call's launch shares the handle and launches directly. Planted: the constexprs in another order fail
     it."""
-    import inspect
-    import types
-
-    from kvqref.kernels import decode as dec
-
-    current = {"device": 0}
-    fake_driver = types.SimpleNamespace(get_current_device=lambda: current["device"],
-                                        get_current_stream=lambda device: 1000 + device)
-    monkeypatch.setattr(dec, "INTERPRET", False)
-    monkeypatch.setattr(dec.triton.runtime, "driver", types.SimpleNamespace(active=fake_driver))
+    driver = FakeDriver()
+    driver.install(monkeypatch)
     side = side_of(*case)
     x, slots = call_tensors()
     la = tb.plan_write(side, x, slots)
     assert la.handle is not None and tb.plan_write(side, x, slots, cache=False).handle is None
-    compiled = FakeCompiled()
-    assert not la.handle.launch(la.grid, la.args)  # nothing kept yet
-    la.handle.capture(la.kernel, compiled, la.args, la.constexprs)
-    bound = inspect.signature(la.kernel.fn).bind(*la.args, **la.constexprs)
-    bound.apply_defaults()
-    assert la.handle.launch(la.grid, la.args)
-    (grid, stream, args), = compiled.calls
-    assert grid == (*la.grid, 1, 1)[:3] and stream == 1000
-    want = list(bound.arguments.values())
-    assert len(args) == len(want) and all(a is b or a == b for a, b in zip(args, want, strict=True))
-    current["device"] = 1
-    assert not la.handle.launch(la.grid, la.args) and len(compiled.calls) == 1
-    current["device"] = 0
+    compiled = check_direct_launch(la, driver)
     x2, _ = call_tensors(seed=3)
     again = tb.plan_write(side, x2, slots)
     assert again.handle is la.handle and again.handle.compiled is compiled
