@@ -987,7 +987,7 @@ def plan_write(side: Side, x, slot_mapping, *, cache: bool = True, **options: An
     (default) the launch's choices are made once per :func:`write_plan_key` and kept (the last
     :data:`WRITE_PLAN_CACHE_SIZE`), then bound to each call's tensors (:func:`write_args`), and the kept plan's
     compiled kernel is launched directly after its first call (``kernels.decode.LaunchHandle``), as a decode plan's:
-    a decode step's writes then skip both the choices (60-84 us of host time on this project's CPU) and Triton's
+    a decode step's writes then skip both the choices (52-77 us of host time on this project's CPU) and Triton's
     per-launch argument binding. The tuning constants of this module are read when a plan is made:
     :func:`clear_write_plan_cache` after changing one."""
     from kvqref.kernels.decode import Launch, LaunchHandle
