@@ -161,7 +161,7 @@ def test_kept_sides_follow_growth_and_params(scheme, opts):
         cache = _cache(model, scheme, opts, backend=backend, precision="exact")
         with torch.no_grad():
             model(ids[:, :60], **H.cache_kwargs(model, cache))
-            store = cache.layers[0].v
+            store = cache.layers[0].v  # (asserted below for the triton cache: the loop's last)
             side, tiles, pages = store.side(), store.side().tiles(), store.max_pages
             for t in range(60, 68):  # token 64 opens the second page: the fields grow
                 model(ids[:, t:t + 1], **H.cache_kwargs(model, cache))
