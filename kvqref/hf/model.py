@@ -86,11 +86,8 @@ def _from_pretrained(folder: str, dtype: torch.dtype, attn_implementation: str, 
 
 
 def _load_gguf(dtype: torch.dtype, attn_implementation: str) -> tuple[Any, Any]:
-    from transformers import AutoTokenizer
-
     folder, name = os.path.split(smollm2_path())
-    tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    return _from_pretrained(folder, dtype, attn_implementation, gguf_file=name), tok
+    return _from_pretrained(folder, dtype, attn_implementation, gguf_file=name), _tokenizer(None)
 
 
 def cache_root() -> Path | None:
@@ -168,7 +165,7 @@ def save_converted(model: Any, tok: Any, folder: str | Path) -> None:
 def smollm2_folder(cache_dir: str | Path | None = None) -> Path:
     """A folder holding SmolLM2-135M-Instruct as transformers converts it from the GGUF (``config.json``,
     ``model.safetensors`` with the dequantized float32 weights, 538 MB, and the tokenizer), which
-    ``from_pretrained`` loads in about 2 s where the GGUF takes about 25 s on 2 CPU cores. Made on first use
+    ``from_pretrained`` loads in about 1 s where the GGUF takes about 25 s on 2 CPU cores. Made on first use
     under ``cache_dir`` (default :func:`cache_root`) and checked by :func:`save_converted`; one per GGUF content
     and transformers version: ``smollm2-<sha256 of the GGUF, 16 hex>-transformers-<version>``. Parallel processes
     convert once (a lock file beside it) and never see part of a folder (written elsewhere, then renamed)."""
@@ -212,7 +209,7 @@ def load_smollm2(dtype: torch.dtype = torch.float32, attn_implementation: str = 
                  device: str | torch.device = "cpu", cache: bool = True) -> tuple[Any, Any]:
     """(model, tokenizer) of SmolLM2-135M-Instruct, in eval mode. Use ``attn_implementation="kvqref"`` (or
     :func:`set_attention`) with a QuantizedKVCache. ``cache``: load the converted model of :func:`smollm2_folder`
-    (made on first use; about 2 s, then), else, or where the cache folder is off (``KVQREF_CACHE_DIR=off``) or
+    (made on first use; about 1 s, then), else, or where the cache folder is off (``KVQREF_CACHE_DIR=off``) or
     cannot be written (a warning says why), convert the GGUF again (about 25 s on 2 CPU cores). The same
     weights and tokenizer either way (:func:`save_converted` checks the folder when it writes it)."""
     import kvqref.hf  # noqa: F401  (registers the "kvqref" attention)
@@ -221,19 +218,22 @@ def load_smollm2(dtype: torch.dtype = torch.float32, attn_implementation: str = 
     if folder is None:
         model, tok = _load_gguf(dtype, attn_implementation)
     else:
-        model, tok = _from_pretrained(str(folder), dtype, attn_implementation), load_smollm2_tokenizer()
+        model, tok = _from_pretrained(str(folder), dtype, attn_implementation), _tokenizer(folder)
     return model.to(device).eval(), tok
+
+
+def _tokenizer(folder: Path | None) -> Any:
+    from transformers import AutoTokenizer
+
+    if folder is None:
+        gguf_folder, name = os.path.split(smollm2_path())
+        return AutoTokenizer.from_pretrained(gguf_folder, gguf_file=name)
+    return AutoTokenizer.from_pretrained(folder)
 
 
 def load_smollm2_tokenizer(cache: bool = True) -> Any:
     """SmolLM2-135M-Instruct's tokenizer, from :func:`smollm2_folder` (``cache``) or the GGUF."""
-    from transformers import AutoTokenizer
-
-    folder = _converted_folder(cache)
-    if folder is None:
-        folder_, name = os.path.split(smollm2_path())
-        return AutoTokenizer.from_pretrained(folder_, gguf_file=name)
-    return AutoTokenizer.from_pretrained(folder)
+    return _tokenizer(_converted_folder(cache))
 
 
 def config(config_name: str = "smollm2", attn_implementation: str = "sdpa", **overrides: Any) -> Any:
