@@ -37,7 +37,9 @@ token chunks (``kivi_value_chunks``), ``vsw`` (0/1): KIVI value scales and zeros
 (``kivi_value_subnormal_codes``), ``spg`` (0/1): KIVI tiles' page ids as scalars (``kivi_scalar_page_ids``),
 ``kpt`` (0/1): FP4 block rows' key products transposed (``key_products_transposed``), ``e8f`` (0/1): their E8M0
 scales as exponent fields straight from the scale words (``e8m0_scale_fields``), ``qld`` (strided / transposed /
-contiguous): how their q rows are read (``q_rows_load``).
+contiguous): how their q rows are read (``q_rows_load``), ``po`` (random / sequential): the order of the cache's
+pages, a property of the cache and not a launch option (bench/decode_bench.py's ``make_cache(page_order=...)``:
+``sequential`` is a second cache with the same tokens and values, each sequence's pages contiguous).
 KIVI caches carry their residual window, as in bench/decode_bench.py.
 """
 
@@ -75,7 +77,8 @@ KEYS = {"bn": ("block_n", int), "w": ("num_warps", int), "s": ("num_stages", int
         "vsub": ("kivi_value_subnormal_codes", lambda v: v == "1"),
         "spg": ("kivi_scalar_page_ids", lambda v: v == "1"),
         "kpt": ("key_products_transposed", lambda v: v == "1"),
-        "e8f": ("e8m0_scale_fields", lambda v: v == "1"), "qld": ("q_rows_load", str)}
+        "e8f": ("e8m0_scale_fields", lambda v: v == "1"), "qld": ("q_rows_load", str),
+        "po": ("page_order", str)}
 
 
 def parse_variant(text: str) -> tuple[str, str, dict]:
@@ -117,15 +120,18 @@ def main() -> int:
         nbytes = batch * tokens * (side_bytes_per_token(ks, kv_heads, head_dim)
                                    + side_bytes_per_token(vs, kv_heads, head_dim)) + 4 * batch * q_heads * head_dim
         q = torch.randn(batch, q_heads, head_dim, device="cuda").to(torch.bfloat16)
-        calls, ref, laid = {}, None, {"NHD": dc}
+        calls, ref, laid = {}, None, {("random", "NHD"): dc}
         for name, mod, kw in variants:
             try:
                 kw = dict(kw)
                 layout = kw.pop("layout", "NHD")
                 merge = kw.pop("merge", True)
-                if layout not in laid:
-                    laid[layout] = dc.with_layout(layout)
-                lc = laid[layout]
+                order = kw.pop("page_order", "random")
+                if (order, "NHD") not in laid:
+                    laid[order, "NHD"] = make_cache(label, shape, args.page, page_order=order)[0]
+                if (order, layout) not in laid:
+                    laid[order, layout] = laid[order, "NHD"].with_layout(layout)
+                lc = laid[order, layout]
                 residual = lc.residual
                 launches, out, _ = mods[mod].plan_decode(q, lc.k.tiles(), lc.v.tiles(), lc.block_table, lc.seq_lens,
                                                          lc.page_size, max_seq_len=tokens, residual=residual, **kw)

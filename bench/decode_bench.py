@@ -137,10 +137,16 @@ def side_bytes_per_token(scheme, kv_heads: int, head_dim: int) -> float:
     return total
 
 
-def make_cache(label: str, shape, page_size: int, seed: int = 0, rotation: bool = False, layout: str = "NHD"):
+def make_cache(label: str, shape, page_size: int, seed: int = 0, rotation: bool = False, layout: str = "NHD",
+               page_order: str = "random"):
     """A device cache of random K/V (keys with outlier channels) written by the Triton write kernel;
     ``rotation``: K and V rotated (``ROTATION_K``, ``ROTATION_V``), the rotation fused into the write;
-    ``layout``: the fields' layout (``"NHD"`` token-major pages, ``"HND"`` head-major)."""
+    ``layout``: the fields' layout (``"NHD"`` token-major pages, ``"HND"`` head-major); ``page_order``:
+    ``"random"`` (the bench's: the pool's pages dealt to the sequences in a random permutation, as a serving
+    engine's free list leaves them after churn) or ``"sequential"`` (sequence b holds pages b * P .. b * P + P - 1:
+    the same tokens with the same values, each sequence's pages contiguous; for measuring what the scatter costs)."""
+    if page_order not in ("random", "sequential"):
+        raise ValueError(f"page_order must be 'random' or 'sequential', not {page_order!r}")
     import torch
 
     from kvqref import schemes
@@ -157,7 +163,9 @@ def make_cache(label: str, shape, page_size: int, seed: int = 0, rotation: bool 
     pages_per_seq = -(-tokens // page_size)
     num_pages = batch * pages_per_seq
     g = torch.Generator(device="cuda").manual_seed(seed)
-    perm = torch.randperm(num_pages, device="cuda", generator=g).to(torch.int32)
+    perm = torch.randperm(num_pages, device="cuda", generator=g).to(torch.int32)  # drawn either way: same K/V
+    if page_order == "sequential":
+        perm = torch.arange(num_pages, device="cuda", dtype=torch.int32)
     block_table = perm.view(batch, pages_per_seq)
     seq_lens = torch.full((batch,), tokens, dtype=torch.int32)
     params = {}
