@@ -1,0 +1,294 @@
+"""Probe: an E8M0 FP4 (mxfp4 / fp4_e2m1) decode split kernel in Gluon (explicit layouts, CUDA sm_80+).
+
+The Triton kernel's FP4 tile loops spend their time in the layout conversions Triton places between the code
+loads and the tensor-core operands (bench/results/ANALYSIS.md 108, 152, 293). This probe states the layouts
+itself so that the code bytes are loaded straight into registers that the ``mma.sync`` operands use:
+
+* keys: thread (lane % 4 = t, lane // 4 = g) loads 16 contiguous code bytes (16 t .. 16 t + 15) of token g + 8 j
+  (one 16-byte load). The product's K axis is any permutation of the channels as long as q's rows follow it, so
+  the bytes are relabelled ``byte 16 t + 4 c + 2 h + e  ->  k = 16 c + 8 h + 2 t + e``, which is exactly the
+  B-operand fragment of m16n8k16 (k = 2 t + e + 8 h inside chunk c): no data moves. q's rows are gathered in the
+  same order once per program.
+* rows are (block, head) as the Triton kernel's block rows: 4 heads x 4 blocks of 32 channels (mxfp4) fill the
+  16 rows of the product; block b's partial dot is scaled by its E8M0 scale on the [16, N] score tile.
+* values: each thread loads 8 contiguous bytes (8 g .. 8 g + 7) of its tokens 2 t + e + 8 h + 16 c; the output
+  column order is relabelled ``n = g + 8 j  <->  byte 8 g + j``; the pairs of tokens the operand holds per
+  register are made by register moves only.
+
+Arithmetic (the Triton kernel's fast mode, ``docs/kernels.md``): q times 2**eq rounded once to float16 against the
+exact float16 E2M1 * 2**-14 keys, float32 sums, times the E8M0 scale (codes taken as the bare exponent field: codes
+0 and 255 are not handled by this probe); p times its value block's scale rounded once to bfloat16 against the
+exact bfloat16 E2M1 values, float32 accumulation. Split outputs as ``decode_split_kernel`` writes them (``OP`` the
+normalised output, ``LP`` the base-2 log-sum-exp), merged by the project's ``merge_kernel``.
+
+Run on a GPU: ``python3 bench/gluon_fp4_probe.py [--scheme mxfp4] [--check-only]``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from kvqref.kernels.decode import E2M1_PAIRS_BF16_PTX, E2M1_PAIRS_PTX  # noqa: E402
+
+MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8]))
+OP_A = gl.constexpr(gl.DotOperandLayout(0, MMA.value, 2))
+OP_B = gl.constexpr(gl.DotOperandLayout(1, MMA.value, 2))
+# key bytes [N = 32 tokens, 64 bytes]: 16 contiguous bytes per thread (lane % 4 along the bytes), 8 tokens per
+# lane row, 4 tokens per thread
+KEY_LOAD = gl.constexpr(gl.BlockedLayout([1, 16], [8, 4], [1, 1], [1, 0]))
+# value bytes [32 tokens, 64 bytes]: 8 contiguous bytes of the tokens 2 t + e + 8 r (lane % 4 = t, lane // 4 = g)
+VAL_LOAD = gl.constexpr(gl.DistributedLinearLayout(
+    reg_bases=[[0, 1], [0, 2], [0, 4], [1, 0], [8, 0], [16, 0]],
+    lane_bases=[[2, 0], [4, 0], [0, 8], [0, 16], [0, 32]],
+    warp_bases=[], block_bases=[], shape=[32, 64]))
+TWO_126 = gl.constexpr(8.507059173023462e37)
+
+
+@gluon.jit
+def _pow2(e):
+    """2**e as float32 for integer e in -126 .. 127 (the exponent field)."""
+    return ((e + 127) << 23).to(gl.float32, bitcast=True)
+
+
+@gluon.jit
+def _slots(BT, b, stride_btb, t, end, PAGE: gl.constexpr, PAGE_SLOTS: gl.constexpr):
+    m = t < end
+    page = gl.load(BT + b * stride_btb + t // PAGE, mask=m, other=0).to(gl.int64)
+    return page * PAGE_SLOTS + t % PAGE, m
+
+
+@gluon.jit
+def _key_operands(kb):
+    """Code bytes [32, 64] (KEY_LOAD) -> the low / high nibbles as float16 E2M1 * 2**-14 B operands [64, 32],
+    k = 16 c + 8 h + 2 t + e for byte 16 t + 4 c + 2 h + e."""
+    lo, hi = gl.inline_asm_elementwise(E2M1_PAIRS_PTX, "=r,=r,=r,=r,r", [kb], dtype=(gl.float16, gl.float16),
+                                       is_pure=True, pack=4)
+    return _key_relabel(lo), _key_relabel(hi)
+
+
+@gluon.jit
+def _key_relabel(x):
+    x = gl.permute(x, (1, 0))  # [64 bytes, 32 tokens]
+    x = gl.reshape(x, (4, 4, 2, 2, 32))  # (t, c, h, e, n)
+    x = gl.permute(x, (1, 2, 0, 3, 4))  # (c, h, t, e, n)
+    return gl.convert_layout(gl.reshape(x, (64, 32)), OP_B)
+
+
+@gluon.jit
+def _value_operands(vb):
+    """Code bytes [32 tokens, 64 bytes] (VAL_LOAD) -> the low / high nibbles as exact bfloat16 B operands
+    [32 tokens, 64 columns], column g + 8 j for byte 8 g + j."""
+    lo, hi = gl.inline_asm_elementwise(E2M1_PAIRS_BF16_PTX, "=r,=r,=r,=r,r", [vb],
+                                       dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=4)
+    return _value_relabel(lo * TWO_126), _value_relabel(hi * TWO_126)
+
+
+@gluon.jit
+def _value_relabel(x):
+    x = gl.reshape(x, (32, 8, 8))  # (token, g, j)
+    x = gl.permute(x, (0, 2, 1))  # (token, j, g)
+    return gl.convert_layout(gl.reshape(x, (32, 64)), OP_B)
+
+
+@gluon.jit
+def fp4_e8m0_split_kernel(
+    Q, BT, SL, K0, K1, V0, V1, OP, LP, qk_scale, tokens_per_split,
+    stride_qb, stride_qh, stride_btb, k0_s, k0_h, k1_s, k1_h, v0_s, v0_h, v1_s, v1_h, op_b, op_h, op_s, lp_b, lp_h,
+    QPK: gl.constexpr, PAGE: gl.constexpr, PAGE_SLOTS: gl.constexpr, QB: gl.constexpr,
+):
+    gl.static_assert(QB == 32)  # 4 blocks of 32 channels: rows (block, head) = 16 (mxfp4)
+    b = gl.program_id(0).to(gl.int64)
+    kvh = gl.program_id(1)
+    split = gl.program_id(2)
+    BLOCK_N: gl.constexpr = 32
+    seq_len = gl.load(SL + b)
+    start = split * tokens_per_split
+    end = gl.minimum(start + tokens_per_split, seq_len)
+
+    # q's rows: (block, head) x permuted channels, both nibble halves; one power of two puts them in float16
+    r = gl.arange(0, 16, layout=gl.SliceLayout(1, OP_A))
+    k = gl.arange(0, 64, layout=gl.SliceLayout(0, OP_A))
+    byte = 16 * ((k // 2) % 4) + 4 * (k // 16) + 2 * ((k // 8) % 2) + k % 2
+    h = r % 4
+    qm = (h < QPK)[:, None] & (((2 * byte) // QB)[None, :] == (r // 4)[:, None])
+    qrow = Q + b * stride_qb + (kvh * QPK + h).to(gl.int64)[:, None] * stride_qh
+    qe = gl.load(qrow + (2 * byte)[None, :], mask=qm, other=0.0).to(gl.float32)
+    qo = gl.load(qrow + (2 * byte + 1)[None, :], mask=qm, other=0.0).to(gl.float32)
+    qmax = gl.max(gl.max(gl.maximum(gl.abs(qe), gl.abs(qo)), 1), 0)
+    eq = gl.where(qmax > 0, gl.minimum(14 - ((qmax.to(gl.int32, bitcast=True) >> 23) - 127), 126), 0)
+    qe16 = (qe * _pow2(eq)).to(gl.float16)
+    qo16 = (qo * _pow2(eq)).to(gl.float16)
+    sc_k = qk_scale * _pow2(-eq) * 16384.0
+
+    rows = gl.arange(0, 16, layout=gl.SliceLayout(1, MMA))
+    blk8 = (8 * (rows // 4))[:, None]
+    m_i = gl.full([16], float("-inf"), gl.float32, layout=gl.SliceLayout(1, MMA))
+    l_i = gl.zeros([16], gl.float32, layout=gl.SliceLayout(1, MMA))
+    acc_lo = gl.zeros([16, 64], gl.float32, layout=MMA)
+    acc_hi = gl.zeros([16, 64], gl.float32, layout=MMA)
+    kbytes = gl.arange(0, 64, layout=gl.SliceLayout(0, KEY_LOAD))
+    vbytes = gl.arange(0, 64, layout=gl.SliceLayout(0, VAL_LOAD))
+    for t0 in range(start, end, BLOCK_N):
+        # key and value code bytes, then the scale words, each in the layout that uses it
+        tk = t0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, KEY_LOAD))
+        sk, mk = _slots(BT, b, stride_btb, tk, end, PAGE, PAGE_SLOTS)
+        kb = gl.load(K0 + sk[:, None] * k0_s + kvh * k0_h + kbytes[None, :], mask=mk[:, None], other=0)
+        tv = t0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, VAL_LOAD))
+        sv, mv = _slots(BT, b, stride_btb, tv, end, PAGE, PAGE_SLOTS)
+        vb = gl.load(V0 + sv[:, None] * v0_s + kvh * v0_h + vbytes[None, :], mask=mv[:, None], other=0)
+        ts = t0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, MMA))
+        ss, ms = _slots(BT, b, stride_btb, ts, end, PAGE, PAGE_SLOTS)
+        kw = gl.load((K1 + ss * k1_s + kvh * k1_h).to(gl.pointer_type(gl.int32)), mask=ms, other=0)
+        vw = gl.load((V1 + ss * v1_s + kvh * v1_h).to(gl.pointer_type(gl.int32)), mask=ms, other=0)
+
+        klo, khi = _key_operands(kb)
+        s2 = mma_v2(gl.convert_layout(qe16, OP_A), klo, gl.zeros([16, BLOCK_N], gl.float32, layout=MMA))
+        s2 = mma_v2(gl.convert_layout(qo16, OP_A), khi, s2)
+        ksc = (((kw[None, :] >> blk8) & 0xFF) << 23).to(gl.float32, bitcast=True)
+        s3 = gl.reshape(s2 * ksc, (4, 4, BLOCK_N))
+        s = gl.sum(s3, 0) * sc_k  # [4 heads, N]
+        s16 = gl.convert_layout(gl.reshape(gl.broadcast(gl.expand_dims(s, 0), s3)[0], (16, BLOCK_N)), MMA)
+        s16 = gl.where(ms[None, :], s16, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s16, 1))
+        alpha = gl.exp2(m_i - m_new)
+        p = gl.exp2(s16 - m_new[:, None])
+        l_i = l_i * alpha + gl.sum(p, 1)
+        m_i = m_new
+        vsc = (((vw[None, :] >> blk8) & 0xFF) << 23).to(gl.float32, bitcast=True)
+        pv = gl.convert_layout((p * vsc).to(gl.bfloat16), OP_A)
+        vlo, vhi = _value_operands(vb)
+        acc_lo = mma_v2(pv, vlo, acc_lo * alpha[:, None])
+        acc_hi = mma_v2(pv, vhi, acc_hi * alpha[:, None])
+
+    # row (blk, h) column n holds channel 2 byte + half for byte 8 (n % 8) + n // 8; keep the block's own
+    safe_l = gl.where(l_i > 0, l_i, 1.0)
+    hh = rows % 4
+    n = gl.arange(0, 64, layout=gl.SliceLayout(0, MMA))
+    vbyte = 8 * (n % 8) + n // 8
+    om = (hh < QPK)[:, None] & ((vbyte // (QB // 2))[None, :] == (rows // 4)[:, None])
+    obase = OP + b * op_b + (kvh * QPK + hh).to(gl.int64)[:, None] * op_h + split * op_s
+    gl.store(obase + (2 * vbyte)[None, :], acc_lo / safe_l[:, None], mask=om)
+    gl.store(obase + (2 * vbyte + 1)[None, :], acc_hi / safe_l[:, None], mask=om)
+    lse2 = gl.where(l_i > 0, m_i + gl.log2(safe_l), float("-inf"))
+    gl.store(LP + b * lp_b + (kvh * QPK + hh).to(gl.int64) * lp_h + split, lse2, mask=(hh < QPK) & (rows < 4))
+
+
+def compile_sm90(num_warps: int = 1):
+    """Ahead-of-time compile for sm_90 (no GPU needed): the compiled kernel, for its SASS and resource usage."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    sig = {name: "i32" for name in ("tokens_per_split", "stride_qb", "stride_qh", "stride_btb", "k0_s", "k0_h",
+                                    "k1_s", "k1_h", "v0_s", "v0_h", "v1_s", "v1_h", "op_b", "op_h", "op_s", "lp_b",
+                                    "lp_h")}
+    sig.update({"Q": "*bf16", "BT": "*i32", "SL": "*i32", "K0": "*u8", "K1": "*u8", "V0": "*u8", "V1": "*u8",
+                "OP": "*fp32", "LP": "*fp32", "qk_scale": "fp32"})
+    consts = {"QPK": 4, "PAGE": 16, "PAGE_SLOTS": 128, "QB": 32}
+    sig.update({k: "constexpr" for k in consts})
+    attrs = {(i,): [["tt.divisibility", 16]] for i, k in enumerate(fp4_e8m0_split_kernel.arg_names)
+             if k in ("Q", "BT", "SL", "K0", "K1", "V0", "V1", "OP", "LP", "stride_qb", "stride_qh", "k0_s", "k0_h",
+                      "v0_s", "v0_h", "op_b", "op_h", "op_s")}
+    src = GluonASTSource(fn=fp4_e8m0_split_kernel, signature=sig, constexprs=consts, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+
+
+def gluon_decode(q, dc, splits: int, num_warps: int = 1):
+    """The probe's decode over ``dc`` (an mxfp4 device cache, head-major, as bench/decode_bench.py makes it):
+    returns the call (out [B, Hq, D] float32 after the project's merge kernel)."""
+    import torch
+
+    from kvqref.kernels.decode import merge_kernel
+
+    kt, vt = dc.k.tiles(), dc.v.tiles()
+    assert kt.head_major and vt.head_major and kt.kind == "mxfp4" and kt.block == 32
+    batch, q_heads, d = q.shape
+    kvh = kt.kv_heads
+    qpk = q_heads // kvh
+    max_len = int(dc.seq_lens.max())
+    tps = -(-max_len // splits)
+    tps = -(-tps // 32) * 32
+    op = torch.empty(batch, q_heads, splits, d, device=q.device, dtype=torch.float32)
+    lp = torch.empty(batch, q_heads, splits, device=q.device, dtype=torch.float32)
+    out = torch.empty(batch, q_heads, d, device=q.device, dtype=torch.float32)
+    lse = torch.empty(batch, q_heads, device=q.device, dtype=torch.float32)
+    k0, k1 = kt.fields[:2]
+    v0, v1 = vt.fields[:2]
+    qk_scale = d ** -0.5 * 1.4426950408889634
+    seq_lens = dc.seq_lens.to(device=q.device, dtype=torch.int32)
+    bt = dc.block_table
+    s_pad = triton.next_power_of_2(splits)
+
+    def run():
+        fp4_e8m0_split_kernel[(batch, kvh, splits)](
+            q, bt, seq_lens, k0, k1, v0, v1, op, lp, qk_scale, tps, q.stride(0), q.stride(1), bt.stride(0),
+            *kt.row_strides(k0), *kt.row_strides(k1), *vt.row_strides(v0), *vt.row_strides(v1),
+            op.stride(0), op.stride(1), op.stride(2), lp.stride(0), lp.stride(1),
+            QPK=qpk, PAGE=dc.page_size, PAGE_SLOTS=kt.page_slots(dc.page_size), QB=32, num_warps=num_warps)
+        merge_kernel[(batch, q_heads, 1)](op, lp, out, lse, splits, op.stride(0), op.stride(1), op.stride(2),
+                                          lp.stride(0), lp.stride(1), out.stride(0), out.stride(1), lse.stride(0),
+                                          out, D=d, S_PAD=s_pad, DB=d)
+        return out
+
+    return run
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--compile-only", action="store_true", help="AOT-compile for sm_90 and print the resources")
+    ap.add_argument("--shape", default="32,32,8,128,8192", help="batch,q_heads,kv_heads,head_dim,tokens")
+    ap.add_argument("--splits", default="2,4,8,16")
+    ap.add_argument("--out", help="JSON file for the results")
+    args = ap.parse_args(argv)
+    if args.compile_only:
+        compile_sm90()
+        print("compiled for sm_90")
+        return 0
+    import decode_bench as db
+    import torch
+
+    from kvqref.backends import triton_backend as tb
+
+    shape = tuple(int(x) for x in args.shape.split(","))
+    batch, q_heads, kv_heads, head_dim, tokens = shape
+    dc, ks, vs = db.make_cache("mxfp4", shape, 16, layout="HND")
+    q = torch.randn(batch, q_heads, head_dim, device="cuda").to(torch.bfloat16)
+    tb.validate_decode(q, dc)
+
+    def ref():
+        return tb.decode(q, dc, validate=False, max_seq_len=tokens)
+
+    want = ref()[0].clone()
+    per_tok = db.side_bytes_per_token(ks, kv_heads, head_dim) + db.side_bytes_per_token(vs, kv_heads, head_dim)
+    nbytes = batch * tokens * per_tok + 2 * q.numel() * 2
+    rows = [{"kernel": "triton (default plan)", **db.timed(ref, {"bytes": nbytes})}]
+    sdpa = db.sdpa_case(shape)["time_us"]
+    rows[0]["ratio_to_sdpa"] = sdpa / rows[0]["time_us"]
+    for s in (int(x) for x in args.splits.split(",")):
+        fn = gluon_decode(q, dc, s)
+        got = fn().clone()
+        err = (got - want).abs().max().item()
+        rel = err / want.abs().max().item()
+        rows.append({"kernel": f"gluon probe, {s} splits", "max_abs_diff": err, "max_rel_diff": rel,
+                     **db.timed(fn, {"bytes": nbytes})})
+        rows[-1]["ratio_to_sdpa"] = sdpa / rows[-1]["time_us"]
+    doc = {"command": "python3 bench/gluon_fp4_probe.py " + " ".join(argv or sys.argv[1:]), "shape": shape,
+           "environment": db.environment(), "sdpa_bf16_us": sdpa, "rows": rows}
+    for r in rows:
+        print(json.dumps(r), flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps(doc, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
