@@ -38,7 +38,25 @@ from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from kvqref.kernels.decode import E2M1_PAIRS_BF16_PTX, E2M1_PAIRS_PTX  # noqa: E402
+from kvqref.kernels.decode import E2M1_PAIRS_BF16_PTX, E2M1_PAIRS_PTX, _e2m1_f16_bytes_lines  # noqa: E402
+
+
+def _token_pairs_ptx() -> str:
+    """Two tokens' code words ($8: token A's bytes 0-3, $9: token B's) -> float16 E2M1 * 2**-14 of the same bytes of
+    both tokens in each register: ``prmt`` interleaves the bytes (A0 B0 A1 B1 and A2 B2 A3 B3), then each word as
+    :data:`E2M1_PAIRS_PTX`: $0, $1 the low nibbles of (A0, B0), (A1, B1); $2, $3 their high nibbles; $4 .. $7 the
+    same of bytes 2 and 3. 24 instructions per 16 codes."""
+    lines = [".reg .b32 x, y;", "prmt.b32 x, $8, $9, 0x5140;", "prmt.b32 y, $8, $9, 0x7362;"]
+    body = [ln.replace("$4", "{w}") for ln in _e2m1_f16_bytes_lines()[1:]]
+    out = [".reg .b32 a, s, h, l;"]
+    for w, base in (("x", 0), ("y", 4)):
+        out += [ln.format(w=w) for ln in body]
+        out += [f"prmt.b32 ${base}, l, 0, 0x1404;", f"prmt.b32 ${base + 1}, l, 0, 0x3424;",
+                f"prmt.b32 ${base + 2}, h, 0, 0x1404;", f"prmt.b32 ${base + 3}, h, 0, 0x3424;"]
+    return "{\n" + "\n".join(lines + out) + "\n}"
+
+
+TOKEN_PAIRS_PTX = gl.constexpr(_token_pairs_ptx())
 
 MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8]))
 OP_A = gl.constexpr(gl.DotOperandLayout(0, MMA.value, 2))
@@ -47,10 +65,13 @@ OP_B = gl.constexpr(gl.DotOperandLayout(1, MMA.value, 2))
 # lane row, 4 tokens per thread
 KEY_LOAD = gl.constexpr(gl.BlockedLayout([1, 16], [8, 4], [1, 1], [1, 0]))
 # value bytes [32 tokens, 64 bytes]: 8 contiguous bytes of the tokens 2 t + e + 8 r (lane % 4 = t, lane // 4 = g)
-VAL_LOAD = gl.constexpr(gl.DistributedLinearLayout(
-    reg_bases=[[0, 1], [0, 2], [0, 4], [1, 0], [8, 0], [16, 0]],
-    lane_bases=[[2, 0], [4, 0], [0, 8], [0, 16], [0, 32]],
-    warp_bases=[], block_bases=[], shape=[32, 64]))
+
+
+def value_load_layout(block_n: int) -> gl.DistributedLinearLayout:
+    """[block_n tokens, 64 bytes]: 8 contiguous bytes of the tokens 2 t + e + 8 r (lane % 4 = t, lane // 4 = g)."""
+    regs = [[0, 1], [0, 2], [0, 4], [1, 0]] + [[8 << i, 0] for i in range((block_n // 8).bit_length() - 1)]
+    return gl.DistributedLinearLayout(reg_bases=regs, lane_bases=[[2, 0], [4, 0], [0, 8], [0, 16], [0, 32]],
+                                      warp_bases=[], block_bases=[], shape=[block_n, 64])
 TWO_126 = gl.constexpr(8.507059173023462e37)
 
 
@@ -68,49 +89,78 @@ def _slots(BT, b, stride_btb, t, end, PAGE: gl.constexpr, PAGE_SLOTS: gl.constex
 
 
 @gluon.jit
-def _key_operands(kb):
-    """Code bytes [32, 64] (KEY_LOAD) -> the low / high nibbles as float16 E2M1 * 2**-14 B operands [64, 32],
+def _page_rows(i, base, p0, p1, p2, p3, step, PAGE: gl.constexpr):
+    """The page of each token position ``i`` of a tile (page ids p0 .. p3 of its pages): ``base + p * step``."""
+    return gl.where(i < PAGE, base + p0 * step,
+                    gl.where(i < 2 * PAGE, base + p1 * step,
+                             gl.where(i < 3 * PAGE, base + p2 * step, base + p3 * step)))
+
+
+@gluon.jit
+def _key_operands(kb, N: gl.constexpr):
+    """Code bytes [N, 64] (KEY_LOAD) -> the low / high nibbles as float16 E2M1 * 2**-14 B operands [64, N],
     k = 16 c + 8 h + 2 t + e for byte 16 t + 4 c + 2 h + e."""
     lo, hi = gl.inline_asm_elementwise(E2M1_PAIRS_PTX, "=r,=r,=r,=r,r", [kb], dtype=(gl.float16, gl.float16),
                                        is_pure=True, pack=4)
-    return _key_relabel(lo), _key_relabel(hi)
+    return _key_relabel(lo, N), _key_relabel(hi, N)
 
 
 @gluon.jit
-def _key_relabel(x):
-    x = gl.permute(x, (1, 0))  # [64 bytes, 32 tokens]
-    x = gl.reshape(x, (4, 4, 2, 2, 32))  # (t, c, h, e, n)
+def _key_relabel(x, N: gl.constexpr):
+    x = gl.permute(x, (1, 0))  # [64 bytes, N tokens]
+    x = gl.reshape(x, (4, 4, 2, 2, N))  # (t, c, h, e, n)
     x = gl.permute(x, (1, 2, 0, 3, 4))  # (c, h, t, e, n)
-    return gl.convert_layout(gl.reshape(x, (64, 32)), OP_B)
+    return gl.convert_layout(gl.reshape(x, (64, N)), OP_B)
 
 
 @gluon.jit
-def _value_operands(vb):
-    """Code bytes [32 tokens, 64 bytes] (VAL_LOAD) -> the low / high nibbles as exact bfloat16 B operands
-    [32 tokens, 64 columns], column g + 8 j for byte 8 g + j."""
+def _value_operands(vb, N: gl.constexpr):
+    """Code bytes [N tokens, 64 bytes] (:func:`value_load_layout`) -> the low / high nibbles as exact bfloat16 B
+    operands [N tokens, 64 columns], column g + 8 j for byte 8 g + j."""
     lo, hi = gl.inline_asm_elementwise(E2M1_PAIRS_BF16_PTX, "=r,=r,=r,=r,r", [vb],
                                        dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=4)
-    return _value_relabel(lo * TWO_126), _value_relabel(hi * TWO_126)
+    return _value_relabel(lo * TWO_126, N), _value_relabel(hi * TWO_126, N)
 
 
 @gluon.jit
-def _value_relabel(x):
-    x = gl.reshape(x, (32, 8, 8))  # (token, g, j)
+def _value_operands_f16(vb, N: gl.constexpr):
+    """Code bytes [N tokens, 64 bytes] (:func:`value_load_layout`) -> the low / high nibbles as float16
+    E2M1 * 2**-14 B operands [N tokens, 64 columns] (column g + 8 j for byte 8 g + j), the two tokens of a register
+    interleaved before the unpacking (:func:`_token_pairs_ptx`)."""
+    a, b = gl.split(gl.permute(gl.reshape(vb, (N // 2, 2, 64)), (0, 2, 1)))  # tokens 2 r and 2 r + 1
+    lo01, hi01, lo23, hi23 = gl.inline_asm_elementwise(
+        TOKEN_PAIRS_PTX, "=r,=r,=r,=r,=r,=r,=r,=r,r,r", [a, b],
+        dtype=(gl.float16, gl.float16, gl.float16, gl.float16), is_pure=True, pack=4)
+    return _pairs_relabel(lo01, lo23, N), _pairs_relabel(hi01, hi23, N)
+
+
+@gluon.jit
+def _pairs_relabel(x01, x23, N: gl.constexpr):
+    """:func:`_value_operands_f16`'s outputs as [N tokens, 64 columns]: element (r, 4 q + 2 j + e) of ``x01`` holds
+    token 2 r + e's byte 4 q + j, of ``x23`` its byte 4 q + 2 + j."""
+    x = gl.reshape(gl.join(x01, x23), (N // 2, 16, 2, 2, 2))  # (r, q, j, e, k): byte 4 q + 2 k + j of 2 r + e
+    x = gl.reshape(gl.permute(x, (0, 3, 1, 4, 2)), (N, 64))  # [token, byte]
+    return _value_relabel(x, N)
+
+
+@gluon.jit
+def _value_relabel(x, N: gl.constexpr):
+    x = gl.reshape(x, (N, 8, 8))  # (token, g, j)
     x = gl.permute(x, (0, 2, 1))  # (token, j, g)
-    return gl.convert_layout(gl.reshape(x, (32, 64)), OP_B)
+    return gl.convert_layout(gl.reshape(x, (N, 64)), OP_B)
 
 
 @gluon.jit
 def fp4_e8m0_split_kernel(
     Q, BT, SL, K0, K1, V0, V1, OP, LP, qk_scale, tokens_per_split,
     stride_qb, stride_qh, stride_btb, k0_s, k0_h, k1_s, k1_h, v0_s, v0_h, v1_s, v1_h, op_b, op_h, op_s, lp_b, lp_h,
-    QPK: gl.constexpr, PAGE: gl.constexpr, PAGE_SLOTS: gl.constexpr, QB: gl.constexpr,
+    QPK: gl.constexpr, PAGE: gl.constexpr, PAGE_SLOTS: gl.constexpr, QB: gl.constexpr, BLOCK_N: gl.constexpr,
+    VAL_LOAD: gl.constexpr, VF16: gl.constexpr = False,
 ):
     gl.static_assert(QB == 32)  # 4 blocks of 32 channels: rows (block, head) = 16 (mxfp4)
     b = gl.program_id(0).to(gl.int64)
     kvh = gl.program_id(1)
     split = gl.program_id(2)
-    BLOCK_N: gl.constexpr = 32
     seq_len = gl.load(SL + b)
     start = split * tokens_per_split
     end = gl.minimum(start + tokens_per_split, seq_len)
@@ -131,47 +181,78 @@ def fp4_e8m0_split_kernel(
     sc_k = qk_scale * _pow2(-eq) * 16384.0
 
     rows = gl.arange(0, 16, layout=gl.SliceLayout(1, MMA))
-    blk8 = (8 * (rows // 4))[:, None]
+    fsh = (8 * (rows // 4) + 9).to(gl.int64)[:, None]  # block b of a scale word: its byte into the exponent field
     m_i = gl.full([16], float("-inf"), gl.float32, layout=gl.SliceLayout(1, MMA))
     l_i = gl.zeros([16], gl.float32, layout=gl.SliceLayout(1, MMA))
     acc_lo = gl.zeros([16, 64], gl.float32, layout=MMA)
     acc_hi = gl.zeros([16, 64], gl.float32, layout=MMA)
-    kbytes = gl.arange(0, 64, layout=gl.SliceLayout(0, KEY_LOAD))
-    vbytes = gl.arange(0, 64, layout=gl.SliceLayout(0, VAL_LOAD))
+    mc_i = gl.zeros([16], gl.int32, layout=gl.SliceLayout(1, MMA))  # VF16: each row's largest value code so far << 23
+    # loop-invariant offsets of each token position i of a tile inside its page (pages of 16: a tile of 32 is two
+    # pages, i // 16 selects the page id); per tile only the two page ids are read
+    gl.static_assert(PAGE == 16)
+    ik = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, KEY_LOAD))
+    koff = ((ik % PAGE) * k0_s + kvh * k0_h)[:, None] + gl.arange(0, 64, layout=gl.SliceLayout(0, KEY_LOAD))[None, :]
+    iv = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, VAL_LOAD))
+    voff = ((iv % PAGE) * v0_s + kvh * v0_h)[:, None] + gl.arange(0, 64, layout=gl.SliceLayout(0, VAL_LOAD))[None, :]
+    isc = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, MMA))
+    k1off = (isc % PAGE) * k1_s + kvh * k1_h
+    v1off = (isc % PAGE) * v1_s + kvh * v1_h
+    kstep = PAGE_SLOTS * k0_s
+    vstep = PAGE_SLOTS * v0_s
+    k1step = PAGE_SLOTS * k1_s
+    v1step = PAGE_SLOTS * v1_s
     for t0 in range(start, end, BLOCK_N):
-        # key and value code bytes, then the scale words, each in the layout that uses it
-        tk = t0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, KEY_LOAD))
-        sk, mk = _slots(BT, b, stride_btb, tk, end, PAGE, PAGE_SLOTS)
-        kb = gl.load(K0 + sk[:, None] * k0_s + kvh * k0_h + kbytes[None, :], mask=mk[:, None], other=0)
-        tv = t0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, VAL_LOAD))
-        sv, mv = _slots(BT, b, stride_btb, tv, end, PAGE, PAGE_SLOTS)
-        vb = gl.load(V0 + sv[:, None] * v0_s + kvh * v0_h + vbytes[None, :], mask=mv[:, None], other=0)
-        ts = t0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, MMA))
-        ss, ms = _slots(BT, b, stride_btb, ts, end, PAGE, PAGE_SLOTS)
-        kw = gl.load((K1 + ss * k1_s + kvh * k1_h).to(gl.pointer_type(gl.int32)), mask=ms, other=0)
-        vw = gl.load((V1 + ss * v1_s + kvh * v1_h).to(gl.pointer_type(gl.int32)), mask=ms, other=0)
+        bt = BT + b * stride_btb + t0 // PAGE
+        p0 = gl.load(bt).to(gl.int64)
+        p1 = gl.load(bt + 1, mask=t0 + PAGE < end, other=0).to(gl.int64)
+        p2 = p1
+        p3 = p1
+        if BLOCK_N == 64:
+            p2 = gl.load(bt + 2, mask=t0 + 2 * PAGE < end, other=0).to(gl.int64)
+            p3 = gl.load(bt + 3, mask=t0 + 3 * PAGE < end, other=0).to(gl.int64)
+        # the code bytes unmasked: a token past ``end`` reads a row of its page (page 0 past the table's end),
+        # finite E2M1 codes whose score the mask sets to -inf and whose value weight is 0 (its scale word is
+        # masked to 0, so no scale turns them into inf or NaN)
+        kb = gl.load(_page_rows(ik, K0, p0, p1, p2, p3, kstep, PAGE)[:, None] + koff)
+        vb = gl.load(_page_rows(iv, V0, p0, p1, p2, p3, vstep, PAGE)[:, None] + voff)
+        ms = (t0 + isc) < end
+        kw = gl.load(_page_rows(isc, K1, p0, p1, p2, p3, k1step, PAGE) + k1off, mask=ms, other=0)
+        vw = gl.load(_page_rows(isc, V1, p0, p1, p2, p3, v1step, PAGE) + v1off, mask=ms, other=0)
 
-        klo, khi = _key_operands(kb)
+        klo, khi = _key_operands(kb, BLOCK_N)
         s2 = mma_v2(gl.convert_layout(qe16, OP_A), klo, gl.zeros([16, BLOCK_N], gl.float32, layout=MMA))
         s2 = mma_v2(gl.convert_layout(qo16, OP_A), khi, s2)
-        ksc = (((kw[None, :] >> blk8) & 0xFF) << 23).to(gl.float32, bitcast=True)
+        ksc = (((kw.to(gl.int64) << 32)[None, :] >> fsh).to(gl.int32) & 0x7F800000).to(gl.float32, bitcast=True)
         s3 = gl.reshape(s2 * ksc, (4, 4, BLOCK_N))
-        s = gl.sum(s3, 0) * sc_k  # [4 heads, N]
+        s = gl.sum(s3, 0)  # [4 heads, N], before the softmax scale sc_k
         s16 = gl.convert_layout(gl.reshape(gl.broadcast(gl.expand_dims(s, 0), s3)[0], (16, BLOCK_N)), MMA)
         s16 = gl.where(ms[None, :], s16, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s16, 1))
+        m_new = gl.maximum(m_i, gl.max(s16, 1) * sc_k)
         alpha = gl.exp2(m_i - m_new)
-        p = gl.exp2(s16 - m_new[:, None])
+        p = gl.exp2(s16 * sc_k - m_new[:, None])
         l_i = l_i * alpha + gl.sum(p, 1)
         m_i = m_new
-        vsc = (((vw[None, :] >> blk8) & 0xFF) << 23).to(gl.float32, bitcast=True)
-        pv = gl.convert_layout((p * vsc).to(gl.bfloat16), OP_A)
-        vlo, vhi = _value_operands(vb)
+        vfield = ((vw.to(gl.int64) << 32)[None, :] >> fsh).to(gl.int32) & 0x7F800000  # code << 23
+        if VF16:
+            # p 2**(c - mc + 15) in float16 (at most 2**15) against E2M1 * 2**-14, mc the row's largest value code
+            # so far: the accumulators hold sum p v 2**(128 - mc), rescaled with alpha where mc grows
+            mc_new = gl.maximum(mc_i, gl.max(vfield, 1))
+            f = gl.maximum(vfield - mc_new[:, None] + (142 << 23), 0).to(gl.float32, bitcast=True)
+            alpha = alpha * gl.maximum(mc_i - mc_new + (127 << 23), 0).to(gl.float32, bitcast=True)
+            mc_i = mc_new
+            pv = gl.convert_layout((p * f).to(gl.float16), OP_A)
+            vlo, vhi = _value_operands_f16(vb, BLOCK_N)
+        else:
+            pv = gl.convert_layout((p * vfield.to(gl.float32, bitcast=True)).to(gl.bfloat16), OP_A)
+            vlo, vhi = _value_operands(vb, BLOCK_N)
         acc_lo = mma_v2(pv, vlo, acc_lo * alpha[:, None])
         acc_hi = mma_v2(pv, vhi, acc_hi * alpha[:, None])
 
     # row (blk, h) column n holds channel 2 byte + half for byte 8 (n % 8) + n // 8; keep the block's own
     safe_l = gl.where(l_i > 0, l_i, 1.0)
+    if VF16:
+        safe_l = safe_l * gl.maximum(mc_i - (1 << 23), 0).to(gl.float32, bitcast=True)  # / 2**(mc - 128)
+        safe_l = gl.where(safe_l > 0, safe_l, 1.0)
     hh = rows % 4
     n = gl.arange(0, 64, layout=gl.SliceLayout(0, MMA))
     vbyte = 8 * (n % 8) + n // 8
@@ -183,7 +264,7 @@ def fp4_e8m0_split_kernel(
     gl.store(LP + b * lp_b + (kvh * QPK + hh).to(gl.int64) * lp_h + split, lse2, mask=(hh < QPK) & (rows < 4))
 
 
-def compile_sm90(num_warps: int = 1):
+def compile_sm90(num_warps: int = 1, block_n: int = 32, vf16: bool = False):
     """Ahead-of-time compile for sm_90 (no GPU needed): the compiled kernel, for its SASS and resource usage."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -191,9 +272,10 @@ def compile_sm90(num_warps: int = 1):
     sig = {name: "i32" for name in ("tokens_per_split", "stride_qb", "stride_qh", "stride_btb", "k0_s", "k0_h",
                                     "k1_s", "k1_h", "v0_s", "v0_h", "v1_s", "v1_h", "op_b", "op_h", "op_s", "lp_b",
                                     "lp_h")}
-    sig.update({"Q": "*bf16", "BT": "*i32", "SL": "*i32", "K0": "*u8", "K1": "*u8", "V0": "*u8", "V1": "*u8",
+    sig.update({"Q": "*bf16", "BT": "*i32", "SL": "*i32", "K0": "*u8", "K1": "*i32", "V0": "*u8", "V1": "*i32",
                 "OP": "*fp32", "LP": "*fp32", "qk_scale": "fp32"})
-    consts = {"QPK": 4, "PAGE": 16, "PAGE_SLOTS": 128, "QB": 32}
+    consts = {"QPK": 4, "PAGE": 16, "PAGE_SLOTS": 128, "QB": 32, "BLOCK_N": block_n,
+              "VAL_LOAD": value_load_layout(block_n), "VF16": vf16, "k1_s": 1, "v1_s": 1}
     sig.update({k: "constexpr" for k in consts})
     attrs = {(i,): [["tt.divisibility", 16]] for i, k in enumerate(fp4_e8m0_split_kernel.arg_names)
              if k in ("Q", "BT", "SL", "K0", "K1", "V0", "V1", "OP", "LP", "stride_qb", "stride_qh", "k0_s", "k0_h",
@@ -202,7 +284,7 @@ def compile_sm90(num_warps: int = 1):
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
 
 
-def gluon_decode(q, dc, splits: int, num_warps: int = 1):
+def gluon_decode(q, dc, splits: int, num_warps: int = 1, block_n: int = 32, vf16: bool = False):
     """The probe's decode over ``dc`` (an mxfp4 device cache, head-major, as bench/decode_bench.py makes it):
     returns the call (out [B, Hq, D] float32 after the project's merge kernel)."""
     import torch
@@ -216,13 +298,13 @@ def gluon_decode(q, dc, splits: int, num_warps: int = 1):
     qpk = q_heads // kvh
     max_len = int(dc.seq_lens.max())
     tps = -(-max_len // splits)
-    tps = -(-tps // 32) * 32
+    tps = -(-tps // block_n) * block_n
     op = torch.empty(batch, q_heads, splits, d, device=q.device, dtype=torch.float32)
     lp = torch.empty(batch, q_heads, splits, device=q.device, dtype=torch.float32)
     out = torch.empty(batch, q_heads, d, device=q.device, dtype=torch.float32)
     lse = torch.empty(batch, q_heads, device=q.device, dtype=torch.float32)
-    k0, k1 = kt.fields[:2]
-    v0, v1 = vt.fields[:2]
+    k0, k1 = kt.fields[0], kt.fields[1].view(torch.int32)  # scale words: 4 E8M0 codes per (token, head)
+    v0, v1 = vt.fields[0], vt.fields[1].view(torch.int32)
     qk_scale = d ** -0.5 * 1.4426950408889634
     seq_lens = dc.seq_lens.to(device=q.device, dtype=torch.int32)
     bt = dc.block_table
@@ -233,7 +315,8 @@ def gluon_decode(q, dc, splits: int, num_warps: int = 1):
             q, bt, seq_lens, k0, k1, v0, v1, op, lp, qk_scale, tps, q.stride(0), q.stride(1), bt.stride(0),
             *kt.row_strides(k0), *kt.row_strides(k1), *vt.row_strides(v0), *vt.row_strides(v1),
             op.stride(0), op.stride(1), op.stride(2), lp.stride(0), lp.stride(1),
-            QPK=qpk, PAGE=dc.page_size, PAGE_SLOTS=kt.page_slots(dc.page_size), QB=32, num_warps=num_warps)
+            QPK=qpk, PAGE=dc.page_size, PAGE_SLOTS=kt.page_slots(dc.page_size), QB=32, BLOCK_N=block_n,
+            VAL_LOAD=value_load_layout(block_n), VF16=vf16, num_warps=num_warps)
         merge_kernel[(batch, q_heads, 1)](op, lp, out, lse, splits, op.stride(0), op.stride(1), op.stride(2),
                                           lp.stride(0), lp.stride(1), out.stride(0), out.stride(1), lse.stride(0),
                                           out, D=d, S_PAD=s_pad, DB=d)
@@ -247,6 +330,7 @@ def main(argv=None) -> int:
     ap.add_argument("--compile-only", action="store_true", help="AOT-compile for sm_90 and print the resources")
     ap.add_argument("--shape", default="32,32,8,128,8192", help="batch,q_heads,kv_heads,head_dim,tokens")
     ap.add_argument("--splits", default="2,4,8,16")
+    ap.add_argument("--variants", default="32,0;32,1;64,1", help="BLOCK_N,VF16 pairs separated by ';'")
     ap.add_argument("--out", help="JSON file for the results")
     args = ap.parse_args(argv)
     if args.compile_only:
@@ -273,18 +357,26 @@ def main(argv=None) -> int:
     rows = [{"kernel": "triton (default plan)", **db.timed(ref, {"bytes": nbytes})}]
     sdpa = db.sdpa_case(shape)["time_us"]
     rows[0]["ratio_to_sdpa"] = sdpa / rows[0]["time_us"]
-    for s in (int(x) for x in args.splits.split(",")):
-        fn = gluon_decode(q, dc, s)
-        got = fn().clone()
-        err = (got - want).abs().max().item()
-        rel = err / want.abs().max().item()
-        rows.append({"kernel": f"gluon probe, {s} splits", "max_abs_diff": err, "max_rel_diff": rel,
-                     **db.timed(fn, {"bytes": nbytes})})
-        rows[-1]["ratio_to_sdpa"] = sdpa / rows[-1]["time_us"]
+    print(json.dumps(rows[0]), flush=True)
+    for var in args.variants.split(";"):
+        bn, vf = (int(x) for x in var.split(","))
+        for s in (int(x) for x in args.splits.split(",")):
+            row = {"kernel": f"gluon probe, BLOCK_N {bn}, VF16 {vf}, {s} splits", "block_n": bn, "vf16": vf,
+                   "splits": s}
+            try:
+                fn = gluon_decode(q, dc, s, block_n=bn, vf16=bool(vf))
+                got = fn().clone()
+                err = (got - want).abs().max().item()
+                row.update({"max_abs_diff": err, "max_rel_diff": err / want.abs().max().item(),
+                            "finite": bool(torch.isfinite(got).all())})
+                row.update(db.timed(fn, {"bytes": nbytes}))
+                row["ratio_to_sdpa"] = sdpa / row["time_us"]
+            except Exception as e:  # a probe: report and go on
+                row["error"] = f"{type(e).__name__}: {e}"[:2000]
+            rows.append(row)
+            print(json.dumps(row), flush=True)
     doc = {"command": "python3 bench/gluon_fp4_probe.py " + " ".join(argv or sys.argv[1:]), "shape": shape,
            "environment": db.environment(), "sdpa_bf16_us": sdpa, "rows": rows}
-    for r in rows:
-        print(json.dumps(r), flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(doc, indent=1))
     return 0
