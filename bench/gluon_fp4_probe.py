@@ -67,6 +67,14 @@ KEY_LOAD = gl.constexpr(gl.BlockedLayout([1, 16], [8, 4], [1, 1], [1, 0]))
 # value bytes [32 tokens, 64 bytes]: 8 contiguous bytes of the tokens 2 t + e + 8 r (lane % 4 = t, lane // 4 = g)
 
 
+def pairs_layout(block_n: int) -> gl.DistributedLinearLayout:
+    """[block_n / 2] token pairs i = t + 4 j (lane % 4 = t; every lane of a row holds its pairs), so that the pairs'
+    two tokens joined are the score columns 2 t + e + 8 j of the mma layout."""
+    regs = [[4 << i] for i in range((block_n // 8).bit_length() - 1)]
+    return gl.DistributedLinearLayout(reg_bases=regs, lane_bases=[[1], [2], [0], [0], [0]], warp_bases=[],
+                                      block_bases=[], shape=[block_n // 2])
+
+
 def value_load_layout(block_n: int) -> gl.DistributedLinearLayout:
     """[block_n tokens, 64 bytes]: 8 contiguous bytes of the tokens 2 t + e + 8 r (lane % 4 = t, lane // 4 = g)."""
     regs = [[0, 1], [0, 2], [0, 4], [1, 0]] + [[8 << i, 0] for i in range((block_n // 8).bit_length() - 1)]
@@ -94,6 +102,14 @@ def _page_rows(i, base, p0, p1, p2, p3, step, PAGE: gl.constexpr):
     return gl.where(i < PAGE, base + p0 * step,
                     gl.where(i < 2 * PAGE, base + p1 * step,
                              gl.where(i < 3 * PAGE, base + p2 * step, base + p3 * step)))
+
+
+@gluon.jit
+def _pair_words(w, m, N: gl.constexpr):
+    """int64 words of token pairs [N / 2] (PAIRS_N) -> each token's int32 word [N] (the score columns' layout),
+    0 where ``m`` is false."""
+    x = gl.reshape(gl.join(w.to(gl.int32), (w >> 32).to(gl.int32)), (N,))
+    return gl.where(m, gl.convert_layout(x, gl.SliceLayout(0, MMA)), 0)
 
 
 @gluon.jit
@@ -155,7 +171,7 @@ def fp4_e8m0_split_kernel(
     Q, BT, SL, K0, K1, V0, V1, OP, LP, qk_scale, tokens_per_split,
     stride_qb, stride_qh, stride_btb, k0_s, k0_h, k1_s, k1_h, v0_s, v0_h, v1_s, v1_h, op_b, op_h, op_s, lp_b, lp_h,
     QPK: gl.constexpr, PAGE: gl.constexpr, PAGE_SLOTS: gl.constexpr, QB: gl.constexpr, BLOCK_N: gl.constexpr,
-    VAL_LOAD: gl.constexpr, VF16: gl.constexpr = False,
+    VAL_LOAD: gl.constexpr, PAIRS_N: gl.constexpr, VF16: gl.constexpr = False,
 ):
     gl.static_assert(QB == 32)  # 4 blocks of 32 channels: rows (block, head) = 16 (mxfp4)
     b = gl.program_id(0).to(gl.int64)
@@ -195,12 +211,15 @@ def fp4_e8m0_split_kernel(
     iv = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, VAL_LOAD))
     voff = ((iv % PAGE) * v0_s + kvh * v0_h)[:, None] + gl.arange(0, 64, layout=gl.SliceLayout(0, VAL_LOAD))[None, :]
     isc = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, MMA))
-    k1off = (isc % PAGE) * k1_s + kvh * k1_h
-    v1off = (isc % PAGE) * v1_s + kvh * v1_h
+    # scale words read two tokens at a time (the int64 fields K1, V1: tokens 2 i and 2 i + 1 of a page), in the
+    # layout whose join gives the score columns' (PAIRS_N)
+    ip = gl.arange(0, BLOCK_N // 2, layout=PAIRS_N)
+    k1off = (ip % (PAGE // 2)) * k1_s + kvh * k1_h
+    v1off = (ip % (PAGE // 2)) * v1_s + kvh * v1_h
     kstep = PAGE_SLOTS * k0_s
     vstep = PAGE_SLOTS * v0_s
-    k1step = PAGE_SLOTS * k1_s
-    v1step = PAGE_SLOTS * v1_s
+    k1step = (PAGE_SLOTS // 2) * k1_s
+    v1step = (PAGE_SLOTS // 2) * v1_s
     for t0 in range(start, end, BLOCK_N):
         bt = BT + b * stride_btb + t0 // PAGE
         p0 = gl.load(bt).to(gl.int64)
@@ -216,8 +235,11 @@ def fp4_e8m0_split_kernel(
         kb = gl.load(_page_rows(ik, K0, p0, p1, p2, p3, kstep, PAGE)[:, None] + koff)
         vb = gl.load(_page_rows(iv, V0, p0, p1, p2, p3, vstep, PAGE)[:, None] + voff)
         ms = (t0 + isc) < end
-        kw = gl.load(_page_rows(isc, K1, p0, p1, p2, p3, k1step, PAGE) + k1off, mask=ms, other=0)
-        vw = gl.load(_page_rows(isc, V1, p0, p1, p2, p3, v1step, PAGE) + v1off, mask=ms, other=0)
+        mp = (t0 + 2 * ip) < end
+        kw = _pair_words(gl.load(_page_rows(2 * ip, K1, p0, p1, p2, p3, k1step, PAGE) + k1off, mask=mp, other=0),
+                         ms, BLOCK_N)
+        vw = _pair_words(gl.load(_page_rows(2 * ip, V1, p0, p1, p2, p3, v1step, PAGE) + v1off, mask=mp, other=0),
+                         ms, BLOCK_N)
 
         klo, khi = _key_operands(kb, BLOCK_N)
         s2 = mma_v2(gl.convert_layout(qe16, OP_A), klo, gl.zeros([16, BLOCK_N], gl.float32, layout=MMA))
@@ -272,10 +294,11 @@ def compile_sm90(num_warps: int = 1, block_n: int = 32, vf16: bool = False):
     sig = {name: "i32" for name in ("tokens_per_split", "stride_qb", "stride_qh", "stride_btb", "k0_s", "k0_h",
                                     "k1_s", "k1_h", "v0_s", "v0_h", "v1_s", "v1_h", "op_b", "op_h", "op_s", "lp_b",
                                     "lp_h")}
-    sig.update({"Q": "*bf16", "BT": "*i32", "SL": "*i32", "K0": "*u8", "K1": "*i32", "V0": "*u8", "V1": "*i32",
+    sig.update({"Q": "*bf16", "BT": "*i32", "SL": "*i32", "K0": "*u8", "K1": "*i64", "V0": "*u8", "V1": "*i64",
                 "OP": "*fp32", "LP": "*fp32", "qk_scale": "fp32"})
     consts = {"QPK": 4, "PAGE": 16, "PAGE_SLOTS": 128, "QB": 32, "BLOCK_N": block_n,
-              "VAL_LOAD": value_load_layout(block_n), "VF16": vf16, "k1_s": 1, "v1_s": 1}
+              "VAL_LOAD": value_load_layout(block_n), "PAIRS_N": pairs_layout(block_n), "VF16": vf16, "k1_s": 1,
+              "v1_s": 1}
     sig.update({k: "constexpr" for k in consts})
     attrs = {(i,): [["tt.divisibility", 16]] for i, k in enumerate(fp4_e8m0_split_kernel.arg_names)
              if k in ("Q", "BT", "SL", "K0", "K1", "V0", "V1", "OP", "LP", "stride_qb", "stride_qh", "k0_s", "k0_h",
@@ -303,8 +326,9 @@ def gluon_decode(q, dc, splits: int, num_warps: int = 1, block_n: int = 32, vf16
     lp = torch.empty(batch, q_heads, splits, device=q.device, dtype=torch.float32)
     out = torch.empty(batch, q_heads, d, device=q.device, dtype=torch.float32)
     lse = torch.empty(batch, q_heads, device=q.device, dtype=torch.float32)
-    k0, k1 = kt.fields[0], kt.fields[1].view(torch.int32)  # scale words: 4 E8M0 codes per (token, head)
-    v0, v1 = vt.fields[0], vt.fields[1].view(torch.int32)
+    k0, v0 = kt.fields[0], vt.fields[0]
+    # scale words: 4 E8M0 codes per (token, head), read as int64 pairs of a page's consecutive tokens
+    k1, v1 = (f.view(f.shape[0], f.shape[1], -1).view(torch.int64) for f in (kt.fields[1], vt.fields[1]))
     qk_scale = d ** -0.5 * 1.4426950408889634
     seq_lens = dc.seq_lens.to(device=q.device, dtype=torch.int32)
     bt = dc.block_table
@@ -313,10 +337,10 @@ def gluon_decode(q, dc, splits: int, num_warps: int = 1, block_n: int = 32, vf16
     def run():
         fp4_e8m0_split_kernel[(batch, kvh, splits)](
             q, bt, seq_lens, k0, k1, v0, v1, op, lp, qk_scale, tps, q.stride(0), q.stride(1), bt.stride(0),
-            *kt.row_strides(k0), *kt.row_strides(k1), *vt.row_strides(v0), *vt.row_strides(v1),
+            *kt.row_strides(k0), 1, k1.stride(1), *vt.row_strides(v0), 1, v1.stride(1),
             op.stride(0), op.stride(1), op.stride(2), lp.stride(0), lp.stride(1),
             QPK=qpk, PAGE=dc.page_size, PAGE_SLOTS=kt.page_slots(dc.page_size), QB=32, BLOCK_N=block_n,
-            VAL_LOAD=value_load_layout(block_n), VF16=vf16, num_warps=num_warps)
+            VAL_LOAD=value_load_layout(block_n), PAIRS_N=pairs_layout(block_n), VF16=vf16, num_warps=num_warps)
         merge_kernel[(batch, q_heads, 1)](op, lp, out, lse, splits, op.stride(0), op.stride(1), op.stride(2),
                                           lp.stride(0), lp.stride(1), out.stride(0), out.stride(1), lse.stride(0),
                                           out, D=d, S_PAD=s_pad, DB=d)
