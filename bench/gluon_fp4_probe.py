@@ -171,8 +171,10 @@ def fp4_e8m0_split_kernel(
     Q, BT, SL, K0, K1, V0, V1, OP, LP, qk_scale, tokens_per_split,
     stride_qb, stride_qh, stride_btb, k0_s, k0_h, k1_s, k1_h, v0_s, v0_h, v1_s, v1_h, op_b, op_h, op_s, lp_b, lp_h,
     QPK: gl.constexpr, PAGE: gl.constexpr, PAGE_SLOTS: gl.constexpr, QB: gl.constexpr, BLOCK_N: gl.constexpr,
-    VAL_LOAD: gl.constexpr, PAIRS_N: gl.constexpr, VF16: gl.constexpr = False,
+    VAL_LOAD: gl.constexpr, PAIRS_N: gl.constexpr, VF16: gl.constexpr = False, LAZY: gl.constexpr = False,
 ):
+    gl.static_assert(VF16 or not LAZY)
+    VH: gl.constexpr = 7 if LAZY else 15  # float16 headroom of the value weights p 2**(c - mc): p <= 2**8 if LAZY
     gl.static_assert(QB == 32)  # 4 blocks of 32 channels: rows (block, head) = 16 (mxfp4)
     b = gl.program_id(0).to(gl.int64)
     kvh = gl.program_id(1)
@@ -249,31 +251,57 @@ def fp4_e8m0_split_kernel(
         s = gl.sum(s3, 0)  # [4 heads, N], before the softmax scale sc_k
         s16 = gl.convert_layout(gl.reshape(gl.broadcast(gl.expand_dims(s, 0), s3)[0], (16, BLOCK_N)), MMA)
         s16 = gl.where(ms[None, :], s16, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s16, 1) * sc_k)
-        alpha = gl.exp2(m_i - m_new)
-        p = gl.exp2(s16 * sc_k - m_new[:, None])
-        l_i = l_i * alpha + gl.sum(p, 1)
-        m_i = m_new
         vfield = ((vw.to(gl.int64) << 32)[None, :] >> fsh).to(gl.int32) & 0x7F800000  # code << 23
-        if VF16:
-            # p 2**(c - mc + 15) in float16 (at most 2**15) against E2M1 * 2**-14, mc the row's largest value code
-            # so far: the accumulators hold sum p v 2**(128 - mc), rescaled with alpha where mc grows
-            mc_new = gl.maximum(mc_i, gl.max(vfield, 1))
-            f = gl.maximum(vfield - mc_new[:, None] + (142 << 23), 0).to(gl.float32, bitcast=True)
-            alpha = alpha * gl.maximum(mc_i - mc_new + (127 << 23), 0).to(gl.float32, bitcast=True)
-            mc_i = mc_new
+        if LAZY:
+            # FlashAttention 4's conditional rescale: the running max moves (and the accumulators are rescaled)
+            # only where a row's tile max exceeds it by more than 8 (so p <= 2**8), or a value code exceeds mc
+            mt = gl.max(s16, 1) * sc_k
+            mct = gl.max(vfield, 1)
+            if gl.max(((mt > m_i + 8.0) | (mct > mc_i)).to(gl.int32), 0) != 0:
+                m_new = gl.maximum(m_i, mt)
+                mc_new = gl.maximum(mc_i, mct)
+                alpha = gl.exp2(m_i - m_new) * gl.maximum(mc_i - mc_new + (127 << 23), 0).to(gl.float32,
+                                                                                           bitcast=True)
+                acc_lo = acc_lo * alpha[:, None]
+                acc_hi = acc_hi * alpha[:, None]
+                l_i = l_i * alpha
+                m_i = m_new
+                mc_i = mc_new
+            p = gl.exp2(s16 * sc_k - m_i[:, None])
+            l_i = l_i + gl.sum(p, 1)
+            f = gl.maximum(vfield - mc_i[:, None] + ((127 + VH) << 23), 0).to(gl.float32, bitcast=True)
             pv = gl.convert_layout((p * f).to(gl.float16), OP_A)
             vlo, vhi = _value_operands_f16(vb, BLOCK_N)
+            alpha = gl.full([16], 1.0, gl.float32, layout=gl.SliceLayout(1, MMA))
         else:
-            pv = gl.convert_layout((p * vfield.to(gl.float32, bitcast=True)).to(gl.bfloat16), OP_A)
-            vlo, vhi = _value_operands(vb, BLOCK_N)
-        acc_lo = mma_v2(pv, vlo, acc_lo * alpha[:, None])
-        acc_hi = mma_v2(pv, vhi, acc_hi * alpha[:, None])
+            m_new = gl.maximum(m_i, gl.max(s16, 1) * sc_k)
+            alpha = gl.exp2(m_i - m_new)
+            p = gl.exp2(s16 * sc_k - m_new[:, None])
+            l_i = l_i * alpha + gl.sum(p, 1)
+            m_i = m_new
+            if VF16:
+                # p 2**(c - mc + VH) in float16 (at most 2**15) against E2M1 * 2**-14, mc the row's largest value
+                # code so far: the accumulators hold sum p v 2**(113 + VH - mc), rescaled with alpha where mc grows
+                mc_new = gl.maximum(mc_i, gl.max(vfield, 1))
+                f = gl.maximum(vfield - mc_new[:, None] + ((127 + VH) << 23), 0).to(gl.float32, bitcast=True)
+                alpha = alpha * gl.maximum(mc_i - mc_new + (127 << 23), 0).to(gl.float32, bitcast=True)
+                mc_i = mc_new
+                pv = gl.convert_layout((p * f).to(gl.float16), OP_A)
+                vlo, vhi = _value_operands_f16(vb, BLOCK_N)
+            else:
+                pv = gl.convert_layout((p * vfield.to(gl.float32, bitcast=True)).to(gl.bfloat16), OP_A)
+                vlo, vhi = _value_operands(vb, BLOCK_N)
+        if LAZY:
+            acc_lo = mma_v2(pv, vlo, acc_lo)
+            acc_hi = mma_v2(pv, vhi, acc_hi)
+        else:
+            acc_lo = mma_v2(pv, vlo, acc_lo * alpha[:, None])
+            acc_hi = mma_v2(pv, vhi, acc_hi * alpha[:, None])
 
     # row (blk, h) column n holds channel 2 byte + half for byte 8 (n % 8) + n // 8; keep the block's own
     safe_l = gl.where(l_i > 0, l_i, 1.0)
     if VF16:
-        safe_l = safe_l * gl.maximum(mc_i - (1 << 23), 0).to(gl.float32, bitcast=True)  # / 2**(mc - 128)
+        safe_l = safe_l * gl.maximum(mc_i + ((14 - VH) << 23), 0).to(gl.float32, bitcast=True)  # / 2**(mc-113-VH)
         safe_l = gl.where(safe_l > 0, safe_l, 1.0)
     hh = rows % 4
     n = gl.arange(0, 64, layout=gl.SliceLayout(0, MMA))
@@ -286,7 +314,7 @@ def fp4_e8m0_split_kernel(
     gl.store(LP + b * lp_b + (kvh * QPK + hh).to(gl.int64) * lp_h + split, lse2, mask=(hh < QPK) & (rows < 4))
 
 
-def compile_sm90(num_warps: int = 1, block_n: int = 32, vf16: bool = False):
+def compile_sm90(num_warps: int = 1, block_n: int = 32, vf16: bool = False, lazy: bool = False):
     """Ahead-of-time compile for sm_90 (no GPU needed): the compiled kernel, for its SASS and resource usage."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -297,8 +325,8 @@ def compile_sm90(num_warps: int = 1, block_n: int = 32, vf16: bool = False):
     sig.update({"Q": "*bf16", "BT": "*i32", "SL": "*i32", "K0": "*u8", "K1": "*i64", "V0": "*u8", "V1": "*i64",
                 "OP": "*fp32", "LP": "*fp32", "qk_scale": "fp32"})
     consts = {"QPK": 4, "PAGE": 16, "PAGE_SLOTS": 128, "QB": 32, "BLOCK_N": block_n,
-              "VAL_LOAD": value_load_layout(block_n), "PAIRS_N": pairs_layout(block_n), "VF16": vf16, "k1_s": 1,
-              "v1_s": 1}
+              "VAL_LOAD": value_load_layout(block_n), "PAIRS_N": pairs_layout(block_n), "VF16": vf16, "LAZY": lazy,
+              "k1_s": 1, "v1_s": 1}
     sig.update({k: "constexpr" for k in consts})
     attrs = {(i,): [["tt.divisibility", 16]] for i, k in enumerate(fp4_e8m0_split_kernel.arg_names)
              if k in ("Q", "BT", "SL", "K0", "K1", "V0", "V1", "OP", "LP", "stride_qb", "stride_qh", "k0_s", "k0_h",
@@ -307,7 +335,8 @@ def compile_sm90(num_warps: int = 1, block_n: int = 32, vf16: bool = False):
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
 
 
-def gluon_decode(q, dc, splits: int, num_warps: int = 1, block_n: int = 32, vf16: bool = False):
+def gluon_decode(q, dc, splits: int, num_warps: int = 1, block_n: int = 32, vf16: bool = False,
+                 lazy: bool = False):
     """The probe's decode over ``dc`` (an mxfp4 device cache, head-major, as bench/decode_bench.py makes it):
     returns the call (out [B, Hq, D] float32 after the project's merge kernel)."""
     import torch
@@ -340,7 +369,8 @@ def gluon_decode(q, dc, splits: int, num_warps: int = 1, block_n: int = 32, vf16
             *kt.row_strides(k0), 1, k1.stride(1), *vt.row_strides(v0), 1, v1.stride(1),
             op.stride(0), op.stride(1), op.stride(2), lp.stride(0), lp.stride(1),
             QPK=qpk, PAGE=dc.page_size, PAGE_SLOTS=kt.page_slots(dc.page_size), QB=32, BLOCK_N=block_n,
-            VAL_LOAD=value_load_layout(block_n), PAIRS_N=pairs_layout(block_n), VF16=vf16, num_warps=num_warps)
+            VAL_LOAD=value_load_layout(block_n), PAIRS_N=pairs_layout(block_n), VF16=vf16, LAZY=lazy,
+            num_warps=num_warps)
         merge_kernel[(batch, q_heads, 1)](op, lp, out, lse, splits, op.stride(0), op.stride(1), op.stride(2),
                                           lp.stride(0), lp.stride(1), out.stride(0), out.stride(1), lse.stride(0),
                                           out, D=d, S_PAD=s_pad, DB=d)
@@ -354,7 +384,8 @@ def main(argv=None) -> int:
     ap.add_argument("--compile-only", action="store_true", help="AOT-compile for sm_90 and print the resources")
     ap.add_argument("--shape", default="32,32,8,128,8192", help="batch,q_heads,kv_heads,head_dim,tokens")
     ap.add_argument("--splits", default="2,4,8,16")
-    ap.add_argument("--variants", default="32,0;32,1;64,1", help="BLOCK_N,VF16 pairs separated by ';'")
+    ap.add_argument("--variants", default="32,0,0;32,1,0;32,1,1;64,1,0;64,1,1",
+                    help="BLOCK_N,VF16,LAZY triples separated by ';'")
     ap.add_argument("--out", help="JSON file for the results")
     args = ap.parse_args(argv)
     if args.compile_only:
@@ -383,12 +414,12 @@ def main(argv=None) -> int:
     rows[0]["ratio_to_sdpa"] = sdpa / rows[0]["time_us"]
     print(json.dumps(rows[0]), flush=True)
     for var in args.variants.split(";"):
-        bn, vf = (int(x) for x in var.split(","))
+        bn, vf, lz = (int(x) for x in var.split(","))
         for s in (int(x) for x in args.splits.split(",")):
-            row = {"kernel": f"gluon probe, BLOCK_N {bn}, VF16 {vf}, {s} splits", "block_n": bn, "vf16": vf,
-                   "splits": s}
+            row = {"kernel": f"gluon probe, BLOCK_N {bn}, VF16 {vf}, LAZY {lz}, {s} splits", "block_n": bn,
+                   "vf16": vf, "lazy": lz, "splits": s}
             try:
-                fn = gluon_decode(q, dc, s, block_n=bn, vf16=bool(vf))
+                fn = gluon_decode(q, dc, s, block_n=bn, vf16=bool(vf), lazy=bool(lz))
                 got = fn().clone()
                 err = (got - want).abs().max().item()
                 row.update({"max_abs_diff": err, "max_rel_diff": err / want.abs().max().item(),
