@@ -379,6 +379,54 @@ def gluon_decode(q, dc, splits: int, num_warps: int = 1, block_n: int = 32, vf16
     return run
 
 
+def oracle_check(variants, splits: int = 4, seed: int = 0) -> list[dict]:
+    """Each variant against the float64 oracle (``kvqref.reference.attention`` on the scheme's dequantized values)
+    with the fast mode's tolerance (``kernel_tolerance`` with ``fast_rounding``): 3 sequences of 2,048, 1,000 and 77
+    tokens (partial tiles, splits ending inside a tile and empty splits), 32 query and 8 KV heads, head-major pages
+    of 16 dealt at random; keys with outlier channels. Returns per variant the largest |error| / tolerance."""
+    import numpy as np
+    import torch
+
+    from kvqref import reference, schemes
+    from kvqref.backends import triton_backend as tb
+
+    rng = np.random.default_rng(seed)
+    s = schemes.get("mxfp4")
+    lens, kvh, d, page = [2048, 1000, 77], 8, 128, 16
+    pages = [-(-n // page) for n in lens]
+    perm = torch.from_numpy(rng.permutation(sum(pages)).astype(np.int32))
+    bt = torch.zeros(len(lens), max(pages), dtype=torch.int32)
+    o = 0
+    for b, n in enumerate(pages):
+        bt[b, :n] = perm[o:o + n]
+        o += n
+    dc = tb.empty_device_cache(s, s, sum(pages), page, kvh, d, bt.cuda(), torch.tensor(lens, dtype=torch.int32),
+                               layout="HND")
+    Ks, Vs = [], []
+    for b, n in enumerate(lens):
+        k = rng.standard_normal((n, kvh, d)).astype(np.float32)
+        k[:, :, ::37] *= 20.0
+        v = rng.standard_normal((n, kvh, d)).astype(np.float32)
+        slots = (bt[b].long()[torch.arange(n) // page] * page + torch.arange(n) % page).cuda()
+        tb.quantize_write(dc.k, torch.from_numpy(k).cuda(), slots)
+        tb.quantize_write(dc.v, torch.from_numpy(v).cuda(), slots)
+        Ks.append(s.dequantize(s.quantize(k)))
+        Vs.append(s.dequantize(s.quantize(v)))
+    q = torch.from_numpy(rng.standard_normal((len(lens), 32, d)).astype(np.float32)).to(torch.bfloat16).cuda()
+    q64 = q.float().cpu().numpy().astype(np.float64)
+    want, _ = reference.attention(q64, Ks, Vs)
+    tol, _ = reference.kernel_tolerance(q64, Ks, Vs, fast=reference.fast_rounding(s, s, "bfloat16"))
+    rows = []
+    got_prod = tb.decode(q, dc)[0].cpu().numpy()
+    rows.append({"kernel": "triton (default plan)", "max_err_over_tol": float((np.abs(got_prod - want) / tol).max())})
+    for bn, vf, lz in variants:
+        got = gluon_decode(q, dc, splits, block_n=bn, vf16=bool(vf), lazy=bool(lz))().cpu().numpy()
+        rows.append({"kernel": f"gluon BLOCK_N {bn} VF16 {vf} LAZY {lz}",
+                     "max_err_over_tol": float((np.abs(got - want) / tol).max()),
+                     "finite": bool(np.isfinite(got).all())})
+    return rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--compile-only", action="store_true", help="AOT-compile for sm_90 and print the resources")
@@ -387,7 +435,13 @@ def main(argv=None) -> int:
     ap.add_argument("--variants", default="32,0,0;32,1,0;32,1,1;64,1,0;64,1,1",
                     help="BLOCK_N,VF16,LAZY triples separated by ';'")
     ap.add_argument("--out", help="JSON file for the results")
+    ap.add_argument("--check", action="store_true", help="only the float64-oracle check of every variant")
     args = ap.parse_args(argv)
+    variants = [tuple(int(x) for x in v.split(",")) for v in args.variants.split(";")]
+    if args.check:
+        for r in oracle_check(variants):
+            print(json.dumps(r), flush=True)
+        return 0
     if args.compile_only:
         compile_sm90()
         print("compiled for sm_90")
@@ -413,8 +467,7 @@ def main(argv=None) -> int:
     sdpa = db.sdpa_case(shape)["time_us"]
     rows[0]["ratio_to_sdpa"] = sdpa / rows[0]["time_us"]
     print(json.dumps(rows[0]), flush=True)
-    for var in args.variants.split(";"):
-        bn, vf, lz = (int(x) for x in var.split(","))
+    for bn, vf, lz in variants:
         for s in (int(x) for x in args.splits.split(",")):
             row = {"kernel": f"gluon probe, BLOCK_N {bn}, VF16 {vf}, LAZY {lz}, {s} splits", "block_n": bn,
                    "vf16": vf, "lazy": lz, "splits": s}
