@@ -105,6 +105,29 @@ def _page_rows(i, base, p0, p1, p2, p3, step, PAGE: gl.constexpr):
 
 
 @gluon.jit
+def _tile_loads(BT, b, stride_btb, t0, end, K0, K1, V0, V1, ik, iv, ip, koff, voff, k1off, v1off, kstep, vstep,
+                k1step, v1step, PAGE: gl.constexpr, BLOCK_N: gl.constexpr):
+    """The tile at ``t0``'s key and value code bytes and its scale words as int64 token pairs (0 past ``end``).
+    The code bytes are read unmasked: a token past ``end`` reads a row of its page (page 0 past the table's end or
+    for a tile wholly past it), finite E2M1 codes whose score the mask sets to -inf and whose value weight is 0 (its
+    scale word is masked to 0, so no scale turns them into inf or NaN)."""
+    bt = BT + b * stride_btb + t0 // PAGE
+    p0 = gl.load(bt, mask=t0 < end, other=0).to(gl.int64)
+    p1 = gl.load(bt + 1, mask=t0 + PAGE < end, other=0).to(gl.int64)
+    p2 = p1
+    p3 = p1
+    if BLOCK_N == 64:
+        p2 = gl.load(bt + 2, mask=t0 + 2 * PAGE < end, other=0).to(gl.int64)
+        p3 = gl.load(bt + 3, mask=t0 + 3 * PAGE < end, other=0).to(gl.int64)
+    kb = gl.load(_page_rows(ik, K0, p0, p1, p2, p3, kstep, PAGE)[:, None] + koff)
+    vb = gl.load(_page_rows(iv, V0, p0, p1, p2, p3, vstep, PAGE)[:, None] + voff)
+    mp = (t0 + 2 * ip) < end
+    kw2 = gl.load(_page_rows(2 * ip, K1, p0, p1, p2, p3, k1step, PAGE) + k1off, mask=mp, other=0)
+    vw2 = gl.load(_page_rows(2 * ip, V1, p0, p1, p2, p3, v1step, PAGE) + v1off, mask=mp, other=0)
+    return kb, vb, kw2, vw2
+
+
+@gluon.jit
 def _pair_words(w, m, N: gl.constexpr):
     """int64 words of token pairs [N / 2] (PAIRS_N) -> each token's int32 word [N] (the score columns' layout),
     0 where ``m`` is false."""
@@ -172,6 +195,7 @@ def fp4_e8m0_split_kernel(
     stride_qb, stride_qh, stride_btb, k0_s, k0_h, k1_s, k1_h, v0_s, v0_h, v1_s, v1_h, op_b, op_h, op_s, lp_b, lp_h,
     QPK: gl.constexpr, PAGE: gl.constexpr, PAGE_SLOTS: gl.constexpr, QB: gl.constexpr, BLOCK_N: gl.constexpr,
     VAL_LOAD: gl.constexpr, PAIRS_N: gl.constexpr, VF16: gl.constexpr = False, LAZY: gl.constexpr = False,
+    PREFETCH: gl.constexpr = False,
 ):
     gl.static_assert(VF16 or not LAZY)
     VH: gl.constexpr = 7 if LAZY else 15  # float16 headroom of the value weights p 2**(c - mc): p <= 2**8 if LAZY
@@ -222,28 +246,22 @@ def fp4_e8m0_split_kernel(
     vstep = PAGE_SLOTS * v0_s
     k1step = (PAGE_SLOTS // 2) * k1_s
     v1step = (PAGE_SLOTS // 2) * v1_s
+    if PREFETCH:  # the first tile's bytes; each next tile's are read before this tile's arithmetic
+        kb, vb, kw2, vw2 = _tile_loads(BT, b, stride_btb, start, end, K0, K1, V0, V1, ik, iv, ip, koff, voff, k1off,
+                                       v1off, kstep, vstep, k1step, v1step, PAGE, BLOCK_N)
     for t0 in range(start, end, BLOCK_N):
-        bt = BT + b * stride_btb + t0 // PAGE
-        p0 = gl.load(bt).to(gl.int64)
-        p1 = gl.load(bt + 1, mask=t0 + PAGE < end, other=0).to(gl.int64)
-        p2 = p1
-        p3 = p1
-        if BLOCK_N == 64:
-            p2 = gl.load(bt + 2, mask=t0 + 2 * PAGE < end, other=0).to(gl.int64)
-            p3 = gl.load(bt + 3, mask=t0 + 3 * PAGE < end, other=0).to(gl.int64)
-        # the code bytes unmasked: a token past ``end`` reads a row of its page (page 0 past the table's end),
-        # finite E2M1 codes whose score the mask sets to -inf and whose value weight is 0 (its scale word is
-        # masked to 0, so no scale turns them into inf or NaN)
-        kb = gl.load(_page_rows(ik, K0, p0, p1, p2, p3, kstep, PAGE)[:, None] + koff)
-        vb = gl.load(_page_rows(iv, V0, p0, p1, p2, p3, vstep, PAGE)[:, None] + voff)
+        if PREFETCH:
+            kb_c, vb_c, kw2_c, vw2_c = kb, vb, kw2, vw2
+            kb, vb, kw2, vw2 = _tile_loads(BT, b, stride_btb, t0 + BLOCK_N, end, K0, K1, V0, V1, ik, iv, ip, koff,
+                                           voff, k1off, v1off, kstep, vstep, k1step, v1step, PAGE, BLOCK_N)
+        else:
+            kb_c, vb_c, kw2_c, vw2_c = _tile_loads(BT, b, stride_btb, t0, end, K0, K1, V0, V1, ik, iv, ip, koff,
+                                                   voff, k1off, v1off, kstep, vstep, k1step, v1step, PAGE, BLOCK_N)
         ms = (t0 + isc) < end
-        mp = (t0 + 2 * ip) < end
-        kw = _pair_words(gl.load(_page_rows(2 * ip, K1, p0, p1, p2, p3, k1step, PAGE) + k1off, mask=mp, other=0),
-                         ms, BLOCK_N)
-        vw = _pair_words(gl.load(_page_rows(2 * ip, V1, p0, p1, p2, p3, v1step, PAGE) + v1off, mask=mp, other=0),
-                         ms, BLOCK_N)
+        kw = _pair_words(kw2_c, ms, BLOCK_N)
+        vw = _pair_words(vw2_c, ms, BLOCK_N)
 
-        klo, khi = _key_operands(kb, BLOCK_N)
+        klo, khi = _key_operands(kb_c, BLOCK_N)
         s2 = mma_v2(gl.convert_layout(qe16, OP_A), klo, gl.zeros([16, BLOCK_N], gl.float32, layout=MMA))
         s2 = mma_v2(gl.convert_layout(qo16, OP_A), khi, s2)
         ksc = (((kw.to(gl.int64) << 32)[None, :] >> fsh).to(gl.int32) & 0x7F800000).to(gl.float32, bitcast=True)
@@ -271,7 +289,7 @@ def fp4_e8m0_split_kernel(
             l_i = l_i + gl.sum(p, 1)
             f = gl.maximum(vfield - mc_i[:, None] + ((127 + VH) << 23), 0).to(gl.float32, bitcast=True)
             pv = gl.convert_layout((p * f).to(gl.float16), OP_A)
-            vlo, vhi = _value_operands_f16(vb, BLOCK_N)
+            vlo, vhi = _value_operands_f16(vb_c, BLOCK_N)
             alpha = gl.full([16], 1.0, gl.float32, layout=gl.SliceLayout(1, MMA))
         else:
             m_new = gl.maximum(m_i, gl.max(s16, 1) * sc_k)
@@ -287,10 +305,10 @@ def fp4_e8m0_split_kernel(
                 alpha = alpha * gl.maximum(mc_i - mc_new + (127 << 23), 0).to(gl.float32, bitcast=True)
                 mc_i = mc_new
                 pv = gl.convert_layout((p * f).to(gl.float16), OP_A)
-                vlo, vhi = _value_operands_f16(vb, BLOCK_N)
+                vlo, vhi = _value_operands_f16(vb_c, BLOCK_N)
             else:
                 pv = gl.convert_layout((p * vfield.to(gl.float32, bitcast=True)).to(gl.bfloat16), OP_A)
-                vlo, vhi = _value_operands(vb, BLOCK_N)
+                vlo, vhi = _value_operands(vb_c, BLOCK_N)
         if LAZY:
             acc_lo = mma_v2(pv, vlo, acc_lo)
             acc_hi = mma_v2(pv, vhi, acc_hi)
@@ -314,7 +332,8 @@ def fp4_e8m0_split_kernel(
     gl.store(LP + b * lp_b + (kvh * QPK + hh).to(gl.int64) * lp_h + split, lse2, mask=(hh < QPK) & (rows < 4))
 
 
-def compile_sm90(num_warps: int = 1, block_n: int = 32, vf16: bool = False, lazy: bool = False):
+def compile_sm90(num_warps: int = 1, block_n: int = 32, vf16: bool = False, lazy: bool = False,
+                 prefetch: bool = False):
     """Ahead-of-time compile for sm_90 (no GPU needed): the compiled kernel, for its SASS and resource usage."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -326,7 +345,7 @@ def compile_sm90(num_warps: int = 1, block_n: int = 32, vf16: bool = False, lazy
                 "OP": "*fp32", "LP": "*fp32", "qk_scale": "fp32"})
     consts = {"QPK": 4, "PAGE": 16, "PAGE_SLOTS": 128, "QB": 32, "BLOCK_N": block_n,
               "VAL_LOAD": value_load_layout(block_n), "PAIRS_N": pairs_layout(block_n), "VF16": vf16, "LAZY": lazy,
-              "k1_s": 1, "v1_s": 1}
+              "PREFETCH": prefetch, "k1_s": 1, "v1_s": 1}
     sig.update({k: "constexpr" for k in consts})
     attrs = {(i,): [["tt.divisibility", 16]] for i, k in enumerate(fp4_e8m0_split_kernel.arg_names)
              if k in ("Q", "BT", "SL", "K0", "K1", "V0", "V1", "OP", "LP", "stride_qb", "stride_qh", "k0_s", "k0_h",
@@ -336,7 +355,7 @@ def compile_sm90(num_warps: int = 1, block_n: int = 32, vf16: bool = False, lazy
 
 
 def gluon_decode(q, dc, splits: int, num_warps: int = 1, block_n: int = 32, vf16: bool = False,
-                 lazy: bool = False):
+                 lazy: bool = False, prefetch: bool = False):
     """The probe's decode over ``dc`` (an mxfp4 device cache, head-major, as bench/decode_bench.py makes it):
     returns the call (out [B, Hq, D] float32 after the project's merge kernel)."""
     import torch
@@ -370,7 +389,7 @@ def gluon_decode(q, dc, splits: int, num_warps: int = 1, block_n: int = 32, vf16
             op.stride(0), op.stride(1), op.stride(2), lp.stride(0), lp.stride(1),
             QPK=qpk, PAGE=dc.page_size, PAGE_SLOTS=kt.page_slots(dc.page_size), QB=32, BLOCK_N=block_n,
             VAL_LOAD=value_load_layout(block_n), PAIRS_N=pairs_layout(block_n), VF16=vf16, LAZY=lazy,
-            num_warps=num_warps)
+            PREFETCH=prefetch, num_warps=num_warps)
         merge_kernel[(batch, q_heads, 1)](op, lp, out, lse, splits, op.stride(0), op.stride(1), op.stride(2),
                                           lp.stride(0), lp.stride(1), out.stride(0), out.stride(1), lse.stride(0),
                                           out, D=d, S_PAD=s_pad, DB=d)
@@ -419,9 +438,10 @@ def oracle_check(variants, splits: int = 4, seed: int = 0) -> list[dict]:
     rows = []
     got_prod = tb.decode(q, dc)[0].cpu().numpy()
     rows.append({"kernel": "triton (default plan)", "max_err_over_tol": float((np.abs(got_prod - want) / tol).max())})
-    for bn, vf, lz in variants:
-        got = gluon_decode(q, dc, splits, block_n=bn, vf16=bool(vf), lazy=bool(lz))().cpu().numpy()
-        rows.append({"kernel": f"gluon BLOCK_N {bn} VF16 {vf} LAZY {lz}",
+    for bn, vf, lz, pf in variants:
+        got = gluon_decode(q, dc, splits, block_n=bn, vf16=bool(vf), lazy=bool(lz), prefetch=bool(pf))()
+        got = got.cpu().numpy()
+        rows.append({"kernel": f"gluon BLOCK_N {bn} VF16 {vf} LAZY {lz} PREFETCH {pf}",
                      "max_err_over_tol": float((np.abs(got - want) / tol).max()),
                      "finite": bool(np.isfinite(got).all())})
     return rows
@@ -431,9 +451,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--compile-only", action="store_true", help="AOT-compile for sm_90 and print the resources")
     ap.add_argument("--shape", default="32,32,8,128,8192", help="batch,q_heads,kv_heads,head_dim,tokens")
-    ap.add_argument("--splits", default="2,4,8,16")
-    ap.add_argument("--variants", default="32,0,0;32,1,0;32,1,1;64,1,0;64,1,1",
-                    help="BLOCK_N,VF16,LAZY triples separated by ';'")
+    ap.add_argument("--splits", default="2,4,5,8")
+    ap.add_argument("--variants", default="32,0,0,0;32,1,0,0;32,1,1,0;64,1,1,0",
+                    help="BLOCK_N,VF16,LAZY,PREFETCH separated by ';'")
     ap.add_argument("--out", help="JSON file for the results")
     ap.add_argument("--check", action="store_true", help="only the float64-oracle check of every variant")
     args = ap.parse_args(argv)
@@ -467,12 +487,12 @@ def main(argv=None) -> int:
     sdpa = db.sdpa_case(shape)["time_us"]
     rows[0]["ratio_to_sdpa"] = sdpa / rows[0]["time_us"]
     print(json.dumps(rows[0]), flush=True)
-    for bn, vf, lz in variants:
+    for bn, vf, lz, pf in variants:
         for s in (int(x) for x in args.splits.split(",")):
-            row = {"kernel": f"gluon probe, BLOCK_N {bn}, VF16 {vf}, LAZY {lz}, {s} splits", "block_n": bn,
-                   "vf16": vf, "lazy": lz, "splits": s}
+            row = {"kernel": f"gluon probe, BLOCK_N {bn}, VF16 {vf}, LAZY {lz}, PREFETCH {pf}, {s} splits",
+                   "block_n": bn, "vf16": vf, "lazy": lz, "prefetch": pf, "splits": s}
             try:
-                fn = gluon_decode(q, dc, s, block_n=bn, vf16=bool(vf), lazy=bool(lz))
+                fn = gluon_decode(q, dc, s, block_n=bn, vf16=bool(vf), lazy=bool(lz), prefetch=bool(pf))
                 got = fn().clone()
                 err = (got - want).abs().max().item()
                 row.update({"max_abs_diff": err, "max_rel_diff": err / want.abs().max().item(),
