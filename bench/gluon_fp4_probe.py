@@ -278,11 +278,11 @@ def fp4_e8m0_split_kernel(
             if gl.max(((mt > m_i + 8.0) | (mct > mc_i)).to(gl.int32), 0) != 0:
                 m_new = gl.maximum(m_i, mt)
                 mc_new = gl.maximum(mc_i, mct)
-                alpha = gl.exp2(m_i - m_new) * gl.maximum(mc_i - mc_new + (127 << 23), 0).to(gl.float32,
-                                                                                           bitcast=True)
+                alpha = gl.exp2(m_i - m_new)
+                l_i = l_i * alpha
+                alpha = alpha * gl.maximum(mc_i - mc_new + (127 << 23), 0).to(gl.float32, bitcast=True)
                 acc_lo = acc_lo * alpha[:, None]
                 acc_hi = acc_hi * alpha[:, None]
-                l_i = l_i * alpha
                 m_i = m_new
                 mc_i = mc_new
             p = gl.exp2(s16 * sc_k - m_i[:, None])
