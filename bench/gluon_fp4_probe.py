@@ -318,16 +318,17 @@ def fp4_e8m0_split_kernel(
 
     # row (blk, h) column n holds channel 2 byte + half for byte 8 (n % 8) + n // 8; keep the block's own
     safe_l = gl.where(l_i > 0, l_i, 1.0)
+    den = safe_l
     if VF16:
-        safe_l = safe_l * gl.maximum(mc_i + ((14 - VH) << 23), 0).to(gl.float32, bitcast=True)  # / 2**(mc-113-VH)
-        safe_l = gl.where(safe_l > 0, safe_l, 1.0)
+        den = safe_l * gl.maximum(mc_i + ((14 - VH) << 23), 0).to(gl.float32, bitcast=True)  # / 2**(mc-113-VH)
+        den = gl.where(den > 0, den, 1.0)
     hh = rows % 4
     n = gl.arange(0, 64, layout=gl.SliceLayout(0, MMA))
     vbyte = 8 * (n % 8) + n // 8
     om = (hh < QPK)[:, None] & ((vbyte // (QB // 2))[None, :] == (rows // 4)[:, None])
     obase = OP + b * op_b + (kvh * QPK + hh).to(gl.int64)[:, None] * op_h + split * op_s
-    gl.store(obase + (2 * vbyte)[None, :], acc_lo / safe_l[:, None], mask=om)
-    gl.store(obase + (2 * vbyte + 1)[None, :], acc_hi / safe_l[:, None], mask=om)
+    gl.store(obase + (2 * vbyte)[None, :], acc_lo / den[:, None], mask=om)
+    gl.store(obase + (2 * vbyte + 1)[None, :], acc_hi / den[:, None], mask=om)
     lse2 = gl.where(l_i > 0, m_i + gl.log2(safe_l), float("-inf"))
     gl.store(LP + b * lp_b + (kvh * QPK + hh).to(gl.int64) * lp_h + split, lse2, mask=(hh < QPK) & (rows < 4))
 
