@@ -320,8 +320,9 @@ def fp4_e8m0_split_kernel(
     safe_l = gl.where(l_i > 0, l_i, 1.0)
     den = safe_l
     if VF16:
-        den = safe_l * gl.maximum(mc_i + ((14 - VH) << 23), 0).to(gl.float32, bitcast=True)  # / 2**(mc-113-VH)
-        den = gl.where(den > 0, den, 1.0)
+        # the accumulators hold sum p v 2**(113 + VH - mc): out = acc / (l 2**(113 + VH - mc)) (a row that saw no
+        # value code, mc = 0, has acc = 0)
+        den = safe_l * (((240 + VH) << 23) - mc_i).to(gl.float32, bitcast=True)
     hh = rows % 4
     n = gl.arange(0, 64, layout=gl.SliceLayout(0, MMA))
     vbyte = 8 * (n % 8) + n // 8
