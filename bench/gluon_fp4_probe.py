@@ -334,8 +334,215 @@ def fp4_e8m0_split_kernel(
     gl.store(LP + b * lp_b + (kvh * QPK + hh).to(gl.int64) * lp_h + split, lse2, mask=(hh < QPK) & (rows < 4))
 
 
+def value_load_layout_b16(block_n: int) -> gl.DistributedLinearLayout:
+    """[block_n tokens, 64 bytes] for blocks of 16 channels (8 bytes): lane g (lane // 4) reads 4 contiguous bytes of
+    the even block 2 (g // 2) and the same 4 of the odd block after it, 16 (g // 2) + 4 (g % 2) + {0 .. 3} and + 8,
+    of the tokens 2 t + e + 8 r."""
+    regs = [[0, 1], [0, 2], [0, 8], [1, 0]] + [[8 << i, 0] for i in range((block_n // 8).bit_length() - 1)]
+    return gl.DistributedLinearLayout(reg_bases=regs, lane_bases=[[2, 0], [4, 0], [0, 4], [0, 16], [0, 32]],
+                                      warp_bases=[], block_bases=[], shape=[block_n, 64])
+
+
+def word_pairs_layout(block_n: int) -> gl.DistributedLinearLayout:
+    """[block_n / 2, 2] scale words of token pairs (i = t + 4 j, e): the two tokens of a pair in one thread's
+    consecutive registers (one vector load), joined they are the score columns 2 t + e + 8 j."""
+    regs = [[0, 1]] + [[4 << i, 0] for i in range((block_n // 8).bit_length() - 1)]
+    return gl.DistributedLinearLayout(reg_bases=regs, lane_bases=[[1, 0], [2, 0], [0, 0], [0, 0], [0, 0]],
+                                      warp_bases=[], block_bases=[], shape=[block_n // 2, 2])
+
+
+@gluon.jit
+def _key_halves(x, N: gl.constexpr):
+    """The [64, N] key operand before its conversion (:func:`_key_relabel`'s k) split into k < 32 (chunks c = 0, 1:
+    the even block 2 t of byte 16 t + ...) and k >= 32 (the odd block 2 t + 1), each a [32, N] B operand."""
+    x = gl.permute(x, (1, 0))
+    x = gl.reshape(x, (4, 4, 2, 2, N))
+    x = gl.reshape(gl.permute(x, (1, 2, 0, 3, 4)), (2, 32, N))
+    a, b = gl.split(gl.permute(x, (1, 2, 0)))
+    return gl.convert_layout(a, OP_B), gl.convert_layout(b, OP_B)
+
+
+@gluon.jit
+def _b16_value_operands(vb, N: gl.constexpr):
+    """Code bytes [N, 64] (:func:`value_load_layout_b16`) -> float16 E2M1 * 2**-14 B operands [N, 32] of the even
+    blocks and of the odd blocks, low and high nibbles: column g + 8 j of the even (odd) operands is byte
+    16 (g // 2) + 4 (g % 2) + j (+ 8)."""
+    a, b = gl.split(gl.permute(gl.reshape(vb, (N // 2, 2, 64)), (0, 2, 1)))
+    lo01, hi01, lo23, hi23 = gl.inline_asm_elementwise(
+        TOKEN_PAIRS_PTX, "=r,=r,=r,=r,=r,=r,=r,=r,r,r", [a, b],
+        dtype=(gl.float16, gl.float16, gl.float16, gl.float16), is_pure=True, pack=4)
+    lo_e, lo_o = _b16_columns(lo01, lo23, N)
+    hi_e, hi_o = _b16_columns(hi01, hi23, N)
+    return lo_e, lo_o, hi_e, hi_o
+
+
+@gluon.jit
+def _b16_columns(x01, x23, N: gl.constexpr):
+    x = gl.reshape(gl.join(x01, x23), (N // 2, 16, 2, 2, 2))
+    x = gl.reshape(gl.permute(x, (0, 3, 1, 4, 2)), (N, 4, 2, 2, 4))  # [token, byte = 16 G + 8 eo + 4 g0 + j]
+    x = gl.reshape(gl.permute(x, (0, 2, 4, 1, 3)), (N, 2, 32))  # [token, eo, column 8 j + 2 G + g0]
+    e, o = gl.split(gl.permute(x, (0, 2, 1)))
+    return gl.convert_layout(e, OP_B), gl.convert_layout(o, OP_B)
+
+
+@gluon.jit
+def _b16_q(Q, b, kvh, stride_qb, stride_qh, X: gl.constexpr, HALF: gl.constexpr, QPK: gl.constexpr):
+    """q's rows for the key product over k = 32 X + k' (k' < 32): row 4 b' + h holds q[h, 2 byte(k) + HALF] where
+    that channel lies in block 2 b' + X (16 channels per block), else 0 (float32, OP_A layout of [16, 32])."""
+    r = gl.arange(0, 16, layout=gl.SliceLayout(1, OP_A))
+    k = 32 * X + gl.arange(0, 32, layout=gl.SliceLayout(0, OP_A))
+    byte = 16 * ((k // 2) % 4) + 4 * (k // 16) + 2 * ((k // 8) % 2) + k % 2
+    h = r % 4
+    m = (h < QPK)[:, None] & (((2 * byte) // 16)[None, :] == (2 * (r // 4) + X)[:, None])
+    qrow = Q + b * stride_qb + (kvh * QPK + h).to(gl.int64)[:, None] * stride_qh
+    return gl.load(qrow + (2 * byte + HALF)[None, :], mask=m, other=0.0).to(gl.float32)
+
+
+@gluon.jit
+def _b16_fields(wsel, X: gl.constexpr, rows):
+    """The E8M0 scales (exponent fields, int32 [16, N]) of rows (b', h) for block 2 (b' % 2) + X of the 32-bit half
+    ``wsel`` holds (rows 0-7: blocks 0-3, rows 8-15: blocks 4-7)."""
+    sh = (8 * (2 * ((rows // 4) % 2) + X) + 9).to(gl.int64)[:, None]
+    return ((wsel.to(gl.int64) << 32) >> sh).to(gl.int32) & 0x7F800000
+
+
+@gluon.jit
+def fp4_e8m0_b16_split_kernel(
+    Q, BT, SL, K0, K1, V0, V1, OP, LP, qk_scale, tokens_per_split,
+    stride_qb, stride_qh, stride_btb, k0_s, k0_h, k1_s, k1_h, v0_s, v0_h, v1_s, v1_h, op_b, op_h, op_s, lp_b, lp_h,
+    QPK: gl.constexpr, PAGE: gl.constexpr, PAGE_SLOTS: gl.constexpr, BLOCK_N: gl.constexpr,
+    VAL_LOAD: gl.constexpr, WORDS: gl.constexpr,
+):
+    """fp4_e2m1 (E8M0 blocks of 16 channels) with :func:`fp4_e8m0_split_kernel`'s VF16 and LAZY arithmetic. Key
+    products by halves of k: k < 32 meets each thread's even block, k >= 32 its odd one, so q's rows (b', h) are
+    block 2 b' + X of product X; values by the even and the odd blocks' bytes, two products of [16, N] x [N, 32]
+    whose rows (b', h) are block 2 b' and 2 b' + 1. ``K1``, ``V1``: the 8 scale codes of a (token, head) as int64."""
+    VH: gl.constexpr = 7
+    b = gl.program_id(0).to(gl.int64)
+    kvh = gl.program_id(1)
+    split = gl.program_id(2)
+    seq_len = gl.load(SL + b)
+    start = split * tokens_per_split
+    end = gl.minimum(start + tokens_per_split, seq_len)
+
+    qe0 = _b16_q(Q, b, kvh, stride_qb, stride_qh, 0, 0, QPK)
+    qo0 = _b16_q(Q, b, kvh, stride_qb, stride_qh, 0, 1, QPK)
+    qe1 = _b16_q(Q, b, kvh, stride_qb, stride_qh, 1, 0, QPK)
+    qo1 = _b16_q(Q, b, kvh, stride_qb, stride_qh, 1, 1, QPK)
+    qmax = gl.maximum(gl.max(gl.max(gl.maximum(gl.abs(qe0), gl.abs(qo0)), 1), 0),
+                      gl.max(gl.max(gl.maximum(gl.abs(qe1), gl.abs(qo1)), 1), 0))
+    eq = gl.where(qmax > 0, gl.minimum(14 - ((qmax.to(gl.int32, bitcast=True) >> 23) - 127), 126), 0)
+    qe0 = (qe0 * _pow2(eq)).to(gl.float16)
+    qo0 = (qo0 * _pow2(eq)).to(gl.float16)
+    qe1 = (qe1 * _pow2(eq)).to(gl.float16)
+    qo1 = (qo1 * _pow2(eq)).to(gl.float16)
+    sc_k = qk_scale * _pow2(-eq) * 16384.0
+
+    rows = gl.arange(0, 16, layout=gl.SliceLayout(1, MMA))
+    m_i = gl.full([16], float("-inf"), gl.float32, layout=gl.SliceLayout(1, MMA))
+    l_i = gl.zeros([16], gl.float32, layout=gl.SliceLayout(1, MMA))
+    acc_e_lo = gl.zeros([16, 32], gl.float32, layout=MMA)
+    acc_e_hi = gl.zeros([16, 32], gl.float32, layout=MMA)
+    acc_o_lo = gl.zeros([16, 32], gl.float32, layout=MMA)
+    acc_o_hi = gl.zeros([16, 32], gl.float32, layout=MMA)
+    mc_e = gl.zeros([16], gl.int32, layout=gl.SliceLayout(1, MMA))
+    mc_o = gl.zeros([16], gl.int32, layout=gl.SliceLayout(1, MMA))
+    gl.static_assert(PAGE == 16)
+    ik = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, KEY_LOAD))
+    koff = ((ik % PAGE) * k0_s + kvh * k0_h)[:, None] + gl.arange(0, 64, layout=gl.SliceLayout(0, KEY_LOAD))[None, :]
+    iv = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, VAL_LOAD))
+    voff = ((iv % PAGE) * v0_s + kvh * v0_h)[:, None] + gl.arange(0, 64, layout=gl.SliceLayout(0, VAL_LOAD))[None, :]
+    isc = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, MMA))
+    iw = gl.arange(0, BLOCK_N // 2, layout=gl.SliceLayout(1, WORDS))
+    ew = gl.arange(0, 2, layout=gl.SliceLayout(0, WORDS))
+    tw = (2 * iw)[:, None] + ew[None, :]  # token of each word
+    k1off = (tw % PAGE) * k1_s + kvh * k1_h
+    v1off = (tw % PAGE) * v1_s + kvh * v1_h
+    kstep = PAGE_SLOTS * k0_s
+    vstep = PAGE_SLOTS * v0_s
+    k1step = PAGE_SLOTS * k1_s
+    v1step = PAGE_SLOTS * v1_s
+    low_rows = (rows < 8)[:, None]
+    for t0 in range(start, end, BLOCK_N):
+        bt = BT + b * stride_btb + t0 // PAGE
+        p0 = gl.load(bt).to(gl.int64)
+        p1 = gl.load(bt + 1, mask=t0 + PAGE < end, other=0).to(gl.int64)
+        kb = gl.load(_page_rows(ik, K0, p0, p1, p1, p1, kstep, PAGE)[:, None] + koff)
+        vb = gl.load(_page_rows(iv, V0, p0, p1, p1, p1, vstep, PAGE)[:, None] + voff)
+        mw = (t0 + tw) < end
+        kw = gl.load(_page_rows(tw, K1, p0, p1, p1, p1, k1step, PAGE) + k1off, mask=mw, other=0)
+        vw = gl.load(_page_rows(tw, V1, p0, p1, p1, p1, v1step, PAGE) + v1off, mask=mw, other=0)
+        kw = gl.convert_layout(gl.reshape(kw, (BLOCK_N,)), gl.SliceLayout(0, MMA))
+        vw = gl.convert_layout(gl.reshape(vw, (BLOCK_N,)), gl.SliceLayout(0, MMA))
+        ms = (t0 + isc) < end
+
+        # keys: the even and the odd blocks' products, each block's partial dot times its scale
+        klo, khi = gl.inline_asm_elementwise(E2M1_PAIRS_PTX, "=r,=r,=r,=r,r", [kb], dtype=(gl.float16, gl.float16),
+                                             is_pure=True, pack=4)
+        klo0, klo1 = _key_halves(klo, BLOCK_N)
+        khi0, khi1 = _key_halves(khi, BLOCK_N)
+        zero = gl.zeros([16, BLOCK_N], gl.float32, layout=MMA)
+        s_e = mma_v2(gl.convert_layout(qo0, OP_A), khi0, mma_v2(gl.convert_layout(qe0, OP_A), klo0, zero))
+        s_o = mma_v2(gl.convert_layout(qo1, OP_A), khi1, mma_v2(gl.convert_layout(qe1, OP_A), klo1, zero))
+        kws = gl.where(low_rows, kw.to(gl.int32)[None, :], (kw >> 32).to(gl.int32)[None, :])
+        s2 = (s_e * _b16_fields(kws, 0, rows).to(gl.float32, bitcast=True)
+              + s_o * _b16_fields(kws, 1, rows).to(gl.float32, bitcast=True))
+        s3 = gl.reshape(s2, (4, 4, BLOCK_N))
+        s = gl.sum(s3, 0)
+        s16 = gl.convert_layout(gl.reshape(gl.broadcast(gl.expand_dims(s, 0), s3)[0], (16, BLOCK_N)), MMA)
+        s16 = gl.where(ms[None, :], s16, float("-inf"))
+        vws = gl.where(low_rows, vw.to(gl.int32)[None, :], (vw >> 32).to(gl.int32)[None, :])
+        vf_e = gl.where(ms[None, :], _b16_fields(vws, 0, rows), 0)
+        vf_o = gl.where(ms[None, :], _b16_fields(vws, 1, rows), 0)
+        mt = gl.max(s16, 1) * sc_k
+        mct_e = gl.max(vf_e, 1)
+        mct_o = gl.max(vf_o, 1)
+        if gl.max(((mt > m_i + 8.0) | (mct_e > mc_e) | (mct_o > mc_o)).to(gl.int32), 0) != 0:
+            m_new = gl.maximum(m_i, mt)
+            me_new = gl.maximum(mc_e, mct_e)
+            mo_new = gl.maximum(mc_o, mct_o)
+            alpha = gl.exp2(m_i - m_new)
+            l_i = l_i * alpha
+            a_e = alpha * gl.maximum(mc_e - me_new + (127 << 23), 0).to(gl.float32, bitcast=True)
+            a_o = alpha * gl.maximum(mc_o - mo_new + (127 << 23), 0).to(gl.float32, bitcast=True)
+            acc_e_lo = acc_e_lo * a_e[:, None]
+            acc_e_hi = acc_e_hi * a_e[:, None]
+            acc_o_lo = acc_o_lo * a_o[:, None]
+            acc_o_hi = acc_o_hi * a_o[:, None]
+            m_i = m_new
+            mc_e = me_new
+            mc_o = mo_new
+        p = gl.exp2(s16 * sc_k - m_i[:, None])
+        l_i = l_i + gl.sum(p, 1)
+        f_e = gl.maximum(vf_e - mc_e[:, None] + ((127 + VH) << 23), 0).to(gl.float32, bitcast=True)
+        f_o = gl.maximum(vf_o - mc_o[:, None] + ((127 + VH) << 23), 0).to(gl.float32, bitcast=True)
+        pv_e = gl.convert_layout((p * f_e).to(gl.float16), OP_A)
+        pv_o = gl.convert_layout((p * f_o).to(gl.float16), OP_A)
+        vlo_e, vlo_o, vhi_e, vhi_o = _b16_value_operands(vb, BLOCK_N)
+        acc_e_lo = mma_v2(pv_e, vlo_e, acc_e_lo)
+        acc_e_hi = mma_v2(pv_e, vhi_e, acc_e_hi)
+        acc_o_lo = mma_v2(pv_o, vlo_o, acc_o_lo)
+        acc_o_hi = mma_v2(pv_o, vhi_o, acc_o_hi)
+
+    safe_l = gl.where(l_i > 0, l_i, 1.0)
+    den_e = safe_l * (((240 + VH) << 23) - mc_e).to(gl.float32, bitcast=True)
+    den_o = safe_l * (((240 + VH) << 23) - mc_o).to(gl.float32, bitcast=True)
+    hh = rows % 4
+    n = gl.arange(0, 32, layout=gl.SliceLayout(0, MMA))
+    g = n % 8
+    ebyte = 16 * (g // 2) + 4 * (g % 2) + n // 8  # the even operands' byte of column n (block 2 (g // 2))
+    om = (hh < QPK)[:, None] & ((g // 2)[None, :] == (rows // 4)[:, None])
+    obase = OP + b * op_b + (kvh * QPK + hh).to(gl.int64)[:, None] * op_h + split * op_s
+    gl.store(obase + (2 * ebyte)[None, :], acc_e_lo / den_e[:, None], mask=om)
+    gl.store(obase + (2 * ebyte + 1)[None, :], acc_e_hi / den_e[:, None], mask=om)
+    gl.store(obase + (2 * ebyte + 16)[None, :], acc_o_lo / den_o[:, None], mask=om)
+    gl.store(obase + (2 * ebyte + 17)[None, :], acc_o_hi / den_o[:, None], mask=om)
+    lse2 = gl.where(l_i > 0, m_i + gl.log2(safe_l), float("-inf"))
+    gl.store(LP + b * lp_b + (kvh * QPK + hh).to(gl.int64) * lp_h + split, lse2, mask=(hh < QPK) & (rows < 4))
+
+
 def compile_sm90(num_warps: int = 1, block_n: int = 32, vf16: bool = False, lazy: bool = False,
-                 prefetch: bool = False):
+                 prefetch: bool = False, b16: bool = False):
     """Ahead-of-time compile for sm_90 (no GPU needed): the compiled kernel, for its SASS and resource usage."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -345,14 +552,21 @@ def compile_sm90(num_warps: int = 1, block_n: int = 32, vf16: bool = False, lazy
                                     "lp_h")}
     sig.update({"Q": "*bf16", "BT": "*i32", "SL": "*i32", "K0": "*u8", "K1": "*i64", "V0": "*u8", "V1": "*i64",
                 "OP": "*fp32", "LP": "*fp32", "qk_scale": "fp32"})
-    consts = {"QPK": 4, "PAGE": 16, "PAGE_SLOTS": 128, "QB": 32, "BLOCK_N": block_n,
-              "VAL_LOAD": value_load_layout(block_n), "PAIRS_N": pairs_layout(block_n), "VF16": vf16, "LAZY": lazy,
-              "PREFETCH": prefetch, "k1_s": 1, "v1_s": 1}
+    if b16:
+        fn = fp4_e8m0_b16_split_kernel
+        consts = {"QPK": 4, "PAGE": 16, "PAGE_SLOTS": 128, "BLOCK_N": block_n,
+                  "VAL_LOAD": value_load_layout_b16(block_n), "WORDS": word_pairs_layout(block_n), "k1_s": 1,
+                  "v1_s": 1}
+    else:
+        fn = fp4_e8m0_split_kernel
+        consts = {"QPK": 4, "PAGE": 16, "PAGE_SLOTS": 128, "QB": 32, "BLOCK_N": block_n,
+                  "VAL_LOAD": value_load_layout(block_n), "PAIRS_N": pairs_layout(block_n), "VF16": vf16,
+                  "LAZY": lazy, "PREFETCH": prefetch, "k1_s": 1, "v1_s": 1}
     sig.update({k: "constexpr" for k in consts})
-    attrs = {(i,): [["tt.divisibility", 16]] for i, k in enumerate(fp4_e8m0_split_kernel.arg_names)
+    attrs = {(i,): [["tt.divisibility", 16]] for i, k in enumerate(fn.arg_names)
              if k in ("Q", "BT", "SL", "K0", "K1", "V0", "V1", "OP", "LP", "stride_qb", "stride_qh", "k0_s", "k0_h",
                       "v0_s", "v0_h", "op_b", "op_h", "op_s")}
-    src = GluonASTSource(fn=fp4_e8m0_split_kernel, signature=sig, constexprs=consts, attrs=attrs)
+    src = GluonASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
 
 
@@ -365,7 +579,8 @@ def gluon_decode(q, dc, splits: int, num_warps: int = 1, block_n: int = 32, vf16
     from kvqref.kernels.decode import merge_kernel
 
     kt, vt = dc.k.tiles(), dc.v.tiles()
-    assert kt.head_major and vt.head_major and kt.kind == "mxfp4" and kt.block == 32
+    assert kt.head_major and vt.head_major and kt.kind == "mxfp4" and kt.block in (16, 32) and dc.page_size == 16
+    b16 = kt.block == 16
     batch, q_heads, d = q.shape
     kvh = kt.kv_heads
     qpk = q_heads // kvh
@@ -384,14 +599,25 @@ def gluon_decode(q, dc, splits: int, num_warps: int = 1, block_n: int = 32, vf16
     bt = dc.block_table
     s_pad = triton.next_power_of_2(splits)
 
+    if b16:  # 8 codes per (token, head): one int64 each
+        k1, v1 = kt.fields[1].view(torch.int64), vt.fields[1].view(torch.int64)
+
     def run():
-        fp4_e8m0_split_kernel[(batch, kvh, splits)](
-            q, bt, seq_lens, k0, k1, v0, v1, op, lp, qk_scale, tps, q.stride(0), q.stride(1), bt.stride(0),
-            *kt.row_strides(k0), 1, k1.stride(1), *vt.row_strides(v0), 1, v1.stride(1),
-            op.stride(0), op.stride(1), op.stride(2), lp.stride(0), lp.stride(1),
-            QPK=qpk, PAGE=dc.page_size, PAGE_SLOTS=kt.page_slots(dc.page_size), QB=32, BLOCK_N=block_n,
-            VAL_LOAD=value_load_layout(block_n), PAIRS_N=pairs_layout(block_n), VF16=vf16, LAZY=lazy,
-            PREFETCH=prefetch, num_warps=num_warps)
+        if b16:
+            fp4_e8m0_b16_split_kernel[(batch, kvh, splits)](
+                q, bt, seq_lens, k0, k1, v0, v1, op, lp, qk_scale, tps, q.stride(0), q.stride(1), bt.stride(0),
+                *kt.row_strides(k0), 1, k1.stride(1), *vt.row_strides(v0), 1, v1.stride(1),
+                op.stride(0), op.stride(1), op.stride(2), lp.stride(0), lp.stride(1),
+                QPK=qpk, PAGE=dc.page_size, PAGE_SLOTS=kt.page_slots(dc.page_size), BLOCK_N=block_n,
+                VAL_LOAD=value_load_layout_b16(block_n), WORDS=word_pairs_layout(block_n), num_warps=num_warps)
+        else:
+            fp4_e8m0_split_kernel[(batch, kvh, splits)](
+                q, bt, seq_lens, k0, k1, v0, v1, op, lp, qk_scale, tps, q.stride(0), q.stride(1), bt.stride(0),
+                *kt.row_strides(k0), 1, k1.stride(1), *vt.row_strides(v0), 1, v1.stride(1),
+                op.stride(0), op.stride(1), op.stride(2), lp.stride(0), lp.stride(1),
+                QPK=qpk, PAGE=dc.page_size, PAGE_SLOTS=kt.page_slots(dc.page_size), QB=32, BLOCK_N=block_n,
+                VAL_LOAD=value_load_layout(block_n), PAIRS_N=pairs_layout(block_n), VF16=vf16, LAZY=lazy,
+                PREFETCH=prefetch, num_warps=num_warps)
         merge_kernel[(batch, q_heads, 1)](op, lp, out, lse, splits, op.stride(0), op.stride(1), op.stride(2),
                                           lp.stride(0), lp.stride(1), out.stride(0), out.stride(1), lse.stride(0),
                                           out, D=d, S_PAD=s_pad, DB=d)
@@ -400,7 +626,7 @@ def gluon_decode(q, dc, splits: int, num_warps: int = 1, block_n: int = 32, vf16
     return run
 
 
-def oracle_check(variants, splits: int = 4, seed: int = 0) -> list[dict]:
+def oracle_check(variants, splits: int = 4, seed: int = 0, scheme: str = "mxfp4") -> list[dict]:
     """Each variant against the float64 oracle (``kvqref.reference.attention`` on the scheme's dequantized values)
     with the fast mode's tolerance (``kernel_tolerance`` with ``fast_rounding``): 3 sequences of 2,048, 1,000 and 77
     tokens (partial tiles, splits ending inside a tile and empty splits), 32 query and 8 KV heads, head-major pages
@@ -412,7 +638,7 @@ def oracle_check(variants, splits: int = 4, seed: int = 0) -> list[dict]:
     from kvqref.backends import triton_backend as tb
 
     rng = np.random.default_rng(seed)
-    s = schemes.get("mxfp4")
+    s = schemes.get(scheme)
     lens, kvh, d, page = [2048, 1000, 77], 8, 128, 16
     pages = [-(-n // page) for n in lens]
     perm = torch.from_numpy(rng.permutation(sum(pages)).astype(np.int32))
@@ -458,10 +684,14 @@ def main(argv=None) -> int:
                     help="BLOCK_N,VF16,LAZY,PREFETCH separated by ';'")
     ap.add_argument("--out", help="JSON file for the results")
     ap.add_argument("--check", action="store_true", help="only the float64-oracle check of every variant")
+    ap.add_argument("--scheme", default="mxfp4", choices=("mxfp4", "fp4_e2m1"),
+                    help="fp4_e2m1 (blocks of 16) runs its one kernel; the variants' BLOCK_N only")
     args = ap.parse_args(argv)
     variants = [tuple(int(x) for x in v.split(",")) for v in args.variants.split(";")]
+    if args.scheme == "fp4_e2m1":  # its one kernel: float16 values, conditional rescale, tiles of 32
+        variants = [(32, 1, 1, 0)]
     if args.check:
-        for r in oracle_check(variants):
+        for r in oracle_check(variants, scheme=args.scheme):
             print(json.dumps(r), flush=True)
         return 0
     if args.compile_only:
@@ -475,7 +705,7 @@ def main(argv=None) -> int:
 
     shape = tuple(int(x) for x in args.shape.split(","))
     batch, q_heads, kv_heads, head_dim, tokens = shape
-    dc, ks, vs = db.make_cache("mxfp4", shape, 16, layout="HND")
+    dc, ks, vs = db.make_cache(args.scheme, shape, 16, layout="HND")
     q = torch.randn(batch, q_heads, head_dim, device="cuda").to(torch.bfloat16)
     tb.validate_decode(q, dc)
 
