@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -542,7 +543,7 @@ def fp4_e8m0_b16_split_kernel(
 
 
 def compile_sm90(num_warps: int = 1, block_n: int = 32, vf16: bool = False, lazy: bool = False,
-                 prefetch: bool = False, b16: bool = False):
+                 prefetch: bool = False, b16: bool = False, maxnreg: int | None = None):
     """Ahead-of-time compile for sm_90 (no GPU needed): the compiled kernel, for its SASS and resource usage."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -567,11 +568,12 @@ def compile_sm90(num_warps: int = 1, block_n: int = 32, vf16: bool = False, lazy
              if k in ("Q", "BT", "SL", "K0", "K1", "V0", "V1", "OP", "LP", "stride_qb", "stride_qh", "k0_s", "k0_h",
                       "v0_s", "v0_h", "op_b", "op_h", "op_s")}
     src = GluonASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+    opts = {"num_warps": num_warps} | ({"maxnreg": maxnreg} if maxnreg else {})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
 
 
 def gluon_decode(q, dc, splits: int, num_warps: int = 1, block_n: int = 32, vf16: bool = False,
-                 lazy: bool = False, prefetch: bool = False):
+                 lazy: bool = False, prefetch: bool = False, maxnreg: int = 0):
     """The probe's decode over ``dc`` (an mxfp4 device cache, head-major, as bench/decode_bench.py makes it):
     returns the call (out [B, Hq, D] float32 after the project's merge kernel)."""
     import torch
@@ -599,6 +601,7 @@ def gluon_decode(q, dc, splits: int, num_warps: int = 1, block_n: int = 32, vf16
     bt = dc.block_table
     s_pad = triton.next_power_of_2(splits)
 
+    opts = {"maxnreg": maxnreg} if maxnreg else {}
     if b16:  # 8 codes per (token, head): one int64 each
         k1, v1 = kt.fields[1].view(torch.int64), vt.fields[1].view(torch.int64)
 
@@ -609,7 +612,8 @@ def gluon_decode(q, dc, splits: int, num_warps: int = 1, block_n: int = 32, vf16
                 *kt.row_strides(k0), 1, k1.stride(1), *vt.row_strides(v0), 1, v1.stride(1),
                 op.stride(0), op.stride(1), op.stride(2), lp.stride(0), lp.stride(1),
                 QPK=qpk, PAGE=dc.page_size, PAGE_SLOTS=kt.page_slots(dc.page_size), BLOCK_N=block_n,
-                VAL_LOAD=value_load_layout_b16(block_n), WORDS=word_pairs_layout(block_n), num_warps=num_warps)
+                VAL_LOAD=value_load_layout_b16(block_n), WORDS=word_pairs_layout(block_n), num_warps=num_warps,
+                **opts)
         else:
             fp4_e8m0_split_kernel[(batch, kvh, splits)](
                 q, bt, seq_lens, k0, k1, v0, v1, op, lp, qk_scale, tps, q.stride(0), q.stride(1), bt.stride(0),
@@ -617,7 +621,7 @@ def gluon_decode(q, dc, splits: int, num_warps: int = 1, block_n: int = 32, vf16
                 op.stride(0), op.stride(1), op.stride(2), lp.stride(0), lp.stride(1),
                 QPK=qpk, PAGE=dc.page_size, PAGE_SLOTS=kt.page_slots(dc.page_size), QB=32, BLOCK_N=block_n,
                 VAL_LOAD=value_load_layout(block_n), PAIRS_N=pairs_layout(block_n), VF16=vf16, LAZY=lazy,
-                PREFETCH=prefetch, num_warps=num_warps)
+                PREFETCH=prefetch, num_warps=num_warps, **opts)
         merge_kernel[(batch, q_heads, 1)](op, lp, out, lse, splits, op.stride(0), op.stride(1), op.stride(2),
                                           lp.stride(0), lp.stride(1), out.stride(0), out.stride(1), lse.stride(0),
                                           out, D=d, S_PAD=s_pad, DB=d)
@@ -666,13 +670,82 @@ def oracle_check(variants, splits: int = 4, seed: int = 0, scheme: str = "mxfp4"
     rows = []
     got_prod = tb.decode(q, dc)[0].cpu().numpy()
     rows.append({"kernel": "triton (default plan)", "max_err_over_tol": float((np.abs(got_prod - want) / tol).max())})
-    for bn, vf, lz, pf in variants:
-        got = gluon_decode(q, dc, splits, block_n=bn, vf16=bool(vf), lazy=bool(lz), prefetch=bool(pf))()
+    for bn, vf, lz, pf, nreg in variants:
+        got = gluon_decode(q, dc, splits, block_n=bn, vf16=bool(vf), lazy=bool(lz), prefetch=bool(pf),
+                           maxnreg=nreg)()
         got = got.cpu().numpy()
-        rows.append({"kernel": f"gluon BLOCK_N {bn} VF16 {vf} LAZY {lz} PREFETCH {pf}",
+        rows.append({"kernel": f"gluon BLOCK_N {bn} VF16 {vf} LAZY {lz} PREFETCH {pf} MAXNREG {nreg}",
                      "max_err_over_tol": float((np.abs(got - want) / tol).max()),
                      "finite": bool(np.isfinite(got).all())})
     return rows
+
+
+def static_rows(variants) -> list[dict]:
+    """Per variant, its sm_90 build (this machine's triton; no GPU): registers, shared memory, resident warps per
+    multiprocessor, and the tile loop's instructions per thread (``sass_lines.loop_body``), with those of the
+    conditional rescale (the loop's forward branch) apart; per cache element as ``sass_budget`` counts it (one warp:
+    loop x 32 / (2 x BLOCK_N x 128))."""
+    import os
+    import subprocess
+    import tempfile
+
+    from sass_lines import loop_body
+    from sass_write import resident_warps
+
+    nvdisasm = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
+    rows = []
+    for bn, vf, lz, pf, b16, nreg in variants:
+        ck = compile_sm90(block_n=bn, vf16=bool(vf), lazy=bool(lz), prefetch=bool(pf), b16=bool(b16),
+                          maxnreg=nreg or None)
+        with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+            f.write(ck.asm["cubin"])
+        try:
+            text = subprocess.run([str(nvdisasm), "-c", f.name], capture_output=True, text=True, check=True).stdout
+        finally:
+            os.unlink(f.name)
+        body, _ = loop_body(text)
+        regs = _cubin_regs(ck.asm["cubin"])
+        labels = {}
+        pending = []
+        for line in text.splitlines():  # label -> address, as sass_lines.loop_body reads them
+            if m := re.match(r"\s*(\.L_x_\d+):", line):
+                pending.append(m.group(1))
+            elif m := re.search(r"/\*([0-9a-f]{4,})\*/", line):
+                labels.update((lab, int(m.group(1), 16)) for lab in pending)
+                pending = []
+        skipped = 0
+        for addr, op, _w, args in body:  # the rescale block: a forward branch inside the loop
+            m = re.search(r"(\.L_x_\d+)", args) if op == "BRA" else None
+            tgt = labels.get(m.group(1)) if m else None
+            if tgt is not None and addr < tgt <= body[-1][0]:
+                skipped = max(skipped, sum(1 for r in body if addr < r[0] < tgt))
+        common = len(body) - skipped
+        rows.append({"variant": {"block_n": bn, "vf16": vf, "lazy": lz, "prefetch": pf, "blocks_of_16": b16,
+                                 "maxnreg": nreg},
+                     "registers": regs, "shared_bytes": ck.metadata.shared,
+                     "resident_warps": resident_warps(regs, 1, ck.metadata.shared),
+                     "loop": len(body), "loop_common_path": common,
+                     "per_element": round(common * 32 / (2 * bn * 128), 2),
+                     "stack_ops": sum(1 for r in body if r[1] in ("LDL", "STL")),
+                     "shared_ops": sum(1 for r in body if r[1] in ("LDS", "STS", "BAR"))})
+    return rows
+
+
+def _cubin_regs(cubin: bytes) -> int:
+    """Registers per thread of the cubin's kernel (``cuobjdump --dump-resource-usage``)."""
+    import os
+    import subprocess
+    import tempfile
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(cubin)
+    try:
+        out = subprocess.run([str(tool), "--dump-resource-usage", f.name], capture_output=True, text=True,
+                             check=True).stdout
+    finally:
+        os.unlink(f.name)
+    return int(re.search(r"REG:(\d+)", out).group(1))
 
 
 def main(argv=None) -> int:
@@ -680,16 +753,24 @@ def main(argv=None) -> int:
     ap.add_argument("--compile-only", action="store_true", help="AOT-compile for sm_90 and print the resources")
     ap.add_argument("--shape", default="32,32,8,128,8192", help="batch,q_heads,kv_heads,head_dim,tokens")
     ap.add_argument("--splits", default="2,4,5,8")
-    ap.add_argument("--variants", default="32,0,0,0;32,1,0,0;32,1,1,0;64,1,1,0",
-                    help="BLOCK_N,VF16,LAZY,PREFETCH separated by ';'")
+    ap.add_argument("--variants", default="32,0,0,0,0;32,0,0,0,168;32,1,1,0,0;32,1,1,0,168;64,1,1,0,0",
+                    help="BLOCK_N,VF16,LAZY,PREFETCH,MAXNREG (0: none) separated by ';'")
     ap.add_argument("--out", help="JSON file for the results")
     ap.add_argument("--check", action="store_true", help="only the float64-oracle check of every variant")
+    ap.add_argument("--static", action="store_true",
+                    help="sm_90 builds on this machine: registers, shared memory, tile-loop instructions")
     ap.add_argument("--scheme", default="mxfp4", choices=("mxfp4", "fp4_e2m1"),
                     help="fp4_e2m1 (blocks of 16) runs its one kernel; the variants' BLOCK_N only")
     args = ap.parse_args(argv)
     variants = [tuple(int(x) for x in v.split(",")) for v in args.variants.split(";")]
     if args.scheme == "fp4_e2m1":  # its one kernel: float16 values, conditional rescale, tiles of 32
-        variants = [(32, 1, 1, 0)]
+        variants = [(32, 1, 1, 0, 0), (32, 1, 1, 0, 168)]
+    if args.static:
+        rows = static_rows([v[:4] + (0, v[4]) for v in variants]
+                           + [(32, 1, 1, 0, 1, 0), (32, 1, 1, 0, 1, 168), (32, 1, 1, 1, 0, 0)])
+        for r in rows:
+            print(json.dumps(r), flush=True)
+        return 0
     if args.check:
         for r in oracle_check(variants, scheme=args.scheme):
             print(json.dumps(r), flush=True)
@@ -719,12 +800,14 @@ def main(argv=None) -> int:
     sdpa = db.sdpa_case(shape)["time_us"]
     rows[0]["ratio_to_sdpa"] = sdpa / rows[0]["time_us"]
     print(json.dumps(rows[0]), flush=True)
-    for bn, vf, lz, pf in variants:
+    for bn, vf, lz, pf, nreg in variants:
         for s in (int(x) for x in args.splits.split(",")):
-            row = {"kernel": f"gluon probe, BLOCK_N {bn}, VF16 {vf}, LAZY {lz}, PREFETCH {pf}, {s} splits",
-                   "block_n": bn, "vf16": vf, "lazy": lz, "prefetch": pf, "splits": s}
+            row = {"kernel": f"gluon probe, BLOCK_N {bn}, VF16 {vf}, LAZY {lz}, PREFETCH {pf}, MAXNREG {nreg}, "
+                             f"{s} splits", "block_n": bn, "vf16": vf, "lazy": lz, "prefetch": pf, "maxnreg": nreg,
+                   "splits": s}
             try:
-                fn = gluon_decode(q, dc, s, block_n=bn, vf16=bool(vf), lazy=bool(lz), prefetch=bool(pf))
+                fn = gluon_decode(q, dc, s, block_n=bn, vf16=bool(vf), lazy=bool(lz), prefetch=bool(pf),
+                                  maxnreg=nreg)
                 got = fn().clone()
                 err = (got - want).abs().max().item()
                 row.update({"max_abs_diff": err, "max_rel_diff": err / want.abs().max().item(),
