@@ -752,7 +752,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--compile-only", action="store_true", help="AOT-compile for sm_90 and print the resources")
     ap.add_argument("--shape", default="32,32,8,128,8192", help="batch,q_heads,kv_heads,head_dim,tokens")
-    ap.add_argument("--splits", default="2,4,5,8")
+    ap.add_argument("--splits", default="3,4,6,8")
     ap.add_argument("--variants", default="32,0,0,0,0;32,0,0,0,168;32,1,1,0,0;32,1,1,0,168;64,1,1,0,0",
                     help="BLOCK_N,VF16,LAZY,PREFETCH,MAXNREG (0: none) separated by ';'")
     ap.add_argument("--out", help="JSON file for the results")
