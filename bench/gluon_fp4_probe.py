@@ -85,6 +85,13 @@ TWO_126 = gl.constexpr(8.507059173023462e37)
 
 
 @gluon.jit
+def _trivial(x, layout: gl.constexpr):
+    """``x`` in ``layout`` where that is the same registers (asserted when compiling: the relabelling reshapes and
+    permutes leave every element where the next operation wants it)."""
+    return gl.convert_layout(x, layout, assert_trivial=True)
+
+
+@gluon.jit
 def _pow2(e):
     """2**e as float32 for integer e in -126 .. 127 (the exponent field)."""
     return ((e + 127) << 23).to(gl.float32, bitcast=True)
@@ -133,7 +140,7 @@ def _pair_words(w, m, N: gl.constexpr):
     """int64 words of token pairs [N / 2] (PAIRS_N) -> each token's int32 word [N] (the score columns' layout),
     0 where ``m`` is false."""
     x = gl.reshape(gl.join(w.to(gl.int32), (w >> 32).to(gl.int32)), (N,))
-    return gl.where(m, gl.convert_layout(x, gl.SliceLayout(0, MMA)), 0)
+    return gl.where(m, _trivial(x, gl.SliceLayout(0, MMA)), 0)
 
 
 @gluon.jit
@@ -150,7 +157,7 @@ def _key_relabel(x, N: gl.constexpr):
     x = gl.permute(x, (1, 0))  # [64 bytes, N tokens]
     x = gl.reshape(x, (4, 4, 2, 2, N))  # (t, c, h, e, n)
     x = gl.permute(x, (1, 2, 0, 3, 4))  # (c, h, t, e, n)
-    return gl.convert_layout(gl.reshape(x, (64, N)), OP_B)
+    return _trivial(gl.reshape(x, (64, N)), OP_B)
 
 
 @gluon.jit
@@ -187,7 +194,7 @@ def _pairs_relabel(x01, x23, N: gl.constexpr):
 def _value_relabel(x, N: gl.constexpr):
     x = gl.reshape(x, (N, 8, 8))  # (token, g, j)
     x = gl.permute(x, (0, 2, 1))  # (token, j, g)
-    return gl.convert_layout(gl.reshape(x, (N, 64)), OP_B)
+    return _trivial(gl.reshape(x, (N, 64)), OP_B)
 
 
 @gluon.jit
@@ -263,12 +270,12 @@ def fp4_e8m0_split_kernel(
         vw = _pair_words(vw2_c, ms, BLOCK_N)
 
         klo, khi = _key_operands(kb_c, BLOCK_N)
-        s2 = mma_v2(gl.convert_layout(qe16, OP_A), klo, gl.zeros([16, BLOCK_N], gl.float32, layout=MMA))
-        s2 = mma_v2(gl.convert_layout(qo16, OP_A), khi, s2)
+        s2 = mma_v2(qe16, klo, gl.zeros([16, BLOCK_N], gl.float32, layout=MMA))
+        s2 = mma_v2(qo16, khi, s2)
         ksc = (((kw.to(gl.int64) << 32)[None, :] >> fsh).to(gl.int32) & 0x7F800000).to(gl.float32, bitcast=True)
         s3 = gl.reshape(s2 * ksc, (4, 4, BLOCK_N))
         s = gl.sum(s3, 0)  # [4 heads, N], before the softmax scale sc_k
-        s16 = gl.convert_layout(gl.reshape(gl.broadcast(gl.expand_dims(s, 0), s3)[0], (16, BLOCK_N)), MMA)
+        s16 = _trivial(gl.reshape(gl.broadcast(gl.expand_dims(s, 0), s3)[0], (16, BLOCK_N)), MMA)
         s16 = gl.where(ms[None, :], s16, float("-inf"))
         vfield = ((vw.to(gl.int64) << 32)[None, :] >> fsh).to(gl.int32) & 0x7F800000  # code << 23
         if LAZY:
@@ -289,7 +296,7 @@ def fp4_e8m0_split_kernel(
             p = gl.exp2(s16 * sc_k - m_i[:, None])
             l_i = l_i + gl.sum(p, 1)
             f = gl.maximum(vfield - mc_i[:, None] + ((127 + VH) << 23), 0).to(gl.float32, bitcast=True)
-            pv = gl.convert_layout((p * f).to(gl.float16), OP_A)
+            pv = _trivial((p * f).to(gl.float16), OP_A)
             vlo, vhi = _value_operands_f16(vb_c, BLOCK_N)
             alpha = gl.full([16], 1.0, gl.float32, layout=gl.SliceLayout(1, MMA))
         else:
@@ -305,10 +312,10 @@ def fp4_e8m0_split_kernel(
                 f = gl.maximum(vfield - mc_new[:, None] + ((127 + VH) << 23), 0).to(gl.float32, bitcast=True)
                 alpha = alpha * gl.maximum(mc_i - mc_new + (127 << 23), 0).to(gl.float32, bitcast=True)
                 mc_i = mc_new
-                pv = gl.convert_layout((p * f).to(gl.float16), OP_A)
+                pv = _trivial((p * f).to(gl.float16), OP_A)
                 vlo, vhi = _value_operands_f16(vb_c, BLOCK_N)
             else:
-                pv = gl.convert_layout((p * vfield.to(gl.float32, bitcast=True)).to(gl.bfloat16), OP_A)
+                pv = _trivial((p * vfield.to(gl.float32, bitcast=True)).to(gl.bfloat16), OP_A)
                 vlo, vhi = _value_operands(vb_c, BLOCK_N)
         if LAZY:
             acc_lo = mma_v2(pv, vlo, acc_lo)
@@ -360,7 +367,7 @@ def _key_halves(x, N: gl.constexpr):
     x = gl.reshape(x, (4, 4, 2, 2, N))
     x = gl.reshape(gl.permute(x, (1, 2, 0, 3, 4)), (2, 32, N))
     a, b = gl.split(gl.permute(x, (1, 2, 0)))
-    return gl.convert_layout(a, OP_B), gl.convert_layout(b, OP_B)
+    return _trivial(a, OP_B), _trivial(b, OP_B)
 
 
 @gluon.jit
@@ -383,7 +390,7 @@ def _b16_columns(x01, x23, N: gl.constexpr):
     x = gl.reshape(gl.permute(x, (0, 3, 1, 4, 2)), (N, 4, 2, 2, 4))  # [token, byte = 16 G + 8 eo + 4 g0 + j]
     x = gl.reshape(gl.permute(x, (0, 2, 4, 1, 3)), (N, 2, 32))  # [token, eo, column 8 j + 2 G + g0]
     e, o = gl.split(gl.permute(x, (0, 2, 1)))
-    return gl.convert_layout(e, OP_B), gl.convert_layout(o, OP_B)
+    return _trivial(e, OP_B), _trivial(o, OP_B)
 
 
 @gluon.jit
@@ -473,8 +480,8 @@ def fp4_e8m0_b16_split_kernel(
         mw = (t0 + tw) < end
         kw = gl.load(_page_rows(tw, K1, p0, p1, p1, p1, k1step, PAGE) + k1off, mask=mw, other=0)
         vw = gl.load(_page_rows(tw, V1, p0, p1, p1, p1, v1step, PAGE) + v1off, mask=mw, other=0)
-        kw = gl.convert_layout(gl.reshape(kw, (BLOCK_N,)), gl.SliceLayout(0, MMA))
-        vw = gl.convert_layout(gl.reshape(vw, (BLOCK_N,)), gl.SliceLayout(0, MMA))
+        kw = _trivial(gl.reshape(kw, (BLOCK_N,)), gl.SliceLayout(0, MMA))
+        vw = _trivial(gl.reshape(vw, (BLOCK_N,)), gl.SliceLayout(0, MMA))
         ms = (t0 + isc) < end
 
         # keys: the even and the odd blocks' products, each block's partial dot times its scale
@@ -483,14 +490,14 @@ def fp4_e8m0_b16_split_kernel(
         klo0, klo1 = _key_halves(klo, BLOCK_N)
         khi0, khi1 = _key_halves(khi, BLOCK_N)
         zero = gl.zeros([16, BLOCK_N], gl.float32, layout=MMA)
-        s_e = mma_v2(gl.convert_layout(qo0, OP_A), khi0, mma_v2(gl.convert_layout(qe0, OP_A), klo0, zero))
-        s_o = mma_v2(gl.convert_layout(qo1, OP_A), khi1, mma_v2(gl.convert_layout(qe1, OP_A), klo1, zero))
+        s_e = mma_v2(qo0, khi0, mma_v2(qe0, klo0, zero))
+        s_o = mma_v2(qo1, khi1, mma_v2(qe1, klo1, zero))
         kws = gl.where(low_rows, kw.to(gl.int32)[None, :], (kw >> 32).to(gl.int32)[None, :])
         s2 = (s_e * _b16_fields(kws, 0, rows).to(gl.float32, bitcast=True)
               + s_o * _b16_fields(kws, 1, rows).to(gl.float32, bitcast=True))
         s3 = gl.reshape(s2, (4, 4, BLOCK_N))
         s = gl.sum(s3, 0)
-        s16 = gl.convert_layout(gl.reshape(gl.broadcast(gl.expand_dims(s, 0), s3)[0], (16, BLOCK_N)), MMA)
+        s16 = _trivial(gl.reshape(gl.broadcast(gl.expand_dims(s, 0), s3)[0], (16, BLOCK_N)), MMA)
         s16 = gl.where(ms[None, :], s16, float("-inf"))
         vws = gl.where(low_rows, vw.to(gl.int32)[None, :], (vw >> 32).to(gl.int32)[None, :])
         vf_e = gl.where(ms[None, :], _b16_fields(vws, 0, rows), 0)
@@ -517,8 +524,8 @@ def fp4_e8m0_b16_split_kernel(
         l_i = l_i + gl.sum(p, 1)
         f_e = gl.maximum(vf_e - mc_e[:, None] + ((127 + VH) << 23), 0).to(gl.float32, bitcast=True)
         f_o = gl.maximum(vf_o - mc_o[:, None] + ((127 + VH) << 23), 0).to(gl.float32, bitcast=True)
-        pv_e = gl.convert_layout((p * f_e).to(gl.float16), OP_A)
-        pv_o = gl.convert_layout((p * f_o).to(gl.float16), OP_A)
+        pv_e = _trivial((p * f_e).to(gl.float16), OP_A)
+        pv_o = _trivial((p * f_o).to(gl.float16), OP_A)
         vlo_e, vlo_o, vhi_e, vhi_o = _b16_value_operands(vb, BLOCK_N)
         acc_e_lo = mma_v2(pv_e, vlo_e, acc_e_lo)
         acc_e_hi = mma_v2(pv_e, vhi_e, acc_e_hi)
