@@ -549,6 +549,11 @@ def fp4_e8m0_b16_split_kernel(
     gl.store(LP + b * lp_b + (kvh * QPK + hh).to(gl.int64) * lp_h + split, lse2, mask=(hh < QPK) & (rows < 4))
 
 
+#: the kernels ``--compile-only`` builds for sm_90: mxfp4 with float16 values and the conditional rescale, mxfp4 with
+#: bfloat16 values, fp4_e2m1
+BUILDS = {"mxfp4-vf16-lazy": {"vf16": True, "lazy": True}, "mxfp4-bf16": {}, "fp4_e2m1": {"b16": True}}
+
+
 def compile_sm90(num_warps: int = 1, block_n: int = 32, vf16: bool = False, lazy: bool = False,
                  prefetch: bool = False, b16: bool = False, maxnreg: int | None = None):
     """Ahead-of-time compile for sm_90 (no GPU needed): the compiled kernel, for its SASS and resource usage."""
@@ -782,9 +787,11 @@ def main(argv=None) -> int:
         for r in oracle_check(variants, scheme=args.scheme):
             print(json.dumps(r), flush=True)
         return 0
-    if args.compile_only:
-        compile_sm90()
-        print("compiled for sm_90")
+    if args.compile_only:  # one JSON line per kernel built (tests/test_gluon_probe.py)
+        for name, kw in BUILDS.items():
+            ck = compile_sm90(block_n=32, **kw)
+            print(json.dumps({"build": name, "shared": ck.metadata.shared, "num_warps": ck.metadata.num_warps}),
+                  flush=True)
         return 0
     import decode_bench as db
     import torch
