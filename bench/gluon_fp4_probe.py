@@ -415,16 +415,29 @@ def _b16_fields(wsel, X: gl.constexpr, rows):
 
 
 @gluon.jit
+def _b16_scales(wsel, X: gl.constexpr, rows, NV: gl.constexpr):
+    """NVFP4 (``NV``): the E4M3 block scales of :func:`_b16_fields`' rows and blocks, as float32 (converted in
+    hardware); E8M0: the exponent fields as float32 2**(c - 127)."""
+    if NV:
+        sh = 8 * (2 * ((rows // 4) % 2) + X)
+        return ((wsel >> sh[:, None]) & 0xFF).to(gl.uint8).to(gl.float8e4nv, bitcast=True).to(gl.float32)
+    else:
+        return _b16_fields(wsel, X, rows).to(gl.float32, bitcast=True)
+
+
+@gluon.jit
 def fp4_e8m0_b16_split_kernel(
-    Q, BT, SL, K0, K1, V0, V1, OP, LP, qk_scale, tokens_per_split,
+    Q, BT, SL, K0, K1, V0, V1, KS, VS, OP, LP, qk_scale, tokens_per_split,
     stride_qb, stride_qh, stride_btb, k0_s, k0_h, k1_s, k1_h, v0_s, v0_h, v1_s, v1_h, op_b, op_h, op_s, lp_b, lp_h,
     QPK: gl.constexpr, PAGE: gl.constexpr, PAGE_SLOTS: gl.constexpr, BLOCK_N: gl.constexpr,
-    VAL_LOAD: gl.constexpr, WORDS: gl.constexpr,
+    VAL_LOAD: gl.constexpr, WORDS: gl.constexpr, NV: gl.constexpr = False,
 ):
     """fp4_e2m1 (E8M0 blocks of 16 channels) with :func:`fp4_e8m0_split_kernel`'s VF16 and LAZY arithmetic. Key
     products by halves of k: k < 32 meets each thread's even block, k >= 32 its odd one, so q's rows (b', h) are
     block 2 b' + X of product X; values by the even and the odd blocks' bytes, two products of [16, N] x [N, 32]
-    whose rows (b', h) are block 2 b' and 2 b' + 1. ``K1``, ``V1``: the 8 scale codes of a (token, head) as int64."""
+    whose rows (b', h) are block 2 b' and 2 b' + 1. ``K1``, ``V1``: the 8 scale codes of a (token, head) as int64.
+    ``NV``: NVFP4 (E4M3 block scales, ``KS`` / ``VS`` the per-head tensor scales): no value reference code, the value
+    weights p s / 2 in float16 (at most 2**8 x 448 / 2 < 65504 with the conditional rescale's p <= 2**8)."""
     VH: gl.constexpr = 7
     b = gl.program_id(0).to(gl.int64)
     kvh = gl.program_id(1)
@@ -444,7 +457,7 @@ def fp4_e8m0_b16_split_kernel(
     qo0 = (qo0 * _pow2(eq)).to(gl.float16)
     qe1 = (qe1 * _pow2(eq)).to(gl.float16)
     qo1 = (qo1 * _pow2(eq)).to(gl.float16)
-    sc_k = qk_scale * _pow2(-eq) * 16384.0
+    sc_k = qk_scale * gl.load(KS + kvh) * _pow2(-eq) * 16384.0
 
     rows = gl.arange(0, 16, layout=gl.SliceLayout(1, MMA))
     m_i = gl.full([16], float("-inf"), gl.float32, layout=gl.SliceLayout(1, MMA))
@@ -493,26 +506,36 @@ def fp4_e8m0_b16_split_kernel(
         s_e = mma_v2(qo0, khi0, mma_v2(qe0, klo0, zero))
         s_o = mma_v2(qo1, khi1, mma_v2(qe1, klo1, zero))
         kws = gl.where(low_rows, kw.to(gl.int32)[None, :], (kw >> 32).to(gl.int32)[None, :])
-        s2 = (s_e * _b16_fields(kws, 0, rows).to(gl.float32, bitcast=True)
-              + s_o * _b16_fields(kws, 1, rows).to(gl.float32, bitcast=True))
+        s2 = s_e * _b16_scales(kws, 0, rows, NV) + s_o * _b16_scales(kws, 1, rows, NV)
         s3 = gl.reshape(s2, (4, 4, BLOCK_N))
         s = gl.sum(s3, 0)
         s16 = _trivial(gl.reshape(gl.broadcast(gl.expand_dims(s, 0), s3)[0], (16, BLOCK_N)), MMA)
         s16 = gl.where(ms[None, :], s16, float("-inf"))
         vws = gl.where(low_rows, vw.to(gl.int32)[None, :], (vw >> 32).to(gl.int32)[None, :])
-        vf_e = gl.where(ms[None, :], _b16_fields(vws, 0, rows), 0)
-        vf_o = gl.where(ms[None, :], _b16_fields(vws, 1, rows), 0)
         mt = gl.max(s16, 1) * sc_k
-        mct_e = gl.max(vf_e, 1)
-        mct_o = gl.max(vf_o, 1)
-        if gl.max(((mt > m_i + 8.0) | (mct_e > mc_e) | (mct_o > mc_o)).to(gl.int32), 0) != 0:
+        if NV:
+            vws = gl.where(ms[None, :], vws, 0)
+            grow = mt > m_i + 8.0
+        else:
+            vf_e = gl.where(ms[None, :], _b16_fields(vws, 0, rows), 0)
+            vf_o = gl.where(ms[None, :], _b16_fields(vws, 1, rows), 0)
+            mct_e = gl.max(vf_e, 1)
+            mct_o = gl.max(vf_o, 1)
+            grow = (mt > m_i + 8.0) | (mct_e > mc_e) | (mct_o > mc_o)
+        if gl.max(grow.to(gl.int32), 0) != 0:
             m_new = gl.maximum(m_i, mt)
-            me_new = gl.maximum(mc_e, mct_e)
-            mo_new = gl.maximum(mc_o, mct_o)
             alpha = gl.exp2(m_i - m_new)
             l_i = l_i * alpha
-            a_e = alpha * gl.maximum(mc_e - me_new + (127 << 23), 0).to(gl.float32, bitcast=True)
-            a_o = alpha * gl.maximum(mc_o - mo_new + (127 << 23), 0).to(gl.float32, bitcast=True)
+            if NV:
+                me_new = mc_e
+                mo_new = mc_o
+                a_e = alpha
+                a_o = alpha
+            else:
+                me_new = gl.maximum(mc_e, mct_e)
+                mo_new = gl.maximum(mc_o, mct_o)
+                a_e = alpha * gl.maximum(mc_e - me_new + (127 << 23), 0).to(gl.float32, bitcast=True)
+                a_o = alpha * gl.maximum(mc_o - mo_new + (127 << 23), 0).to(gl.float32, bitcast=True)
             acc_e_lo = acc_e_lo * a_e[:, None]
             acc_e_hi = acc_e_hi * a_e[:, None]
             acc_o_lo = acc_o_lo * a_o[:, None]
@@ -522,8 +545,12 @@ def fp4_e8m0_b16_split_kernel(
             mc_o = mo_new
         p = gl.exp2(s16 * sc_k - m_i[:, None])
         l_i = l_i + gl.sum(p, 1)
-        f_e = gl.maximum(vf_e - mc_e[:, None] + ((127 + VH) << 23), 0).to(gl.float32, bitcast=True)
-        f_o = gl.maximum(vf_o - mc_o[:, None] + ((127 + VH) << 23), 0).to(gl.float32, bitcast=True)
+        if NV:
+            f_e = _b16_scales(vws, 0, rows, True) * 0.5
+            f_o = _b16_scales(vws, 1, rows, True) * 0.5
+        else:
+            f_e = gl.maximum(vf_e - mc_e[:, None] + ((127 + VH) << 23), 0).to(gl.float32, bitcast=True)
+            f_o = gl.maximum(vf_o - mc_o[:, None] + ((127 + VH) << 23), 0).to(gl.float32, bitcast=True)
         pv_e = _trivial((p * f_e).to(gl.float16), OP_A)
         pv_o = _trivial((p * f_o).to(gl.float16), OP_A)
         vlo_e, vlo_o, vhi_e, vhi_o = _b16_value_operands(vb, BLOCK_N)
@@ -533,8 +560,13 @@ def fp4_e8m0_b16_split_kernel(
         acc_o_hi = mma_v2(pv_o, vhi_o, acc_o_hi)
 
     safe_l = gl.where(l_i > 0, l_i, 1.0)
-    den_e = safe_l * (((240 + VH) << 23) - mc_e).to(gl.float32, bitcast=True)
-    den_o = safe_l * (((240 + VH) << 23) - mc_o).to(gl.float32, bitcast=True)
+    vs = gl.load(VS + kvh)
+    if NV:  # the accumulators hold sum p s v 2**-15
+        den_e = safe_l * (2.0**-15) / vs
+        den_o = den_e
+    else:
+        den_e = safe_l * (((240 + VH) << 23) - mc_e).to(gl.float32, bitcast=True) / vs
+        den_o = safe_l * (((240 + VH) << 23) - mc_o).to(gl.float32, bitcast=True) / vs
     hh = rows % 4
     n = gl.arange(0, 32, layout=gl.SliceLayout(0, MMA))
     g = n % 8
@@ -550,12 +582,13 @@ def fp4_e8m0_b16_split_kernel(
 
 
 #: the kernels ``--compile-only`` builds for sm_90: mxfp4 with float16 values and the conditional rescale, mxfp4 with
-#: bfloat16 values, fp4_e2m1
-BUILDS = {"mxfp4-vf16-lazy": {"vf16": True, "lazy": True}, "mxfp4-bf16": {}, "fp4_e2m1": {"b16": True}}
+#: bfloat16 values, fp4_e2m1, nvfp4
+BUILDS = {"mxfp4-vf16-lazy": {"vf16": True, "lazy": True}, "mxfp4-bf16": {}, "fp4_e2m1": {"b16": True},
+          "nvfp4": {"b16": True, "nv": True}}
 
 
 def compile_sm90(num_warps: int = 1, block_n: int = 32, vf16: bool = False, lazy: bool = False,
-                 prefetch: bool = False, b16: bool = False, maxnreg: int | None = None):
+                 prefetch: bool = False, b16: bool = False, maxnreg: int | None = None, nv: bool = False):
     """Ahead-of-time compile for sm_90 (no GPU needed): the compiled kernel, for its SASS and resource usage."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -568,8 +601,9 @@ def compile_sm90(num_warps: int = 1, block_n: int = 32, vf16: bool = False, lazy
     if b16:
         fn = fp4_e8m0_b16_split_kernel
         consts = {"QPK": 4, "PAGE": 16, "PAGE_SLOTS": 128, "BLOCK_N": block_n,
-                  "VAL_LOAD": value_load_layout_b16(block_n), "WORDS": word_pairs_layout(block_n), "k1_s": 1,
-                  "v1_s": 1}
+                  "VAL_LOAD": value_load_layout_b16(block_n), "WORDS": word_pairs_layout(block_n), "NV": nv,
+                  "k1_s": 1, "v1_s": 1}
+        sig.update({"KS": "*fp32", "VS": "*fp32"})
     else:
         fn = fp4_e8m0_split_kernel
         consts = {"QPK": 4, "PAGE": 16, "PAGE_SLOTS": 128, "QB": 32, "BLOCK_N": block_n,
@@ -593,8 +627,12 @@ def gluon_decode(q, dc, splits: int, num_warps: int = 1, block_n: int = 32, vf16
     from kvqref.kernels.decode import merge_kernel
 
     kt, vt = dc.k.tiles(), dc.v.tiles()
-    assert kt.head_major and vt.head_major and kt.kind == "mxfp4" and kt.block in (16, 32) and dc.page_size == 16
+    assert kt.head_major and vt.head_major and dc.page_size == 16
+    assert (kt.kind, kt.block) in (("mxfp4", 16), ("mxfp4", 32), ("nvfp4", 16)), (kt.kind, kt.block)
     b16 = kt.block == 16
+    nv = kt.kind == "nvfp4"
+    ks, vs = (t.tensor_scale if t.tensor_scale is not None else torch.ones(t.kv_heads, device=q.device)
+              for t in (kt, vt))
     batch, q_heads, d = q.shape
     kvh = kt.kv_heads
     qpk = q_heads // kvh
@@ -620,12 +658,12 @@ def gluon_decode(q, dc, splits: int, num_warps: int = 1, block_n: int = 32, vf16
     def run():
         if b16:
             fp4_e8m0_b16_split_kernel[(batch, kvh, splits)](
-                q, bt, seq_lens, k0, k1, v0, v1, op, lp, qk_scale, tps, q.stride(0), q.stride(1), bt.stride(0),
+                q, bt, seq_lens, k0, k1, v0, v1, ks, vs, op, lp, qk_scale, tps, q.stride(0), q.stride(1), bt.stride(0),
                 *kt.row_strides(k0), 1, k1.stride(1), *vt.row_strides(v0), 1, v1.stride(1),
                 op.stride(0), op.stride(1), op.stride(2), lp.stride(0), lp.stride(1),
                 QPK=qpk, PAGE=dc.page_size, PAGE_SLOTS=kt.page_slots(dc.page_size), BLOCK_N=block_n,
-                VAL_LOAD=value_load_layout_b16(block_n), WORDS=word_pairs_layout(block_n), num_warps=num_warps,
-                **opts)
+                VAL_LOAD=value_load_layout_b16(block_n), WORDS=word_pairs_layout(block_n), NV=nv,
+                num_warps=num_warps, **opts)
         else:
             fp4_e8m0_split_kernel[(batch, kvh, splits)](
                 q, bt, seq_lens, k0, k1, v0, v1, op, lp, qk_scale, tps, q.stride(0), q.stride(1), bt.stride(0),
@@ -663,8 +701,9 @@ def oracle_check(variants, splits: int = 4, seed: int = 0, scheme: str = "mxfp4"
     for b, n in enumerate(pages):
         bt[b, :n] = perm[o:o + n]
         o += n
+    params = {"global_scale": np.float32(6.0 / 2688.0)} if scheme == "nvfp4" else {}
     dc = tb.empty_device_cache(s, s, sum(pages), page, kvh, d, bt.cuda(), torch.tensor(lens, dtype=torch.int32),
-                               layout="HND")
+                               layout="HND", k_params=params, v_params=params)
     Ks, Vs = [], []
     for b, n in enumerate(lens):
         k = rng.standard_normal((n, kvh, d)).astype(np.float32)
@@ -673,8 +712,8 @@ def oracle_check(variants, splits: int = 4, seed: int = 0, scheme: str = "mxfp4"
         slots = (bt[b].long()[torch.arange(n) // page] * page + torch.arange(n) % page).cuda()
         tb.quantize_write(dc.k, torch.from_numpy(k).cuda(), slots)
         tb.quantize_write(dc.v, torch.from_numpy(v).cuda(), slots)
-        Ks.append(s.dequantize(s.quantize(k)))
-        Vs.append(s.dequantize(s.quantize(v)))
+        Ks.append(s.dequantize(s.quantize(k, params=params or None)))
+        Vs.append(s.dequantize(s.quantize(v, params=params or None)))
     q = torch.from_numpy(rng.standard_normal((len(lens), 32, d)).astype(np.float32)).to(torch.bfloat16).cuda()
     q64 = q.float().cpu().numpy().astype(np.float64)
     want, _ = reference.attention(q64, Ks, Vs)
@@ -706,9 +745,9 @@ def static_rows(variants) -> list[dict]:
 
     nvdisasm = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
     rows = []
-    for bn, vf, lz, pf, b16, nreg in variants:
+    for bn, vf, lz, pf, b16, nreg, nv in variants:
         ck = compile_sm90(block_n=bn, vf16=bool(vf), lazy=bool(lz), prefetch=bool(pf), b16=bool(b16),
-                          maxnreg=nreg or None)
+                          maxnreg=nreg or None, nv=bool(nv))
         with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
             f.write(ck.asm["cubin"])
         try:
@@ -733,7 +772,7 @@ def static_rows(variants) -> list[dict]:
                 skipped = max(skipped, sum(1 for r in body if addr < r[0] < tgt))
         common = len(body) - skipped
         rows.append({"variant": {"block_n": bn, "vf16": vf, "lazy": lz, "prefetch": pf, "blocks_of_16": b16,
-                                 "maxnreg": nreg},
+                                 "maxnreg": nreg, "nvfp4": nv},
                      "registers": regs, "shared_bytes": ck.metadata.shared,
                      "resident_warps": resident_warps(regs, 1, ck.metadata.shared),
                      "loop": len(body), "loop_common_path": common,
@@ -771,15 +810,16 @@ def main(argv=None) -> int:
     ap.add_argument("--check", action="store_true", help="only the float64-oracle check of every variant")
     ap.add_argument("--static", action="store_true",
                     help="sm_90 builds on this machine: registers, shared memory, tile-loop instructions")
-    ap.add_argument("--scheme", default="mxfp4", choices=("mxfp4", "fp4_e2m1"),
-                    help="fp4_e2m1 (blocks of 16) runs its one kernel; the variants' BLOCK_N only")
+    ap.add_argument("--scheme", default="mxfp4", choices=("mxfp4", "fp4_e2m1", "nvfp4"),
+                    help="fp4_e2m1 and nvfp4 (blocks of 16) run their one kernel, with and without maxnreg 168")
     args = ap.parse_args(argv)
     variants = [tuple(int(x) for x in v.split(",")) for v in args.variants.split(";")]
-    if args.scheme == "fp4_e2m1":  # its one kernel: float16 values, conditional rescale, tiles of 32
+    if args.scheme in ("fp4_e2m1", "nvfp4"):  # their one kernel: float16 values, conditional rescale, tiles of 32
         variants = [(32, 1, 1, 0, 0), (32, 1, 1, 0, 168)]
     if args.static:
-        rows = static_rows([v[:4] + (0, v[4]) for v in variants]
-                           + [(32, 1, 1, 0, 1, 0), (32, 1, 1, 0, 1, 168), (32, 1, 1, 1, 0, 0)])
+        rows = static_rows([v[:4] + (0, v[4], 0) for v in variants]
+                           + [(32, 1, 1, 0, 1, 0, 0), (32, 1, 1, 0, 1, 168, 0), (32, 1, 1, 0, 1, 0, 1),
+                              (32, 1, 1, 0, 1, 168, 1), (32, 1, 1, 1, 0, 0, 0)])
         for r in rows:
             print(json.dumps(r), flush=True)
         return 0
