@@ -92,6 +92,28 @@ def _trivial(x, layout: gl.constexpr):
 
 
 @gluon.jit
+def _program_tokens(SL, tokens_per_split):
+    """This program's sequence, KV head and split, and the tokens start .. end it reads."""
+    b = gl.program_id(0).to(gl.int64)
+    split = gl.program_id(2)
+    start = split * tokens_per_split
+    return b, gl.program_id(1), split, start, gl.minimum(start + tokens_per_split, gl.load(SL + b))
+
+
+@gluon.jit
+def _code_offsets(kvh, k0_s, k0_h, v0_s, v0_h, PAGE: gl.constexpr, BLOCK_N: gl.constexpr, VAL_LOAD: gl.constexpr):
+    """Loop-invariant: each token position i of a tile (in the key bytes' rows, the value bytes' rows and the score
+    columns) and its code bytes' offsets inside its page (pages of 16: a tile of 32 is two pages, i // 16 selects
+    the page id, so per tile only the page ids are read)."""
+    gl.static_assert(PAGE == 16)
+    ik = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, KEY_LOAD))
+    koff = ((ik % PAGE) * k0_s + kvh * k0_h)[:, None] + gl.arange(0, 64, layout=gl.SliceLayout(0, KEY_LOAD))[None, :]
+    iv = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, VAL_LOAD))
+    voff = ((iv % PAGE) * v0_s + kvh * v0_h)[:, None] + gl.arange(0, 64, layout=gl.SliceLayout(0, VAL_LOAD))[None, :]
+    return ik, koff, iv, voff, gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, MMA))
+
+
+@gluon.jit
 def _pow2(e):
     """2**e as float32 for integer e in -126 .. 127 (the exponent field)."""
     return ((e + 127) << 23).to(gl.float32, bitcast=True)
@@ -208,12 +230,7 @@ def fp4_e8m0_split_kernel(
     gl.static_assert(VF16 or not LAZY)
     VH: gl.constexpr = 7 if LAZY else 15  # float16 headroom of the value weights p 2**(c - mc): p <= 2**8 if LAZY
     gl.static_assert(QB == 32)  # 4 blocks of 32 channels: rows (block, head) = 16 (mxfp4)
-    b = gl.program_id(0).to(gl.int64)
-    kvh = gl.program_id(1)
-    split = gl.program_id(2)
-    seq_len = gl.load(SL + b)
-    start = split * tokens_per_split
-    end = gl.minimum(start + tokens_per_split, seq_len)
+    b, kvh, split, start, end = _program_tokens(SL, tokens_per_split)
 
     # q's rows: (block, head) x permuted channels, both nibble halves; one power of two puts them in float16
     r = gl.arange(0, 16, layout=gl.SliceLayout(1, OP_A))
@@ -237,14 +254,7 @@ def fp4_e8m0_split_kernel(
     acc_lo = gl.zeros([16, 64], gl.float32, layout=MMA)
     acc_hi = gl.zeros([16, 64], gl.float32, layout=MMA)
     mc_i = gl.zeros([16], gl.int32, layout=gl.SliceLayout(1, MMA))  # VF16: each row's largest value code so far << 23
-    # loop-invariant offsets of each token position i of a tile inside its page (pages of 16: a tile of 32 is two
-    # pages, i // 16 selects the page id); per tile only the two page ids are read
-    gl.static_assert(PAGE == 16)
-    ik = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, KEY_LOAD))
-    koff = ((ik % PAGE) * k0_s + kvh * k0_h)[:, None] + gl.arange(0, 64, layout=gl.SliceLayout(0, KEY_LOAD))[None, :]
-    iv = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, VAL_LOAD))
-    voff = ((iv % PAGE) * v0_s + kvh * v0_h)[:, None] + gl.arange(0, 64, layout=gl.SliceLayout(0, VAL_LOAD))[None, :]
-    isc = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, MMA))
+    ik, koff, iv, voff, isc = _code_offsets(kvh, k0_s, k0_h, v0_s, v0_h, PAGE, BLOCK_N, VAL_LOAD)
     # scale words read two tokens at a time (the int64 fields K1, V1: tokens 2 i and 2 i + 1 of a page), in the
     # layout whose join gives the score columns' (PAIRS_N)
     ip = gl.arange(0, BLOCK_N // 2, layout=PAIRS_N)
@@ -439,12 +449,7 @@ def fp4_e8m0_b16_split_kernel(
     ``NV``: NVFP4 (E4M3 block scales, ``KS`` / ``VS`` the per-head tensor scales): no value reference code, the value
     weights p s / 2 in float16 (at most 2**8 x 448 / 2 < 65504 with the conditional rescale's p <= 2**8)."""
     VH: gl.constexpr = 7
-    b = gl.program_id(0).to(gl.int64)
-    kvh = gl.program_id(1)
-    split = gl.program_id(2)
-    seq_len = gl.load(SL + b)
-    start = split * tokens_per_split
-    end = gl.minimum(start + tokens_per_split, seq_len)
+    b, kvh, split, start, end = _program_tokens(SL, tokens_per_split)
 
     qe0 = _b16_q(Q, b, kvh, stride_qb, stride_qh, 0, 0, QPK)
     qo0 = _b16_q(Q, b, kvh, stride_qb, stride_qh, 0, 1, QPK)
@@ -468,12 +473,7 @@ def fp4_e8m0_b16_split_kernel(
     acc_o_hi = gl.zeros([16, 32], gl.float32, layout=MMA)
     mc_e = gl.zeros([16], gl.int32, layout=gl.SliceLayout(1, MMA))
     mc_o = gl.zeros([16], gl.int32, layout=gl.SliceLayout(1, MMA))
-    gl.static_assert(PAGE == 16)
-    ik = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, KEY_LOAD))
-    koff = ((ik % PAGE) * k0_s + kvh * k0_h)[:, None] + gl.arange(0, 64, layout=gl.SliceLayout(0, KEY_LOAD))[None, :]
-    iv = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, VAL_LOAD))
-    voff = ((iv % PAGE) * v0_s + kvh * v0_h)[:, None] + gl.arange(0, 64, layout=gl.SliceLayout(0, VAL_LOAD))[None, :]
-    isc = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, MMA))
+    ik, koff, iv, voff, isc = _code_offsets(kvh, k0_s, k0_h, v0_s, v0_h, PAGE, BLOCK_N, VAL_LOAD)
     iw = gl.arange(0, BLOCK_N // 2, layout=gl.SliceLayout(1, WORDS))
     ew = gl.arange(0, 2, layout=gl.SliceLayout(0, WORDS))
     tw = (2 * iw)[:, None] + ew[None, :]  # token of each word
