@@ -1,4 +1,5 @@
-"""Probe: an E8M0 FP4 (mxfp4 / fp4_e2m1) decode split kernel in Gluon (explicit layouts, CUDA sm_80+).
+"""Probe: FP4 decode split kernels in Gluon (explicit layouts, CUDA sm_80+): mxfp4, and fp4_e2m1 / NVFP4 (blocks
+of 16 channels, :func:`fp4_e8m0_b16_split_kernel`).
 
 The Triton kernel's FP4 tile loops spend their time in the layout conversions Triton places between the code
 loads and the tensor-core operands (bench/results/ANALYSIS.md 108, 152, 293). This probe states the layouts
@@ -16,12 +17,14 @@ itself so that the code bytes are loaded straight into registers that the ``mma.
   register are made by register moves only.
 
 Arithmetic (the Triton kernel's fast mode, ``docs/kernels.md``): q times 2**eq rounded once to float16 against the
-exact float16 E2M1 * 2**-14 keys, float32 sums, times the E8M0 scale (codes taken as the bare exponent field: codes
-0 and 255 are not handled by this probe); p times its value block's scale rounded once to bfloat16 against the
-exact bfloat16 E2M1 values, float32 accumulation. Split outputs as ``decode_split_kernel`` writes them (``OP`` the
-normalised output, ``LP`` the base-2 log-sum-exp), merged by the project's ``merge_kernel``.
+exact float16 E2M1 * 2**-14 keys, float32 sums, times the block scale (E8M0 codes taken as the bare exponent field:
+codes 0 and 255 are not handled by this probe); p times its value block's scale rounded once to bfloat16 against the
+exact bfloat16 E2M1 values, or (``VF16``) to float16 against a running reference code, float32 accumulation. Split
+outputs as ``decode_split_kernel`` writes them (``OP`` the normalised output, ``LP`` the base-2 log-sum-exp), merged
+by the project's ``merge_kernel``.
 
-Run on a GPU: ``python3 bench/gluon_fp4_probe.py [--scheme mxfp4] [--check-only]``.
+On a GPU: ``python3 bench/gluon_fp4_probe.py [--scheme mxfp4|fp4_e2m1|nvfp4] [--check]`` (bench/results/ANALYSIS.md
+311); without one: ``--static`` (sm_90 builds: registers, tile-loop instructions) and ``--compile-only``.
 """
 from __future__ import annotations
 
@@ -39,7 +42,12 @@ from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from kvqref.kernels.decode import E2M1_PAIRS_BF16_PTX, E2M1_PAIRS_PTX, _e2m1_f16_bytes_lines  # noqa: E402
+from kvqref.kernels.decode import (  # noqa: E402
+    E2M1_PAIRS_BF16_PTX,
+    E2M1_PAIRS_PTX,
+    TWO_126,
+    _e2m1_f16_bytes_lines,
+)
 
 
 def _token_pairs_ptx() -> str:
@@ -65,7 +73,6 @@ OP_B = gl.constexpr(gl.DotOperandLayout(1, MMA.value, 2))
 # key bytes [N = 32 tokens, 64 bytes]: 16 contiguous bytes per thread (lane % 4 along the bytes), 8 tokens per
 # lane row, 4 tokens per thread
 KEY_LOAD = gl.constexpr(gl.BlockedLayout([1, 16], [8, 4], [1, 1], [1, 0]))
-# value bytes [32 tokens, 64 bytes]: 8 contiguous bytes of the tokens 2 t + e + 8 r (lane % 4 = t, lane // 4 = g)
 
 
 def pairs_layout(block_n: int) -> gl.DistributedLinearLayout:
@@ -81,7 +88,6 @@ def value_load_layout(block_n: int) -> gl.DistributedLinearLayout:
     regs = [[0, 1], [0, 2], [0, 4], [1, 0]] + [[8 << i, 0] for i in range((block_n // 8).bit_length() - 1)]
     return gl.DistributedLinearLayout(reg_bases=regs, lane_bases=[[2, 0], [4, 0], [0, 8], [0, 16], [0, 32]],
                                       warp_bases=[], block_bases=[], shape=[block_n, 64])
-TWO_126 = gl.constexpr(8.507059173023462e37)
 
 
 @gluon.jit
@@ -114,16 +120,59 @@ def _code_offsets(kvh, k0_s, k0_h, v0_s, v0_h, PAGE: gl.constexpr, BLOCK_N: gl.c
 
 
 @gluon.jit
-def _pow2(e):
-    """2**e as float32 for integer e in -126 .. 127 (the exponent field)."""
-    return ((e + 127) << 23).to(gl.float32, bitcast=True)
+def _e8m0_fields(w, blk):
+    """Block ``blk`` (0 .. 3, [16, 1]) of each 32-bit E8M0 scale word ``w`` ([1, N] or [16, N]) as the exponent field
+    ``code << 23`` (int32; the float32 2**(code - 127) for codes 1 .. 254): one funnel shift and one mask."""
+    return ((w.to(gl.int64) << 32) >> (8 * blk + 9).to(gl.int64)).to(gl.int32) & 0x7F800000
 
 
 @gluon.jit
-def _slots(BT, b, stride_btb, t, end, PAGE: gl.constexpr, PAGE_SLOTS: gl.constexpr):
-    m = t < end
-    page = gl.load(BT + b * stride_btb + t // PAGE, mask=m, other=0).to(gl.int64)
-    return page * PAGE_SLOTS + t % PAGE, m
+def _pow2_fields(a, b, bias: gl.constexpr):
+    """2**((a - b) / 2**23 + bias - 127) as float32 for exponent fields ``a``, ``b`` (``code << 23``); 0.0 where the
+    exponent would fall below the float32 normals."""
+    return gl.maximum(a - b + (bias << 23), 0).to(gl.float32, bitcast=True)
+
+
+@gluon.jit
+def _q_rows(Q, b, kvh, stride_qb, stride_qh, K0: gl.constexpr, KW: gl.constexpr, QB: gl.constexpr,
+            X: gl.constexpr, HALF: gl.constexpr, QPK: gl.constexpr):
+    """q's rows (float32, OP_A layout of [16, KW]) for the key product over k = K0 .. K0 + KW - 1: row 4 b' + h
+    holds q[h, 2 byte(k) + HALF] (byte(k) the code byte relabelled to k, :func:`_key_relabel`) where that channel
+    lies in block (32 / QB) b' + X (QB channels per block), else 0."""
+    r = gl.arange(0, 16, layout=gl.SliceLayout(1, OP_A))
+    k = K0 + gl.arange(0, KW, layout=gl.SliceLayout(0, OP_A))
+    byte = 16 * ((k // 2) % 4) + 4 * (k // 16) + 2 * ((k // 8) % 2) + k % 2
+    h = r % 4
+    m = (h < QPK)[:, None] & (((2 * byte) // QB)[None, :] == ((32 // QB) * (r // 4) + X)[:, None])
+    qrow = Q + b * stride_qb + (kvh * QPK + h).to(gl.int64)[:, None] * stride_qh
+    return gl.load(qrow + (2 * byte + HALF)[None, :], mask=m, other=0.0).to(gl.float32)
+
+
+@gluon.jit
+def _q_exponent(qmax):
+    """The power of two e that puts q into float16's range: max|q| 2**e in [2**14, 2**15) (e <= 126; 0 for q = 0)."""
+    return gl.where(qmax > 0, gl.minimum(14 - ((qmax.to(gl.int32, bitcast=True) >> 23) - 127), 126), 0)
+
+
+@gluon.jit
+def _tile_pages(BT, b, stride_btb, t0, end, PAGE: gl.constexpr, BLOCK_N: gl.constexpr):
+    """The page ids (int64 scalars) of the tile at ``t0``'s pages (2, or 4 for tiles of 64), 0 past ``end``; a tile of
+    two pages repeats its second id in the last two."""
+    bt = BT + b * stride_btb + t0 // PAGE
+    p0 = gl.load(bt, mask=t0 < end, other=0).to(gl.int64)
+    p1 = gl.load(bt + 1, mask=t0 + PAGE < end, other=0).to(gl.int64)
+    p2 = p1
+    p3 = p1
+    if BLOCK_N == 64:
+        p2 = gl.load(bt + 2, mask=t0 + 2 * PAGE < end, other=0).to(gl.int64)
+        p3 = gl.load(bt + 3, mask=t0 + 3 * PAGE < end, other=0).to(gl.int64)
+    return p0, p1, p2, p3
+
+
+@gluon.jit
+def _pow2(e):
+    """2**e as float32 for integer e in -126 .. 127 (the exponent field)."""
+    return ((e + 127) << 23).to(gl.float32, bitcast=True)
 
 
 @gluon.jit
@@ -141,14 +190,7 @@ def _tile_loads(BT, b, stride_btb, t0, end, K0, K1, V0, V1, ik, iv, ip, koff, vo
     The code bytes are read unmasked: a token past ``end`` reads a row of its page (page 0 past the table's end or
     for a tile wholly past it), finite E2M1 codes whose score the mask sets to -inf and whose value weight is 0 (its
     scale word is masked to 0, so no scale turns them into inf or NaN)."""
-    bt = BT + b * stride_btb + t0 // PAGE
-    p0 = gl.load(bt, mask=t0 < end, other=0).to(gl.int64)
-    p1 = gl.load(bt + 1, mask=t0 + PAGE < end, other=0).to(gl.int64)
-    p2 = p1
-    p3 = p1
-    if BLOCK_N == 64:
-        p2 = gl.load(bt + 2, mask=t0 + 2 * PAGE < end, other=0).to(gl.int64)
-        p3 = gl.load(bt + 3, mask=t0 + 3 * PAGE < end, other=0).to(gl.int64)
+    p0, p1, p2, p3 = _tile_pages(BT, b, stride_btb, t0, end, PAGE, BLOCK_N)
     kb = gl.load(_page_rows(ik, K0, p0, p1, p2, p3, kstep, PAGE)[:, None] + koff)
     vb = gl.load(_page_rows(iv, V0, p0, p1, p2, p3, vstep, PAGE)[:, None] + voff)
     mp = (t0 + 2 * ip) < end
@@ -233,22 +275,15 @@ def fp4_e8m0_split_kernel(
     b, kvh, split, start, end = _program_tokens(SL, tokens_per_split)
 
     # q's rows: (block, head) x permuted channels, both nibble halves; one power of two puts them in float16
-    r = gl.arange(0, 16, layout=gl.SliceLayout(1, OP_A))
-    k = gl.arange(0, 64, layout=gl.SliceLayout(0, OP_A))
-    byte = 16 * ((k // 2) % 4) + 4 * (k // 16) + 2 * ((k // 8) % 2) + k % 2
-    h = r % 4
-    qm = (h < QPK)[:, None] & (((2 * byte) // QB)[None, :] == (r // 4)[:, None])
-    qrow = Q + b * stride_qb + (kvh * QPK + h).to(gl.int64)[:, None] * stride_qh
-    qe = gl.load(qrow + (2 * byte)[None, :], mask=qm, other=0.0).to(gl.float32)
-    qo = gl.load(qrow + (2 * byte + 1)[None, :], mask=qm, other=0.0).to(gl.float32)
-    qmax = gl.max(gl.max(gl.maximum(gl.abs(qe), gl.abs(qo)), 1), 0)
-    eq = gl.where(qmax > 0, gl.minimum(14 - ((qmax.to(gl.int32, bitcast=True) >> 23) - 127), 126), 0)
+    qe = _q_rows(Q, b, kvh, stride_qb, stride_qh, 0, 64, QB, 0, 0, QPK)
+    qo = _q_rows(Q, b, kvh, stride_qb, stride_qh, 0, 64, QB, 0, 1, QPK)
+    eq = _q_exponent(gl.max(gl.max(gl.maximum(gl.abs(qe), gl.abs(qo)), 1), 0))
     qe16 = (qe * _pow2(eq)).to(gl.float16)
     qo16 = (qo * _pow2(eq)).to(gl.float16)
     sc_k = qk_scale * _pow2(-eq) * 16384.0
 
     rows = gl.arange(0, 16, layout=gl.SliceLayout(1, MMA))
-    fsh = (8 * (rows // 4) + 9).to(gl.int64)[:, None]  # block b of a scale word: its byte into the exponent field
+    blk = (rows // 4)[:, None]  # the block of row (block, head)
     m_i = gl.full([16], float("-inf"), gl.float32, layout=gl.SliceLayout(1, MMA))
     l_i = gl.zeros([16], gl.float32, layout=gl.SliceLayout(1, MMA))
     acc_lo = gl.zeros([16, 64], gl.float32, layout=MMA)
@@ -282,12 +317,12 @@ def fp4_e8m0_split_kernel(
         klo, khi = _key_operands(kb_c, BLOCK_N)
         s2 = mma_v2(qe16, klo, gl.zeros([16, BLOCK_N], gl.float32, layout=MMA))
         s2 = mma_v2(qo16, khi, s2)
-        ksc = (((kw.to(gl.int64) << 32)[None, :] >> fsh).to(gl.int32) & 0x7F800000).to(gl.float32, bitcast=True)
+        ksc = _e8m0_fields(kw[None, :], blk).to(gl.float32, bitcast=True)
         s3 = gl.reshape(s2 * ksc, (4, 4, BLOCK_N))
         s = gl.sum(s3, 0)  # [4 heads, N], before the softmax scale sc_k
         s16 = _trivial(gl.reshape(gl.broadcast(gl.expand_dims(s, 0), s3)[0], (16, BLOCK_N)), MMA)
         s16 = gl.where(ms[None, :], s16, float("-inf"))
-        vfield = ((vw.to(gl.int64) << 32)[None, :] >> fsh).to(gl.int32) & 0x7F800000  # code << 23
+        vfield = _e8m0_fields(vw[None, :], blk)  # code << 23
         if LAZY:
             # FlashAttention 4's conditional rescale: the running max moves (and the accumulators are rescaled)
             # only where a row's tile max exceeds it by more than 8 (so p <= 2**8), or a value code exceeds mc
@@ -298,17 +333,15 @@ def fp4_e8m0_split_kernel(
                 mc_new = gl.maximum(mc_i, mct)
                 alpha = gl.exp2(m_i - m_new)
                 l_i = l_i * alpha
-                alpha = alpha * gl.maximum(mc_i - mc_new + (127 << 23), 0).to(gl.float32, bitcast=True)
+                alpha = alpha * _pow2_fields(mc_i, mc_new, 127)
                 acc_lo = acc_lo * alpha[:, None]
                 acc_hi = acc_hi * alpha[:, None]
                 m_i = m_new
                 mc_i = mc_new
             p = gl.exp2(s16 * sc_k - m_i[:, None])
             l_i = l_i + gl.sum(p, 1)
-            f = gl.maximum(vfield - mc_i[:, None] + ((127 + VH) << 23), 0).to(gl.float32, bitcast=True)
-            pv = _trivial((p * f).to(gl.float16), OP_A)
+            pv = _trivial((p * _pow2_fields(vfield, mc_i[:, None], 127 + VH)).to(gl.float16), OP_A)
             vlo, vhi = _value_operands_f16(vb_c, BLOCK_N)
-            alpha = gl.full([16], 1.0, gl.float32, layout=gl.SliceLayout(1, MMA))
         else:
             m_new = gl.maximum(m_i, gl.max(s16, 1) * sc_k)
             alpha = gl.exp2(m_i - m_new)
@@ -319,10 +352,9 @@ def fp4_e8m0_split_kernel(
                 # p 2**(c - mc + VH) in float16 (at most 2**15) against E2M1 * 2**-14, mc the row's largest value
                 # code so far: the accumulators hold sum p v 2**(113 + VH - mc), rescaled with alpha where mc grows
                 mc_new = gl.maximum(mc_i, gl.max(vfield, 1))
-                f = gl.maximum(vfield - mc_new[:, None] + ((127 + VH) << 23), 0).to(gl.float32, bitcast=True)
-                alpha = alpha * gl.maximum(mc_i - mc_new + (127 << 23), 0).to(gl.float32, bitcast=True)
+                alpha = alpha * _pow2_fields(mc_i, mc_new, 127)
                 mc_i = mc_new
-                pv = _trivial((p * f).to(gl.float16), OP_A)
+                pv = _trivial((p * _pow2_fields(vfield, mc_new[:, None], 127 + VH)).to(gl.float16), OP_A)
                 vlo, vhi = _value_operands_f16(vb_c, BLOCK_N)
             else:
                 pv = _trivial((p * vfield.to(gl.float32, bitcast=True)).to(gl.bfloat16), OP_A)
@@ -404,24 +436,10 @@ def _b16_columns(x01, x23, N: gl.constexpr):
 
 
 @gluon.jit
-def _b16_q(Q, b, kvh, stride_qb, stride_qh, X: gl.constexpr, HALF: gl.constexpr, QPK: gl.constexpr):
-    """q's rows for the key product over k = 32 X + k' (k' < 32): row 4 b' + h holds q[h, 2 byte(k) + HALF] where
-    that channel lies in block 2 b' + X (16 channels per block), else 0 (float32, OP_A layout of [16, 32])."""
-    r = gl.arange(0, 16, layout=gl.SliceLayout(1, OP_A))
-    k = 32 * X + gl.arange(0, 32, layout=gl.SliceLayout(0, OP_A))
-    byte = 16 * ((k // 2) % 4) + 4 * (k // 16) + 2 * ((k // 8) % 2) + k % 2
-    h = r % 4
-    m = (h < QPK)[:, None] & (((2 * byte) // 16)[None, :] == (2 * (r // 4) + X)[:, None])
-    qrow = Q + b * stride_qb + (kvh * QPK + h).to(gl.int64)[:, None] * stride_qh
-    return gl.load(qrow + (2 * byte + HALF)[None, :], mask=m, other=0.0).to(gl.float32)
-
-
-@gluon.jit
 def _b16_fields(wsel, X: gl.constexpr, rows):
     """The E8M0 scales (exponent fields, int32 [16, N]) of rows (b', h) for block 2 (b' % 2) + X of the 32-bit half
     ``wsel`` holds (rows 0-7: blocks 0-3, rows 8-15: blocks 4-7)."""
-    sh = (8 * (2 * ((rows // 4) % 2) + X) + 9).to(gl.int64)[:, None]
-    return ((wsel.to(gl.int64) << 32) >> sh).to(gl.int32) & 0x7F800000
+    return _e8m0_fields(wsel, (2 * ((rows // 4) % 2) + X)[:, None])
 
 
 @gluon.jit
@@ -451,13 +469,12 @@ def fp4_e8m0_b16_split_kernel(
     VH: gl.constexpr = 7
     b, kvh, split, start, end = _program_tokens(SL, tokens_per_split)
 
-    qe0 = _b16_q(Q, b, kvh, stride_qb, stride_qh, 0, 0, QPK)
-    qo0 = _b16_q(Q, b, kvh, stride_qb, stride_qh, 0, 1, QPK)
-    qe1 = _b16_q(Q, b, kvh, stride_qb, stride_qh, 1, 0, QPK)
-    qo1 = _b16_q(Q, b, kvh, stride_qb, stride_qh, 1, 1, QPK)
-    qmax = gl.maximum(gl.max(gl.max(gl.maximum(gl.abs(qe0), gl.abs(qo0)), 1), 0),
-                      gl.max(gl.max(gl.maximum(gl.abs(qe1), gl.abs(qo1)), 1), 0))
-    eq = gl.where(qmax > 0, gl.minimum(14 - ((qmax.to(gl.int32, bitcast=True) >> 23) - 127), 126), 0)
+    qe0 = _q_rows(Q, b, kvh, stride_qb, stride_qh, 0, 32, 16, 0, 0, QPK)
+    qo0 = _q_rows(Q, b, kvh, stride_qb, stride_qh, 0, 32, 16, 0, 1, QPK)
+    qe1 = _q_rows(Q, b, kvh, stride_qb, stride_qh, 32, 32, 16, 1, 0, QPK)
+    qo1 = _q_rows(Q, b, kvh, stride_qb, stride_qh, 32, 32, 16, 1, 1, QPK)
+    eq = _q_exponent(gl.maximum(gl.max(gl.max(gl.maximum(gl.abs(qe0), gl.abs(qo0)), 1), 0),
+                                gl.max(gl.max(gl.maximum(gl.abs(qe1), gl.abs(qo1)), 1), 0)))
     qe0 = (qe0 * _pow2(eq)).to(gl.float16)
     qo0 = (qo0 * _pow2(eq)).to(gl.float16)
     qe1 = (qe1 * _pow2(eq)).to(gl.float16)
@@ -485,14 +502,12 @@ def fp4_e8m0_b16_split_kernel(
     v1step = PAGE_SLOTS * v1_s
     low_rows = (rows < 8)[:, None]
     for t0 in range(start, end, BLOCK_N):
-        bt = BT + b * stride_btb + t0 // PAGE
-        p0 = gl.load(bt).to(gl.int64)
-        p1 = gl.load(bt + 1, mask=t0 + PAGE < end, other=0).to(gl.int64)
-        kb = gl.load(_page_rows(ik, K0, p0, p1, p1, p1, kstep, PAGE)[:, None] + koff)
-        vb = gl.load(_page_rows(iv, V0, p0, p1, p1, p1, vstep, PAGE)[:, None] + voff)
+        p0, p1, p2, p3 = _tile_pages(BT, b, stride_btb, t0, end, PAGE, BLOCK_N)
+        kb = gl.load(_page_rows(ik, K0, p0, p1, p2, p3, kstep, PAGE)[:, None] + koff)
+        vb = gl.load(_page_rows(iv, V0, p0, p1, p2, p3, vstep, PAGE)[:, None] + voff)
         mw = (t0 + tw) < end
-        kw = gl.load(_page_rows(tw, K1, p0, p1, p1, p1, k1step, PAGE) + k1off, mask=mw, other=0)
-        vw = gl.load(_page_rows(tw, V1, p0, p1, p1, p1, v1step, PAGE) + v1off, mask=mw, other=0)
+        kw = gl.load(_page_rows(tw, K1, p0, p1, p2, p3, k1step, PAGE) + k1off, mask=mw, other=0)
+        vw = gl.load(_page_rows(tw, V1, p0, p1, p2, p3, v1step, PAGE) + v1off, mask=mw, other=0)
         kw = _trivial(gl.reshape(kw, (BLOCK_N,)), gl.SliceLayout(0, MMA))
         vw = _trivial(gl.reshape(vw, (BLOCK_N,)), gl.SliceLayout(0, MMA))
         ms = (t0 + isc) < end
@@ -534,8 +549,8 @@ def fp4_e8m0_b16_split_kernel(
             else:
                 me_new = gl.maximum(mc_e, mct_e)
                 mo_new = gl.maximum(mc_o, mct_o)
-                a_e = alpha * gl.maximum(mc_e - me_new + (127 << 23), 0).to(gl.float32, bitcast=True)
-                a_o = alpha * gl.maximum(mc_o - mo_new + (127 << 23), 0).to(gl.float32, bitcast=True)
+                a_e = alpha * _pow2_fields(mc_e, me_new, 127)
+                a_o = alpha * _pow2_fields(mc_o, mo_new, 127)
             acc_e_lo = acc_e_lo * a_e[:, None]
             acc_e_hi = acc_e_hi * a_e[:, None]
             acc_o_lo = acc_o_lo * a_o[:, None]
@@ -549,8 +564,8 @@ def fp4_e8m0_b16_split_kernel(
             f_e = _b16_scales(vws, 0, rows, True) * 0.5
             f_o = _b16_scales(vws, 1, rows, True) * 0.5
         else:
-            f_e = gl.maximum(vf_e - mc_e[:, None] + ((127 + VH) << 23), 0).to(gl.float32, bitcast=True)
-            f_o = gl.maximum(vf_o - mc_o[:, None] + ((127 + VH) << 23), 0).to(gl.float32, bitcast=True)
+            f_e = _pow2_fields(vf_e, mc_e[:, None], 127 + VH)
+            f_o = _pow2_fields(vf_o, mc_o[:, None], 127 + VH)
         pv_e = _trivial((p * f_e).to(gl.float16), OP_A)
         pv_o = _trivial((p * f_o).to(gl.float16), OP_A)
         vlo_e, vlo_o, vhi_e, vhi_o = _b16_value_operands(vb, BLOCK_N)
@@ -736,24 +751,14 @@ def static_rows(variants) -> list[dict]:
     multiprocessor, and the tile loop's instructions per thread (``sass_lines.loop_body``), with those of the
     conditional rescale (the loop's forward branch) apart; per cache element as ``sass_budget`` counts it (one warp:
     loop x 32 / (2 x BLOCK_N x 128))."""
-    import os
-    import subprocess
-    import tempfile
-
-    from sass_lines import loop_body
+    from sass_lines import cubin_tool_text, loop_body
     from sass_write import resident_warps
 
-    nvdisasm = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
     rows = []
     for bn, vf, lz, pf, b16, nreg, nv in variants:
         ck = compile_sm90(block_n=bn, vf16=bool(vf), lazy=bool(lz), prefetch=bool(pf), b16=bool(b16),
                           maxnreg=nreg or None, nv=bool(nv))
-        with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-            f.write(ck.asm["cubin"])
-        try:
-            text = subprocess.run([str(nvdisasm), "-c", f.name], capture_output=True, text=True, check=True).stdout
-        finally:
-            os.unlink(f.name)
+        text = cubin_tool_text(ck.asm["cubin"], "nvdisasm", "-c")
         body, _ = loop_body(text)
         regs = _cubin_regs(ck.asm["cubin"])
         labels = {}
@@ -784,19 +789,9 @@ def static_rows(variants) -> list[dict]:
 
 def _cubin_regs(cubin: bytes) -> int:
     """Registers per thread of the cubin's kernel (``cuobjdump --dump-resource-usage``)."""
-    import os
-    import subprocess
-    import tempfile
+    from sass_lines import cubin_tool_text
 
-    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-        f.write(cubin)
-    try:
-        out = subprocess.run([str(tool), "--dump-resource-usage", f.name], capture_output=True, text=True,
-                             check=True).stdout
-    finally:
-        os.unlink(f.name)
-    return int(re.search(r"REG:(\d+)", out).group(1))
+    return int(re.search(r"REG:(\d+)", cubin_tool_text(cubin, "cuobjdump", "--dump-resource-usage")).group(1))
 
 
 def main(argv=None) -> int:

@@ -131,20 +131,24 @@ def default_split_launch(scheme: str, qpk: int, layout: str, plan: dict | None =
 def sm90_sass(launch) -> str:
     """``nvdisasm -g`` text (with Triton's line table) of ``launch`` compiled for sm_90 as ``kvqref.kernels.aot``
     compiles it."""
-    import triton
-
     from kvqref.backends._aot import make_target
     from kvqref.kernels.aot import compile_launch
 
-    ck = compile_launch(launch, make_target("cuda", 90))
-    nvdisasm = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
+    return cubin_tool_text(compile_launch(launch, make_target("cuda", 90)).asm["cubin"], "nvdisasm", "-g", "-c")
+
+
+def cubin_tool_text(cubin: bytes, tool: str, *args: str) -> str:
+    """The standard output of Triton's bundled CUDA ``tool`` (``nvdisasm``, ``cuobjdump``) with ``args`` on
+    ``cubin`` (written to a temporary file)."""
+    import triton
+
+    path = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / tool
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-        f.write(ck.asm["cubin"])
+        f.write(cubin)
     try:
-        text = subprocess.run([str(nvdisasm), "-g", "-c", f.name], capture_output=True, text=True, check=True).stdout
+        return subprocess.run([str(path), *args, f.name], capture_output=True, text=True, check=True).stdout
     finally:
         os.unlink(f.name)
-    return text
 
 
 def plan_option(text: str) -> tuple[str, int | bool]:
