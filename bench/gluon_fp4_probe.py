@@ -748,43 +748,48 @@ def oracle_check(variants, splits: int = 4, seed: int = 0, scheme: str = "mxfp4"
 
 def static_rows(variants) -> list[dict]:
     """Per variant, its sm_90 build (this machine's triton; no GPU): registers, shared memory, resident warps per
-    multiprocessor, and the tile loop's instructions per thread (``sass_lines.loop_body``), with those of the
-    conditional rescale (the loop's forward branch) apart; per cache element as ``sass_budget`` counts it (one warp:
-    loop x 32 / (2 x BLOCK_N x 128))."""
-    from sass_lines import cubin_tool_text, loop_body
-    from sass_write import resident_warps
-
+    multiprocessor, and the tile loop's instructions per thread (:func:`sm90_loop_counts`); per cache element as
+    ``sass_budget`` counts it (one warp: loop x 32 / (2 x BLOCK_N x 128))."""
     rows = []
     for bn, vf, lz, pf, b16, nreg, nv in variants:
         ck = compile_sm90(block_n=bn, vf16=bool(vf), lazy=bool(lz), prefetch=bool(pf), b16=bool(b16),
                           maxnreg=nreg or None, nv=bool(nv))
-        text = cubin_tool_text(ck.asm["cubin"], "nvdisasm", "-c")
-        body, _ = loop_body(text)
-        regs = _cubin_regs(ck.asm["cubin"])
-        labels = {}
-        pending = []
-        for line in text.splitlines():  # label -> address, as sass_lines.loop_body reads them
-            if m := re.match(r"\s*(\.L_x_\d+):", line):
-                pending.append(m.group(1))
-            elif m := re.search(r"/\*([0-9a-f]{4,})\*/", line):
-                labels.update((lab, int(m.group(1), 16)) for lab in pending)
-                pending = []
-        skipped = 0
-        for addr, op, _w, args in body:  # the rescale block: a forward branch inside the loop
-            m = re.search(r"(\.L_x_\d+)", args) if op == "BRA" else None
-            tgt = labels.get(m.group(1)) if m else None
-            if tgt is not None and addr < tgt <= body[-1][0]:
-                skipped = max(skipped, sum(1 for r in body if addr < r[0] < tgt))
-        common = len(body) - skipped
+        counts = sm90_loop_counts(ck)
         rows.append({"variant": {"block_n": bn, "vf16": vf, "lazy": lz, "prefetch": pf, "blocks_of_16": b16,
-                                 "maxnreg": nreg, "nvfp4": nv},
-                     "registers": regs, "shared_bytes": ck.metadata.shared,
-                     "resident_warps": resident_warps(regs, 1, ck.metadata.shared),
-                     "loop": len(body), "loop_common_path": common,
-                     "per_element": round(common * 32 / (2 * bn * 128), 2),
-                     "stack_ops": sum(1 for r in body if r[1] in ("LDL", "STL")),
-                     "shared_ops": sum(1 for r in body if r[1] in ("LDS", "STS", "BAR"))})
+                                 "maxnreg": nreg, "nvfp4": nv}, **counts,
+                     "per_element": round(counts["loop_common_path"] * 32 / (2 * bn * 128), 2)})
     return rows
+
+
+def sm90_loop_counts(ck) -> dict:
+    """A one-warp sm_90 build's registers, shared memory, resident warps per multiprocessor, and its tile loop's
+    instructions per thread (``sass_lines.loop_body``), with those of the conditional rescale (the loop's forward
+    branch) apart: ``loop_common_path`` is the loop without them."""
+    from sass_lines import cubin_tool_text, loop_body
+    from sass_write import resident_warps
+
+    text = cubin_tool_text(ck.asm["cubin"], "nvdisasm", "-c")
+    body, _ = loop_body(text)
+    regs = _cubin_regs(ck.asm["cubin"])
+    labels = {}
+    pending = []
+    for line in text.splitlines():  # label -> address, as sass_lines.loop_body reads them
+        if m := re.match(r"\s*(\.L_x_\d+):", line):
+            pending.append(m.group(1))
+        elif m := re.search(r"/\*([0-9a-f]{4,})\*/", line):
+            labels.update((lab, int(m.group(1), 16)) for lab in pending)
+            pending = []
+    skipped = 0
+    for addr, op, _w, args in body:  # the rescale block: a forward branch inside the loop
+        m = re.search(r"(\.L_x_\d+)", args) if op == "BRA" else None
+        tgt = labels.get(m.group(1)) if m else None
+        if tgt is not None and addr < tgt <= body[-1][0]:
+            skipped = max(skipped, sum(1 for r in body if addr < r[0] < tgt))
+    return {"registers": regs, "shared_bytes": ck.metadata.shared,
+            "resident_warps": resident_warps(regs, 1, ck.metadata.shared),
+            "loop": len(body), "loop_common_path": len(body) - skipped,
+            "stack_ops": sum(1 for r in body if r[1] in ("LDL", "STL")),
+            "shared_ops": sum(1 for r in body if r[1] in ("LDS", "STS", "BAR"))}
 
 
 def _cubin_regs(cubin: bytes) -> int:
