@@ -103,11 +103,22 @@ def q_layout() -> gl.DistributedLinearLayout:
         shape=[4, 4, 128])
 
 
-def channel_layout() -> gl.DistributedLinearLayout:
+def channel_layout(compact: bool = False) -> gl.DistributedLinearLayout:
     """[128] channels of a key group's scale or zero row: thread lane % 4 = t holds 32 t .. 32 t + 31 (4 16-byte
-    loads), every lane // 4 the same."""
+    loads), every lane // 4 the same; ``compact``: lane bit 4 = x holds 32 t + 16 x .. 32 t + 16 x + 15."""
+    if compact:
+        return gl.DistributedLinearLayout(reg_bases=[[1], [2], [4], [8]], lane_bases=[[32], [64], [0], [0], [16]],
+                                          warp_bases=[], block_bases=[], shape=[128])
     return gl.DistributedLinearLayout(reg_bases=[[1], [2], [4], [8], [16]], lane_bases=[[32], [64], [0], [0], [0]],
                                       warp_bases=[], block_bases=[], shape=[128])
+
+
+def q_compact_layout() -> gl.DistributedLinearLayout:
+    """[4 heads, 128 k]: :func:`q_layout`'s slice with k + 64 on lane bit 4 instead of a register, so that each
+    (head, k) is computed by one lane (16 per thread), then exchanged (``COMPACT``)."""
+    return gl.DistributedLinearLayout(reg_bases=[[0, 1], [0, 8], [0, 16], [0, 32]],
+                                      lane_bases=[[0, 2], [0, 4], [1, 0], [2, 0], [0, 64]], warp_bases=[],
+                                      block_bases=[], shape=[4, 128])
 
 
 def key_load_layout(db: int) -> gl.BlockedLayout:
@@ -125,11 +136,20 @@ def value_load_layout(db: int) -> gl.DistributedLinearLayout:
 
 
 def value_word_layout() -> gl.DistributedLinearLayout:
-    """[32 tokens, 4 groups] float16 value scales or zeros: the score columns' tokens 2 t + e + 8 j of thread t with
-    all 4 groups (one 16-byte load per token pair)."""
-    return gl.DistributedLinearLayout(reg_bases=[[0, 1], [0, 2], [1, 0], [8, 0], [16, 0]],
-                                      lane_bases=[[2, 0], [4, 0], [0, 0], [0, 0], [0, 0]], warp_bases=[],
-                                      block_bases=[], shape=[32, 4])
+    """[32 tokens, 2 (x), 2 (half)] float16 value scales or zeros, group 2 x + half: thread (t, g) reads the groups
+    2 x and 2 x + 1 (x = lane bit 4, one 4-byte load per token) of the score columns' tokens 2 t + e + 8 j."""
+    return gl.DistributedLinearLayout(reg_bases=[[0, 0, 1], [1, 0, 0], [8, 0, 0], [16, 0, 0]],
+                                      lane_bases=[[2, 0, 0], [4, 0, 0], [0, 0, 0], [0, 0, 0], [0, 1, 0]],
+                                      warp_bases=[], block_bases=[], shape=[32, 2, 2])
+
+
+def value_rows_layout() -> gl.DistributedLinearLayout:
+    """[2 (half), 2 (x), 4 heads, 32 tokens] whose reshape to [16, 32] (row 8 half + 4 x + head) is the mma layout:
+    row r's value group is 2 x + half (:func:`_row_groups`), so a thread's two rows (r and r + 8) read the two
+    float16 halves of one word."""
+    return gl.DistributedLinearLayout(reg_bases=[[0, 0, 0, 1], [1, 0, 0, 0], [0, 0, 0, 8], [0, 0, 0, 16]],
+                                      lane_bases=[[0, 0, 0, 2], [0, 0, 0, 4], [0, 0, 1, 0], [0, 0, 2, 0],
+                                                  [0, 1, 0, 0]], warp_bases=[], block_bases=[], shape=[2, 2, 4, 32])
 
 
 @gluon.jit
@@ -250,21 +270,22 @@ Q3 = gl.constexpr(q_layout())
 
 
 @gluon.jit
-def _group_rows(w0, w1, w2, w3, rows):
-    """[16, 32]: row r's value group r // 4 of each token's 4 float16 words (w0 .. w3 [32], score columns)."""
-    grp = (rows // 4)[:, None]
-    return gl.where(grp % 2 == 1, gl.where(grp >= 2, w3[None, :], w1[None, :]),
-                    gl.where(grp >= 2, w2[None, :], w0[None, :]))
+def _row_groups(rows):
+    """The value group of each score row r = 8 half + 4 x + head: 2 x + half."""
+    return 2 * ((rows // 4) % 2) + rows // 8
 
 
 @gluon.jit
-def _value_words(x):
-    """[32 tokens, 4 groups] (:func:`value_word_layout`) -> the 4 groups' [32] vectors in the score columns' layout."""
-    a, b = gl.split(gl.reshape(x, (32, 2, 2)))  # (group bit 0: a even groups, b odd), [32, 2] by group bit 1
-    w0, w2 = gl.split(a)
-    w1, w3 = gl.split(b)
-    L: gl.constexpr = gl.SliceLayout(0, MMA)
-    return _trivial(w0, L), _trivial(w1, L), _trivial(w2, L), _trivial(w3, L)
+def _value_rows(x):
+    """Value scales or zeros [32 tokens, 2 (x), 2 (half)] (:func:`value_word_layout`) -> [16, 32] float32 in the mma
+    layout, row r holding its group's (:func:`_row_groups`)."""
+    x = _trivial(gl.permute(x, (2, 1, 0)), gl.SliceLayout(2, VROWS))  # [half, x, token]
+    x = gl.broadcast(gl.expand_dims(x, 2), gl.full([2, 2, 4, 32], 0, x.dtype, layout=VROWS))[0]
+    return _trivial(gl.reshape(x, (16, 32)), MMA).to(gl.float32)
+
+
+VROWS = gl.constexpr(value_rows_layout())
+QC = gl.constexpr(q_compact_layout())
 
 
 @gluon.jit
@@ -272,7 +293,7 @@ def kivi_split_kernel(
     Q, BT, SL, KC, KS, KZ, VC, VS, VZ, OP, LP, qk_scale, tokens_per_split,
     stride_qb, stride_qh, stride_btb, kc_p, kc_h, ks_p, ks_h, vc_p, vc_h, vs_p, vs_h, op_b, op_h, op_s, lp_b, lp_h,
     BITS: gl.constexpr, QPK: gl.constexpr, KEY_LOAD: gl.constexpr, VAL_LOAD: gl.constexpr, CH: gl.constexpr,
-    VW: gl.constexpr,
+    VW: gl.constexpr, COMPACT: gl.constexpr = True,
 ):
     """KIVI keys and values (``BITS`` 2 or 4), head-major pages of 32 tokens, 4 query heads per KV head, head_dim
     128, value groups of 32 channels: one split's normalised output and base-2 log-sum-exp."""
@@ -280,16 +301,17 @@ def kivi_split_kernel(
     DB: gl.constexpr = 128 * BITS // 8
     N: gl.constexpr = 32
     QS: gl.constexpr = gl.SliceLayout(0, Q3)  # [4 heads, 128 k]
-    K1: gl.constexpr = gl.SliceLayout(0, QS)
+    QW: gl.constexpr = QC if COMPACT else QS  # where the key rows are computed
+    K1: gl.constexpr = gl.SliceLayout(0, QW)
     H1: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(2, Q3))  # the heads, as _rows16 takes them
     b, kvh, split, start, end = _program_tokens(SL, tokens_per_split)
 
     k = gl.arange(0, 128, layout=K1)
     ch, pos = _k_digits(k, BITS)
-    h = gl.arange(0, 4, layout=gl.SliceLayout(1, QS))
+    h = gl.arange(0, 4, layout=gl.SliceLayout(1, QW))
     qrow = Q + b * stride_qb + (kvh * QPK + h).to(gl.int64)[:, None] * stride_qh
-    qp = gl.load(qrow + ch[None, :]).to(gl.float32) * _pow2(-BITS * pos)[None, :]  # q 4**-pos (exact)
-    f4 = _pow2(BITS * pos)
+    qx = gl.load(qrow + ch[None, :]).to(gl.float32)
+    down = _pow2(-BITS * pos).to(gl.float16)[None, :]  # 2**(-BITS pos): the codes' place in their half-word
 
     # loop-invariant offsets inside a page
     tk = gl.arange(0, N, layout=gl.SliceLayout(1, KEY_LOAD))
@@ -300,8 +322,10 @@ def kivi_split_kernel(
     VB: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(1, VAL_LOAD))
     vtok = 2 * gl.arange(0, 16, layout=VP)[:, None, None] + gl.arange(0, 2, layout=VE)[None, :, None]
     voff = vtok * DB + gl.arange(0, DB, layout=VB)[None, None, :] + kvh * vc_h
-    wt = gl.arange(0, N, layout=gl.SliceLayout(1, VW))
-    woff = (wt * 4)[:, None] + gl.arange(0, 4, layout=gl.SliceLayout(0, VW))[None, :] + kvh * vs_h
+    VW1: gl.constexpr = gl.SliceLayout(2, VW)
+    woff = (gl.arange(0, N, layout=gl.SliceLayout(1, VW1)) * 4)[:, None, None] + kvh * vs_h + (
+        2 * gl.arange(0, 2, layout=gl.SliceLayout(0, VW1))[None, :, None]
+        + gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, VW)))[None, None, :])
     isc = gl.arange(0, N, layout=gl.SliceLayout(0, MMA))
     rows = gl.arange(0, 16, layout=gl.SliceLayout(1, MMA))
 
@@ -319,11 +343,15 @@ def kivi_split_kernel(
         sv = gl.load(VS + pg * vs_p + woff)
         zv = gl.load(VZ + pg * vs_p + woff)
 
-        # key rows: q s 2**E 4**-pos rounded once to float16, E per head; the zero term q . z in float32
-        qs = qp * _channel_relabel(sk, BITS, K1).to(gl.float32)[None, :]
+        # key rows: q s 2**E rounded once to float16 (E per head puts the largest in [2**14, 2**15)), then times
+        # 2**(-BITS pos) in float16 (a second rounding below float16's normals, as the Triton kernel's subnormal
+        # codes); the zero term q . z in float32
+        qs = qx * _channel_relabel(sk, BITS, K1).to(gl.float32)[None, :]
         e = _q_exponent(gl.max(gl.abs(qs), 1))
-        q16 = (qs * _pow2(e)[:, None]).to(gl.float16)
-        qz = gl.sum(qp * (_channel_relabel(zk, BITS, K1).to(gl.float32) * f4)[None, :], 1)
+        q16 = (qs * _pow2(e)[:, None]).to(gl.float16) * down
+        if COMPACT:
+            q16 = gl.convert_layout(q16, QS)
+        qz = gl.sum(qx * _channel_relabel(zk, BITS, K1).to(gl.float32)[None, :], 1)
         a16 = gl.broadcast(gl.expand_dims(q16, 0), gl.full([4, 4, 128], 0, gl.float16, layout=Q3))[0]
         a16 = _trivial(gl.reshape(a16, (16, 128)), OP_A)
         dot = mma_v2(a16, _key_operand(kb, BITS, N), gl.zeros([16, N], gl.float32, layout=MMA))
@@ -343,10 +371,8 @@ def kivi_split_kernel(
             m_i = m_new
         p = gl.exp2(s - (m_i - P_SHIFT)[:, None])  # p 2**96
         l_i = l_i + gl.sum(p, 1)
-        s0, s1, s2, s3 = _value_words(sv)
-        z0, z1, z2, z3 = _value_words(zv)
-        acc_z = acc_z + p * _group_rows(z0, z1, z2, z3, rows).to(gl.float32)
-        pv = _trivial((p * _group_rows(s0, s1, s2, s3, rows).to(gl.float32)).to(gl.bfloat16), OP_A)
+        acc_z = acc_z + p * _value_rows(zv)
+        pv = _trivial((p * _value_rows(sv)).to(gl.bfloat16), OP_A)
         acc = mma_v2(pv, _value_operand(vb, BITS), acc)
 
     # column c holds channel 16 (c % 8) + c // 8 times 2**(BITS pos) 2**-133
@@ -360,14 +386,14 @@ def kivi_split_kernel(
     f = _pow2(133 - P_SHIFT - BITS * vpos)[None, :] / (safe_l * P_UNSHIFT)[:, None]
     out = acc * f + (gl.sum(acc_z, 1) / safe_l)[:, None]
     hh = rows % 4
-    om = (hh < QPK)[:, None] & ((chv // 32)[None, :] == (rows // 4)[:, None])
+    om = (hh < QPK)[:, None] & ((chv // 32)[None, :] == _row_groups(rows)[:, None])
     obase = OP + b * op_b + (kvh * QPK + hh).to(gl.int64)[:, None] * op_h + split * op_s
     gl.store(obase + chv[None, :], out, mask=om)
     lse2 = gl.where(l_i > 0, m_i + gl.log2(safe_l) - P_SHIFT, float("-inf"))
     gl.store(LP + b * lp_b + (kvh * QPK + hh).to(gl.int64) * lp_h + split, lse2, mask=(hh < QPK) & (rows < 4))
 
 
-def compile_sm90(bits: int = 2, maxnreg: int | None = None):
+def compile_sm90(bits: int = 2, maxnreg: int | None = None, compact: bool = True):
     """Ahead-of-time compile for sm_90 (no GPU needed): the compiled kernel, for its SASS and resource usage."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -380,7 +406,7 @@ def compile_sm90(bits: int = 2, maxnreg: int | None = None):
                 "VS": "*fp16", "VZ": "*fp16", "OP": "*fp32", "LP": "*fp32", "qk_scale": "fp32"})
     db = 128 * bits // 8
     consts = {"BITS": bits, "QPK": 4, "KEY_LOAD": key_load_layout(db), "VAL_LOAD": value_load_layout(db),
-              "CH": channel_layout(), "VW": value_word_layout()}
+              "CH": channel_layout(compact), "VW": value_word_layout(), "COMPACT": compact}
     sig.update({k: "constexpr" for k in consts})
     attrs = {(i,): [["tt.divisibility", 16]] for i, k in enumerate(fn.arg_names)
              if k in ("Q", "BT", "SL", "KC", "KS", "KZ", "VC", "VS", "VZ", "OP", "LP", "stride_qb", "stride_qh",
@@ -390,7 +416,7 @@ def compile_sm90(bits: int = 2, maxnreg: int | None = None):
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
 
 
-def gluon_decode(q, dc, splits: int, maxnreg: int = 0):
+def gluon_decode(q, dc, splits: int, maxnreg: int = 0, compact: bool = True):
     """The probe's decode over ``dc`` (a KIVI device cache, head-major pages of 32, every token in pages, as
     bench/decode_bench.py makes it): returns the call (out [B, Hq, D] float32 after the project's merge kernel)."""
     import torch
@@ -427,8 +453,8 @@ def gluon_decode(q, dc, splits: int, maxnreg: int = 0):
             q, bt, seq_lens, kc, ks, kz, vc, vs, vz, op, lp, qk_scale, tps, q.stride(0), q.stride(1), bt.stride(0),
             kc.stride(0), kc.stride(1), ks.stride(0), ks.stride(1), vc.stride(0), vc.stride(1), vs.stride(0),
             vs.stride(1), op.stride(0), op.stride(1), op.stride(2), lp.stride(0), lp.stride(1),
-            BITS=bits, QPK=4, KEY_LOAD=key_load_layout(db), VAL_LOAD=value_load_layout(db), CH=channel_layout(),
-            VW=value_word_layout(), num_warps=1, **opts)
+            BITS=bits, QPK=4, KEY_LOAD=key_load_layout(db), VAL_LOAD=value_load_layout(db),
+            CH=channel_layout(compact), VW=value_word_layout(), COMPACT=compact, num_warps=1, **opts)
         merge_kernel[(batch, q_heads, 1)](op, lp, out, lse, splits, op.stride(0), op.stride(1), op.stride(2),
                                           lp.stride(0), lp.stride(1), out.stride(0), out.stride(1), lse.stride(0),
                                           out, D=d, S_PAD=s_pad, DB=d)
@@ -439,12 +465,12 @@ def gluon_decode(q, dc, splits: int, maxnreg: int = 0):
 
 def oracle_check(variants, scheme: str = "int2_kivi", splits: int = 4, seed: int = 0,
                  device: str = "cuda") -> list[dict]:
-    """Each variant (maxnreg) against the float64 oracle (``kvqref.reference.attention`` on the scheme's dequantized
-    values) with the fast mode's tolerance (``kernel_tolerance`` with ``fast_rounding`` and the KIVI magnitudes the
-    fast kernel rounds: ``K - Z``, ``V - Z``, the key scales): 3 sequences of 2,048, 992 and 96 tokens (whole key
-    groups; splits ending inside a tile and empty splits), 32 query and 8 KV heads, head-major pages of 32 dealt at
-    random; keys with outlier channels. Returns per variant the largest |error| / tolerance (``device="cpu"`` with no
-    variants: the production kernel alone, under the interpreter, to check the harness)."""
+    """Each variant (COMPACT, MAXNREG) against the float64 oracle (``kvqref.reference.attention`` on the scheme's
+    dequantized values) with the fast mode's tolerance (``kernel_tolerance`` with ``fast_rounding`` and the KIVI
+    magnitudes the fast kernel rounds: ``K - Z``, ``V - Z``, the key scales): 3 sequences of 2,048, 992 and 96
+    tokens (whole key groups; splits ending inside a tile and empty splits), 32 query and 8 KV heads, head-major
+    pages of 32 dealt at random; keys with outlier channels. Returns per variant the largest |error| / tolerance
+    (``device="cpu"`` with no variants: the production kernel alone, under the interpreter, to check the harness)."""
     import numpy as np
     import torch
 
@@ -489,9 +515,10 @@ def oracle_check(variants, scheme: str = "int2_kivi", splits: int = 4, seed: int
     rows = []
     got_prod = tb.decode(q, dc)[0].cpu().numpy()
     rows.append({"kernel": "triton (default plan)", "max_err_over_tol": float((np.abs(got_prod - want) / tol).max())})
-    for nreg in variants:
-        got = gluon_decode(q, dc, splits, maxnreg=nreg)().cpu().numpy()
-        rows.append({"kernel": f"gluon MAXNREG {nreg}", "max_err_over_tol": float((np.abs(got - want) / tol).max()),
+    for compact, nreg in variants:
+        got = gluon_decode(q, dc, splits, maxnreg=nreg, compact=bool(compact))().cpu().numpy()
+        rows.append({"kernel": f"gluon COMPACT {compact} MAXNREG {nreg}",
+                     "max_err_over_tol": float((np.abs(got - want) / tol).max()),
                      "finite": bool(np.isfinite(got).all())})
     return rows
 
@@ -501,21 +528,23 @@ def main(argv=None) -> int:
     ap.add_argument("--scheme", default="int2_kivi", choices=("int2_kivi", "int4_kivi"))
     ap.add_argument("--shape", default="32,32,8,128,8192", help="batch,q_heads,kv_heads,head_dim,tokens")
     ap.add_argument("--splits", default="3,4,6,8")
-    ap.add_argument("--maxnreg", default="0,168", help="register caps to try (0: none)")
+    ap.add_argument("--variants", default="1,0;1,168;0,0",
+                    help="COMPACT,MAXNREG pairs (COMPACT: the key rows computed once per lane and exchanged; "
+                         "MAXNREG 0: no register cap)")
     ap.add_argument("--out", help="JSON file for the results")
     ap.add_argument("--check", action="store_true", help="only the float64-oracle check of every variant")
     ap.add_argument("--static", action="store_true", help="sm_90 builds: registers, shared memory, tile-loop "
                     "instructions (this machine's triton, no GPU)")
     ap.add_argument("--compile-only", action="store_true", help="AOT-compile for sm_90 and print the resources")
     args = ap.parse_args(argv)
-    caps = [int(x) for x in args.maxnreg.split(",")]
+    variants = [tuple(int(x) for x in v.split(",")) for v in args.variants.split(";")]
     if args.static:
         from gluon_fp4_probe import sm90_loop_counts
 
         for bits in (2, 4):
-            for cap in caps:
-                counts = sm90_loop_counts(compile_sm90(bits, cap or None))
-                print(json.dumps({"bits": bits, "maxnreg": cap, **counts,
+            for compact, cap in variants:
+                counts = sm90_loop_counts(compile_sm90(bits, cap or None, bool(compact)))
+                print(json.dumps({"bits": bits, "compact": compact, "maxnreg": cap, **counts,
                                   "per_element": round(counts["loop_common_path"] * 32 / (2 * PAGE * D), 2)}),
                       flush=True)
         return 0
@@ -526,7 +555,7 @@ def main(argv=None) -> int:
                               "num_warps": ck.metadata.num_warps}), flush=True)
         return 0
     if args.check:
-        for r in oracle_check(caps, scheme=args.scheme):
+        for r in oracle_check(variants, scheme=args.scheme):
             print(json.dumps(r), flush=True)
         return 0
     import decode_bench as db
@@ -550,11 +579,12 @@ def main(argv=None) -> int:
     sdpa = db.sdpa_case(shape)["time_us"]
     rows[0]["ratio_to_sdpa"] = sdpa / rows[0]["time_us"]
     print(json.dumps(rows[0]), flush=True)
-    for cap in caps:
+    for compact, cap in variants:
         for s in (int(x) for x in args.splits.split(",")):
-            row = {"kernel": f"gluon KIVI probe, MAXNREG {cap}, {s} splits", "maxnreg": cap, "splits": s}
+            row = {"kernel": f"gluon KIVI probe, COMPACT {compact}, MAXNREG {cap}, {s} splits", "compact": compact,
+                   "maxnreg": cap, "splits": s}
             try:
-                fn = gluon_decode(q, dc, s, maxnreg=cap)
+                fn = gluon_decode(q, dc, s, maxnreg=cap, compact=bool(compact))
                 got = fn().clone()
                 err = (got - want).abs().max().item()
                 row.update({"max_abs_diff": err, "max_rel_diff": err / want.abs().max().item(),
