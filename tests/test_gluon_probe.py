@@ -72,3 +72,77 @@ def test_probe_kernels_build_for_sm90_with_no_shared_memory():
     builds = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
     assert [b["build"] for b in builds] == list(probe.BUILDS)
     assert all(b["shared"] == 0 and b["num_warps"] == 1 for b in builds), builds
+
+
+# bench/gluon_kivi_probe.py: the KIVI codes' PTX (keys as float16 subnormals, values as bfloat16 subnormals of the
+# two tokens of an operand register), against the codes' definition (LSB first along channels, ``bits`` per code)
+
+import gluon_kivi_probe as kivi  # noqa: E402
+
+
+def _f16_value(half: int) -> float:
+    return float(np.array([half], np.uint16).view(np.float16)[0])
+
+
+def _bf16_value(half: int) -> float:
+    return float(np.array([half << 16], np.uint32).view(np.float32)[0])
+
+
+def _words_with(rng, bits: int, position: int, code: int) -> int:
+    """A random 32-bit word of codes with ``code`` at code ``position`` (LSB first)."""
+    w = int(rng.integers(0, 2**32))
+    mask = (1 << bits) - 1
+    return (w & ~(mask << bits * position) & 0xFFFFFFFF) | code << bits * position
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+def test_kivi_key_codes_ptx(bits):
+    """Register i holds (low half-word's code i, high half-word's code i) as float16 ``code * 2**(bits pos_i) *
+    2**-24`` (:func:`kivi.key_pos`), for every code value in every position of the word, the others random."""
+    asm, n = kivi.key_codes_ptx(bits), 16 // bits
+    rng = np.random.default_rng(bits)
+    for position in range(2 * n):
+        for code in range(1 << bits):
+            w = _words_with(rng, bits, position, code)
+            got = run_ptx(asm, {f"${n}": w})
+            for i in range(n):
+                scale = 2.0 ** (bits * kivi.key_pos(bits, i) - 24)
+                for half in range(2):
+                    want = ((w >> (16 * half + bits * i)) & ((1 << bits) - 1)) * scale
+                    assert _f16_value((got[f"${i}"] >> 16 * half) & 0xFFFF) == want, (position, code, i, half)
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+def test_kivi_value_codes_ptx(bits):
+    """Register w n + i holds (token A's code i of half-word w, token B's) as bfloat16 ``code * 2**(bits pos) *
+    2**-133`` (:func:`kivi.value_pos`), for every code value in every position of either token's word."""
+    asm, n = kivi.value_codes_ptx(bits), 16 // bits
+    rng = np.random.default_rng(10 + bits)
+    for token in range(2):
+        for position in range(2 * n):
+            for code in range(1 << bits):
+                a, b = int(rng.integers(0, 2**32)), int(rng.integers(0, 2**32))
+                if token == 0:
+                    a = _words_with(rng, bits, position, code)
+                else:
+                    b = _words_with(rng, bits, position, code)
+                got = run_ptx(asm, {f"${2 * n}": a, f"${2 * n + 1}": b})
+                for w in range(2):
+                    for i in range(n):
+                        scale = 2.0 ** (bits * kivi.value_pos(bits, i) - 133)
+                        for half, word in enumerate((a, b)):
+                            want = ((word >> (16 * w + bits * i)) & ((1 << bits) - 1)) * scale
+                            reg = (got[f"${w * n + i}"] >> 16 * half) & 0xFFFF
+                            assert _bf16_value(reg) == want, (token, position, code, w, i, half)
+
+
+def test_kivi_probe_builds_for_sm90_with_no_shared_memory():
+    """As the FP4 probe's: both KIVI builds (int2, int4) compile for sm_90 with every layout conversion but the key
+    rows' exchange asserted to move no data between threads, and no shared memory (the exchange by shuffles)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, str(BENCH / "gluon_kivi_probe.py"), "--compile-only"], capture_output=True,
+                         text=True, env=env, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    builds = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    assert [b["build"] for b in builds] == ["int2_kivi", "int4_kivi"]
+    assert all(b["shared"] == 0 and b["num_warps"] == 1 for b in builds), builds
