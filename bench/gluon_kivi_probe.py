@@ -181,6 +181,11 @@ def _channel_relabel(x, BITS: gl.constexpr, L1: gl.constexpr):
     return _trivial(gl.reshape(x, (128,)), L1)
 
 
+#: the relabelling of the unpacked codes to the operands (tests/test_gluon_probe.py replays it on the PTX emulator's
+#: output): keys (token, t, w, a, b, m) -> (w, m, a, t, b, token), values (pair, g, Y, e_hi, e_lo, m) -> (pair, e_lo,
+#: Y, m, e_hi, g)
+KEY_ORDER = gl.constexpr((2, 5, 3, 1, 4, 0))
+VALUE_ORDER = gl.constexpr((0, 4, 2, 5, 3, 1))
 KEY2_PTX = gl.constexpr(key_codes_ptx(2))
 KEY4_PTX = gl.constexpr(key_codes_ptx(4))
 VAL2_PTX = gl.constexpr(value_codes_ptx(2))
@@ -231,7 +236,7 @@ def _key_operand(kb, BITS: gl.constexpr, N: gl.constexpr):
         x = _stack2(o0, o1)
         M: gl.constexpr = 2
     x = gl.reshape(x, (N, 4, W, 2, 2, M))  # (token, t, w, a, b, m): byte DB / 4 t + 4 w + 2 a + b, output m
-    x = gl.permute(x, (2, 5, 3, 1, 4, 0))  # (w, m, a, t, b, token)
+    x = gl.permute(x, KEY_ORDER.value)  # (w, m, a, t, b, token)
     return _trivial(gl.reshape(x, (128, N)), OP_B)
 
 
@@ -253,7 +258,7 @@ def _value_operand(vb, BITS: gl.constexpr):
         x = _stack4(o0, o1, o2, o3)
         NO: gl.constexpr = 4
     x = gl.reshape(x, (16, 8, YN, 2, 2, NO))  # (pair, g, Y, e_hi, e_lo, m): byte DB / 8 g + 4 Y + 2 e_hi + e_lo
-    x = gl.permute(x, (0, 4, 2, 5, 3, 1))  # (pair, e_lo, Y, m, e_hi, g)
+    x = gl.permute(x, VALUE_ORDER.value)  # (pair, e_lo, Y, m, e_hi, g)
     return _trivial(gl.reshape(x, (32, 128)), OP_B)
 
 

@@ -146,3 +146,63 @@ def test_kivi_probe_builds_for_sm90_with_no_shared_memory():
     builds = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
     assert [b["build"] for b in builds] == ["int2_kivi", "int4_kivi"]
     assert all(b["shared"] == 0 and b["num_warps"] == 1 for b in builds), builds
+
+
+def _codes(rows: np.ndarray, bits: int) -> np.ndarray:
+    """[tokens, channels] codes of code bytes [tokens, bytes] (LSB first along channels)."""
+    per = 8 // bits
+    return np.stack([(rows >> bits * j) & ((1 << bits) - 1) for j in range(per)], axis=-1).reshape(rows.shape[0], -1)
+
+
+def _words(row: np.ndarray) -> list[int]:
+    return [int(w) for w in np.ascontiguousarray(row).view("<u4")]
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+def test_kivi_key_operand_holds_each_channel_once(bits):
+    """The key operand as the kernel builds it (the PTX per 4-byte word, each output's 4 elements the word's bytes,
+    then ``KEY_ORDER``) replayed on the emulator: entry [k, n] is token n's code of channel ch(k) times
+    2**(bits pos(k) - 24), ch(k) = 32 t + 2 N w + N b + 2 m + a and pos(k) as ``_k_digits`` state them (k = 16 (M w
+    + m) + 8 a + 2 t + b), a bijection of the 128 channels."""
+    n, m_out, w_n, db = 16 // bits, 8 // bits, bits, 16 * bits
+    rng = np.random.default_rng(20 + bits)
+    kb = rng.integers(0, 256, (32, db), dtype=np.uint8)
+    o = np.zeros((32, db, m_out))
+    for tok in range(32):
+        for wi, word in enumerate(_words(kb[tok])):
+            regs = run_ptx(kivi.key_codes_ptx(bits), {f"${n}": word})
+            for m in range(m_out):
+                for e in range(4):
+                    o[tok, 4 * wi + e, m] = _f16_value((regs[f"${2 * m + e // 2}"] >> 16 * (e % 2)) & 0xFFFF)
+    b_op = o.reshape(32, 4, w_n, 2, 2, m_out).transpose(kivi.KEY_ORDER.value).reshape(128, 32)
+    k = np.arange(128)
+    b, t, a, m, w = k % 2, (k // 2) % 4, (k // 8) % 2, (k // 16) % m_out, k // (16 * m_out)
+    i = 2 * m + a
+    ch = 32 * t + 2 * n * w + n * b + i
+    pos = np.array([kivi.key_pos(bits, int(v)) for v in i])
+    assert sorted(ch) == list(range(128))
+    want = _codes(kb, bits)[:, ch].T * 2.0 ** (bits * pos - 24)[:, None]
+    np.testing.assert_array_equal(b_op, want)
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+def test_kivi_value_operand_columns(bits):
+    """The value operand as the kernel builds it (token pairs through the PTX, then ``VALUE_ORDER``) replayed on the
+    emulator: entry [token, c] is the token's code of channel 16 (c % 8) + c // 8 times 2**(bits pos - 133), pos =
+    ((c // 8) % N) % (7 // bits): the epilogue's column rule."""
+    n, db = 16 // bits, 16 * bits
+    rng = np.random.default_rng(30 + bits)
+    vb = rng.integers(0, 256, (32, db), dtype=np.uint8)
+    o = np.zeros((16, db, n))
+    for pair in range(16):
+        for wi, (wa, wb) in enumerate(zip(_words(vb[2 * pair]), _words(vb[2 * pair + 1]), strict=True)):
+            regs = run_ptx(kivi.value_codes_ptx(bits), {f"${2 * n}": wa, f"${2 * n + 1}": wb})
+            for m in range(n):
+                for e in range(4):
+                    o[pair, 4 * wi + e, m] = _bf16_value((regs[f"${2 * m + e // 2}"] >> 16 * (e % 2)) & 0xFFFF)
+    b_op = o.reshape(16, 8, bits // 2, 2, 2, n).transpose(kivi.VALUE_ORDER.value).reshape(32, 128)
+    c = np.arange(128)
+    ch = 16 * (c % 8) + c // 8
+    pos = ((c // 8) % n) % (7 // bits)
+    assert sorted(ch) == list(range(128))
+    np.testing.assert_array_equal(b_op, _codes(vb, bits)[:, ch] * 2.0 ** (bits * pos - 133)[None, :])
