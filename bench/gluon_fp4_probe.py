@@ -633,13 +633,45 @@ def compile_sm90(num_warps: int = 1, block_n: int = 32, vf16: bool = False, lazy
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
 
 
+class SplitOutputs:
+    """A probe's split plan over ``dc`` and its buffers, as ``decode_split_kernel`` and ``merge_kernel`` use them:
+    ``tokens_per_split`` (a multiple of ``tile``), ``op`` [B, Hq, S, D] and ``lp`` [B, Hq, S] (the splits'
+    normalised outputs and base-2 log-sum-exp), ``out`` [B, Hq, D] and ``lse`` [B, Hq] (merged), float32."""
+
+    def __init__(self, q, dc, splits: int, tile: int) -> None:
+        import torch
+
+        batch, q_heads, d = q.shape
+        tps = -(-int(dc.seq_lens.max()) // splits)
+        self.splits, self.tokens_per_split = splits, -(-tps // tile) * tile
+        self.op = torch.empty(batch, q_heads, splits, d, device=q.device, dtype=torch.float32)
+        self.lp = torch.empty(batch, q_heads, splits, device=q.device, dtype=torch.float32)
+        self.out = torch.empty(batch, q_heads, d, device=q.device, dtype=torch.float32)
+        self.lse = torch.empty(batch, q_heads, device=q.device, dtype=torch.float32)
+        self.seq_lens = dc.seq_lens.to(device=q.device, dtype=torch.int32)
+        self.qk_scale = d ** -0.5 * 1.4426950408889634
+
+    def strides(self) -> tuple:
+        """op's (b, h, split) strides and lp's (b, h), in the split kernels' argument order."""
+        return (*self.op.stride()[:3], *self.lp.stride()[:2])
+
+    def merge(self):
+        """The project's merge kernel over the splits: returns ``out``."""
+        from kvqref.kernels.decode import merge_kernel
+
+        op, lp, out, lse = self.op, self.lp, self.out, self.lse
+        batch, q_heads, d = out.shape
+        merge_kernel[(batch, q_heads, 1)](op, lp, out, lse, self.splits, op.stride(0), op.stride(1), op.stride(2),
+                                          lp.stride(0), lp.stride(1), out.stride(0), out.stride(1), lse.stride(0),
+                                          out, D=d, S_PAD=triton.next_power_of_2(self.splits), DB=d)
+        return out
+
+
 def gluon_decode(q, dc, splits: int, num_warps: int = 1, block_n: int = 32, vf16: bool = False,
                  lazy: bool = False, prefetch: bool = False, maxnreg: int = 0):
     """The probe's decode over ``dc`` (an mxfp4 device cache, head-major, as bench/decode_bench.py makes it):
     returns the call (out [B, Hq, D] float32 after the project's merge kernel)."""
     import torch
-
-    from kvqref.kernels.decode import merge_kernel
 
     kt, vt = dc.k.tiles(), dc.v.tiles()
     assert kt.head_major and vt.head_major and dc.page_size == 16
@@ -651,20 +683,11 @@ def gluon_decode(q, dc, splits: int, num_warps: int = 1, block_n: int = 32, vf16
     batch, q_heads, d = q.shape
     kvh = kt.kv_heads
     qpk = q_heads // kvh
-    max_len = int(dc.seq_lens.max())
-    tps = -(-max_len // splits)
-    tps = -(-tps // block_n) * block_n
-    op = torch.empty(batch, q_heads, splits, d, device=q.device, dtype=torch.float32)
-    lp = torch.empty(batch, q_heads, splits, device=q.device, dtype=torch.float32)
-    out = torch.empty(batch, q_heads, d, device=q.device, dtype=torch.float32)
-    lse = torch.empty(batch, q_heads, device=q.device, dtype=torch.float32)
+    so = SplitOutputs(q, dc, splits, block_n)
     k0, v0 = kt.fields[0], vt.fields[0]
     # scale words: 4 E8M0 codes per (token, head), read as int64 pairs of a page's consecutive tokens
     k1, v1 = (f.view(f.shape[0], f.shape[1], -1).view(torch.int64) for f in (kt.fields[1], vt.fields[1]))
-    qk_scale = d ** -0.5 * 1.4426950408889634
-    seq_lens = dc.seq_lens.to(device=q.device, dtype=torch.int32)
     bt = dc.block_table
-    s_pad = triton.next_power_of_2(splits)
 
     opts = {"maxnreg": maxnreg} if maxnreg else {}
     if b16:  # 8 codes per (token, head): one int64 each
@@ -673,26 +696,39 @@ def gluon_decode(q, dc, splits: int, num_warps: int = 1, block_n: int = 32, vf16
     def run():
         if b16:
             fp4_e8m0_b16_split_kernel[(batch, kvh, splits)](
-                q, bt, seq_lens, k0, k1, v0, v1, ks, vs, op, lp, qk_scale, tps, q.stride(0), q.stride(1), bt.stride(0),
-                *kt.row_strides(k0), 1, k1.stride(1), *vt.row_strides(v0), 1, v1.stride(1),
-                op.stride(0), op.stride(1), op.stride(2), lp.stride(0), lp.stride(1),
+                q, bt, so.seq_lens, k0, k1, v0, v1, ks, vs, so.op, so.lp, so.qk_scale, so.tokens_per_split,
+                q.stride(0), q.stride(1), bt.stride(0), *kt.row_strides(k0), 1, k1.stride(1), *vt.row_strides(v0), 1,
+                v1.stride(1), *so.strides(),
                 QPK=qpk, PAGE=dc.page_size, PAGE_SLOTS=kt.page_slots(dc.page_size), BLOCK_N=block_n,
                 VAL_LOAD=value_load_layout_b16(block_n), WORDS=word_pairs_layout(block_n), NV=nv,
                 num_warps=num_warps, **opts)
         else:
             fp4_e8m0_split_kernel[(batch, kvh, splits)](
-                q, bt, seq_lens, k0, k1, v0, v1, op, lp, qk_scale, tps, q.stride(0), q.stride(1), bt.stride(0),
-                *kt.row_strides(k0), 1, k1.stride(1), *vt.row_strides(v0), 1, v1.stride(1),
-                op.stride(0), op.stride(1), op.stride(2), lp.stride(0), lp.stride(1),
+                q, bt, so.seq_lens, k0, k1, v0, v1, so.op, so.lp, so.qk_scale, so.tokens_per_split, q.stride(0),
+                q.stride(1), bt.stride(0), *kt.row_strides(k0), 1, k1.stride(1), *vt.row_strides(v0), 1,
+                v1.stride(1), *so.strides(),
                 QPK=qpk, PAGE=dc.page_size, PAGE_SLOTS=kt.page_slots(dc.page_size), QB=32, BLOCK_N=block_n,
                 VAL_LOAD=value_load_layout(block_n), PAIRS_N=pairs_layout(block_n), VF16=vf16, LAZY=lazy,
                 PREFETCH=prefetch, num_warps=num_warps, **opts)
-        merge_kernel[(batch, q_heads, 1)](op, lp, out, lse, splits, op.stride(0), op.stride(1), op.stride(2),
-                                          lp.stride(0), lp.stride(1), out.stride(0), out.stride(1), lse.stride(0),
-                                          out, D=d, S_PAD=s_pad, DB=d)
-        return out
+        return so.merge()
 
     return run
+
+
+def random_block_table(rng, lens: list[int], page: int):
+    """(pages per sequence, an int32 block table) dealing the pool's pages to sequences of ``lens`` tokens in a
+    random permutation, as the bench's caches."""
+    import numpy as np
+    import torch
+
+    pages = [-(-n // page) for n in lens]
+    perm = torch.from_numpy(rng.permutation(sum(pages)).astype(np.int32))
+    bt = torch.zeros(len(lens), max(pages), dtype=torch.int32)
+    o = 0
+    for b, n in enumerate(pages):
+        bt[b, :n] = perm[o:o + n]
+        o += n
+    return pages, bt
 
 
 def oracle_check(variants, splits: int = 4, seed: int = 0, scheme: str = "mxfp4") -> list[dict]:
@@ -709,13 +745,7 @@ def oracle_check(variants, splits: int = 4, seed: int = 0, scheme: str = "mxfp4"
     rng = np.random.default_rng(seed)
     s = schemes.get(scheme)
     lens, kvh, d, page = [2048, 1000, 77], 8, 128, 16
-    pages = [-(-n // page) for n in lens]
-    perm = torch.from_numpy(rng.permutation(sum(pages)).astype(np.int32))
-    bt = torch.zeros(len(lens), max(pages), dtype=torch.int32)
-    o = 0
-    for b, n in enumerate(pages):
-        bt[b, :n] = perm[o:o + n]
-        o += n
+    pages, bt = random_block_table(rng, lens, page)
     params = {"global_scale": np.float32(6.0 / 2688.0)} if scheme == "nvfp4" else {}
     dc = tb.empty_device_cache(s, s, sum(pages), page, kvh, d, bt.cuda(), torch.tensor(lens, dtype=torch.int32),
                                layout="HND", k_params=params, v_params=params)
@@ -833,14 +863,31 @@ def main(argv=None) -> int:
             print(json.dumps({"build": name, "shared": ck.metadata.shared, "num_warps": ck.metadata.num_warps}),
                   flush=True)
         return 0
+    cases = []
+    for bn, vf, lz, pf, nreg in variants:
+        for s in (int(x) for x in args.splits.split(",")):
+            row = {"kernel": f"gluon probe, BLOCK_N {bn}, VF16 {vf}, LAZY {lz}, PREFETCH {pf}, MAXNREG {nreg}, "
+                             f"{s} splits", "block_n": bn, "vf16": vf, "lazy": lz, "prefetch": pf, "maxnreg": nreg,
+                   "splits": s}
+            cases.append((row, lambda q, dc, s=s, bn=bn, vf=vf, lz=lz, pf=pf, nreg=nreg: gluon_decode(
+                q, dc, s, block_n=bn, vf16=bool(vf), lazy=bool(lz), prefetch=bool(pf), maxnreg=nreg)))
+    time_probe(args.scheme, tuple(int(x) for x in args.shape.split(",")), 16, cases,
+               "python3 bench/gluon_fp4_probe.py " + " ".join(argv or sys.argv[1:]), args.out)
+    return 0
+
+
+def time_probe(scheme: str, shape: tuple, page_size: int, cases, command: str, out: str | None) -> list[dict]:
+    """Each case ``(row, make)`` (``make(q, dc)`` returns a probe's call) timed by bench/decode_bench.py's
+    ``timed`` (graph replay, L2 flushed) on its head-major cache of ``scheme`` at ``shape`` (batch, q_heads,
+    kv_heads, head_dim, tokens), against the default Triton plan and SDPA over bfloat16 in the same process, with
+    its largest difference to the plan's output; a case that fails reports its error. Writes ``out`` (JSON)."""
     import decode_bench as db
     import torch
 
     from kvqref.backends import triton_backend as tb
 
-    shape = tuple(int(x) for x in args.shape.split(","))
     batch, q_heads, kv_heads, head_dim, tokens = shape
-    dc, ks, vs = db.make_cache(args.scheme, shape, 16, layout="HND")
+    dc, ks, vs = db.make_cache(scheme, shape, page_size, layout="HND")
     q = torch.randn(batch, q_heads, head_dim, device="cuda").to(torch.bfloat16)
     tb.validate_decode(q, dc)
 
@@ -854,30 +901,24 @@ def main(argv=None) -> int:
     sdpa = db.sdpa_case(shape)["time_us"]
     rows[0]["ratio_to_sdpa"] = sdpa / rows[0]["time_us"]
     print(json.dumps(rows[0]), flush=True)
-    for bn, vf, lz, pf, nreg in variants:
-        for s in (int(x) for x in args.splits.split(",")):
-            row = {"kernel": f"gluon probe, BLOCK_N {bn}, VF16 {vf}, LAZY {lz}, PREFETCH {pf}, MAXNREG {nreg}, "
-                             f"{s} splits", "block_n": bn, "vf16": vf, "lazy": lz, "prefetch": pf, "maxnreg": nreg,
-                   "splits": s}
-            try:
-                fn = gluon_decode(q, dc, s, block_n=bn, vf16=bool(vf), lazy=bool(lz), prefetch=bool(pf),
-                                  maxnreg=nreg)
-                got = fn().clone()
-                err = (got - want).abs().max().item()
-                row.update({"max_abs_diff": err, "max_rel_diff": err / want.abs().max().item(),
-                            "finite": bool(torch.isfinite(got).all())})
-                row.update(db.timed(fn, {"bytes": nbytes}))
-                row["ratio_to_sdpa"] = sdpa / row["time_us"]
-            except Exception as e:  # a probe: report and go on
-                row["error"] = f"{type(e).__name__}: {e}"[:2000]
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-    doc = {"command": "python3 bench/gluon_fp4_probe.py " + " ".join(argv or sys.argv[1:]), "shape": shape,
-           "environment": db.environment(), "sdpa_bf16_us": sdpa, "rows": rows}
-    if args.out:
-        Path(args.out).write_text(json.dumps(doc, indent=1))
-    return 0
-
+    for row, make in cases:
+        row = dict(row)
+        try:
+            fn = make(q, dc)
+            got = fn().clone()
+            err = (got - want).abs().max().item()
+            row.update({"max_abs_diff": err, "max_rel_diff": err / want.abs().max().item(),
+                        "finite": bool(torch.isfinite(got).all())})
+            row.update(db.timed(fn, {"bytes": nbytes}))
+            row["ratio_to_sdpa"] = sdpa / row["time_us"]
+        except Exception as e:  # a probe: report and go on
+            row["error"] = f"{type(e).__name__}: {e}"[:2000]
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    if out:
+        Path(out).write_text(json.dumps({"command": command, "shape": shape, "environment": db.environment(),
+                                         "sdpa_bf16_us": sdpa, "rows": rows}, indent=1))
+    return rows
 
 if __name__ == "__main__":
     sys.exit(main())

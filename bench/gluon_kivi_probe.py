@@ -39,7 +39,7 @@ from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from gluon_fp4_probe import MMA, OP_A, OP_B, _program_tokens, _q_exponent, _trivial  # noqa: E402
+from gluon_fp4_probe import MMA, OP_A, OP_B, _program_tokens, _q_exponent, _trivial, random_block_table  # noqa: E402
 
 D = 128  # head_dim
 PAGE = 32  # tokens per page = per tile = per key group
@@ -424,9 +424,7 @@ def compile_sm90(bits: int = 2, maxnreg: int | None = None, compact: bool = True
 def gluon_decode(q, dc, splits: int, maxnreg: int = 0, compact: bool = True):
     """The probe's decode over ``dc`` (a KIVI device cache, head-major pages of 32, every token in pages, as
     bench/decode_bench.py makes it): returns the call (out [B, Hq, D] float32 after the project's merge kernel)."""
-    import torch
-
-    from kvqref.kernels.decode import merge_kernel
+    from gluon_fp4_probe import SplitOutputs
 
     kt, vt = dc.k.tiles(), dc.v.tiles()
     assert kt.head_major and vt.head_major and dc.page_size == PAGE, "head-major pages of 32"
@@ -439,31 +437,19 @@ def gluon_decode(q, dc, splits: int, maxnreg: int = 0, compact: bool = True):
     kc, ks, kz = kt.fields
     vc, vs, vz = vt.fields
     assert ks.stride() == kz.stride() and vs.stride() == vz.stride()
-    max_len = int(dc.seq_lens.max())
-    tps = -(-max_len // splits)
-    tps = -(-tps // PAGE) * PAGE
-    op = torch.empty(batch, q_heads, splits, d, device=q.device, dtype=torch.float32)
-    lp = torch.empty(batch, q_heads, splits, device=q.device, dtype=torch.float32)
-    out = torch.empty(batch, q_heads, d, device=q.device, dtype=torch.float32)
-    lse = torch.empty(batch, q_heads, device=q.device, dtype=torch.float32)
-    qk_scale = d ** -0.5 * 1.4426950408889634
-    seq_lens = dc.seq_lens.to(device=q.device, dtype=torch.int32)
+    so = SplitOutputs(q, dc, splits, PAGE)
     bt = dc.block_table
-    s_pad = triton.next_power_of_2(splits)
     db = D * bits // 8
     opts = {"maxnreg": maxnreg} if maxnreg else {}
 
     def run():
         kivi_split_kernel[(batch, kvh, splits)](
-            q, bt, seq_lens, kc, ks, kz, vc, vs, vz, op, lp, qk_scale, tps, q.stride(0), q.stride(1), bt.stride(0),
-            kc.stride(0), kc.stride(1), ks.stride(0), ks.stride(1), vc.stride(0), vc.stride(1), vs.stride(0),
-            vs.stride(1), op.stride(0), op.stride(1), op.stride(2), lp.stride(0), lp.stride(1),
+            q, bt, so.seq_lens, kc, ks, kz, vc, vs, vz, so.op, so.lp, so.qk_scale, so.tokens_per_split, q.stride(0),
+            q.stride(1), bt.stride(0), kc.stride(0), kc.stride(1), ks.stride(0), ks.stride(1), vc.stride(0),
+            vc.stride(1), vs.stride(0), vs.stride(1), *so.strides(),
             BITS=bits, QPK=4, KEY_LOAD=key_load_layout(db), VAL_LOAD=value_load_layout(db),
             CH=channel_layout(compact), VW=value_word_layout(), COMPACT=compact, num_warps=1, **opts)
-        merge_kernel[(batch, q_heads, 1)](op, lp, out, lse, splits, op.stride(0), op.stride(1), op.stride(2),
-                                          lp.stride(0), lp.stride(1), out.stride(0), out.stride(1), lse.stride(0),
-                                          out, D=d, S_PAD=s_pad, DB=d)
-        return out
+        return so.merge()
 
     return run
 
@@ -486,13 +472,7 @@ def oracle_check(variants, scheme: str = "int2_kivi", splits: int = 4, seed: int
     ksch = schemes.get(scheme, role="key", residual=0)
     vsch = schemes.get(scheme, role="value", residual=0)
     lens, kvh, d = [2048, 992, 96], 8, D
-    pages = [-(-n // PAGE) for n in lens]
-    perm = torch.from_numpy(rng.permutation(sum(pages)).astype(np.int32))
-    bt = torch.zeros(len(lens), max(pages), dtype=torch.int32)
-    o = 0
-    for b, n in enumerate(pages):
-        bt[b, :n] = perm[o:o + n]
-        o += n
+    pages, bt = random_block_table(rng, lens, PAGE)
     dc = tb.empty_device_cache(ksch, vsch, sum(pages), PAGE, kvh, d, bt.to(device),
                                torch.tensor(lens, dtype=torch.int32), layout="HND", device=device)
     Ks, Vs, Kr, Vr, Kscale = [], [], [], [], []
@@ -563,49 +543,18 @@ def main(argv=None) -> int:
         for r in oracle_check(variants, scheme=args.scheme):
             print(json.dumps(r), flush=True)
         return 0
-    import decode_bench as db
-    import torch
+    from gluon_fp4_probe import time_probe
 
-    from kvqref.backends import triton_backend as tb
-
-    shape = tuple(int(x) for x in args.shape.split(","))
-    batch, q_heads, kv_heads, head_dim, tokens = shape
-    dc, ks, vs = db.make_cache(args.scheme, shape, PAGE, layout="HND")
-    q = torch.randn(batch, q_heads, head_dim, device="cuda").to(torch.bfloat16)
-    tb.validate_decode(q, dc)
-
-    def ref():
-        return tb.decode(q, dc, validate=False, max_seq_len=tokens)
-
-    want = ref()[0].clone()
-    per_tok = db.side_bytes_per_token(ks, kv_heads, head_dim) + db.side_bytes_per_token(vs, kv_heads, head_dim)
-    nbytes = batch * tokens * per_tok + 2 * q.numel() * 2
-    rows = [{"kernel": "triton (default plan)", **db.timed(ref, {"bytes": nbytes})}]
-    sdpa = db.sdpa_case(shape)["time_us"]
-    rows[0]["ratio_to_sdpa"] = sdpa / rows[0]["time_us"]
-    print(json.dumps(rows[0]), flush=True)
+    cases = []
     for compact, cap in variants:
         for s in (int(x) for x in args.splits.split(",")):
             row = {"kernel": f"gluon KIVI probe, COMPACT {compact}, MAXNREG {cap}, {s} splits", "compact": compact,
                    "maxnreg": cap, "splits": s}
-            try:
-                fn = gluon_decode(q, dc, s, maxnreg=cap, compact=bool(compact))
-                got = fn().clone()
-                err = (got - want).abs().max().item()
-                row.update({"max_abs_diff": err, "max_rel_diff": err / want.abs().max().item(),
-                            "finite": bool(torch.isfinite(got).all())})
-                row.update(db.timed(fn, {"bytes": nbytes}))
-                row["ratio_to_sdpa"] = sdpa / row["time_us"]
-            except Exception as e:  # a probe: report and go on
-                row["error"] = f"{type(e).__name__}: {e}"[:2000]
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-    doc = {"command": "python3 bench/gluon_kivi_probe.py " + " ".join(argv or sys.argv[1:]), "shape": shape,
-           "environment": db.environment(), "sdpa_bf16_us": sdpa, "rows": rows}
-    if args.out:
-        Path(args.out).write_text(json.dumps(doc, indent=1))
+            cases.append((row, lambda q, dc, s=s, cap=cap, compact=compact: gluon_decode(
+                q, dc, s, maxnreg=cap, compact=bool(compact))))
+    time_probe(args.scheme, tuple(int(x) for x in args.shape.split(",")), PAGE, cases,
+               "python3 bench/gluon_kivi_probe.py " + " ".join(argv or sys.argv[1:]), args.out)
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())
