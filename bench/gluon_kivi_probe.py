@@ -9,7 +9,7 @@ bytes land in the registers the ``mma.sync`` operands use, with the fast mode's 
   per KV head, head_dim 128, value groups of 32 channels;
 * keys: thread (lane % 4 = t) reads the 32 channels 32 t .. 32 t + 31 of its tokens (8 bytes for 2-bit codes,
   16 for 4-bit); each code goes to the B operand as a float16 subnormal ``code * 4**pos * 2**-24`` (``pos`` where
-  the mask finds it in its half-word: :data:`KEY_CODES_PTX`), the product's K axis relabelled to m16n8k16's B
+  the mask finds it in its half-word: :func:`key_codes_ptx`), the product's K axis relabelled to m16n8k16's B
   fragment; the key rows ``q_d s_d 2**E 4**-pos`` rounded once to float16 per (head, group), E putting the row's
   largest in [2**14, 2**15), as the Triton kernel's key rows; the zero term ``sum_d q_d z_d`` in float32;
 * rows of both products are (value group, head): 4 x 4 = 16, so the key rows repeat each head's q 4 times (the score
@@ -17,12 +17,14 @@ bytes land in the registers the ``mma.sync`` operands use, with the fast mode's 
   to bfloat16 against the codes as bfloat16 subnormals ``code * 4**pos * 2**-133``; the value zero term ``p z_v``
   accumulates in float32;
 * values: thread (lane // 4 = g) reads channels 16 g .. 16 g + 15 of its tokens 2 t + e + 8 h + 16 c; the two
-  tokens of an operand register are interleaved by ``prmt`` before the masks (:data:`VALUE_CODES_PTX`);
+  tokens of an operand register are interleaved by ``prmt`` before the masks (:func:`value_codes_ptx`);
 * FlashAttention 4's conditional rescale (threshold 8), so ``p <= 2**8``.
 
 Split outputs as ``decode_split_kernel`` writes them, merged by the project's ``merge_kernel``. On a GPU:
 ``python3 bench/gluon_kivi_probe.py --check`` and ``python3 bench/gluon_kivi_probe.py --scheme int2_kivi --out F``;
-without one: ``--static`` (sm_90 builds: registers, tile-loop instructions) and ``--compile-only``.
+without one: ``--static`` (sm_90 builds: registers, tile-loop instructions) and ``--compile-only``. Status (bench/
+results/ANALYSIS.md 312, 314): on the H100 its int2 output was wrong (NaN on empty splits, mended since without a
+GPU; 103% off on full splits, cause not found); its code PTX and operand relabelling pass their CPU replays.
 """
 from __future__ import annotations
 
@@ -387,8 +389,9 @@ def kivi_split_kernel(
     FV: gl.constexpr = 7 // BITS
     vpos = ((c // 8) % NH) % FV
     # a row that saw a token has l >= 2**96 (its largest p): out = acc 2**(133 - BITS pos) / l + sum p z / l
+    # (a row of an empty split, l = 0, has acc = 0: its divisor 1 keeps f finite, so out = 0, not 0 * inf)
     safe_l = gl.where(l_i > 0, l_i, 1.0)
-    f = _pow2(133 - P_SHIFT - BITS * vpos)[None, :] / (safe_l * P_UNSHIFT)[:, None]
+    f = _pow2(133 - P_SHIFT - BITS * vpos)[None, :] / gl.where(l_i > 0, l_i * P_UNSHIFT, 1.0)[:, None]
     out = acc * f + (gl.sum(acc_z, 1) / safe_l)[:, None]
     hh = rows % 4
     om = (hh < QPK)[:, None] & ((chv // 32)[None, :] == _row_groups(rows)[:, None])
