@@ -606,9 +606,6 @@ BUILDS = {"mxfp4-vf16-lazy": {"vf16": True, "lazy": True}, "mxfp4-bf16": {}, "fp
 def compile_sm90(num_warps: int = 1, block_n: int = 32, vf16: bool = False, lazy: bool = False,
                  prefetch: bool = False, b16: bool = False, maxnreg: int | None = None, nv: bool = False):
     """Ahead-of-time compile for sm_90 (no GPU needed): the compiled kernel, for its SASS and resource usage."""
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
     sig = {name: "i32" for name in ("tokens_per_split", "stride_qb", "stride_qh", "stride_btb", "k0_s", "k0_h",
                                     "k1_s", "k1_h", "v0_s", "v0_h", "v1_s", "v1_h", "op_b", "op_h", "op_s", "lp_b",
                                     "lp_h")}
@@ -625,10 +622,18 @@ def compile_sm90(num_warps: int = 1, block_n: int = 32, vf16: bool = False, lazy
         consts = {"QPK": 4, "PAGE": 16, "PAGE_SLOTS": 128, "QB": 32, "BLOCK_N": block_n,
                   "VAL_LOAD": value_load_layout(block_n), "PAIRS_N": pairs_layout(block_n), "VF16": vf16,
                   "LAZY": lazy, "PREFETCH": prefetch, "k1_s": 1, "v1_s": 1}
-    sig.update({k: "constexpr" for k in consts})
-    attrs = {(i,): [["tt.divisibility", 16]] for i, k in enumerate(fn.arg_names)
-             if k in ("Q", "BT", "SL", "K0", "K1", "V0", "V1", "OP", "LP", "stride_qb", "stride_qh", "k0_s", "k0_h",
-                      "v0_s", "v0_h", "op_b", "op_h", "op_s")}
+    return aot_sm90(fn, sig, consts, ("Q", "BT", "SL", "K0", "K1", "V0", "V1", "OP", "LP", "stride_qb", "stride_qh",
+                                      "k0_s", "k0_h", "v0_s", "v0_h", "op_b", "op_h", "op_s"), num_warps, maxnreg)
+
+
+def aot_sm90(fn, sig: dict, consts: dict, divisible: tuple, num_warps: int = 1, maxnreg: int | None = None):
+    """``fn`` (a Gluon kernel) compiled ahead of time for sm_90 (no GPU needed) with signature ``sig`` (the
+    constexprs ``consts`` added), the arguments ``divisible`` marked 16-divisible as on the device."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    sig = sig | {k: "constexpr" for k in consts}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, k in enumerate(fn.arg_names) if k in divisible}
     src = GluonASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
     opts = {"num_warps": num_warps} | ({"maxnreg": maxnreg} if maxnreg else {})
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
@@ -686,13 +691,12 @@ def gluon_decode(q, dc, splits: int, num_warps: int = 1, block_n: int = 32, vf16
     qpk = q_heads // kvh
     so = SplitOutputs(q, dc, splits, block_n)
     k0, v0 = kt.fields[0], vt.fields[0]
-    # scale words: 4 E8M0 codes per (token, head), read as int64 pairs of a page's consecutive tokens
-    k1, v1 = (f.view(f.shape[0], f.shape[1], -1).view(torch.int64) for f in (kt.fields[1], vt.fields[1]))
-    bt = dc.block_table
-
-    opts = {"maxnreg": maxnreg} if maxnreg else {}
-    if b16:  # 8 codes per (token, head): one int64 each
+    if b16:  # 8 scale codes per (token, head): one int64 each
         k1, v1 = kt.fields[1].view(torch.int64), vt.fields[1].view(torch.int64)
+    else:  # 4 E8M0 codes per (token, head), read as int64 pairs of a page's consecutive tokens
+        k1, v1 = (f.view(f.shape[0], f.shape[1], -1).view(torch.int64) for f in (kt.fields[1], vt.fields[1]))
+    bt = dc.block_table
+    opts = {"maxnreg": maxnreg} if maxnreg else {}
 
     def run():
         if b16:

@@ -33,7 +33,6 @@ import json
 import sys
 from pathlib import Path
 
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
@@ -41,7 +40,17 @@ from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from gluon_fp4_probe import MMA, OP_A, OP_B, _program_tokens, _q_exponent, _trivial, random_block_table  # noqa: E402
+from gluon_fp4_probe import (  # noqa: E402
+    MMA,
+    OP_A,
+    OP_B,
+    _pow2,
+    _program_tokens,
+    _q_exponent,
+    _trivial,
+    aot_sm90,
+    random_block_table,
+)
 
 D = 128  # head_dim
 PAGE = 32  # tokens per page = per tile = per key group
@@ -199,17 +208,6 @@ P_UNSHIFT = gl.constexpr(2.0**-96)
 
 
 @gluon.jit
-def _pow2(e):
-    """2**e as float32 for integer e in -126 .. 127."""
-    return ((e + 127) << 23).to(gl.float32, bitcast=True)
-
-
-@gluon.jit
-def _stack2(a, b):
-    return gl.join(a, b)
-
-
-@gluon.jit
 def _stack4(a, b, c, d):
     """[..., 4]: index i holds the i-th argument."""
     x = gl.join(gl.join(a, c), gl.join(b, d))
@@ -235,7 +233,7 @@ def _key_operand(kb, BITS: gl.constexpr, N: gl.constexpr):
     else:
         o0, o1 = gl.inline_asm_elementwise(KEY4_PTX, "=r,=r,=r,=r,r", [kb], dtype=(gl.float16,) * 2,
                                            is_pure=True, pack=4)
-        x = _stack2(o0, o1)
+        x = gl.join(o0, o1)
         M: gl.constexpr = 2
     x = gl.reshape(x, (N, 4, W, 2, 2, M))  # (token, t, w, a, b, m): byte DB / 4 t + 4 w + 2 a + b, output m
     x = gl.permute(x, KEY_ORDER.value)  # (w, m, a, t, b, token)
@@ -401,27 +399,23 @@ def kivi_split_kernel(
     gl.store(LP + b * lp_b + (kvh * QPK + hh).to(gl.int64) * lp_h + split, lse2, mask=(hh < QPK) & (rows < 4))
 
 
+def kernel_constexprs(bits: int, compact: bool = True) -> dict:
+    """:func:`kivi_split_kernel`'s constexprs for ``bits``-bit codes (the layouts its loads use)."""
+    db = D * bits // 8
+    return {"BITS": bits, "QPK": 4, "KEY_LOAD": key_load_layout(db), "VAL_LOAD": value_load_layout(db),
+            "CH": channel_layout(compact), "VW": value_word_layout(), "COMPACT": compact}
+
+
 def compile_sm90(bits: int = 2, maxnreg: int | None = None, compact: bool = True):
     """Ahead-of-time compile for sm_90 (no GPU needed): the compiled kernel, for its SASS and resource usage."""
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
-    fn = kivi_split_kernel
     sig = {name: "i32" for name in ("tokens_per_split", "stride_qb", "stride_qh", "stride_btb", "kc_p", "kc_h",
                                     "ks_p", "ks_h", "vc_p", "vc_h", "vs_p", "vs_h", "op_b", "op_h", "op_s", "lp_b",
                                     "lp_h")}
     sig.update({"Q": "*bf16", "BT": "*i32", "SL": "*i32", "KC": "*u8", "KS": "*fp16", "KZ": "*fp16", "VC": "*u8",
                 "VS": "*fp16", "VZ": "*fp16", "OP": "*fp32", "LP": "*fp32", "qk_scale": "fp32"})
-    db = 128 * bits // 8
-    consts = {"BITS": bits, "QPK": 4, "KEY_LOAD": key_load_layout(db), "VAL_LOAD": value_load_layout(db),
-              "CH": channel_layout(compact), "VW": value_word_layout(), "COMPACT": compact}
-    sig.update({k: "constexpr" for k in consts})
-    attrs = {(i,): [["tt.divisibility", 16]] for i, k in enumerate(fn.arg_names)
-             if k in ("Q", "BT", "SL", "KC", "KS", "KZ", "VC", "VS", "VZ", "OP", "LP", "stride_qb", "stride_qh",
-                      "kc_p", "kc_h", "ks_p", "ks_h", "vc_p", "vc_h", "vs_p", "vs_h", "op_b", "op_h", "op_s")}
-    src = GluonASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
-    opts = {"num_warps": 1} | ({"maxnreg": maxnreg} if maxnreg else {})
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
+    return aot_sm90(kivi_split_kernel, sig, kernel_constexprs(bits, compact),
+                    ("Q", "BT", "SL", "KC", "KS", "KZ", "VC", "VS", "VZ", "OP", "LP", "stride_qb", "stride_qh", "kc_p",
+                     "kc_h", "ks_p", "ks_h", "vc_p", "vc_h", "vs_p", "vs_h", "op_b", "op_h", "op_s"), maxnreg=maxnreg)
 
 
 def gluon_decode(q, dc, splits: int, maxnreg: int = 0, compact: bool = True):
@@ -442,16 +436,13 @@ def gluon_decode(q, dc, splits: int, maxnreg: int = 0, compact: bool = True):
     assert ks.stride() == kz.stride() and vs.stride() == vz.stride()
     so = SplitOutputs(q, dc, splits, PAGE)
     bt = dc.block_table
-    db = D * bits // 8
-    opts = {"maxnreg": maxnreg} if maxnreg else {}
+    consts = kernel_constexprs(bits, compact) | ({"maxnreg": maxnreg} if maxnreg else {})
 
     def run():
         kivi_split_kernel[(batch, kvh, splits)](
             q, bt, so.seq_lens, kc, ks, kz, vc, vs, vz, so.op, so.lp, so.qk_scale, so.tokens_per_split, q.stride(0),
             q.stride(1), bt.stride(0), kc.stride(0), kc.stride(1), ks.stride(0), ks.stride(1), vc.stride(0),
-            vc.stride(1), vs.stride(0), vs.stride(1), *so.strides(),
-            BITS=bits, QPK=4, KEY_LOAD=key_load_layout(db), VAL_LOAD=value_load_layout(db),
-            CH=channel_layout(compact), VW=value_word_layout(), COMPACT=compact, num_warps=1, **opts)
+            vc.stride(1), vs.stride(0), vs.stride(1), *so.strides(), num_warps=1, **consts)
         return so.merge()
 
     return run
