@@ -67,8 +67,7 @@ def key_codes_ptx(bits: int) -> str:
     src = f"${n}"
     lines = [".reg .b32 s;", f"shr.b32 s, {src}, {fit * bits};"]
     for i in range(n):
-        pos = i if i < fit else i - fit
-        mask = ((1 << bits) - 1) << (bits * pos)
+        mask = ((1 << bits) - 1) << (bits * key_pos(bits, i))
         lines.append(f"and.b32 ${i}, {src if i < fit else 's'}, 0x{mask | mask << 16:08x};")
     return "{\n" + "\n".join(lines) + "\n}"
 
@@ -85,10 +84,10 @@ def value_codes_ptx(bits: int) -> str:
     for w, sel in enumerate(("0x5410", "0x7632")):
         lines.append(f"prmt.b32 x, {a}, {b}, {sel};")
         for i in range(n):
-            sh, pos = bits * fit * (i // fit), i % fit
+            sh = bits * fit * (i // fit)
             if i % fit == 0 and sh:
                 lines.append(f"shr.b32 s, x, {sh};")
-            mask = ((1 << bits) - 1) << (bits * pos)
+            mask = ((1 << bits) - 1) << (bits * value_pos(bits, i))
             lines.append(f"and.b32 ${w * n + i}, {'s' if sh else 'x'}, 0x{mask | mask << 16:08x};")
     return "{\n" + "\n".join(lines) + "\n}"
 
