@@ -84,6 +84,19 @@ def pairs_layout(block_n: int) -> gl.DistributedLinearLayout:
                                       block_bases=[], shape=[block_n // 2])
 
 
+#: key code words [N, 16] (int32) for the carried loads (``PREFETCH``): KEY_LOAD's 16 bytes per thread as 4 words
+KEY_WORDS = gl.constexpr(gl.BlockedLayout([1, 4], [8, 4], [1, 1], [1, 0]))
+
+
+def value_words_layout(block_n: int, b16: bool = False) -> gl.DistributedLinearLayout:
+    """[block_n tokens, 16 words]: :func:`value_load_layout`'s 8 bytes per thread as 2 int32 words, or (``b16``)
+    :func:`value_load_layout_b16`'s as words g' and g' + 2."""
+    regs = [[0, 2 if b16 else 1], [1, 0]] + [[8 << i, 0] for i in range((block_n // 8).bit_length() - 1)]
+    lanes = [[2, 0], [4, 0], [0, 1], [0, 4], [0, 8]] if b16 else [[2, 0], [4, 0], [0, 2], [0, 4], [0, 8]]
+    return gl.DistributedLinearLayout(reg_bases=regs, lane_bases=lanes, warp_bases=[], block_bases=[],
+                                      shape=[block_n, 16])
+
+
 def value_load_layout(block_n: int) -> gl.DistributedLinearLayout:
     """[block_n tokens, 64 bytes]: 8 contiguous bytes of the tokens 2 t + e + 8 r (lane % 4 = t, lane // 4 = g)."""
     regs = [[0, 1], [0, 2], [0, 4], [1, 0]] + [[8 << i, 0] for i in range((block_n // 8).bit_length() - 1)]
@@ -201,6 +214,31 @@ def _tile_loads(BT, b, stride_btb, t0, end, K0, K1, V0, V1, ik, iv, ip, koff, vo
 
 
 @gluon.jit
+def _word_offsets(kvh, k0_s, k0_h, v0_s, v0_h, PAGE: gl.constexpr, BLOCK_N: gl.constexpr, VAL_WORDS: gl.constexpr):
+    """:func:`_code_offsets` in int32 words (row strides in bytes, multiples of 16): the key and value words'
+    offsets inside their pages [N, 16] (KEY_WORDS, ``VAL_WORDS``) and their token positions."""
+    ik = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, KEY_WORDS))
+    koff = (((ik % PAGE) * k0_s + kvh * k0_h) // 4)[:, None] + gl.arange(0, 16, layout=gl.SliceLayout(0, KEY_WORDS))[
+        None, :]
+    iv = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, VAL_WORDS))
+    voff = (((iv % PAGE) * v0_s + kvh * v0_h) // 4)[:, None] + gl.arange(0, 16, layout=gl.SliceLayout(0, VAL_WORDS))[
+        None, :]
+    return ik, koff, iv, voff
+
+
+@gluon.jit
+def _word_bytes(w, layout: gl.constexpr):
+    """int32 words [N, 16] -> their bytes [N, 64] (uint8, byte 4 j + i = bits 8 i .. 8 i + 7 of word j) in
+    ``layout`` (the byte loads' layout: the same registers)."""
+    b0 = (w & 0xFF).to(gl.uint8)
+    b1 = ((w >> 8) & 0xFF).to(gl.uint8)
+    b2 = ((w >> 16) & 0xFF).to(gl.uint8)
+    b3 = ((w >> 24) & 0xFF).to(gl.uint8)
+    x = gl.join(gl.join(b0, b2), gl.join(b1, b3))  # [N, 16, m, k]: byte 2 m + k
+    return _trivial(gl.reshape(x, (w.shape[0], 64)), layout)
+
+
+@gluon.jit
 def _pair_words(w, m, N: gl.constexpr):
     """int64 words of token pairs [N / 2] (PAIRS_N) -> each token's int32 word [N] (the score columns' layout),
     0 where ``m`` is false."""
@@ -268,7 +306,7 @@ def fp4_e8m0_split_kernel(
     stride_qb, stride_qh, stride_btb, k0_s, k0_h, k1_s, k1_h, v0_s, v0_h, v1_s, v1_h, op_b, op_h, op_s, lp_b, lp_h,
     QPK: gl.constexpr, PAGE: gl.constexpr, PAGE_SLOTS: gl.constexpr, QB: gl.constexpr, BLOCK_N: gl.constexpr,
     VAL_LOAD: gl.constexpr, PAIRS_N: gl.constexpr, VF16: gl.constexpr = False, LAZY: gl.constexpr = False,
-    PREFETCH: gl.constexpr = False,
+    PREFETCH: gl.constexpr = False, VAL_WORDS: gl.constexpr = None,
 ):
     gl.static_assert(VF16 or not LAZY)
     VH: gl.constexpr = 7 if LAZY else 15  # float16 headroom of the value weights p 2**(c - mc): p <= 2**8 if LAZY
@@ -300,14 +338,21 @@ def fp4_e8m0_split_kernel(
     vstep = PAGE_SLOTS * v0_s
     k1step = (PAGE_SLOTS // 2) * k1_s
     v1step = (PAGE_SLOTS // 2) * v1_s
-    if PREFETCH:  # the first tile's bytes; each next tile's are read before this tile's arithmetic
-        kb, vb, kw2, vw2 = _tile_loads(BT, b, stride_btb, start, end, K0, K1, V0, V1, ik, iv, ip, koff, voff, k1off,
-                                       v1off, kstep, vstep, k1step, v1step, PAGE, BLOCK_N)
+    if PREFETCH:  # the first tile's words; each next tile's are read before this tile's arithmetic and carried
+        # in registers as int32 words (carried as bytes they took a register each: 255 registers and spills)
+        K0w = K0.to(gl.pointer_type(gl.int32))
+        V0w = V0.to(gl.pointer_type(gl.int32))
+        ikw, koffw, ivw, voffw = _word_offsets(kvh, k0_s, k0_h, v0_s, v0_h, PAGE, BLOCK_N, VAL_WORDS)
+        kww, vww, kw2, vw2 = _tile_loads(BT, b, stride_btb, start, end, K0w, K1, V0w, V1, ikw, ivw, ip, koffw, voffw,
+                                         k1off, v1off, kstep // 4, vstep // 4, k1step, v1step, PAGE, BLOCK_N)
     for t0 in range(start, end, BLOCK_N):
         if PREFETCH:
-            kb_c, vb_c, kw2_c, vw2_c = kb, vb, kw2, vw2
-            kb, vb, kw2, vw2 = _tile_loads(BT, b, stride_btb, t0 + BLOCK_N, end, K0, K1, V0, V1, ik, iv, ip, koff,
-                                           voff, k1off, v1off, kstep, vstep, k1step, v1step, PAGE, BLOCK_N)
+            kb_c = _word_bytes(kww, KEY_LOAD)
+            vb_c = _word_bytes(vww, VAL_LOAD)
+            kw2_c, vw2_c = kw2, vw2
+            kww, vww, kw2, vw2 = _tile_loads(BT, b, stride_btb, t0 + BLOCK_N, end, K0w, K1, V0w, V1, ikw, ivw, ip,
+                                             koffw, voffw, k1off, v1off, kstep // 4, vstep // 4, k1step, v1step, PAGE,
+                                             BLOCK_N)
         else:
             kb_c, vb_c, kw2_c, vw2_c = _tile_loads(BT, b, stride_btb, t0, end, K0, K1, V0, V1, ik, iv, ip, koff,
                                                    voff, k1off, v1off, kstep, vstep, k1step, v1step, PAGE, BLOCK_N)
@@ -403,6 +448,20 @@ def word_pairs_layout(block_n: int) -> gl.DistributedLinearLayout:
 
 
 @gluon.jit
+def _b16_tile_loads(BT, b, stride_btb, t0, end, K0, K1, V0, V1, ik, iv, tw, koff, voff, k1off, v1off, kstep, vstep,
+                    k1step, v1step, PAGE: gl.constexpr, BLOCK_N: gl.constexpr):
+    """:func:`_tile_loads` for blocks of 16: the code bytes (or words) and each token's int64 scale word
+    [N / 2, 2] (0 past ``end``)."""
+    p0, p1, p2, p3 = _tile_pages(BT, b, stride_btb, t0, end, PAGE, BLOCK_N)
+    kb = gl.load(_page_rows(ik, K0, p0, p1, p2, p3, kstep, PAGE)[:, None] + koff)
+    vb = gl.load(_page_rows(iv, V0, p0, p1, p2, p3, vstep, PAGE)[:, None] + voff)
+    mw = (t0 + tw) < end
+    kw = gl.load(_page_rows(tw, K1, p0, p1, p2, p3, k1step, PAGE) + k1off, mask=mw, other=0)
+    vw = gl.load(_page_rows(tw, V1, p0, p1, p2, p3, v1step, PAGE) + v1off, mask=mw, other=0)
+    return kb, vb, kw, vw
+
+
+@gluon.jit
 def _key_halves(x, N: gl.constexpr):
     """The [64, N] key operand before its conversion (:func:`_key_relabel`'s k) split into k < 32 (chunks c = 0, 1:
     the even block 2 t of byte 16 t + ...) and k >= 32 (the odd block 2 t + 1), each a [32, N] B operand."""
@@ -459,7 +518,8 @@ def fp4_e8m0_b16_split_kernel(
     Q, BT, SL, K0, K1, V0, V1, KS, VS, OP, LP, qk_scale, tokens_per_split,
     stride_qb, stride_qh, stride_btb, k0_s, k0_h, k1_s, k1_h, v0_s, v0_h, v1_s, v1_h, op_b, op_h, op_s, lp_b, lp_h,
     QPK: gl.constexpr, PAGE: gl.constexpr, PAGE_SLOTS: gl.constexpr, BLOCK_N: gl.constexpr,
-    VAL_LOAD: gl.constexpr, WORDS: gl.constexpr, NV: gl.constexpr = False,
+    VAL_LOAD: gl.constexpr, WORDS: gl.constexpr, NV: gl.constexpr = False, PREFETCH: gl.constexpr = False,
+    VAL_WORDS: gl.constexpr = None,
 ):
     """fp4_e2m1 (E8M0 blocks of 16 channels) with :func:`fp4_e8m0_split_kernel`'s VF16 and LAZY arithmetic. Key
     products by halves of k: k < 32 meets each thread's even block, k >= 32 its odd one, so q's rows (b', h) are
@@ -502,13 +562,24 @@ def fp4_e8m0_b16_split_kernel(
     k1step = PAGE_SLOTS * k1_s
     v1step = PAGE_SLOTS * v1_s
     low_rows = (rows < 8)[:, None]
+    if PREFETCH:  # as fp4_e8m0_split_kernel's: the next tile's code words carried in registers
+        K0w = K0.to(gl.pointer_type(gl.int32))
+        V0w = V0.to(gl.pointer_type(gl.int32))
+        ikw, koffw, ivw, voffw = _word_offsets(kvh, k0_s, k0_h, v0_s, v0_h, PAGE, BLOCK_N, VAL_WORDS)
+        kww, vww, kwn, vwn = _b16_tile_loads(BT, b, stride_btb, start, end, K0w, K1, V0w, V1, ikw, ivw, tw, koffw,
+                                             voffw, k1off, v1off, kstep // 4, vstep // 4, k1step, v1step, PAGE,
+                                             BLOCK_N)
     for t0 in range(start, end, BLOCK_N):
-        p0, p1, p2, p3 = _tile_pages(BT, b, stride_btb, t0, end, PAGE, BLOCK_N)
-        kb = gl.load(_page_rows(ik, K0, p0, p1, p2, p3, kstep, PAGE)[:, None] + koff)
-        vb = gl.load(_page_rows(iv, V0, p0, p1, p2, p3, vstep, PAGE)[:, None] + voff)
-        mw = (t0 + tw) < end
-        kw = gl.load(_page_rows(tw, K1, p0, p1, p2, p3, k1step, PAGE) + k1off, mask=mw, other=0)
-        vw = gl.load(_page_rows(tw, V1, p0, p1, p2, p3, v1step, PAGE) + v1off, mask=mw, other=0)
+        if PREFETCH:
+            kb = _word_bytes(kww, KEY_LOAD)
+            vb = _word_bytes(vww, VAL_LOAD)
+            kw, vw = kwn, vwn
+            kww, vww, kwn, vwn = _b16_tile_loads(BT, b, stride_btb, t0 + BLOCK_N, end, K0w, K1, V0w, V1, ikw, ivw,
+                                                 tw, koffw, voffw, k1off, v1off, kstep // 4, vstep // 4, k1step,
+                                                 v1step, PAGE, BLOCK_N)
+        else:
+            kb, vb, kw, vw = _b16_tile_loads(BT, b, stride_btb, t0, end, K0, K1, V0, V1, ik, iv, tw, koff, voff,
+                                             k1off, v1off, kstep, vstep, k1step, v1step, PAGE, BLOCK_N)
         kw = _trivial(gl.reshape(kw, (BLOCK_N,)), gl.SliceLayout(0, MMA))
         vw = _trivial(gl.reshape(vw, (BLOCK_N,)), gl.SliceLayout(0, MMA))
         ms = (t0 + isc) < end
@@ -615,13 +686,15 @@ def compile_sm90(num_warps: int = 1, block_n: int = 32, vf16: bool = False, lazy
         fn = fp4_e8m0_b16_split_kernel
         consts = {"QPK": 4, "PAGE": 16, "PAGE_SLOTS": 128, "BLOCK_N": block_n,
                   "VAL_LOAD": value_load_layout_b16(block_n), "WORDS": word_pairs_layout(block_n), "NV": nv,
+                  "PREFETCH": prefetch, "VAL_WORDS": value_words_layout(block_n, True),
                   "k1_s": 1, "v1_s": 1}
         sig.update({"KS": "*fp32", "VS": "*fp32"})
     else:
         fn = fp4_e8m0_split_kernel
         consts = {"QPK": 4, "PAGE": 16, "PAGE_SLOTS": 128, "QB": 32, "BLOCK_N": block_n,
                   "VAL_LOAD": value_load_layout(block_n), "PAIRS_N": pairs_layout(block_n), "VF16": vf16,
-                  "LAZY": lazy, "PREFETCH": prefetch, "k1_s": 1, "v1_s": 1}
+                  "LAZY": lazy, "PREFETCH": prefetch, "VAL_WORDS": value_words_layout(block_n), "k1_s": 1,
+                  "v1_s": 1}
     return aot_sm90(fn, sig, consts, ("Q", "BT", "SL", "K0", "K1", "V0", "V1", "OP", "LP", "stride_qb", "stride_qh",
                                       "k0_s", "k0_h", "v0_s", "v0_h", "op_b", "op_h", "op_s"), num_warps, maxnreg)
 
@@ -706,6 +779,7 @@ def gluon_decode(q, dc, splits: int, num_warps: int = 1, block_n: int = 32, vf16
                 v1.stride(1), *so.strides(),
                 QPK=qpk, PAGE=dc.page_size, PAGE_SLOTS=kt.page_slots(dc.page_size), BLOCK_N=block_n,
                 VAL_LOAD=value_load_layout_b16(block_n), WORDS=word_pairs_layout(block_n), NV=nv,
+                PREFETCH=prefetch, VAL_WORDS=value_words_layout(block_n, True),
                 num_warps=num_warps, **opts)
         else:
             fp4_e8m0_split_kernel[(batch, kvh, splits)](
@@ -714,7 +788,7 @@ def gluon_decode(q, dc, splits: int, num_warps: int = 1, block_n: int = 32, vf16
                 v1.stride(1), *so.strides(),
                 QPK=qpk, PAGE=dc.page_size, PAGE_SLOTS=kt.page_slots(dc.page_size), QB=32, BLOCK_N=block_n,
                 VAL_LOAD=value_load_layout(block_n), PAIRS_N=pairs_layout(block_n), VF16=vf16, LAZY=lazy,
-                PREFETCH=prefetch, num_warps=num_warps, **opts)
+                PREFETCH=prefetch, VAL_WORDS=value_words_layout(block_n), num_warps=num_warps, **opts)
         return so.merge()
 
     return run
@@ -849,12 +923,14 @@ def main(argv=None) -> int:
                     help="fp4_e2m1 and nvfp4 (blocks of 16) run their one kernel, with and without maxnreg 168")
     args = ap.parse_args(argv)
     variants = [tuple(int(x) for x in v.split(",")) for v in args.variants.split(";")]
-    if args.scheme in ("fp4_e2m1", "nvfp4"):  # their one kernel: float16 values, conditional rescale, tiles of 32
-        variants = [(32, 1, 1, 0, 0), (32, 1, 1, 0, 168)]
+    if args.scheme in ("fp4_e2m1", "nvfp4"):  # their one kernel: float16 values, conditional rescale, tiles of 32;
+        # the variants' PREFETCH and MAXNREG apply
+        variants = list(dict.fromkeys((32, 1, 1, pf, nreg) for _, _, _, pf, nreg in variants))
     if args.static:
         rows = static_rows([v[:4] + (0, v[4], 0) for v in variants]
                            + [(32, 1, 1, 0, 1, 0, 0), (32, 1, 1, 0, 1, 168, 0), (32, 1, 1, 0, 1, 0, 1),
-                              (32, 1, 1, 0, 1, 168, 1), (32, 1, 1, 1, 0, 0, 0)])
+                              (32, 1, 1, 0, 1, 168, 1), (32, 1, 1, 1, 0, 0, 0), (32, 1, 1, 1, 1, 0, 0),
+                              (32, 1, 1, 1, 1, 0, 1)])
         for r in rows:
             print(json.dumps(r), flush=True)
         return 0
