@@ -38,7 +38,7 @@ from pathlib import Path
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -74,6 +74,8 @@ OP_B = gl.constexpr(gl.DotOperandLayout(1, MMA.value, 2))
 # key bytes [N = 32 tokens, 64 bytes]: 16 contiguous bytes per thread (lane % 4 along the bytes), 8 tokens per
 # lane row, 4 tokens per thread
 KEY_LOAD = gl.constexpr(gl.BlockedLayout([1, 16], [8, 4], [1, 1], [1, 0]))
+#: ``PREFETCH`` 2's ring of shared code buffers [STAGES, N, 64], unswizzled (each thread reads back its own copies)
+RING = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
 
 
 def pairs_layout(block_n: int) -> gl.DistributedLinearLayout:
@@ -214,6 +216,29 @@ def _tile_loads(BT, b, stride_btb, t0, end, K0, K1, V0, V1, ik, iv, ip, koff, vo
 
 
 @gluon.jit
+def _tile_copies(kdst, vdst, BT, b, stride_btb, t0, end, K0, V0, ik, iv, koff, voff, kstep, vstep,
+                 PAGE: gl.constexpr, BLOCK_N: gl.constexpr):
+    """The tile at ``t0``'s key and value code bytes copied asynchronously (``cp.async``) into the shared buffers
+    ``kdst``, ``vdst`` [N, 64], each thread the bytes it reads back (KEY_LOAD, ``VAL_LOAD``: no other lane's copy is
+    waited for), unmasked as :func:`_tile_loads`' code bytes."""
+    p0, p1, p2, p3 = _tile_pages(BT, b, stride_btb, t0, end, PAGE, BLOCK_N)
+    async_copy.async_copy_global_to_shared(kdst, _page_rows(ik, K0, p0, p1, p2, p3, kstep, PAGE)[:, None] + koff)
+    async_copy.async_copy_global_to_shared(vdst, _page_rows(iv, V0, p0, p1, p2, p3, vstep, PAGE)[:, None] + voff)
+    async_copy.commit_group()
+
+
+@gluon.jit
+def _scale_loads(BT, b, stride_btb, t0, end, K1, V1, ip, k1off, v1off, k1step, v1step, PAGE: gl.constexpr,
+                 BLOCK_N: gl.constexpr):
+    """The tile at ``t0``'s scale words as int64 token pairs (0 past ``end``), as :func:`_tile_loads`'."""
+    p0, p1, p2, p3 = _tile_pages(BT, b, stride_btb, t0, end, PAGE, BLOCK_N)
+    mp = (t0 + 2 * ip) < end
+    kw2 = gl.load(_page_rows(2 * ip, K1, p0, p1, p2, p3, k1step, PAGE) + k1off, mask=mp, other=0)
+    vw2 = gl.load(_page_rows(2 * ip, V1, p0, p1, p2, p3, v1step, PAGE) + v1off, mask=mp, other=0)
+    return kw2, vw2
+
+
+@gluon.jit
 def _word_offsets(kvh, k0_s, k0_h, v0_s, v0_h, PAGE: gl.constexpr, BLOCK_N: gl.constexpr, VAL_WORDS: gl.constexpr):
     """:func:`_code_offsets` in int32 words (row strides in bytes, multiples of 16): the key and value words'
     offsets inside their pages [N, 16] (KEY_WORDS, ``VAL_WORDS``) and their token positions."""
@@ -306,7 +331,7 @@ def fp4_e8m0_split_kernel(
     stride_qb, stride_qh, stride_btb, k0_s, k0_h, k1_s, k1_h, v0_s, v0_h, v1_s, v1_h, op_b, op_h, op_s, lp_b, lp_h,
     QPK: gl.constexpr, PAGE: gl.constexpr, PAGE_SLOTS: gl.constexpr, QB: gl.constexpr, BLOCK_N: gl.constexpr,
     VAL_LOAD: gl.constexpr, PAIRS_N: gl.constexpr, VF16: gl.constexpr = False, LAZY: gl.constexpr = False,
-    PREFETCH: gl.constexpr = False, VAL_WORDS: gl.constexpr = None,
+    PREFETCH: gl.constexpr = 0, VAL_WORDS: gl.constexpr = None,
 ):
     gl.static_assert(VF16 or not LAZY)
     VH: gl.constexpr = 7 if LAZY else 15  # float16 headroom of the value weights p 2**(c - mc): p <= 2**8 if LAZY
@@ -338,7 +363,17 @@ def fp4_e8m0_split_kernel(
     vstep = PAGE_SLOTS * v0_s
     k1step = (PAGE_SLOTS // 2) * k1_s
     v1step = (PAGE_SLOTS // 2) * v1_s
-    if PREFETCH:  # the first tile's words; each next tile's are read before this tile's arithmetic and carried
+    STAGES: gl.constexpr = PREFETCH + 1
+    if PREFETCH >= 2:  # code bytes through a ring of PREFETCH + 1 shared buffers by cp.async, PREFETCH tiles
+        # ahead; the scale words one tile ahead in registers
+        ksm = gl.allocate_shared_memory(gl.uint8, [STAGES, BLOCK_N, 64], RING)
+        vsm = gl.allocate_shared_memory(gl.uint8, [STAGES, BLOCK_N, 64], RING)
+        for i in gl.static_range(STAGES - 1):
+            _tile_copies(ksm.index(i), vsm.index(i), BT, b, stride_btb, start + i * BLOCK_N, end, K0, V0, ik, iv,
+                         koff, voff, kstep, vstep, PAGE, BLOCK_N)
+        kw2, vw2 = _scale_loads(BT, b, stride_btb, start, end, K1, V1, ip, k1off, v1off, k1step, v1step, PAGE,
+                                BLOCK_N)
+    elif PREFETCH:  # the first tile's words; each next tile's are read before this tile's arithmetic and carried
         # in registers as int32 words (carried as bytes they took a register each: 255 registers and spills)
         K0w = K0.to(gl.pointer_type(gl.int32))
         V0w = V0.to(gl.pointer_type(gl.int32))
@@ -346,7 +381,18 @@ def fp4_e8m0_split_kernel(
         kww, vww, kw2, vw2 = _tile_loads(BT, b, stride_btb, start, end, K0w, K1, V0w, V1, ikw, ivw, ip, koffw, voffw,
                                          k1off, v1off, kstep // 4, vstep // 4, k1step, v1step, PAGE, BLOCK_N)
     for t0 in range(start, end, BLOCK_N):
-        if PREFETCH:
+        if PREFETCH >= 2:
+            it = (t0 - start) // BLOCK_N
+            nxt = (it + STAGES - 1) % STAGES
+            _tile_copies(ksm.index(nxt), vsm.index(nxt), BT, b, stride_btb, t0 + (STAGES - 1) * BLOCK_N, end, K0, V0,
+                         ik, iv, koff, voff, kstep, vstep, PAGE, BLOCK_N)
+            async_copy.wait_group(STAGES - 1)
+            kb_c = ksm.index(it % STAGES).load(KEY_LOAD)
+            vb_c = vsm.index(it % STAGES).load(VAL_LOAD)
+            kw2_c, vw2_c = kw2, vw2
+            kw2, vw2 = _scale_loads(BT, b, stride_btb, t0 + BLOCK_N, end, K1, V1, ip, k1off, v1off, k1step, v1step,
+                                    PAGE, BLOCK_N)
+        elif PREFETCH:
             kb_c = _word_bytes(kww, KEY_LOAD)
             vb_c = _word_bytes(vww, VAL_LOAD)
             kw2_c, vw2_c = kw2, vw2
@@ -518,7 +564,7 @@ def fp4_e8m0_b16_split_kernel(
     Q, BT, SL, K0, K1, V0, V1, KS, VS, OP, LP, qk_scale, tokens_per_split,
     stride_qb, stride_qh, stride_btb, k0_s, k0_h, k1_s, k1_h, v0_s, v0_h, v1_s, v1_h, op_b, op_h, op_s, lp_b, lp_h,
     QPK: gl.constexpr, PAGE: gl.constexpr, PAGE_SLOTS: gl.constexpr, BLOCK_N: gl.constexpr,
-    VAL_LOAD: gl.constexpr, WORDS: gl.constexpr, NV: gl.constexpr = False, PREFETCH: gl.constexpr = False,
+    VAL_LOAD: gl.constexpr, WORDS: gl.constexpr, NV: gl.constexpr = False, PREFETCH: gl.constexpr = 0,
     VAL_WORDS: gl.constexpr = None,
 ):
     """fp4_e2m1 (E8M0 blocks of 16 channels) with :func:`fp4_e8m0_split_kernel`'s VF16 and LAZY arithmetic. Key
@@ -675,7 +721,7 @@ BUILDS = {"mxfp4-vf16-lazy": {"vf16": True, "lazy": True}, "mxfp4-bf16": {}, "fp
 
 
 def compile_sm90(num_warps: int = 1, block_n: int = 32, vf16: bool = False, lazy: bool = False,
-                 prefetch: bool = False, b16: bool = False, maxnreg: int | None = None, nv: bool = False):
+                 prefetch: int = 0, b16: bool = False, maxnreg: int | None = None, nv: bool = False):
     """Ahead-of-time compile for sm_90 (no GPU needed): the compiled kernel, for its SASS and resource usage."""
     sig = {name: "i32" for name in ("tokens_per_split", "stride_qb", "stride_qh", "stride_btb", "k0_s", "k0_h",
                                     "k1_s", "k1_h", "v0_s", "v0_h", "v1_s", "v1_h", "op_b", "op_h", "op_s", "lp_b",
@@ -747,7 +793,7 @@ class SplitOutputs:
 
 
 def gluon_decode(q, dc, splits: int, num_warps: int = 1, block_n: int = 32, vf16: bool = False,
-                 lazy: bool = False, prefetch: bool = False, maxnreg: int = 0):
+                 lazy: bool = False, prefetch: int = 0, maxnreg: int = 0):
     """The probe's decode over ``dc`` (an mxfp4 device cache, head-major, as bench/decode_bench.py makes it):
     returns the call (out [B, Hq, D] float32 after the project's merge kernel)."""
     import torch
@@ -846,7 +892,7 @@ def oracle_check(variants, splits: int = 4, seed: int = 0, scheme: str = "mxfp4"
     got_prod = tb.decode(q, dc)[0].cpu().numpy()
     rows.append({"kernel": "triton (default plan)", "max_err_over_tol": float((np.abs(got_prod - want) / tol).max())})
     for bn, vf, lz, pf, nreg in variants:
-        got = gluon_decode(q, dc, splits, block_n=bn, vf16=bool(vf), lazy=bool(lz), prefetch=bool(pf),
+        got = gluon_decode(q, dc, splits, block_n=bn, vf16=bool(vf), lazy=bool(lz), prefetch=pf,
                            maxnreg=nreg)()
         got = got.cpu().numpy()
         rows.append({"kernel": f"gluon BLOCK_N {bn} VF16 {vf} LAZY {lz} PREFETCH {pf} MAXNREG {nreg}",
@@ -861,7 +907,7 @@ def static_rows(variants) -> list[dict]:
     ``sass_budget`` counts it (one warp: loop x 32 / (2 x BLOCK_N x 128))."""
     rows = []
     for bn, vf, lz, pf, b16, nreg, nv in variants:
-        ck = compile_sm90(block_n=bn, vf16=bool(vf), lazy=bool(lz), prefetch=bool(pf), b16=bool(b16),
+        ck = compile_sm90(block_n=bn, vf16=bool(vf), lazy=bool(lz), prefetch=pf, b16=bool(b16),
                           maxnreg=nreg or None, nv=bool(nv))
         counts = sm90_loop_counts(ck)
         rows.append({"variant": {"block_n": bn, "vf16": vf, "lazy": lz, "prefetch": pf, "blocks_of_16": b16,
@@ -914,7 +960,8 @@ def main(argv=None) -> int:
     ap.add_argument("--shape", default="32,32,8,128,8192", help="batch,q_heads,kv_heads,head_dim,tokens")
     ap.add_argument("--splits", default="3,4,6,8")
     ap.add_argument("--variants", default="32,0,0,0,0;32,0,0,0,168;32,1,1,0,0;32,1,1,0,168;64,1,1,0,0",
-                    help="BLOCK_N,VF16,LAZY,PREFETCH,MAXNREG (0: none) separated by ';'")
+                    help="BLOCK_N,VF16,LAZY,PREFETCH,MAXNREG (0: none) separated by ';'; PREFETCH 1: the next "
+                         "tile's code words carried in registers, k >= 2 (mxfp4): cp.async k tiles ahead")
     ap.add_argument("--out", help="JSON file for the results")
     ap.add_argument("--check", action="store_true", help="only the float64-oracle check of every variant")
     ap.add_argument("--static", action="store_true",
@@ -951,7 +998,7 @@ def main(argv=None) -> int:
                              f"{s} splits", "block_n": bn, "vf16": vf, "lazy": lz, "prefetch": pf, "maxnreg": nreg,
                    "splits": s}
             cases.append((row, lambda q, dc, s=s, bn=bn, vf=vf, lz=lz, pf=pf, nreg=nreg: gluon_decode(
-                q, dc, s, block_n=bn, vf16=bool(vf), lazy=bool(lz), prefetch=bool(pf), maxnreg=nreg)))
+                q, dc, s, block_n=bn, vf16=bool(vf), lazy=bool(lz), prefetch=pf, maxnreg=nreg)))
     time_probe(args.scheme, tuple(int(x) for x in args.shape.split(",")), 16, cases,
                "python3 bench/gluon_fp4_probe.py " + " ".join(argv or sys.argv[1:]), args.out)
     return 0
