@@ -74,6 +74,9 @@ OP_B = gl.constexpr(gl.DotOperandLayout(1, MMA.value, 2))
 # key bytes [N = 32 tokens, 64 bytes]: 16 contiguous bytes per thread (lane % 4 along the bytes), 8 tokens per
 # lane row, 4 tokens per thread
 KEY_LOAD = gl.constexpr(gl.BlockedLayout([1, 16], [8, 4], [1, 1], [1, 0]))
+#: cp.async into shared memory: ``async_load`` since triton 3.7, ``async_copy_global_to_shared`` before (3.6, the
+#: device's)
+_async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
 #: ``PREFETCH`` 2's ring of shared code buffers [STAGES, N, 64], unswizzled (each thread reads back its own copies)
 RING = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
 
@@ -222,8 +225,8 @@ def _tile_copies(kdst, vdst, BT, b, stride_btb, t0, end, K0, V0, ik, iv, koff, v
     ``kdst``, ``vdst`` [N, 64], each thread the bytes it reads back (KEY_LOAD, ``VAL_LOAD``: no other lane's copy is
     waited for), unmasked as :func:`_tile_loads`' code bytes."""
     p0, p1, p2, p3 = _tile_pages(BT, b, stride_btb, t0, end, PAGE, BLOCK_N)
-    async_copy.async_copy_global_to_shared(kdst, _page_rows(ik, K0, p0, p1, p2, p3, kstep, PAGE)[:, None] + koff)
-    async_copy.async_copy_global_to_shared(vdst, _page_rows(iv, V0, p0, p1, p2, p3, vstep, PAGE)[:, None] + voff)
+    _async_load(kdst, _page_rows(ik, K0, p0, p1, p2, p3, kstep, PAGE)[:, None] + koff)
+    _async_load(vdst, _page_rows(iv, V0, p0, p1, p2, p3, vstep, PAGE)[:, None] + voff)
     async_copy.commit_group()
 
 
