@@ -212,9 +212,7 @@ def _tile_loads(BT, b, stride_btb, t0, end, K0, K1, V0, V1, ik, iv, ip, koff, vo
     p0, p1, p2, p3 = _tile_pages(BT, b, stride_btb, t0, end, PAGE, BLOCK_N)
     kb = gl.load(_page_rows(ik, K0, p0, p1, p2, p3, kstep, PAGE)[:, None] + koff)
     vb = gl.load(_page_rows(iv, V0, p0, p1, p2, p3, vstep, PAGE)[:, None] + voff)
-    mp = (t0 + 2 * ip) < end
-    kw2 = gl.load(_page_rows(2 * ip, K1, p0, p1, p2, p3, k1step, PAGE) + k1off, mask=mp, other=0)
-    vw2 = gl.load(_page_rows(2 * ip, V1, p0, p1, p2, p3, v1step, PAGE) + v1off, mask=mp, other=0)
+    kw2, vw2 = _scale_loads(BT, b, stride_btb, t0, end, K1, V1, ip, k1off, v1off, k1step, v1step, PAGE, BLOCK_N)
     return kb, vb, kw2, vw2
 
 
@@ -504,10 +502,19 @@ def _b16_tile_loads(BT, b, stride_btb, t0, end, K0, K1, V0, V1, ik, iv, tw, koff
     p0, p1, p2, p3 = _tile_pages(BT, b, stride_btb, t0, end, PAGE, BLOCK_N)
     kb = gl.load(_page_rows(ik, K0, p0, p1, p2, p3, kstep, PAGE)[:, None] + koff)
     vb = gl.load(_page_rows(iv, V0, p0, p1, p2, p3, vstep, PAGE)[:, None] + voff)
+    kw, vw = _b16_scale_loads(BT, b, stride_btb, t0, end, K1, V1, tw, k1off, v1off, k1step, v1step, PAGE, BLOCK_N)
+    return kb, vb, kw, vw
+
+
+@gluon.jit
+def _b16_scale_loads(BT, b, stride_btb, t0, end, K1, V1, tw, k1off, v1off, k1step, v1step, PAGE: gl.constexpr,
+                     BLOCK_N: gl.constexpr):
+    """:func:`_b16_tile_loads`' scale words alone."""
+    p0, p1, p2, p3 = _tile_pages(BT, b, stride_btb, t0, end, PAGE, BLOCK_N)
     mw = (t0 + tw) < end
     kw = gl.load(_page_rows(tw, K1, p0, p1, p2, p3, k1step, PAGE) + k1off, mask=mw, other=0)
     vw = gl.load(_page_rows(tw, V1, p0, p1, p2, p3, v1step, PAGE) + v1off, mask=mw, other=0)
-    return kb, vb, kw, vw
+    return kw, vw
 
 
 @gluon.jit
@@ -611,7 +618,16 @@ def fp4_e8m0_b16_split_kernel(
     k1step = PAGE_SLOTS * k1_s
     v1step = PAGE_SLOTS * v1_s
     low_rows = (rows < 8)[:, None]
-    if PREFETCH:  # as fp4_e8m0_split_kernel's: the next tile's code words carried in registers
+    STAGES: gl.constexpr = PREFETCH + 1
+    if PREFETCH >= 2:  # as fp4_e8m0_split_kernel's: cp.async PREFETCH tiles ahead, scale words one in registers
+        ksm = gl.allocate_shared_memory(gl.uint8, [STAGES, BLOCK_N, 64], RING)
+        vsm = gl.allocate_shared_memory(gl.uint8, [STAGES, BLOCK_N, 64], RING)
+        for i in gl.static_range(STAGES - 1):
+            _tile_copies(ksm.index(i), vsm.index(i), BT, b, stride_btb, start + i * BLOCK_N, end, K0, V0, ik, iv,
+                         koff, voff, kstep, vstep, PAGE, BLOCK_N)
+        kwn, vwn = _b16_scale_loads(BT, b, stride_btb, start, end, K1, V1, tw, k1off, v1off, k1step, v1step, PAGE,
+                                    BLOCK_N)
+    elif PREFETCH:  # as fp4_e8m0_split_kernel's: the next tile's code words carried in registers
         K0w = K0.to(gl.pointer_type(gl.int32))
         V0w = V0.to(gl.pointer_type(gl.int32))
         ikw, koffw, ivw, voffw = _word_offsets(kvh, k0_s, k0_h, v0_s, v0_h, PAGE, BLOCK_N, VAL_WORDS)
@@ -619,7 +635,18 @@ def fp4_e8m0_b16_split_kernel(
                                              voffw, k1off, v1off, kstep // 4, vstep // 4, k1step, v1step, PAGE,
                                              BLOCK_N)
     for t0 in range(start, end, BLOCK_N):
-        if PREFETCH:
+        if PREFETCH >= 2:
+            it = (t0 - start) // BLOCK_N
+            nxt = (it + STAGES - 1) % STAGES
+            _tile_copies(ksm.index(nxt), vsm.index(nxt), BT, b, stride_btb, t0 + (STAGES - 1) * BLOCK_N, end, K0, V0,
+                         ik, iv, koff, voff, kstep, vstep, PAGE, BLOCK_N)
+            async_copy.wait_group(STAGES - 1)
+            kb = ksm.index(it % STAGES).load(KEY_LOAD)
+            vb = vsm.index(it % STAGES).load(VAL_LOAD)
+            kw, vw = kwn, vwn
+            kwn, vwn = _b16_scale_loads(BT, b, stride_btb, t0 + BLOCK_N, end, K1, V1, tw, k1off, v1off, k1step,
+                                        v1step, PAGE, BLOCK_N)
+        elif PREFETCH:
             kb = _word_bytes(kww, KEY_LOAD)
             vb = _word_bytes(vww, VAL_LOAD)
             kw, vw = kwn, vwn
@@ -964,7 +991,7 @@ def main(argv=None) -> int:
     ap.add_argument("--splits", default="3,4,6,8")
     ap.add_argument("--variants", default="32,0,0,0,0;32,0,0,0,168;32,1,1,0,0;32,1,1,0,168;64,1,1,0,0",
                     help="BLOCK_N,VF16,LAZY,PREFETCH,MAXNREG (0: none) separated by ';'; PREFETCH 1: the next "
-                         "tile's code words carried in registers, k >= 2 (mxfp4): cp.async k tiles ahead")
+                         "tile's code words carried in registers, k >= 2: cp.async k tiles ahead")
     ap.add_argument("--out", help="JSON file for the results")
     ap.add_argument("--check", action="store_true", help="only the float64-oracle check of every variant")
     ap.add_argument("--static", action="store_true",
