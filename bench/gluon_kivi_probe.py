@@ -35,7 +35,7 @@ from pathlib import Path
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -47,6 +47,7 @@ from gluon_fp4_probe import (  # noqa: E402
     _pow2,
     _program_tokens,
     _q_exponent,
+    _async_load,
     _trivial,
     aot_sm90,
     random_block_table,
@@ -288,6 +289,28 @@ def _value_rows(x):
     return _trivial(gl.reshape(x, (16, 32)), MMA).to(gl.float32)
 
 
+@gluon.jit
+def _page_copies(kdst, vdst, bt, t0, end, KC, VC, kc_p, vc_p, koff, voff, N: gl.constexpr):
+    """The page at ``t0``'s key and value code bytes copied by ``cp.async`` into ``kdst``, ``vdst`` (page 0 past
+    ``end``: rows whose scores the mask drops)."""
+    pg = gl.load(bt + t0 // N, mask=t0 < end, other=0).to(gl.int64)
+    _async_load(kdst, KC + pg * kc_p + koff)
+    _async_load(vdst, VC + pg * vc_p + voff)
+    async_copy.commit_group()
+
+
+@gluon.jit
+def _page_scales(bt, t0, end, KS, KZ, VS, VZ, ks_p, vs_p, choff, woff, N: gl.constexpr):
+    """The page at ``t0``'s key scales and zeros (per channel) and value scales and zeros (per token and group);
+    page 0's past ``end``."""
+    pg = gl.load(bt + t0 // N, mask=t0 < end, other=0).to(gl.int64)
+    return (gl.load(KS + pg * ks_p + choff), gl.load(KZ + pg * ks_p + choff), gl.load(VS + pg * vs_p + woff),
+            gl.load(VZ + pg * vs_p + woff))
+
+
+#: ``PREFETCH``'s rings of shared code buffers, unswizzled (each thread reads back its own copies)
+KRING = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+VRING = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
 VROWS = gl.constexpr(value_rows_layout())
 QC = gl.constexpr(q_compact_layout())
 
@@ -297,7 +320,7 @@ def kivi_split_kernel(
     Q, BT, SL, KC, KS, KZ, VC, VS, VZ, OP, LP, qk_scale, tokens_per_split,
     stride_qb, stride_qh, stride_btb, kc_p, kc_h, ks_p, ks_h, vc_p, vc_h, vs_p, vs_h, op_b, op_h, op_s, lp_b, lp_h,
     BITS: gl.constexpr, QPK: gl.constexpr, KEY_LOAD: gl.constexpr, VAL_LOAD: gl.constexpr, CH: gl.constexpr,
-    VW: gl.constexpr, COMPACT: gl.constexpr = True,
+    VW: gl.constexpr, COMPACT: gl.constexpr = True, PREFETCH: gl.constexpr = 0,
 ):
     """KIVI keys and values (``BITS`` 2 or 4), head-major pages of 32 tokens, 4 query heads per KV head, head_dim
     128, value groups of 32 channels: one split's normalised output and base-2 log-sum-exp."""
@@ -338,14 +361,30 @@ def kivi_split_kernel(
     acc = gl.zeros([16, 128], gl.float32, layout=MMA)
     acc_z = gl.zeros([16, N], gl.float32, layout=MMA)
     bt = BT + b * stride_btb
+    STAGES: gl.constexpr = PREFETCH + 1
+    if PREFETCH > 0:  # code bytes by cp.async PREFETCH tiles ahead into a ring of shared buffers (each thread its
+        # own bytes), the scales and zeros one tile ahead in registers
+        ksm = gl.allocate_shared_memory(gl.uint8, [STAGES, N, DB], KRING)
+        vsm = gl.allocate_shared_memory(gl.uint8, [STAGES, 16, 2, DB], VRING)
+        for i in gl.static_range(STAGES - 1):
+            _page_copies(ksm.index(i), vsm.index(i), bt, start + i * N, end, KC, VC, kc_p, vc_p, koff, voff, N)
+        sk_n, zk_n, sv_n, zv_n = _page_scales(bt, start, end, KS, KZ, VS, VZ, ks_p, vs_p, choff, woff, N)
     for t0 in range(start, end, N):
-        pg = gl.load(bt + t0 // N).to(gl.int64)
-        kb = gl.load(KC + pg * kc_p + koff)
-        sk = gl.load(KS + pg * ks_p + choff)
-        zk = gl.load(KZ + pg * ks_p + choff)
-        vb = gl.load(VC + pg * vc_p + voff)
-        sv = gl.load(VS + pg * vs_p + woff)
-        zv = gl.load(VZ + pg * vs_p + woff)
+        if PREFETCH > 0:
+            it = (t0 - start) // N
+            nxt = (it + STAGES - 1) % STAGES
+            _page_copies(ksm.index(nxt), vsm.index(nxt), bt, t0 + (STAGES - 1) * N, end, KC, VC, kc_p, vc_p, koff,
+                         voff, N)
+            async_copy.wait_group(STAGES - 1)
+            kb = ksm.index(it % STAGES).load(KEY_LOAD)
+            vb = vsm.index(it % STAGES).load(VAL_LOAD)
+            sk, zk, sv, zv = sk_n, zk_n, sv_n, zv_n
+            sk_n, zk_n, sv_n, zv_n = _page_scales(bt, t0 + N, end, KS, KZ, VS, VZ, ks_p, vs_p, choff, woff, N)
+        else:
+            pg = gl.load(bt + t0 // N).to(gl.int64)
+            kb = gl.load(KC + pg * kc_p + koff)
+            vb = gl.load(VC + pg * vc_p + voff)
+            sk, zk, sv, zv = _page_scales(bt, t0, end, KS, KZ, VS, VZ, ks_p, vs_p, choff, woff, N)
 
         # key rows: q s 2**E rounded once to float16 (E per head puts the largest in [2**14, 2**15)), then times
         # 2**(-BITS pos) in float16 (a second rounding below float16's normals, as the Triton kernel's subnormal
@@ -398,26 +437,26 @@ def kivi_split_kernel(
     gl.store(LP + b * lp_b + (kvh * QPK + hh).to(gl.int64) * lp_h + split, lse2, mask=(hh < QPK) & (rows < 4))
 
 
-def kernel_constexprs(bits: int, compact: bool = True) -> dict:
+def kernel_constexprs(bits: int, compact: bool = True, prefetch: int = 0) -> dict:
     """:func:`kivi_split_kernel`'s constexprs for ``bits``-bit codes (the layouts its loads use)."""
     db = D * bits // 8
     return {"BITS": bits, "QPK": 4, "KEY_LOAD": key_load_layout(db), "VAL_LOAD": value_load_layout(db),
-            "CH": channel_layout(compact), "VW": value_word_layout(), "COMPACT": compact}
+            "CH": channel_layout(compact), "VW": value_word_layout(), "COMPACT": compact, "PREFETCH": prefetch}
 
 
-def compile_sm90(bits: int = 2, maxnreg: int | None = None, compact: bool = True):
+def compile_sm90(bits: int = 2, maxnreg: int | None = None, compact: bool = True, prefetch: int = 0):
     """Ahead-of-time compile for sm_90 (no GPU needed): the compiled kernel, for its SASS and resource usage."""
     sig = {name: "i32" for name in ("tokens_per_split", "stride_qb", "stride_qh", "stride_btb", "kc_p", "kc_h",
                                     "ks_p", "ks_h", "vc_p", "vc_h", "vs_p", "vs_h", "op_b", "op_h", "op_s", "lp_b",
                                     "lp_h")}
     sig.update({"Q": "*bf16", "BT": "*i32", "SL": "*i32", "KC": "*u8", "KS": "*fp16", "KZ": "*fp16", "VC": "*u8",
                 "VS": "*fp16", "VZ": "*fp16", "OP": "*fp32", "LP": "*fp32", "qk_scale": "fp32"})
-    return aot_sm90(kivi_split_kernel, sig, kernel_constexprs(bits, compact),
+    return aot_sm90(kivi_split_kernel, sig, kernel_constexprs(bits, compact, prefetch),
                     ("Q", "BT", "SL", "KC", "KS", "KZ", "VC", "VS", "VZ", "OP", "LP", "stride_qb", "stride_qh", "kc_p",
                      "kc_h", "ks_p", "ks_h", "vc_p", "vc_h", "vs_p", "vs_h", "op_b", "op_h", "op_s"), maxnreg=maxnreg)
 
 
-def gluon_decode(q, dc, splits: int, maxnreg: int = 0, compact: bool = True):
+def gluon_decode(q, dc, splits: int, maxnreg: int = 0, compact: bool = True, prefetch: int = 0):
     """The probe's decode over ``dc`` (a KIVI device cache, head-major pages of 32, every token in pages, as
     bench/decode_bench.py makes it): returns the call (out [B, Hq, D] float32 after the project's merge kernel)."""
     from gluon_fp4_probe import SplitOutputs
@@ -435,7 +474,7 @@ def gluon_decode(q, dc, splits: int, maxnreg: int = 0, compact: bool = True):
     assert ks.stride() == kz.stride() and vs.stride() == vz.stride()
     so = SplitOutputs(q, dc, splits, PAGE)
     bt = dc.block_table
-    consts = kernel_constexprs(bits, compact) | ({"maxnreg": maxnreg} if maxnreg else {})
+    consts = kernel_constexprs(bits, compact, prefetch) | ({"maxnreg": maxnreg} if maxnreg else {})
 
     def run():
         kivi_split_kernel[(batch, kvh, splits)](
@@ -493,9 +532,9 @@ def oracle_check(variants, scheme: str = "int2_kivi", splits: int = 4, seed: int
     rows = []
     got_prod = tb.decode(q, dc)[0].cpu().numpy()
     rows.append({"kernel": "triton (default plan)", "max_err_over_tol": float((np.abs(got_prod - want) / tol).max())})
-    for compact, nreg in variants:
-        got = gluon_decode(q, dc, splits, maxnreg=nreg, compact=bool(compact))().cpu().numpy()
-        rows.append({"kernel": f"gluon COMPACT {compact} MAXNREG {nreg}",
+    for compact, nreg, pf in variants:
+        got = gluon_decode(q, dc, splits, maxnreg=nreg, compact=bool(compact), prefetch=pf)().cpu().numpy()
+        rows.append({"kernel": f"gluon COMPACT {compact} MAXNREG {nreg} PREFETCH {pf}",
                      "max_err_over_tol": float((np.abs(got - want) / tol).max()),
                      "finite": bool(np.isfinite(got).all())})
     return rows
@@ -507,22 +546,22 @@ def main(argv=None) -> int:
     ap.add_argument("--shape", default="32,32,8,128,8192", help="batch,q_heads,kv_heads,head_dim,tokens")
     ap.add_argument("--splits", default="3,4,6,8")
     ap.add_argument("--variants", default="1,0;1,168;0,0",
-                    help="COMPACT,MAXNREG pairs (COMPACT: the key rows computed once per lane and exchanged; "
-                         "MAXNREG 0: no register cap)")
+                    help="COMPACT,MAXNREG[,PREFETCH] (COMPACT: the key rows computed once per lane and exchanged; "
+                         "MAXNREG 0: no register cap; PREFETCH k: the code bytes by cp.async k tiles ahead)")
     ap.add_argument("--out", help="JSON file for the results")
     ap.add_argument("--check", action="store_true", help="only the float64-oracle check of every variant")
     ap.add_argument("--static", action="store_true", help="sm_90 builds: registers, shared memory, tile-loop "
                     "instructions (this machine's triton, no GPU)")
     ap.add_argument("--compile-only", action="store_true", help="AOT-compile for sm_90 and print the resources")
     args = ap.parse_args(argv)
-    variants = [tuple(int(x) for x in v.split(",")) for v in args.variants.split(";")]
+    variants = [(tuple(int(x) for x in v.split(",")) + (0,))[:3] for v in args.variants.split(";")]
     if args.static:
         from gluon_fp4_probe import sm90_loop_counts
 
         for bits in (2, 4):
-            for compact, cap in variants:
-                counts = sm90_loop_counts(compile_sm90(bits, cap or None, bool(compact)))
-                print(json.dumps({"bits": bits, "compact": compact, "maxnreg": cap, **counts,
+            for compact, cap, pf in variants:
+                counts = sm90_loop_counts(compile_sm90(bits, cap or None, bool(compact), pf))
+                print(json.dumps({"bits": bits, "compact": compact, "maxnreg": cap, "prefetch": pf, **counts,
                                   "per_element": round(counts["loop_common_path"] * 32 / (2 * PAGE * D), 2)}),
                       flush=True)
         return 0
@@ -539,12 +578,12 @@ def main(argv=None) -> int:
     from gluon_fp4_probe import time_probe
 
     cases = []
-    for compact, cap in variants:
+    for compact, cap, pf in variants:
         for s in (int(x) for x in args.splits.split(",")):
-            row = {"kernel": f"gluon KIVI probe, COMPACT {compact}, MAXNREG {cap}, {s} splits", "compact": compact,
-                   "maxnreg": cap, "splits": s}
-            cases.append((row, lambda q, dc, s=s, cap=cap, compact=compact: gluon_decode(
-                q, dc, s, maxnreg=cap, compact=bool(compact))))
+            row = {"kernel": f"gluon KIVI probe, COMPACT {compact}, MAXNREG {cap}, PREFETCH {pf}, {s} splits",
+                   "compact": compact, "maxnreg": cap, "prefetch": pf, "splits": s}
+            cases.append((row, lambda q, dc, s=s, cap=cap, compact=compact, pf=pf: gluon_decode(
+                q, dc, s, maxnreg=cap, compact=bool(compact), prefetch=pf)))
     time_probe(args.scheme, tuple(int(x) for x in args.shape.split(",")), PAGE, cases,
                "python3 bench/gluon_kivi_probe.py " + " ".join(argv or sys.argv[1:]), args.out)
     return 0
