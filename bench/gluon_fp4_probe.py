@@ -78,7 +78,7 @@ KEY_LOAD = gl.constexpr(gl.BlockedLayout([1, 16], [8, 4], [1, 1], [1, 0]))
 #: device's)
 _async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
 #: ``PREFETCH`` 2's ring of shared code buffers [STAGES, N, 64], unswizzled (each thread reads back its own copies)
-RING = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+RING = gl.constexpr(gl.SwizzledSharedLayout(16, 1, 1, [1, 0]))
 
 
 def pairs_layout(block_n: int) -> gl.DistributedLinearLayout:
@@ -223,8 +223,12 @@ def _tile_copies(kdst, vdst, BT, b, stride_btb, t0, end, K0, V0, ik, iv, koff, v
     ``kdst``, ``vdst`` [N, 64], each thread the bytes it reads back (KEY_LOAD, ``VAL_LOAD``: no other lane's copy is
     waited for), unmasked as :func:`_tile_loads`' code bytes."""
     p0, p1, p2, p3 = _tile_pages(BT, b, stride_btb, t0, end, PAGE, BLOCK_N)
-    _async_load(kdst, _page_rows(ik, K0, p0, p1, p2, p3, kstep, PAGE)[:, None] + koff)
-    _async_load(vdst, _page_rows(iv, V0, p0, p1, p2, p3, vstep, PAGE)[:, None] + voff)
+    kp = _page_rows(ik, K0, p0, p1, p2, p3, kstep, PAGE)[:, None] + koff
+    vp = _page_rows(iv, V0, p0, p1, p2, p3, vstep, PAGE)[:, None] + voff
+    # the rows' 16 (keys) and 8 (values) bytes per thread are contiguous and aligned (triton >= 3.7 does not find
+    # it by itself and refuses the copy)
+    _async_load(kdst, gl.max_contiguous(gl.multiple_of(kp, [1, 16]), [1, 16]))
+    _async_load(vdst, gl.max_contiguous(gl.multiple_of(vp, [1, 8]), [1, 8]))
     async_copy.commit_group()
 
 
@@ -745,9 +749,13 @@ def fp4_e8m0_b16_split_kernel(
 
 
 #: the kernels ``--compile-only`` builds for sm_90: mxfp4 with float16 values and the conditional rescale, mxfp4 with
-#: bfloat16 values, fp4_e2m1, nvfp4
+#: bfloat16 values, fp4_e2m1, nvfp4; the first and third with the next tile's code words in registers (PREFETCH 1)
+#: and with a cp.async ring two tiles ahead (PREFETCH 2: 3 x 2 x 32 x 64 bytes of shared memory)
 BUILDS = {"mxfp4-vf16-lazy": {"vf16": True, "lazy": True}, "mxfp4-bf16": {}, "fp4_e2m1": {"b16": True},
-          "nvfp4": {"b16": True, "nv": True}}
+          "nvfp4": {"b16": True, "nv": True},
+          "mxfp4-vf16-lazy-words": {"vf16": True, "lazy": True, "prefetch": 1},
+          "mxfp4-vf16-lazy-ring": {"vf16": True, "lazy": True, "prefetch": 2},
+          "fp4_e2m1-words": {"b16": True, "prefetch": 1}, "fp4_e2m1-ring": {"b16": True, "prefetch": 2}}
 
 
 def compile_sm90(num_warps: int = 1, block_n: int = 32, vf16: bool = False, lazy: bool = False,
@@ -1018,8 +1026,8 @@ def main(argv=None) -> int:
     if args.compile_only:  # one JSON line per kernel built (tests/test_gluon_probe.py)
         for name, kw in BUILDS.items():
             ck = compile_sm90(block_n=32, **kw)
-            print(json.dumps({"build": name, "shared": ck.metadata.shared, "num_warps": ck.metadata.num_warps}),
-                  flush=True)
+            print(json.dumps({"build": name, "shared": ck.metadata.shared, "num_warps": ck.metadata.num_warps,
+                              "prefetch": kw.get("prefetch", 0)}), flush=True)
         return 0
     cases = []
     for bn, vf, lz, pf, nreg in variants:

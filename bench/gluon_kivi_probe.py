@@ -294,8 +294,10 @@ def _page_copies(kdst, vdst, bt, t0, end, KC, VC, kc_p, vc_p, koff, voff, N: gl.
     """The page at ``t0``'s key and value code bytes copied by ``cp.async`` into ``kdst``, ``vdst`` (page 0 past
     ``end``: rows whose scores the mask drops)."""
     pg = gl.load(bt + t0 // N, mask=t0 < end, other=0).to(gl.int64)
-    _async_load(kdst, KC + pg * kc_p + koff)
-    _async_load(vdst, VC + pg * vc_p + voff)
+    DB: gl.constexpr = koff.shape[1]  # code bytes per token: DB / 4 per thread of a key row, DB / 8 of a value row
+    # contiguous and aligned (stated: triton >= 3.7 does not find it by itself and refuses the copy)
+    _async_load(kdst, gl.max_contiguous(gl.multiple_of(KC + pg * kc_p + koff, [1, DB // 4]), [1, DB // 4]))
+    _async_load(vdst, gl.max_contiguous(gl.multiple_of(VC + pg * vc_p + voff, [1, 1, DB // 8]), [1, 1, DB // 8]))
     async_copy.commit_group()
 
 
@@ -566,10 +568,10 @@ def main(argv=None) -> int:
                       flush=True)
         return 0
     if args.compile_only:
-        for bits in (2, 4):
-            ck = compile_sm90(bits)
-            print(json.dumps({"build": f"int{bits}_kivi", "shared": ck.metadata.shared,
-                              "num_warps": ck.metadata.num_warps}), flush=True)
+        for bits, pf in ((2, 0), (4, 0), (2, 2)):  # and int2 with a cp.async ring two tiles ahead
+            ck = compile_sm90(bits, prefetch=pf)
+            print(json.dumps({"build": f"int{bits}_kivi" + ("-ring" if pf else ""), "shared": ck.metadata.shared,
+                              "num_warps": ck.metadata.num_warps, "prefetch": pf}), flush=True)
         return 0
     if args.check:
         for r in oracle_check(variants, scheme=args.scheme):
