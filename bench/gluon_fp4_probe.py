@@ -875,6 +875,7 @@ def gluon_decode(q, dc, splits: int, num_warps: int = 1, block_n: int = 32, vf16
                 PREFETCH=prefetch, VAL_WORDS=value_words_layout(block_n), num_warps=num_warps, **opts)
         return so.merge()
 
+    run.outputs = so  # the split plan and its buffers (the merged lse among them)
     return run
 
 
@@ -924,19 +925,26 @@ def oracle_check(variants, splits: int = 4, seed: int = 0, scheme: str = "mxfp4"
         Vs.append(s.dequantize(s.quantize(v, params=params or None)))
     q = torch.from_numpy(rng.standard_normal((len(lens), 32, d)).astype(np.float32)).to(torch.bfloat16).cuda()
     q64 = q.float().cpu().numpy().astype(np.float64)
-    want, _ = reference.attention(q64, Ks, Vs)
+    want, want_lse = reference.attention(q64, Ks, Vs)
     tol, _ = reference.kernel_tolerance(q64, Ks, Vs, fast=reference.fast_rounding(s, s, "bfloat16"))
-    rows = []
-    got_prod = tb.decode(q, dc)[0].cpu().numpy()
-    rows.append({"kernel": "triton (default plan)", "max_err_over_tol": float((np.abs(got_prod - want) / tol).max())})
+    rows = [check_row("triton (default plan)", lambda: tb.decode(q, dc), want, want_lse, tol)]
     for bn, vf, lz, pf, nreg in variants:
-        got = gluon_decode(q, dc, splits, block_n=bn, vf16=bool(vf), lazy=bool(lz), prefetch=pf,
-                           maxnreg=nreg)()
-        got = got.cpu().numpy()
-        rows.append({"kernel": f"gluon BLOCK_N {bn} VF16 {vf} LAZY {lz} PREFETCH {pf} MAXNREG {nreg}",
-                     "max_err_over_tol": float((np.abs(got - want) / tol).max()),
-                     "finite": bool(np.isfinite(got).all())})
+        run = gluon_decode(q, dc, splits, block_n=bn, vf16=bool(vf), lazy=bool(lz), prefetch=pf, maxnreg=nreg)
+        rows.append(check_row(f"gluon BLOCK_N {bn} VF16 {vf} LAZY {lz} PREFETCH {pf} MAXNREG {nreg}",
+                              lambda run=run: (run(), run.outputs.lse), want, want_lse, tol))
     return rows
+
+
+def check_row(label: str, call, want, want_lse, tol) -> dict:
+    """One decode (``call()`` returns out [B, Hq, D] and the natural-log lse [B, Hq]) against the float64 oracle's
+    ``want`` and ``want_lse``: its largest |error| / ``tol``, whether every output is finite, and the lse's largest
+    |error| over the sequences' heads (the scores alone: a wrong key path shows there, a wrong value path does not)."""
+    import numpy as np
+
+    out, lse = call()
+    got, got_lse = out.cpu().numpy(), lse.cpu().numpy()
+    return {"kernel": label, "max_err_over_tol": float((np.abs(got - want) / tol).max()),
+            "finite": bool(np.isfinite(got).all()), "max_lse_err": float(np.abs(got_lse - want_lse).max())}
 
 
 def static_rows(variants) -> list[dict]:
@@ -1060,7 +1068,7 @@ def time_probe(scheme: str, shape: tuple, page_size: int, cases, command: str, o
     def ref():
         return tb.decode(q, dc, validate=False, max_seq_len=tokens)
 
-    want = ref()[0].clone()
+    want, want_lse = (x.clone() for x in ref()[:2])
     per_tok = db.side_bytes_per_token(ks, kv_heads, head_dim) + db.side_bytes_per_token(vs, kv_heads, head_dim)
     nbytes = batch * tokens * per_tok + 2 * q.numel() * 2
     rows = [{"kernel": "triton (default plan)", **db.timed(ref, {"bytes": nbytes})}]
@@ -1074,7 +1082,8 @@ def time_probe(scheme: str, shape: tuple, page_size: int, cases, command: str, o
             got = fn().clone()
             err = (got - want).abs().max().item()
             row.update({"max_abs_diff": err, "max_rel_diff": err / want.abs().max().item(),
-                        "finite": bool(torch.isfinite(got).all())})
+                        "finite": bool(torch.isfinite(got).all()),
+                        "max_lse_diff": (fn.outputs.lse - want_lse).abs().max().item()})
             row.update(db.timed(fn, {"bytes": nbytes}))
             row["ratio_to_sdpa"] = sdpa / row["time_us"]
         except Exception as e:  # a probe: report and go on
