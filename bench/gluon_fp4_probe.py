@@ -23,9 +23,15 @@ exact bfloat16 E2M1 values, or (``VF16``) to float16 against a running reference
 outputs as ``decode_split_kernel`` writes them (``OP`` the normalised output, ``LP`` the base-2 log-sum-exp), merged
 by the project's ``merge_kernel``.
 
+Loads ahead (``PREFETCH``; without it nothing overlaps a tile's loads with the arithmetic before them): 1 reads the
+next tile's code bytes as int32 words before this tile's arithmetic and carries them in registers (as bytes they took
+a register each); k >= 2 copies them by ``cp.async`` k tiles ahead into a ring of k + 1 shared buffers, each thread
+the bytes it reads back, so no other lane's copy is waited for (the scale words one tile ahead in registers).
+
 On a GPU: ``python3 bench/gluon_fp4_probe.py [--scheme mxfp4|fp4_e2m1|nvfp4] [--check]``; without one: ``--static``
 (sm_90 builds: registers, tile-loop instructions) and ``--compile-only``. Measured on the H100 (bench/results/
-ANALYSIS.md 313): correct, and 23-78% slower than the Triton kernel (mxfp4 160.6 us at best against 130.1).
+ANALYSIS.md 313): correct, and without loads ahead 23-78% slower than the Triton kernel (mxfp4 160.6 us at best
+against 130.1); the loads ahead are not yet measured (315).
 """
 from __future__ import annotations
 

@@ -18,13 +18,17 @@ bytes land in the registers the ``mma.sync`` operands use, with the fast mode's 
   accumulates in float32;
 * values: thread (lane // 4 = g) reads channels 16 g .. 16 g + 15 of its tokens 2 t + e + 8 h + 16 c; the two
   tokens of an operand register are interleaved by ``prmt`` before the masks (:func:`value_codes_ptx`);
-* FlashAttention 4's conditional rescale (threshold 8), so ``p <= 2**8``.
+* FlashAttention 4's conditional rescale (threshold 8), so ``p <= 2**8``;
+* ``PREFETCH`` k: the code bytes copied by ``cp.async`` k tiles ahead into a ring of shared buffers (each thread its
+  own bytes), the scales and zeros one tile ahead in registers.
 
 Split outputs as ``decode_split_kernel`` writes them, merged by the project's ``merge_kernel``. On a GPU:
 ``python3 bench/gluon_kivi_probe.py --check`` and ``python3 bench/gluon_kivi_probe.py --scheme int2_kivi --out F``;
 without one: ``--static`` (sm_90 builds: registers, tile-loop instructions) and ``--compile-only``. Status (bench/
 results/ANALYSIS.md 312, 314): on the H100 its int2 output was wrong (NaN on empty splits, mended since without a
-GPU; 103% off on full splits, cause not found); its code PTX and operand relabelling pass their CPU replays.
+GPU; 103% off on full splits, cause not found); its code PTX and operand relabelling pass their CPU replays. The
+check now reports the merged lse's error beside the outputs' (a wrong score shows in both, a wrong value path only in
+the outputs) and runs COMPACT 0 (no key-row exchange) beside 1, which bisects it on the next GPU run (316).
 """
 from __future__ import annotations
 
