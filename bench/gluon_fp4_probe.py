@@ -239,6 +239,40 @@ def _tile_copies(kdst, vdst, BT, b, stride_btb, t0, end, K0, V0, ik, iv, koff, v
 
 
 @gluon.jit
+def _ring_start(BT, b, stride_btb, start, end, K0, V0, ik, iv, koff, voff, kstep, vstep, STAGES: gl.constexpr,
+                PAGE: gl.constexpr, BLOCK_N: gl.constexpr):
+    """``PREFETCH`` >= 2's ring: STAGES shared buffers for each side's code bytes [STAGES, N, 64], the first
+    STAGES - 1 tiles' copies issued."""
+    ksm = gl.allocate_shared_memory(gl.uint8, [STAGES, BLOCK_N, 64], RING)
+    vsm = gl.allocate_shared_memory(gl.uint8, [STAGES, BLOCK_N, 64], RING)
+    for i in gl.static_range(STAGES - 1):
+        _tile_copies(ksm.index(i), vsm.index(i), BT, b, stride_btb, start + i * BLOCK_N, end, K0, V0, ik, iv, koff,
+                     voff, kstep, vstep, PAGE, BLOCK_N)
+    return ksm, vsm
+
+
+@gluon.jit
+def _ring_step(ksm, vsm, BT, b, stride_btb, t0, start, end, K0, V0, ik, iv, koff, voff, kstep, vstep,
+               VAL_LOAD: gl.constexpr, STAGES: gl.constexpr, PAGE: gl.constexpr, BLOCK_N: gl.constexpr):
+    """The tile at ``t0`` from the ring: the copies of the tile STAGES - 1 ahead issued into the buffer the last tile
+    freed, then this tile's code bytes read back (KEY_LOAD, ``VAL_LOAD``) once their copies are done."""
+    it = (t0 - start) // BLOCK_N
+    nxt = (it + STAGES - 1) % STAGES
+    _tile_copies(ksm.index(nxt), vsm.index(nxt), BT, b, stride_btb, t0 + (STAGES - 1) * BLOCK_N, end, K0, V0, ik,
+                 iv, koff, voff, kstep, vstep, PAGE, BLOCK_N)
+    async_copy.wait_group(STAGES - 1)
+    return ksm.index(it % STAGES).load(KEY_LOAD), vsm.index(it % STAGES).load(VAL_LOAD)
+
+
+@gluon.jit
+def _word_pointers(K0, V0, kvh, k0_s, k0_h, v0_s, v0_h, PAGE: gl.constexpr, BLOCK_N: gl.constexpr,
+                   VAL_WORDS: gl.constexpr):
+    """``PREFETCH`` 1: the code fields as int32 words and the words' offsets (:func:`_word_offsets`)."""
+    ikw, koffw, ivw, voffw = _word_offsets(kvh, k0_s, k0_h, v0_s, v0_h, PAGE, BLOCK_N, VAL_WORDS)
+    return K0.to(gl.pointer_type(gl.int32)), V0.to(gl.pointer_type(gl.int32)), ikw, koffw, ivw, voffw
+
+
+@gluon.jit
 def _scale_loads(BT, b, stride_btb, t0, end, K1, V1, ip, k1off, v1off, k1step, v1step, PAGE: gl.constexpr,
                  BLOCK_N: gl.constexpr):
     """The tile at ``t0``'s scale words as int64 token pairs (0 past ``end``), as :func:`_tile_loads`'."""
@@ -377,29 +411,20 @@ def fp4_e8m0_split_kernel(
     STAGES: gl.constexpr = PREFETCH + 1
     if PREFETCH >= 2:  # code bytes through a ring of PREFETCH + 1 shared buffers by cp.async, PREFETCH tiles
         # ahead; the scale words one tile ahead in registers
-        ksm = gl.allocate_shared_memory(gl.uint8, [STAGES, BLOCK_N, 64], RING)
-        vsm = gl.allocate_shared_memory(gl.uint8, [STAGES, BLOCK_N, 64], RING)
-        for i in gl.static_range(STAGES - 1):
-            _tile_copies(ksm.index(i), vsm.index(i), BT, b, stride_btb, start + i * BLOCK_N, end, K0, V0, ik, iv,
-                         koff, voff, kstep, vstep, PAGE, BLOCK_N)
+        ksm, vsm = _ring_start(BT, b, stride_btb, start, end, K0, V0, ik, iv, koff, voff, kstep, vstep, STAGES, PAGE,
+                               BLOCK_N)
         kw2, vw2 = _scale_loads(BT, b, stride_btb, start, end, K1, V1, ip, k1off, v1off, k1step, v1step, PAGE,
                                 BLOCK_N)
     elif PREFETCH:  # the first tile's words; each next tile's are read before this tile's arithmetic and carried
         # in registers as int32 words (carried as bytes they took a register each: 255 registers and spills)
-        K0w = K0.to(gl.pointer_type(gl.int32))
-        V0w = V0.to(gl.pointer_type(gl.int32))
-        ikw, koffw, ivw, voffw = _word_offsets(kvh, k0_s, k0_h, v0_s, v0_h, PAGE, BLOCK_N, VAL_WORDS)
+        K0w, V0w, ikw, koffw, ivw, voffw = _word_pointers(K0, V0, kvh, k0_s, k0_h, v0_s, v0_h, PAGE, BLOCK_N,
+                                                          VAL_WORDS)
         kww, vww, kw2, vw2 = _tile_loads(BT, b, stride_btb, start, end, K0w, K1, V0w, V1, ikw, ivw, ip, koffw, voffw,
                                          k1off, v1off, kstep // 4, vstep // 4, k1step, v1step, PAGE, BLOCK_N)
     for t0 in range(start, end, BLOCK_N):
         if PREFETCH >= 2:
-            it = (t0 - start) // BLOCK_N
-            nxt = (it + STAGES - 1) % STAGES
-            _tile_copies(ksm.index(nxt), vsm.index(nxt), BT, b, stride_btb, t0 + (STAGES - 1) * BLOCK_N, end, K0, V0,
-                         ik, iv, koff, voff, kstep, vstep, PAGE, BLOCK_N)
-            async_copy.wait_group(STAGES - 1)
-            kb_c = ksm.index(it % STAGES).load(KEY_LOAD)
-            vb_c = vsm.index(it % STAGES).load(VAL_LOAD)
+            kb_c, vb_c = _ring_step(ksm, vsm, BT, b, stride_btb, t0, start, end, K0, V0, ik, iv, koff, voff, kstep,
+                                    vstep, VAL_LOAD, STAGES, PAGE, BLOCK_N)
             kw2_c, vw2_c = kw2, vw2
             kw2, vw2 = _scale_loads(BT, b, stride_btb, t0 + BLOCK_N, end, K1, V1, ip, k1off, v1off, k1step, v1step,
                                     PAGE, BLOCK_N)
@@ -630,29 +655,20 @@ def fp4_e8m0_b16_split_kernel(
     low_rows = (rows < 8)[:, None]
     STAGES: gl.constexpr = PREFETCH + 1
     if PREFETCH >= 2:  # as fp4_e8m0_split_kernel's: cp.async PREFETCH tiles ahead, scale words one in registers
-        ksm = gl.allocate_shared_memory(gl.uint8, [STAGES, BLOCK_N, 64], RING)
-        vsm = gl.allocate_shared_memory(gl.uint8, [STAGES, BLOCK_N, 64], RING)
-        for i in gl.static_range(STAGES - 1):
-            _tile_copies(ksm.index(i), vsm.index(i), BT, b, stride_btb, start + i * BLOCK_N, end, K0, V0, ik, iv,
-                         koff, voff, kstep, vstep, PAGE, BLOCK_N)
+        ksm, vsm = _ring_start(BT, b, stride_btb, start, end, K0, V0, ik, iv, koff, voff, kstep, vstep, STAGES, PAGE,
+                               BLOCK_N)
         kwn, vwn = _b16_scale_loads(BT, b, stride_btb, start, end, K1, V1, tw, k1off, v1off, k1step, v1step, PAGE,
                                     BLOCK_N)
     elif PREFETCH:  # as fp4_e8m0_split_kernel's: the next tile's code words carried in registers
-        K0w = K0.to(gl.pointer_type(gl.int32))
-        V0w = V0.to(gl.pointer_type(gl.int32))
-        ikw, koffw, ivw, voffw = _word_offsets(kvh, k0_s, k0_h, v0_s, v0_h, PAGE, BLOCK_N, VAL_WORDS)
+        K0w, V0w, ikw, koffw, ivw, voffw = _word_pointers(K0, V0, kvh, k0_s, k0_h, v0_s, v0_h, PAGE, BLOCK_N,
+                                                          VAL_WORDS)
         kww, vww, kwn, vwn = _b16_tile_loads(BT, b, stride_btb, start, end, K0w, K1, V0w, V1, ikw, ivw, tw, koffw,
                                              voffw, k1off, v1off, kstep // 4, vstep // 4, k1step, v1step, PAGE,
                                              BLOCK_N)
     for t0 in range(start, end, BLOCK_N):
         if PREFETCH >= 2:
-            it = (t0 - start) // BLOCK_N
-            nxt = (it + STAGES - 1) % STAGES
-            _tile_copies(ksm.index(nxt), vsm.index(nxt), BT, b, stride_btb, t0 + (STAGES - 1) * BLOCK_N, end, K0, V0,
-                         ik, iv, koff, voff, kstep, vstep, PAGE, BLOCK_N)
-            async_copy.wait_group(STAGES - 1)
-            kb = ksm.index(it % STAGES).load(KEY_LOAD)
-            vb = vsm.index(it % STAGES).load(VAL_LOAD)
+            kb, vb = _ring_step(ksm, vsm, BT, b, stride_btb, t0, start, end, K0, V0, ik, iv, koff, voff, kstep, vstep,
+                                VAL_LOAD, STAGES, PAGE, BLOCK_N)
             kw, vw = kwn, vwn
             kwn, vwn = _b16_scale_loads(BT, b, stride_btb, t0 + BLOCK_N, end, K1, V1, tw, k1off, v1off, k1step,
                                         v1step, PAGE, BLOCK_N)
