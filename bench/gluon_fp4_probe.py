@@ -209,15 +209,23 @@ def _page_rows(i, base, p0, p1, p2, p3, step, PAGE: gl.constexpr):
 
 
 @gluon.jit
+def _code_loads(BT, b, stride_btb, t0, end, K0, V0, ik, iv, koff, voff, kstep, vstep, PAGE: gl.constexpr,
+                BLOCK_N: gl.constexpr):
+    """The tile at ``t0``'s key and value code bytes (or words, as the offsets and pointers are), unmasked."""
+    p0, p1, p2, p3 = _tile_pages(BT, b, stride_btb, t0, end, PAGE, BLOCK_N)
+    kb = gl.load(_page_rows(ik, K0, p0, p1, p2, p3, kstep, PAGE)[:, None] + koff)
+    vb = gl.load(_page_rows(iv, V0, p0, p1, p2, p3, vstep, PAGE)[:, None] + voff)
+    return kb, vb
+
+
+@gluon.jit
 def _tile_loads(BT, b, stride_btb, t0, end, K0, K1, V0, V1, ik, iv, ip, koff, voff, k1off, v1off, kstep, vstep,
                 k1step, v1step, PAGE: gl.constexpr, BLOCK_N: gl.constexpr):
     """The tile at ``t0``'s key and value code bytes and its scale words as int64 token pairs (0 past ``end``).
     The code bytes are read unmasked: a token past ``end`` reads a row of its page (page 0 past the table's end or
     for a tile wholly past it), finite E2M1 codes whose score the mask sets to -inf and whose value weight is 0 (its
     scale word is masked to 0, so no scale turns them into inf or NaN)."""
-    p0, p1, p2, p3 = _tile_pages(BT, b, stride_btb, t0, end, PAGE, BLOCK_N)
-    kb = gl.load(_page_rows(ik, K0, p0, p1, p2, p3, kstep, PAGE)[:, None] + koff)
-    vb = gl.load(_page_rows(iv, V0, p0, p1, p2, p3, vstep, PAGE)[:, None] + voff)
+    kb, vb = _code_loads(BT, b, stride_btb, t0, end, K0, V0, ik, iv, koff, voff, kstep, vstep, PAGE, BLOCK_N)
     kw2, vw2 = _scale_loads(BT, b, stride_btb, t0, end, K1, V1, ip, k1off, v1off, k1step, v1step, PAGE, BLOCK_N)
     return kb, vb, kw2, vw2
 
@@ -534,9 +542,7 @@ def _b16_tile_loads(BT, b, stride_btb, t0, end, K0, K1, V0, V1, ik, iv, tw, koff
                     k1step, v1step, PAGE: gl.constexpr, BLOCK_N: gl.constexpr):
     """:func:`_tile_loads` for blocks of 16: the code bytes (or words) and each token's int64 scale word
     [N / 2, 2] (0 past ``end``)."""
-    p0, p1, p2, p3 = _tile_pages(BT, b, stride_btb, t0, end, PAGE, BLOCK_N)
-    kb = gl.load(_page_rows(ik, K0, p0, p1, p2, p3, kstep, PAGE)[:, None] + koff)
-    vb = gl.load(_page_rows(iv, V0, p0, p1, p2, p3, vstep, PAGE)[:, None] + voff)
+    kb, vb = _code_loads(BT, b, stride_btb, t0, end, K0, V0, ik, iv, koff, voff, kstep, vstep, PAGE, BLOCK_N)
     kw, vw = _b16_scale_loads(BT, b, stride_btb, t0, end, K1, V1, tw, k1off, v1off, k1step, v1step, PAGE, BLOCK_N)
     return kb, vb, kw, vw
 
