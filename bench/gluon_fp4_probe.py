@@ -502,6 +502,8 @@ def fp4_e8m0_split_kernel(
             acc_lo = mma_v2(pv, vlo, acc_lo * alpha[:, None])
             acc_hi = mma_v2(pv, vhi, acc_hi * alpha[:, None])
 
+    if PREFETCH >= 2:  # the copies issued past the last tile, drained before the program ends
+        async_copy.wait_group(0)
     # row (blk, h) column n holds channel 2 byte + half for byte 8 (n % 8) + n // 8; keep the block's own
     safe_l = gl.where(l_i > 0, l_i, 1.0)
     den = safe_l
@@ -754,6 +756,8 @@ def fp4_e8m0_b16_split_kernel(
         acc_o_lo = mma_v2(pv_o, vlo_o, acc_o_lo)
         acc_o_hi = mma_v2(pv_o, vhi_o, acc_o_hi)
 
+    if PREFETCH >= 2:  # the copies issued past the last tile, drained before the program ends
+        async_copy.wait_group(0)
     safe_l = gl.where(l_i > 0, l_i, 1.0)
     vs = gl.load(VS + kvh)
     if NV:  # the accumulators hold sum p s v 2**-15

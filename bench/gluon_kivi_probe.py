@@ -425,6 +425,8 @@ def kivi_split_kernel(
         pv = _trivial((p * _value_rows(sv)).to(gl.bfloat16), OP_A)
         acc = mma_v2(pv, _value_operand(vb, BITS), acc)
 
+    if PREFETCH > 0:  # the copies issued past the last page, drained before the program ends
+        async_copy.wait_group(0)
     # column c holds channel 16 (c % 8) + c // 8 times 2**(BITS pos) 2**-133
     c = gl.arange(0, 128, layout=gl.SliceLayout(0, MMA))
     chv = 16 * (c % 8) + c // 8
