@@ -28,7 +28,8 @@ without one: ``--static`` (sm_90 builds: registers, tile-loop instructions) and 
 results/ANALYSIS.md 312, 314): on the H100 its int2 output was wrong (NaN on empty splits, mended since without a
 GPU; 103% off on full splits, cause not found); its code PTX and operand relabelling pass their CPU replays. The
 check now reports the merged lse's error beside the outputs' (a wrong score shows in both, a wrong value path only in
-the outputs) and runs COMPACT 0 (no key-row exchange) beside 1, which bisects it on the next GPU run (316).
+the outputs) and runs COMPACT 0 (no key-row exchange) beside 1; ``--bisect`` compares each variant with the Triton
+plan with one part of the arithmetic switched off at a time (:func:`bisect_rows`): the next GPU run (316, 317).
 """
 from __future__ import annotations
 
@@ -547,6 +548,47 @@ def oracle_check(variants, scheme: str = "int2_kivi", splits: int = 4, seed: int
     return rows
 
 
+def bisect_rows(variants, scheme: str = "int2_kivi", splits: int = 4) -> list[dict]:
+    """Where a variant's output goes wrong: the bench's cache (batch 4 x 1,024 tokens, head-major pages of 32) with
+    one part of the arithmetic switched off at a time by overwriting fields, each against the Triton plan on the same
+    cache (largest output difference relative to the plan's largest output, largest lse difference). Cases: as
+    written; value scales 0 (the output is the value zero term ``sum p z_v / l`` alone); value zeros 0 (the value
+    codes' products alone); key zeros 0 (the scores without ``q . z``); key scales 0 (scores ``q . z`` alone: the key
+    codes' products switched off); value codes 0 and key codes 0 (the codes' unpacking switched off)."""
+    import decode_bench as db
+    import torch
+
+    from kvqref.backends import triton_backend as tb
+
+    shape = (4, 32, 8, D, 1024)
+    dc, _, _ = db.make_cache(scheme, shape, PAGE, layout="HND")
+    q = torch.randn(shape[0], shape[1], D, device="cuda", generator=torch.Generator(device="cuda").manual_seed(1))
+    q = q.to(torch.bfloat16)
+    kc, ks, kz = dc.k.tiles().fields
+    vc, vs, vz = dc.v.tiles().fields
+    fields = {"key codes": kc, "key scales": ks, "key zeros": kz, "value codes": vc, "value scales": vs,
+              "value zeros": vz}
+    kept = {name: f.clone() for name, f in fields.items()}
+    cases = [("as written", ()), ("value scales 0", ("value scales",)), ("value zeros 0", ("value zeros",)),
+             ("key zeros 0", ("key zeros",)), ("key scales 0", ("key scales",)), ("value codes 0", ("value codes",)),
+             ("key codes 0", ("key codes",))]
+    rows = []
+    for label, zeroed in cases:
+        for name, f in fields.items():
+            f.copy_(kept[name])
+            if name in zeroed:
+                f.zero_()
+        want, want_lse = (x.clone() for x in tb.decode(q, dc)[:2])
+        for compact, nreg, pf in variants:
+            run = gluon_decode(q, dc, splits, maxnreg=nreg, compact=bool(compact), prefetch=pf)
+            got = run()
+            rows.append({"case": label, "kernel": f"gluon COMPACT {compact} MAXNREG {nreg} PREFETCH {pf}",
+                         "max_rel_diff": ((got - want).abs().max() / want.abs().max().clamp_min(1e-30)).item(),
+                         "max_lse_diff": (run.outputs.lse - want_lse).abs().max().item(),
+                         "finite": bool(torch.isfinite(got).all())})
+    return rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--scheme", default="int2_kivi", choices=("int2_kivi", "int4_kivi"))
@@ -557,6 +599,8 @@ def main(argv=None) -> int:
                          "MAXNREG 0: no register cap; PREFETCH k: the code bytes by cp.async k tiles ahead)")
     ap.add_argument("--out", help="JSON file for the results")
     ap.add_argument("--check", action="store_true", help="only the float64-oracle check of every variant")
+    ap.add_argument("--bisect", action="store_true",
+                    help="each variant against the Triton plan with one part of the arithmetic switched off at a time")
     ap.add_argument("--static", action="store_true", help="sm_90 builds: registers, shared memory, tile-loop "
                     "instructions (this machine's triton, no GPU)")
     ap.add_argument("--compile-only", action="store_true", help="AOT-compile for sm_90 and print the resources")
@@ -580,6 +624,10 @@ def main(argv=None) -> int:
         return 0
     if args.check:
         for r in oracle_check(variants, scheme=args.scheme):
+            print(json.dumps(r), flush=True)
+        return 0
+    if args.bisect:
+        for r in bisect_rows(variants, scheme=args.scheme):
             print(json.dumps(r), flush=True)
         return 0
     from gluon_fp4_probe import time_probe
