@@ -83,7 +83,8 @@ KEY_LOAD = gl.constexpr(gl.BlockedLayout([1, 16], [8, 4], [1, 1], [1, 0]))
 #: cp.async into shared memory: ``async_load`` since triton 3.7, ``async_copy_global_to_shared`` before (3.6, the
 #: device's)
 _async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
-#: ``PREFETCH`` 2's ring of shared code buffers [STAGES, N, 64], unswizzled (each thread reads back its own copies)
+#: the rings of shared code buffers ([STAGES, N, 64] here, the KIVI probe's keys too), unswizzled (each thread
+#: reads back its own copies)
 RING = gl.constexpr(gl.SwizzledSharedLayout(16, 1, 1, [1, 0]))
 
 
@@ -219,15 +220,15 @@ def _code_loads(BT, b, stride_btb, t0, end, K0, V0, ik, iv, koff, voff, kstep, v
 
 
 @gluon.jit
-def _tile_loads(BT, b, stride_btb, t0, end, K0, K1, V0, V1, ik, iv, ip, koff, voff, k1off, v1off, kstep, vstep,
+def _tile_loads(BT, b, stride_btb, t0, end, K0, K1, V0, V1, ik, iv, tpos, koff, voff, k1off, v1off, kstep, vstep,
                 k1step, v1step, PAGE: gl.constexpr, BLOCK_N: gl.constexpr):
-    """The tile at ``t0``'s key and value code bytes and its scale words as int64 token pairs (0 past ``end``).
+    """The tile at ``t0``'s key and value code bytes (or words) and its scale words (:func:`_scale_loads`).
     The code bytes are read unmasked: a token past ``end`` reads a row of its page (page 0 past the table's end or
     for a tile wholly past it), finite E2M1 codes whose score the mask sets to -inf and whose value weight is 0 (its
     scale word is masked to 0, so no scale turns them into inf or NaN)."""
     kb, vb = _code_loads(BT, b, stride_btb, t0, end, K0, V0, ik, iv, koff, voff, kstep, vstep, PAGE, BLOCK_N)
-    kw2, vw2 = _scale_loads(BT, b, stride_btb, t0, end, K1, V1, ip, k1off, v1off, k1step, v1step, PAGE, BLOCK_N)
-    return kb, vb, kw2, vw2
+    kw, vw = _scale_loads(BT, b, stride_btb, t0, end, K1, V1, tpos, k1off, v1off, k1step, v1step, PAGE, BLOCK_N)
+    return kb, vb, kw, vw
 
 
 @gluon.jit
@@ -273,22 +274,25 @@ def _ring_step(ksm, vsm, BT, b, stride_btb, t0, start, end, K0, V0, ik, iv, koff
 
 
 @gluon.jit
-def _word_pointers(K0, V0, kvh, k0_s, k0_h, v0_s, v0_h, PAGE: gl.constexpr, BLOCK_N: gl.constexpr,
+def _word_pointers(K0, V0, kvh, k0_s, k0_h, v0_s, v0_h, kstep, vstep, PAGE: gl.constexpr, BLOCK_N: gl.constexpr,
                    VAL_WORDS: gl.constexpr):
-    """``PREFETCH`` 1: the code fields as int32 words and the words' offsets (:func:`_word_offsets`)."""
+    """``PREFETCH`` 1: the code fields as int32 words, the words' offsets (:func:`_word_offsets`) and the page
+    steps in words."""
     ikw, koffw, ivw, voffw = _word_offsets(kvh, k0_s, k0_h, v0_s, v0_h, PAGE, BLOCK_N, VAL_WORDS)
-    return K0.to(gl.pointer_type(gl.int32)), V0.to(gl.pointer_type(gl.int32)), ikw, koffw, ivw, voffw
+    return (K0.to(gl.pointer_type(gl.int32)), V0.to(gl.pointer_type(gl.int32)), ikw, koffw, ivw, voffw, kstep // 4,
+            vstep // 4)
 
 
 @gluon.jit
-def _scale_loads(BT, b, stride_btb, t0, end, K1, V1, ip, k1off, v1off, k1step, v1step, PAGE: gl.constexpr,
+def _scale_loads(BT, b, stride_btb, t0, end, K1, V1, tpos, k1off, v1off, k1step, v1step, PAGE: gl.constexpr,
                  BLOCK_N: gl.constexpr):
-    """The tile at ``t0``'s scale words as int64 token pairs (0 past ``end``), as :func:`_tile_loads`'."""
+    """The tile at ``t0``'s int64 scale words, ``tpos`` the token of each word in the tile (the first of a token pair
+    for E8M0 blocks of 32, the token itself for blocks of 16), 0 past ``end``."""
     p0, p1, p2, p3 = _tile_pages(BT, b, stride_btb, t0, end, PAGE, BLOCK_N)
-    mp = (t0 + 2 * ip) < end
-    kw2 = gl.load(_page_rows(2 * ip, K1, p0, p1, p2, p3, k1step, PAGE) + k1off, mask=mp, other=0)
-    vw2 = gl.load(_page_rows(2 * ip, V1, p0, p1, p2, p3, v1step, PAGE) + v1off, mask=mp, other=0)
-    return kw2, vw2
+    m = (t0 + tpos) < end
+    kw = gl.load(_page_rows(tpos, K1, p0, p1, p2, p3, k1step, PAGE) + k1off, mask=m, other=0)
+    vw = gl.load(_page_rows(tpos, V1, p0, p1, p2, p3, v1step, PAGE) + v1off, mask=m, other=0)
+    return kw, vw
 
 
 @gluon.jit
@@ -410,6 +414,7 @@ def fp4_e8m0_split_kernel(
     # scale words read two tokens at a time (the int64 fields K1, V1: tokens 2 i and 2 i + 1 of a page), in the
     # layout whose join gives the score columns' (PAIRS_N)
     ip = gl.arange(0, BLOCK_N // 2, layout=PAIRS_N)
+    tp = 2 * ip  # the first token of each pair
     k1off = (ip % (PAGE // 2)) * k1_s + kvh * k1_h
     v1off = (ip % (PAGE // 2)) * v1_s + kvh * v1_h
     kstep = PAGE_SLOTS * k0_s
@@ -421,30 +426,30 @@ def fp4_e8m0_split_kernel(
         # ahead; the scale words one tile ahead in registers
         ksm, vsm = _ring_start(BT, b, stride_btb, start, end, K0, V0, ik, iv, koff, voff, kstep, vstep, STAGES, PAGE,
                                BLOCK_N)
-        kw2, vw2 = _scale_loads(BT, b, stride_btb, start, end, K1, V1, ip, k1off, v1off, k1step, v1step, PAGE,
+        kw2, vw2 = _scale_loads(BT, b, stride_btb, start, end, K1, V1, tp, k1off, v1off, k1step, v1step, PAGE,
                                 BLOCK_N)
     elif PREFETCH:  # the first tile's words; each next tile's are read before this tile's arithmetic and carried
         # in registers as int32 words (carried as bytes they took a register each: 255 registers and spills)
-        K0w, V0w, ikw, koffw, ivw, voffw = _word_pointers(K0, V0, kvh, k0_s, k0_h, v0_s, v0_h, PAGE, BLOCK_N,
-                                                          VAL_WORDS)
-        kww, vww, kw2, vw2 = _tile_loads(BT, b, stride_btb, start, end, K0w, K1, V0w, V1, ikw, ivw, ip, koffw, voffw,
-                                         k1off, v1off, kstep // 4, vstep // 4, k1step, v1step, PAGE, BLOCK_N)
+        K0w, V0w, ikw, koffw, ivw, voffw, kstepw, vstepw = _word_pointers(K0, V0, kvh, k0_s, k0_h, v0_s, v0_h, kstep,
+                                                                          vstep, PAGE, BLOCK_N, VAL_WORDS)
+        kww, vww, kw2, vw2 = _tile_loads(BT, b, stride_btb, start, end, K0w, K1, V0w, V1, ikw, ivw, tp, koffw, voffw,
+                                         k1off, v1off, kstepw, vstepw, k1step, v1step, PAGE, BLOCK_N)
     for t0 in range(start, end, BLOCK_N):
         if PREFETCH >= 2:
             kb_c, vb_c = _ring_step(ksm, vsm, BT, b, stride_btb, t0, start, end, K0, V0, ik, iv, koff, voff, kstep,
                                     vstep, VAL_LOAD, STAGES, PAGE, BLOCK_N)
             kw2_c, vw2_c = kw2, vw2
-            kw2, vw2 = _scale_loads(BT, b, stride_btb, t0 + BLOCK_N, end, K1, V1, ip, k1off, v1off, k1step, v1step,
+            kw2, vw2 = _scale_loads(BT, b, stride_btb, t0 + BLOCK_N, end, K1, V1, tp, k1off, v1off, k1step, v1step,
                                     PAGE, BLOCK_N)
         elif PREFETCH:
             kb_c = _word_bytes(kww, KEY_LOAD)
             vb_c = _word_bytes(vww, VAL_LOAD)
             kw2_c, vw2_c = kw2, vw2
-            kww, vww, kw2, vw2 = _tile_loads(BT, b, stride_btb, t0 + BLOCK_N, end, K0w, K1, V0w, V1, ikw, ivw, ip,
-                                             koffw, voffw, k1off, v1off, kstep // 4, vstep // 4, k1step, v1step, PAGE,
+            kww, vww, kw2, vw2 = _tile_loads(BT, b, stride_btb, t0 + BLOCK_N, end, K0w, K1, V0w, V1, ikw, ivw, tp,
+                                             koffw, voffw, k1off, v1off, kstepw, vstepw, k1step, v1step, PAGE,
                                              BLOCK_N)
         else:
-            kb_c, vb_c, kw2_c, vw2_c = _tile_loads(BT, b, stride_btb, t0, end, K0, K1, V0, V1, ik, iv, ip, koff,
+            kb_c, vb_c, kw2_c, vw2_c = _tile_loads(BT, b, stride_btb, t0, end, K0, K1, V0, V1, ik, iv, tp, koff,
                                                    voff, k1off, v1off, kstep, vstep, k1step, v1step, PAGE, BLOCK_N)
         ms = (t0 + isc) < end
         kw = _pair_words(kw2_c, ms, BLOCK_N)
@@ -537,27 +542,6 @@ def word_pairs_layout(block_n: int) -> gl.DistributedLinearLayout:
     regs = [[0, 1]] + [[4 << i, 0] for i in range((block_n // 8).bit_length() - 1)]
     return gl.DistributedLinearLayout(reg_bases=regs, lane_bases=[[1, 0], [2, 0], [0, 0], [0, 0], [0, 0]],
                                       warp_bases=[], block_bases=[], shape=[block_n // 2, 2])
-
-
-@gluon.jit
-def _b16_tile_loads(BT, b, stride_btb, t0, end, K0, K1, V0, V1, ik, iv, tw, koff, voff, k1off, v1off, kstep, vstep,
-                    k1step, v1step, PAGE: gl.constexpr, BLOCK_N: gl.constexpr):
-    """:func:`_tile_loads` for blocks of 16: the code bytes (or words) and each token's int64 scale word
-    [N / 2, 2] (0 past ``end``)."""
-    kb, vb = _code_loads(BT, b, stride_btb, t0, end, K0, V0, ik, iv, koff, voff, kstep, vstep, PAGE, BLOCK_N)
-    kw, vw = _b16_scale_loads(BT, b, stride_btb, t0, end, K1, V1, tw, k1off, v1off, k1step, v1step, PAGE, BLOCK_N)
-    return kb, vb, kw, vw
-
-
-@gluon.jit
-def _b16_scale_loads(BT, b, stride_btb, t0, end, K1, V1, tw, k1off, v1off, k1step, v1step, PAGE: gl.constexpr,
-                     BLOCK_N: gl.constexpr):
-    """:func:`_b16_tile_loads`' scale words alone."""
-    p0, p1, p2, p3 = _tile_pages(BT, b, stride_btb, t0, end, PAGE, BLOCK_N)
-    mw = (t0 + tw) < end
-    kw = gl.load(_page_rows(tw, K1, p0, p1, p2, p3, k1step, PAGE) + k1off, mask=mw, other=0)
-    vw = gl.load(_page_rows(tw, V1, p0, p1, p2, p3, v1step, PAGE) + v1off, mask=mw, other=0)
-    return kw, vw
 
 
 @gluon.jit
@@ -665,30 +649,30 @@ def fp4_e8m0_b16_split_kernel(
     if PREFETCH >= 2:  # as fp4_e8m0_split_kernel's: cp.async PREFETCH tiles ahead, scale words one in registers
         ksm, vsm = _ring_start(BT, b, stride_btb, start, end, K0, V0, ik, iv, koff, voff, kstep, vstep, STAGES, PAGE,
                                BLOCK_N)
-        kwn, vwn = _b16_scale_loads(BT, b, stride_btb, start, end, K1, V1, tw, k1off, v1off, k1step, v1step, PAGE,
+        kwn, vwn = _scale_loads(BT, b, stride_btb, start, end, K1, V1, tw, k1off, v1off, k1step, v1step, PAGE,
                                     BLOCK_N)
     elif PREFETCH:  # as fp4_e8m0_split_kernel's: the next tile's code words carried in registers
-        K0w, V0w, ikw, koffw, ivw, voffw = _word_pointers(K0, V0, kvh, k0_s, k0_h, v0_s, v0_h, PAGE, BLOCK_N,
-                                                          VAL_WORDS)
-        kww, vww, kwn, vwn = _b16_tile_loads(BT, b, stride_btb, start, end, K0w, K1, V0w, V1, ikw, ivw, tw, koffw,
-                                             voffw, k1off, v1off, kstep // 4, vstep // 4, k1step, v1step, PAGE,
+        K0w, V0w, ikw, koffw, ivw, voffw, kstepw, vstepw = _word_pointers(K0, V0, kvh, k0_s, k0_h, v0_s, v0_h, kstep,
+                                                                          vstep, PAGE, BLOCK_N, VAL_WORDS)
+        kww, vww, kwn, vwn = _tile_loads(BT, b, stride_btb, start, end, K0w, K1, V0w, V1, ikw, ivw, tw, koffw,
+                                             voffw, k1off, v1off, kstepw, vstepw, k1step, v1step, PAGE,
                                              BLOCK_N)
     for t0 in range(start, end, BLOCK_N):
         if PREFETCH >= 2:
             kb, vb = _ring_step(ksm, vsm, BT, b, stride_btb, t0, start, end, K0, V0, ik, iv, koff, voff, kstep, vstep,
                                 VAL_LOAD, STAGES, PAGE, BLOCK_N)
             kw, vw = kwn, vwn
-            kwn, vwn = _b16_scale_loads(BT, b, stride_btb, t0 + BLOCK_N, end, K1, V1, tw, k1off, v1off, k1step,
+            kwn, vwn = _scale_loads(BT, b, stride_btb, t0 + BLOCK_N, end, K1, V1, tw, k1off, v1off, k1step,
                                         v1step, PAGE, BLOCK_N)
         elif PREFETCH:
             kb = _word_bytes(kww, KEY_LOAD)
             vb = _word_bytes(vww, VAL_LOAD)
             kw, vw = kwn, vwn
-            kww, vww, kwn, vwn = _b16_tile_loads(BT, b, stride_btb, t0 + BLOCK_N, end, K0w, K1, V0w, V1, ikw, ivw,
-                                                 tw, koffw, voffw, k1off, v1off, kstep // 4, vstep // 4, k1step,
+            kww, vww, kwn, vwn = _tile_loads(BT, b, stride_btb, t0 + BLOCK_N, end, K0w, K1, V0w, V1, ikw, ivw,
+                                                 tw, koffw, voffw, k1off, v1off, kstepw, vstepw, k1step,
                                                  v1step, PAGE, BLOCK_N)
         else:
-            kb, vb, kw, vw = _b16_tile_loads(BT, b, stride_btb, t0, end, K0, K1, V0, V1, ik, iv, tw, koff, voff,
+            kb, vb, kw, vw = _tile_loads(BT, b, stride_btb, t0, end, K0, K1, V0, V1, ik, iv, tw, koff, voff,
                                              k1off, v1off, kstep, vstep, k1step, v1step, PAGE, BLOCK_N)
         kw = _trivial(gl.reshape(kw, (BLOCK_N,)), gl.SliceLayout(0, MMA))
         vw = _trivial(gl.reshape(vw, (BLOCK_N,)), gl.SliceLayout(0, MMA))

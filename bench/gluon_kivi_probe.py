@@ -49,6 +49,7 @@ from gluon_fp4_probe import (  # noqa: E402
     MMA,
     OP_A,
     OP_B,
+    RING,
     _async_load,
     _pow2,
     _program_tokens,
@@ -296,10 +297,14 @@ def _value_rows(x):
 
 
 @gluon.jit
-def _page_copies(kdst, vdst, bt, t0, end, KC, VC, kc_p, vc_p, koff, voff, N: gl.constexpr):
-    """The page at ``t0``'s key and value code bytes copied by ``cp.async`` into ``kdst``, ``vdst`` (page 0 past
-    ``end``: rows whose scores the mask drops)."""
-    pg = gl.load(bt + t0 // N, mask=t0 < end, other=0).to(gl.int64)
+def _page_id(bt, t0, end, N: gl.constexpr):
+    """The page of the tile at ``t0`` (int64; page 0 past ``end``: rows whose scores the mask drops)."""
+    return gl.load(bt + t0 // N, mask=t0 < end, other=0).to(gl.int64)
+
+
+@gluon.jit
+def _page_copies(kdst, vdst, pg, KC, VC, kc_p, vc_p, koff, voff):
+    """Page ``pg``'s key and value code bytes copied by ``cp.async`` into ``kdst``, ``vdst``."""
     DB: gl.constexpr = koff.shape[1]  # code bytes per token: DB / 4 per thread of a key row, DB / 8 of a value row
     # contiguous and aligned (stated: triton >= 3.7 does not find it by itself and refuses the copy)
     _async_load(kdst, gl.max_contiguous(gl.multiple_of(KC + pg * kc_p + koff, [1, DB // 4]), [1, DB // 4]))
@@ -308,16 +313,14 @@ def _page_copies(kdst, vdst, bt, t0, end, KC, VC, kc_p, vc_p, koff, voff, N: gl.
 
 
 @gluon.jit
-def _page_scales(bt, t0, end, KS, KZ, VS, VZ, ks_p, vs_p, choff, woff, N: gl.constexpr):
-    """The page at ``t0``'s key scales and zeros (per channel) and value scales and zeros (per token and group);
-    page 0's past ``end``."""
-    pg = gl.load(bt + t0 // N, mask=t0 < end, other=0).to(gl.int64)
+def _page_scales(pg, KS, KZ, VS, VZ, ks_p, vs_p, choff, woff):
+    """Page ``pg``'s key scales and zeros (per channel) and value scales and zeros (per token and group)."""
     return (gl.load(KS + pg * ks_p + choff), gl.load(KZ + pg * ks_p + choff), gl.load(VS + pg * vs_p + woff),
             gl.load(VZ + pg * vs_p + woff))
 
 
-#: ``PREFETCH``'s rings of shared code buffers, unswizzled (each thread reads back its own copies)
-KRING = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+#: ``PREFETCH``'s ring of shared value code buffers [STAGES, 16, 2, DB], unswizzled as the key ring's (the FP4
+#: probe's ``RING``)
 VRING = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
 VROWS = gl.constexpr(value_rows_layout())
 QC = gl.constexpr(q_compact_layout())
@@ -372,27 +375,29 @@ def kivi_split_kernel(
     STAGES: gl.constexpr = PREFETCH + 1
     if PREFETCH > 0:  # code bytes by cp.async PREFETCH tiles ahead into a ring of shared buffers (each thread its
         # own bytes), the scales and zeros one tile ahead in registers
-        ksm = gl.allocate_shared_memory(gl.uint8, [STAGES, N, DB], KRING)
+        ksm = gl.allocate_shared_memory(gl.uint8, [STAGES, N, DB], RING)
         vsm = gl.allocate_shared_memory(gl.uint8, [STAGES, 16, 2, DB], VRING)
         for i in gl.static_range(STAGES - 1):
-            _page_copies(ksm.index(i), vsm.index(i), bt, start + i * N, end, KC, VC, kc_p, vc_p, koff, voff, N)
-        sk_n, zk_n, sv_n, zv_n = _page_scales(bt, start, end, KS, KZ, VS, VZ, ks_p, vs_p, choff, woff, N)
+            _page_copies(ksm.index(i), vsm.index(i), _page_id(bt, start + i * N, end, N), KC, VC, kc_p, vc_p, koff,
+                         voff)
+        sk_n, zk_n, sv_n, zv_n = _page_scales(_page_id(bt, start, end, N), KS, KZ, VS, VZ, ks_p, vs_p, choff, woff)
     for t0 in range(start, end, N):
         if PREFETCH > 0:
             it = (t0 - start) // N
             nxt = (it + STAGES - 1) % STAGES
-            _page_copies(ksm.index(nxt), vsm.index(nxt), bt, t0 + (STAGES - 1) * N, end, KC, VC, kc_p, vc_p, koff,
-                         voff, N)
+            _page_copies(ksm.index(nxt), vsm.index(nxt), _page_id(bt, t0 + (STAGES - 1) * N, end, N), KC, VC, kc_p,
+                         vc_p, koff, voff)
             async_copy.wait_group(STAGES - 1)
             kb = ksm.index(it % STAGES).load(KEY_LOAD)
             vb = vsm.index(it % STAGES).load(VAL_LOAD)
             sk, zk, sv, zv = sk_n, zk_n, sv_n, zv_n
-            sk_n, zk_n, sv_n, zv_n = _page_scales(bt, t0 + N, end, KS, KZ, VS, VZ, ks_p, vs_p, choff, woff, N)
+            sk_n, zk_n, sv_n, zv_n = _page_scales(_page_id(bt, t0 + N, end, N), KS, KZ, VS, VZ, ks_p, vs_p, choff,
+                                                  woff)
         else:
             pg = gl.load(bt + t0 // N).to(gl.int64)
             kb = gl.load(KC + pg * kc_p + koff)
             vb = gl.load(VC + pg * vc_p + voff)
-            sk, zk, sv, zv = _page_scales(bt, t0, end, KS, KZ, VS, VZ, ks_p, vs_p, choff, woff, N)
+            sk, zk, sv, zv = _page_scales(pg, KS, KZ, VS, VZ, ks_p, vs_p, choff, woff)
 
         # key rows: q s 2**E rounded once to float16 (E per head puts the largest in [2**14, 2**15)), then times
         # 2**(-BITS pos) in float16 (a second rounding below float16's normals, as the Triton kernel's subnormal
